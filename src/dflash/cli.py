@@ -1,0 +1,149 @@
+"""The `dflash` command: generate, data, train, bench, serve.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; this file only
+wires them up. User mistakes (UserError) print one line and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from .errors import UserError
+
+SUBCOMMANDS = {
+    "generate": ("dflash.cli", "speculative generation of one prompt"),
+    "data": ("dflash.data", "build a prompt mix and regenerate responses with the target"),
+    "train": ("dflash.trainer", "train a DFlash (or EAGLE-3) drafter"),
+    "bench": ("dflash.bench", "benchmark methods side by side (tau, speedup, tokens/s)"),
+    "serve": ("dflash.server", "OpenAI-compatible HTTP server"),
+}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own exit code is already 2; keep it to one line
+        self.exit(2, f"dflash: error: {message}\n")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, with_method: bool = True) -> None:
+    """Arguments shared by every command that loads a target (and maybe a drafter)."""
+    from .hub import DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder, .gguf file or hub id")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped drafter for the target)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (<= the drafter's)")
+    if with_method:
+        p.add_argument("--method", default="dflash", choices=["dflash", "ar", "ngram", "eagle3"])
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# ---- generate -------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding and print the speedup")
+    p.add_argument("prompt", help="the prompt text")
+
+
+def run(args) -> int:
+    from .engine import GenerationConfig, SpeculativeDecoder
+    from .loading import build_proposer, load_target_cached
+    from .sampling import SamplingConfig
+
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
+    config.validate()
+    target = load_target_cached(args.target, args.dtype, args.device)
+    proposer, note = build_proposer(args.method, target, args.drafter, args.block_size)
+    if note:
+        print(f"[dflash] {note}", file=sys.stderr)
+    prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
+    decoder = SpeculativeDecoder(target, proposer)
+    decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=4, sampling=sampling))  # warm-up
+    result = decoder.generate(prompt_ids, config)
+    ar_result = None
+    if args.compare_ar and args.method != "ar":
+        ar_result = SpeculativeDecoder(target).generate(prompt_ids, config)
+    stats = result.stats
+    if args.json:
+        payload = {
+            "text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+            "method": args.method, "tau": stats.tau, "tokens_per_s": stats.tokens_per_s,
+            "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
+            "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s, "tpot_ms": stats.tpot_ms,
+        }
+        if ar_result is not None:
+            payload["ar_tokens_per_s"] = ar_result.stats.tokens_per_s
+            payload["speedup"] = stats.tokens_per_s / ar_result.stats.tokens_per_s
+        print(json.dumps(payload))
+        return 0
+    print(result.text)
+    line = (
+        f"[{args.method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds, "
+        f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms"
+    )
+    if ar_result is not None:
+        same = "identical" if ar_result.tokens == result.tokens else "DIFFERENT"
+        line += (f" | ar {ar_result.stats.tokens_per_s:.1f} tok/s -> speedup "
+                 f"{stats.tokens_per_s / ar_result.stats.tokens_per_s:.2f}x (outputs {same})")
+    print(line, file=sys.stderr)
+    return 0
+
+
+# ---- entry point ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="dflash", description="Lossless block-diffusion speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("dflash"):
+                continue  # a subcommand whose module is not part of this build
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except UserError as exc:
+        print(f"dflash: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dflash: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

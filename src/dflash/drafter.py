@@ -1,0 +1,336 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a block of masked tokens in one pass.
+
+Target features (outputs of chosen target layers) are fused once per call, ctx = RMSNorm(fc([h_1; ...; h_n])), and
+injected as extra keys/values in EVERY layer: K_ctx = k_norm(k_proj(ctx)), V_ctx = v_proj(ctx), placed before the
+block's own K/V. Queries come only from block tokens, so context never enters the residual stream. Inside the block
+attention is bidirectional. Token embedding and LM head are the target's (frozen, not stored here).
+
+The module and weight names follow the public checkpoint format (DFLASH_SPEC.md section 6) so that
+`state_dict()` is exactly what vLLM / SGLang load.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import UserError
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Feature layers spread uniformly over [1, L-3]: round(1 + i*(L-4)/(n-1)); one feature -> [L//2]."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_features - 1))) for i in range(num_features)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    extra: dict = field(default_factory=dict)  # unknown keys of a loaded config.json, written back unchanged
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config,
+        vocab_size: int,
+        mask_token_id: int,
+        num_layers: int = 3,
+        block_size: int = 16,
+        num_features: int = 5,
+        target_layer_ids: list[int] | None = None,
+    ) -> "DFlashConfig":
+        """A drafter shaped like the target (same width, heads and RoPE) with `num_layers` layers."""
+        n_target = target_config.num_hidden_layers
+        heads = target_config.num_attention_heads
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        return cls(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            vocab_size=vocab_size,
+            num_target_layers=n_target,
+            target_layer_ids=list(target_layer_ids or default_target_layer_ids(n_target, min(num_features, n_target))),
+            mask_token_id=mask_token_id,
+            block_size=block_size,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
+        )
+
+    # ---- public format (a Qwen3 config.json plus the DFlash keys) ----------------------------------------------
+    def to_hf_dict(self) -> dict:
+        d = dict(self.extra)
+        d.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            layer_types=["full_attention"] * self.num_hidden_layers,
+            sliding_window=None,
+            use_sliding_window=False,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        )
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DFlashConfig":
+        try:
+            dflash = d["dflash_config"]
+            known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+            values = {k: d[k] for k in known if k in d}
+            values["mask_token_id"] = dflash["mask_token_id"]
+            values["target_layer_ids"] = list(dflash["target_layer_ids"])
+            if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
+                values["rope_theta"] = d["rope_parameters"].get("rope_theta", 10000.0)
+            values.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
+            values.setdefault("num_target_layers", max(values["target_layer_ids"]) + 1)
+            extra = {k: v for k, v in d.items() if k not in known and k != "dflash_config"}
+            return cls(**values, extra=extra)
+        except (KeyError, TypeError) as exc:
+            raise UserError(f"drafter config.json is not a DFlash config (missing or bad {exc})") from exc
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [batch, 1, seq, head_dim] for absolute `positions` [batch, seq]."""
+        angles = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((angles, angles), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = cos_sin
+    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
+
+    def context_kv(self, ctx: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the fused target features, with this layer's own projections (the KV injection)."""
+        k = apply_rotary(self.k_norm(self._split(self.k_proj(ctx), self.kv_heads)), rope)
+        return k, self._split(self.v_proj(ctx), self.kv_heads)
+
+    def forward(self, x, rope_block, ctx_k, ctx_v, mask) -> torch.Tensor:
+        q = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.heads)), rope_block)
+        k = apply_rotary(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), rope_block)
+        v = self._split(self.v_proj(x), self.kv_heads)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope_block, ctx_k, ctx_v, mask):
+        x = x + self.self_attn(self.input_layernorm(x), rope_block, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DrafterCache:
+    """Per-layer K/V of the context features seen so far. Only committed tokens enter the context, so this cache
+    never needs a rollback; block K/V are recomputed each call and discarded."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        n_features = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context_features: torch.Tensor,
+        context_positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: DrafterCache | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [batch, block_len, hidden] of the block tokens.
+
+        block_embeds: target embeddings of the block tokens; context_features: raw concatenated target layer outputs
+        [batch, ctx_len, n*hidden] (only the NEW ones when a cache is given). mask: boolean [batch or 1, 1, block_len,
+        ctx_len_total + block_len], True = may attend; None = attend to everything (inference: the context holds only
+        positions before the block).
+        """
+        ctx = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+        rope_ctx = self.rotary(context_positions)
+        rope_block = self.rotary(block_positions)
+        x = block_embeds.to(self.fc.weight.dtype)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
+            if cache is not None:
+                ctx_k, ctx_v = cache.extend(i, ctx_k, ctx_v)
+            x = layer(x, rope_block, ctx_k, ctx_v, mask)
+        if cache is not None:
+            cache.length += context_features.shape[1]
+        return self.norm(x)
+
+    # ---- checkpoint ---------------------------------------------------------------------------------------------
+    def save(self, folder: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "DFlashDrafter":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+            raise UserError(f"{folder} is not a drafter folder (needs config.json and model.safetensors)")
+        try:
+            cfg = DFlashConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+        drafter = cls(cfg)
+        try:
+            state = load_file(str(folder / "model.safetensors"))
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{folder / 'model.safetensors'} is unreadable or corrupt: {exc}") from exc
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise UserError(f"drafter weights do not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        return drafter.to(device=device, dtype=dtype).eval()
+
+    def check_fits(self, target) -> None:
+        """Raise a UserError naming the first way this drafter does not fit `target`."""
+        cfg = self.config
+        if cfg.hidden_size != target.hidden_size:
+            raise UserError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}")
+        if cfg.vocab_size != target.vocab_size:
+            raise UserError(f"drafter vocab size {cfg.vocab_size} != target vocab size {target.vocab_size}")
+        bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise UserError(f"drafter feature layers {bad} are out of range for a {target.num_layers}-layer target")
+        if not 0 <= cfg.mask_token_id < target.vocab_size:
+            raise UserError(f"drafter mask token id {cfg.mask_token_id} is outside the target vocab ({target.vocab_size})")
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """An existing token to use as MASK: the tokenizer's mask token, else an unused special token."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    taken = {getattr(tokenizer, a, None) for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    specials = sorted(set(getattr(tokenizer, "all_special_ids", []) or []) - taken)
+    specials = [i for i in specials if i < vocab_size]
+    return specials[-1] if specials else vocab_size - 1

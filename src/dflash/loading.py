@@ -1,0 +1,75 @@
+"""From user-facing names to ready objects: targets (incl. tiny random ones) and proposers by method name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
+from .errors import UserError
+from .proposers import DFlashProposer, NgramProposer, Proposer
+from .target import TargetModel, load_target
+
+SHIPPED_DRAFTERS = Path(__file__).parent / "drafters"
+METHODS = ("ar", "ngram", "dflash", "eagle3")
+
+
+def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu") -> TargetModel:
+    """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` give tiny random targets; anything else goes to load_target."""
+    if spec.startswith("tiny-"):
+        from .testing import tiny_target
+
+        arch = spec.removeprefix("tiny-")
+        if arch not in ("llama", "qwen3", "gemma3"):
+            raise UserError(f"unknown tiny target {spec!r}; use tiny-llama, tiny-qwen3 or tiny-gemma3")
+        return tiny_target(arch, logit_scale=4.0)
+    return load_target(spec, dtype, device)
+
+
+def shipped_drafter_dir(target: TargetModel, method: str = "dflash") -> Path | None:
+    folder = SHIPPED_DRAFTERS / f"{target.name}-{method}"
+    return folder if (folder / "config.json").is_file() else None
+
+
+def untrained_drafter(target: TargetModel, num_layers: int = 3, block_size: int = 16) -> DFlashDrafter:
+    cfg = DFlashConfig.for_target(
+        target.config, target.vocab_size, default_mask_token_id(target.tokenizer, target.vocab_size),
+        num_layers=num_layers, block_size=block_size,
+    )
+    torch.manual_seed(0)
+    return DFlashDrafter(cfg).to(target.device)
+
+
+def load_drafter(path: str | Path | None, target: TargetModel) -> tuple[DFlashDrafter, str | None]:
+    """The drafter at `path`, else the shipped one for this target, else an untrained one (with a note saying so)."""
+    note = None
+    if path is None:
+        path = shipped_drafter_dir(target)
+        if path is None:
+            note = f"no trained drafter ships for {target.name}: using an UNTRAINED drafter (expect tau ~1, no speedup)"
+            return untrained_drafter(target), note
+    elif not Path(path).exists():
+        raise UserError(f"drafter folder not found: {path}")
+    drafter = DFlashDrafter.load(path, dtype=torch.float32, device=str(target.device))
+    drafter.check_fits(target)
+    return drafter, note
+
+
+def build_proposer(
+    method: str, target: TargetModel, drafter_path: str | None = None, block_size: int | None = None
+) -> tuple[Proposer, str | None]:
+    if method == "ar":
+        return Proposer(), None
+    if method == "ngram":
+        return NgramProposer(max_draft=(block_size or 8) - 1), None
+    if method == "dflash":
+        drafter, note = load_drafter(drafter_path, target)
+        return DFlashProposer(drafter, target, block_size), note
+    if method == "eagle3":
+        try:
+            from .eagle3 import build_eagle3_proposer
+        except ModuleNotFoundError as exc:
+            raise UserError("the eagle3 method is not available in this build") from exc
+        return build_eagle3_proposer(target, drafter_path)
+    raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
