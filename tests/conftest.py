@@ -1,0 +1,42 @@
+import os
+
+import pytest
+import torch
+
+from dflash.proposers import Proposer
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+ARCHS = ("llama", "qwen3", "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_targets():
+    from dflash.testing import tiny_target
+
+    return {arch: tiny_target(arch, logit_scale=4.0) for arch in ARCHS}
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own (known) continuation: every draft is accepted."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], prompt_len: int, max_draft: int):
+        self.reference, self.prompt_len, self.max_draft = reference, prompt_len, max_draft
+
+    def propose(self, sequence):
+        done = len(sequence) - self.prompt_len
+        return self.reference[done : done + self.max_draft]
+
+
+class RandomProposer(Proposer):
+    """Uniformly random drafts: almost everything is rejected, at random places."""
+
+    name = "random"
+
+    def __init__(self, vocab_size: int, max_draft: int, seed: int = 0):
+        self.vocab_size, self.max_draft = vocab_size, max_draft
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, sequence):
+        return torch.randint(0, self.vocab_size, (self.max_draft,), generator=self.generator).tolist()

@@ -1,0 +1,62 @@
+"""`dflash generate`: JSON output and one-line errors with exit code 2 for user mistakes."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.drafter import DFlashConfig, DFlashDrafter
+
+
+def run(capsys, *argv):
+    code = main(["generate", "--target", "tiny-llama", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output(capsys):
+    code, out, err = run(capsys, "--method", "ngram", "--max-new-tokens", "12", "--json", "w1 w2 w3")
+    assert code == 0
+    payload = json.loads(out)
+    for key in ("text", "tokens", "tau", "tokens_per_s", "per_position_acceptance", "num_rounds"):
+        assert key in payload
+    assert len(payload["tokens"]) <= 12 and payload["tau"] >= 1
+
+
+def test_text_output_names_untrained_drafter(capsys):
+    code, out, err = run(capsys, "--max-new-tokens", "8", "--block-size", "4", "w1 w2")
+    assert code == 0 and "UNTRAINED" in err and "tau" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["   "], "empty"),
+    (["--max-new-tokens", "0", "w1"], "max_new_tokens"),
+    (["--temperature", "-0.5", "w1"], "temperature"),
+    (["--temperature", "1", "--top-p", "1.5", "w1"], "top_p"),
+    (["--top-p", "0", "w1"], "top_p"),
+    (["w1 " * 600], "context"),
+    (["--drafter", "/nonexistent/drafter", "w1"], "not found"),
+    (["--method", "dflash", "--block-size", "64", "w1"], "block size"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, args, message):
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("dflash: error:")]
+    assert "Traceback" not in err and len(errors) == 1 and message in errors[0]
+
+
+def test_mismatched_drafter(capsys, tmp_path):
+    from types import SimpleNamespace
+
+    narrow = SimpleNamespace(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                             hidden_size=32, intermediate_size=64, rms_norm_eps=1e-6, max_position_embeddings=512)
+    DFlashDrafter(DFlashConfig.for_target(narrow, 64, 2, num_layers=1, block_size=4, num_features=2)).save(tmp_path)
+    code, out, err = run(capsys, "--drafter", str(tmp_path), "w1")
+    assert code == 2 and "hidden size" in err and "Traceback" not in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--method", "beam", "w1"])
+    assert exc.value.code == 2
