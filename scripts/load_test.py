@@ -1,0 +1,183 @@
+"""Load test for `dflash serve`: requests/s and p50/p95 latency per method, on loopback only.
+
+Bounded by --requests and by --time-limit (seconds for the whole run); nothing leaves 127.0.0.1.
+
+    # start one in-process server per method and compare them
+    python scripts/load_test.py --target tiny-qwen3 --methods ar,dflash --requests 32 --concurrency 4 --out load.json
+    # or load a server that is already running (`dflash serve ...`) on this machine
+    python scripts/load_test.py --url http://127.0.0.1:8000 --requests 32
+
+Requests are greedy chat completions with ignore_eos, so every method generates exactly --max-tokens tokens and the
+methods do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from urllib.parse import urlparse
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class LoadResult:
+    method: str
+    requests: int
+    completed: int
+    errors: int
+    skipped: int  # not sent: the time limit came first
+    wall_s: float
+    requests_per_s: float
+    latency_p50_s: float
+    latency_p95_s: float
+    tokens_per_s: float
+    mean_tau: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def prompts_for(model: str, count: int) -> list[str]:
+    if model.startswith("tiny-"):  # the tiny word-level tokenizer only knows w0..w58
+        return [f"w{i % 59} w{(i + 3) % 59} w{(i + 7) % 59} w{(2 * i + 11) % 59}" for i in range(count)]
+    topics = ["rivers", "bread", "chess", "volcanoes", "bicycles", "owls", "glass", "tides"]
+    return [f"Write a few sentences about {topics[i % len(topics)]} (request {i})." for i in range(count)]
+
+
+async def one_request(http, model: str, prompt: str, max_tokens: int, deadline: float) -> dict:
+    body = {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True,
+    }
+    start = time.perf_counter()
+    try:
+        response = await http.post("/v1/chat/completions", json=body, timeout=max(1.0, deadline - time.monotonic()))
+        response.raise_for_status()
+        payload = response.json()
+    except Exception as exc:  # a load test reports failures, it does not stop at the first one
+        return {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"}
+    ext = payload.get("dflash", {})
+    return {
+        "ok": True, "latency_s": time.perf_counter() - start, "tokens": payload["usage"]["completion_tokens"],
+        "rounds": ext.get("rounds", 0), "round_tokens": ext.get("tau", 0) * ext.get("rounds", 0),
+    }
+
+
+async def run_load(url: str, model: str, method: str, args, deadline: float) -> LoadResult:
+    import httpx
+
+    prompts = prompts_for(model, args.requests)
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def gated(http, prompt: str) -> dict | None:
+        async with gate:
+            if time.monotonic() >= deadline:
+                return None
+            return await one_request(http, model, prompt, args.max_tokens, deadline)
+
+    async with httpx.AsyncClient(base_url=url, timeout=args.time_limit) as http:
+        await one_request(http, model, prompts[0], 4, deadline)  # warm-up, not measured
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(gated(http, p) for p in prompts))
+        wall = time.perf_counter() - start
+    done = [o for o in outcomes if o and o["ok"]]
+    failed = [o for o in outcomes if o and not o["ok"]]
+    for failure in failed[:3]:
+        print(f"[load_test] {method}: {failure['error']}", file=sys.stderr)
+    latencies = [o["latency_s"] for o in done]
+    rounds = sum(o["rounds"] for o in done)
+    return LoadResult(
+        method=method, requests=args.requests, completed=len(done), errors=len(failed),
+        skipped=outcomes.count(None), wall_s=wall, requests_per_s=len(done) / wall,
+        latency_p50_s=percentile(latencies, 50), latency_p95_s=percentile(latencies, 95),
+        tokens_per_s=sum(o["tokens"] for o in done) / wall,
+        mean_tau=sum(o["round_tokens"] for o in done) / max(1, rounds),
+    )
+
+
+def in_process(args, deadline: float) -> list[LoadResult]:
+    """One server per method on 127.0.0.1, all sharing one loaded target."""
+    import torch
+
+    from dflash.loading import build_proposer, load_target_cached
+    from dflash.server import BackgroundServer, create_app
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    target = load_target_cached(args.target, args.dtype, args.device)
+    results = []
+    for method in args.methods.split(","):
+        proposer, note = build_proposer(method, target, args.drafter, args.block_size)
+        if note:
+            print(f"[load_test] {method}: {note}", file=sys.stderr)
+        with BackgroundServer(create_app(target, proposer, args.target)) as url:
+            results.append(asyncio.run(run_load(url, args.target, method, args, deadline)))
+    return results
+
+
+def against_url(args, deadline: float) -> list[LoadResult]:
+    import httpx
+
+    host = urlparse(args.url).hostname
+    if host not in LOOPBACK:
+        raise SystemExit(f"load_test: only loopback servers may be loaded ({', '.join(LOOPBACK)}), got {host!r}")
+    card = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]
+    method = card.get("dflash", {}).get("method", "unknown")
+    return [asyncio.run(run_load(args.url, card["id"], method, args, deadline))]
+
+
+def print_table(results: list[LoadResult]) -> None:
+    print(f"{'method':<8} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} {'tau':>5}")
+    for r in results:
+        print(f"{r.method:<8} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} {r.latency_p50_s:>7.3f} "
+              f"{r.latency_p95_s:>7.3f} {r.tokens_per_s:>8.1f} {r.mean_tau:>5.2f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running server on loopback (default: start one per method)")
+    p.add_argument("--target", default="tiny-qwen3")
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--methods", default="ar,dflash", help="comma-separated, for in-process servers")
+    p.add_argument("--requests", type=int, default=32, help="requests per method")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--time-limit", type=float, default=50, help="seconds for the whole run; later requests are skipped")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--out", default="load_test.json")
+    args = p.parse_args(argv)
+    if min(args.requests, args.concurrency, args.max_tokens) < 1 or args.time_limit <= 0:
+        p.error("--requests, --concurrency, --max-tokens and --time-limit must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.time_limit
+    results = against_url(args, deadline) if args.url else in_process(args, deadline)
+    print_table(results)
+    report = {"command": " ".join(["python", *sys.argv]), "config": vars(args), "results": [asdict(r) for r in results]}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"[load_test] wrote {args.out}", file=sys.stderr)
+    return 0 if all(r.errors == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

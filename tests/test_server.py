@@ -1,0 +1,296 @@
+"""`dflash serve`: the real openai client against a uvicorn server on 127.0.0.1 with a tiny random model.
+
+Every generated text is compared with SpeculativeDecoder run directly on the same target and proposer. References
+are computed while the server is idle: the target is not thread-safe, and the server's worker owns it otherwise.
+"""
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from dflash.engine import GenerationConfig, GenerationResult, GenerationStats, SpeculativeDecoder  # noqa: E402
+from dflash.loading import untrained_drafter  # noqa: E402
+from dflash.proposers import DFlashProposer, Proposer  # noqa: E402
+from dflash.sampling import SamplingConfig  # noqa: E402
+from dflash.server import (  # noqa: E402
+    BackgroundServer, GenerationWorker, Job, Metrics, ServerBusy, TextDeltas, cancel, create_app,
+)
+
+MODEL = "tiny-qwen3"  # qwen3's tiny random model gives varied text (tiny llama repeats one word)
+MAX_TOKENS = 16
+PROMPTS = [f"w{i} w{i + 3} w{i + 7} w{(2 * i + 11) % 59}" for i in range(16)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls on a shared CPU run many times faster on one thread than on several that wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_targets):
+    return tiny_targets["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def proposer(target):
+    return DFlashProposer(untrained_drafter(target, num_layers=1, block_size=4), target)
+
+
+@pytest.fixture(scope="module")
+def reference(target, proposer):
+    """reference(prompt_ids, ...) -> GenerationResult of the engine itself; call it only while the server idles."""
+    decoder = SpeculativeDecoder(target, proposer)
+
+    def run(prompt_ids, max_tokens=MAX_TOKENS, stop=(), temperature=0.0, seed=None):
+        sampling = SamplingConfig(temperature=temperature, seed=seed)
+        return decoder.generate(prompt_ids, GenerationConfig(max_tokens, sampling, stop_strings=tuple(stop)))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def chat_refs(target, reference):
+    """Greedy references for every chat prompt, computed before the server starts."""
+    return {p: reference(target.encode_messages([{"role": "user", "content": p}])) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def url(target, proposer, chat_refs):
+    with BackgroundServer(create_app(target, proposer, MODEL)) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client, prompt, **kwargs):
+    kwargs.setdefault("max_tokens", MAX_TOKENS)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kwargs)
+
+
+def metrics(url) -> dict[str, float]:
+    """The /metrics samples as {name{labels}: value}."""
+    text = httpx.get(f"{url}/metrics").text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+# ---- plain, streaming, stop strings -----------------------------------------------------------------------------
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["method"] == "dflash"
+
+
+def test_chat_equals_engine(client, target, chat_refs):
+    prompt = PROMPTS[0]
+    ref = chat_refs[prompt]
+    response = chat(client, prompt)
+    assert response.choices[0].message.content == ref.text
+    assert response.choices[0].finish_reason == ref.finish_reason
+    assert response.usage.prompt_tokens == len(target.encode_messages([{"role": "user", "content": prompt}]))
+    assert response.usage.completion_tokens == len(ref.tokens)
+    ext = response.model_extra["dflash"]
+    assert ext["tau"] == pytest.approx(ref.stats.tau) and ext["rounds"] == ref.stats.num_rounds
+    assert len(ext["per_position_acceptance"]) == 3
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 7)])
+def test_completion_equals_engine(client, target, reference, temperature, seed):
+    """Raw prompts (no chat template); with a seed, sampling is reproducible and matches the engine too."""
+    prompt = "w5 w9 w2 w33"
+    ref = reference(target.encode_prompt(prompt, chat=False), temperature=temperature, seed=seed)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                         temperature=temperature, seed=seed)
+    assert response.choices[0].text == ref.text
+    assert response.usage.completion_tokens == len(ref.tokens)
+
+
+def test_stream_equals_non_stream(client, url, chat_refs):
+    prompt = PROMPTS[1]
+    chunks = list(chat(client, prompt, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([p for p in pieces if p]) > 1, "the text should arrive in several pieces"
+    assert "".join(pieces) == chat_refs[prompt].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [chat_refs[prompt].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(chat_refs[prompt].tokens)
+    # the raw event stream ends with the OpenAI terminator
+    body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 4, "stream": True, "temperature": 0}
+    raw = httpx.post(f"{url}/v1/completions", json=body, timeout=60).text
+    assert raw.endswith("data: [DONE]\n\n") and raw.count("data: [DONE]") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_text(client, target, reference, chat_refs, stream):
+    """The stop string spans two tokens, so streaming must hold back the first one until the second decides."""
+    prompt = PROMPTS[2]
+    words = chat_refs[prompt].text.split(" ")
+    stop = f"{words[4]} {words[5][:2]}"
+    prompt_ids = target.encode_messages([{"role": "user", "content": prompt}])
+    expected = reference(prompt_ids, stop=["w999", stop]).text
+    assert expected == chat_refs[prompt].text[: chat_refs[prompt].text.find(stop)] and expected
+    response = chat(client, prompt, stop=["w999", stop], stream=stream)
+    if stream:
+        pieces = [c.choices[0].delta.content or "" for c in response if c.choices]
+        assert all(stop not in p for p in pieces)
+        text = "".join(pieces)
+    else:
+        assert response.choices[0].finish_reason == "stop"
+        text = response.choices[0].message.content
+    assert text == expected
+
+
+def test_text_deltas_hold_back_a_possible_stop_string():
+    words = {0: "a", 1: "<eos>", 2: "b", 3: "c", 4: "d"}
+    deltas = TextDeltas(lambda ids: " ".join(words[i] for i in ids), stop_strings=("b c",), stop_ids={1})
+    assert deltas.push([0]) == "a"
+    assert deltas.push([2]) == " "  # "b" may be the start of "b c": held back
+    assert deltas.push([3]) == ""  # it was: nothing of the stop string is ever sent
+    assert deltas.finish("a ") == ""
+    plain = TextDeltas(lambda ids: " ".join(words[i] for i in ids), stop_strings=("b c",), stop_ids={1})
+    assert [plain.push([0]), plain.push([2]), plain.push([4, 1])] == ["a", " ", "b d"]  # EOS is not text
+
+
+# ---- concurrency ------------------------------------------------------------------------------------------------
+def test_concurrent_requests_are_all_correct(client, chat_refs, url):
+    """16 clients at once, half of them streaming: every answer equals the engine's own output."""
+
+    def ask(i: int) -> str:
+        prompt = PROMPTS[i]
+        if i % 2:
+            return "".join(c.choices[0].delta.content or "" for c in chat(client, prompt, stream=True))
+        return chat(client, prompt).choices[0].message.content
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, range(len(PROMPTS))))
+    assert answers == [chat_refs[p].text for p in PROMPTS]
+    assert httpx.get(f"{url}/health").json()["queued"] == 0
+
+
+def test_worker_is_fifo_bounded_and_drops_cancelled_jobs():
+    order = []
+
+    class RecordingDecoder:
+        proposer = Proposer()
+
+        def generate(self, prompt_ids, config, on_tokens):
+            order.append(prompt_ids[0])
+            time.sleep(0.01)
+            return GenerationResult([1], "w1", "length", GenerationStats(new_tokens=1))
+
+    async def submit_all():
+        metrics = Metrics(block_size=1)
+        worker = GenerationWorker(RecordingDecoder(), metrics, max_queue=6)
+        jobs = [Job([i], GenerationConfig()) for i in range(6)]
+        futures = [worker.submit(job) for job in jobs]
+        with pytest.raises(ServerBusy):
+            worker.submit(Job([6], GenerationConfig()))
+        cancel(jobs[3], futures[3], metrics)  # its client left while it waited
+        await asyncio.gather(*futures, return_exceptions=True)
+        worker.close()
+        return metrics.cancelled
+
+    assert asyncio.run(submit_all()) == 1
+    assert order == [0, 1, 2, 4, 5]
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"n": 2}, "BadRequestError", "n must be 1"),
+    ({"max_tokens": -3}, "BadRequestError", "max_tokens must be >= 1"),
+    ({"temperature": -1}, "BadRequestError", "temperature"),
+    ({"top_p": 0}, "BadRequestError", "top_p"),
+    ({"top_p": 1.5}, "BadRequestError", "top_p"),
+    ({"model": "gpt-4"}, "NotFoundError", "not served here"),
+    ({"max_tokens": "many"}, "UnprocessableEntityError", "max_tokens"),
+    ({"stop": 5}, "UnprocessableEntityError", "stop"),
+    ({"messages": []}, "UnprocessableEntityError", "messages"),
+    ({"messages": [{"role": "wizard", "content": "w1"}]}, "UnprocessableEntityError", "role"),
+])
+def test_bad_requests_get_clear_errors(client, kwargs, error, fragment):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2, **kwargs}
+    with pytest.raises(getattr(openai, error)) as info:
+        client.chat.completions.create(**body)
+    assert fragment in info.value.message
+    assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_too_long_prompt_and_broken_json_then_still_serving(client, url, chat_refs):
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model=MODEL, prompt="w1 " * 600, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model=MODEL, prompt="w1 " * 600, max_tokens=2, stream=True)
+    for raw in (b'{"model": "tiny-qwen3", "prompt": ', b"\xff\xfe", b"[1, 2]"):
+        response = httpx.post(f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code in (400, 422), response.text
+        assert "error" in response.json()
+    assert chat(client, PROMPTS[0]).choices[0].message.content == chat_refs[PROMPTS[0]].text
+
+
+# ---- disconnects ------------------------------------------------------------------------------------------------
+class SlowProposer(Proposer):
+    """Plain decoding that sleeps every round, so an uncancelled long request would hold the worker for seconds."""
+
+    def propose(self, sequence):
+        time.sleep(0.025)
+        return []
+
+
+def open_stream(http: httpx.Client, base: str):
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 480, "stream": True, "ignore_eos": True}
+    return http.stream("POST", f"{base}/v1/completions", json=body)
+
+
+def test_disconnected_clients_free_their_slot(target):
+    """A client that leaves mid-stream stops its generation, one that leaves while queued is never run, and one
+    that gives up on a plain request stops it too. Otherwise the next request would wait >= 480 x 25 ms for each
+    abandoned generation."""
+    with BackgroundServer(create_app(target, SlowProposer(), MODEL)) as base, httpx.Client(timeout=60) as http:
+        with open_stream(http, base) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # the first piece of text came
+            with httpx.Client(timeout=60) as other, open_stream(other, base) as queued:
+                assert queued.status_code == 200
+                assert httpx.get(f"{base}/health").json()["queued"] == 1
+        long_plain = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 480, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{base}/v1/completions", json=long_plain, timeout=0.5)
+        start = time.perf_counter()
+        body = {"model": MODEL, "prompt": "w1", "max_tokens": 3, "temperature": 0}
+        assert http.post(f"{base}/v1/completions", json=body).json()["usage"]["completion_tokens"] >= 1
+        assert time.perf_counter() - start < 5
+        samples = metrics(base)
+        assert samples["dflash_cancelled_requests_total"] == 3
+        assert samples["dflash_time_to_first_token_seconds_count"] == 3  # the queued stream never ran
+        assert samples["dflash_generated_tokens_total"] < 480
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+def test_metrics_are_prometheus_text(client, url):
+    chat(client, PROMPTS[3])
+    samples = metrics(url)
+    assert samples['dflash_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert samples["dflash_generated_tokens_total"] > 0
+    assert samples["dflash_draft_tokens_total"] == 3 * samples["dflash_verify_rounds_total"]
+    assert samples["dflash_mean_tau"] >= 1
+    for k in (1, 2, 3):
+        assert 0 <= samples[f'dflash_position_acceptance{{position="{k}"}}'] <= 1
+    count = samples["dflash_request_latency_seconds_count"]
+    assert samples['dflash_request_latency_seconds_bucket{le="+Inf"}'] == count > 0
+    assert json.loads(json.dumps(samples))  # plain numbers only
