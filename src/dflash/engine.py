@@ -40,6 +40,7 @@ class GenerationStats:
     new_tokens: int = 0
     block_size: int = 1
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus included)
+    draft_lengths: list[int] = field(default_factory=list)  # tokens proposed per round (ngram may propose fewer)
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -108,12 +109,7 @@ class SpeculativeDecoder:
         config.validate()
         if not prompt_ids:
             raise UserError("the prompt is empty")
-        budget = self.target.max_context - len(prompt_ids) - self.proposer.max_draft - 1
-        if budget < 1:
-            raise UserError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the target's context of {self.target.max_context}"
-            )
-        max_new = min(config.max_new_tokens, budget)
+        max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
         generator = None
         if config.sampling.seed is not None:
@@ -148,6 +144,17 @@ class SpeculativeDecoder:
         text = _cut_at_stop_string(text, config.stop_strings)
         return GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats)
 
+    def budget(self, prompt_ids: list[int]) -> int:
+        """How many tokens may follow `prompt_ids` (a verify block must still fit the context); UserError if none."""
+        budget = self.target.max_context - len(prompt_ids) - self.proposer.max_draft - 1
+        if budget < 1:
+            limit = self.target.max_context - self.proposer.max_draft - 2
+            raise UserError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the target's context of {self.target.max_context} "
+                f"(at most {limit} prompt tokens with this method); shorten the prompt"
+            )
+        return budget
+
     def _round(self, sequence, cache, sampling, generator, stats) -> list[int]:
         """One propose/verify/accept round; returns the emitted tokens (accepted drafts + the new bonus)."""
         drafts = self.proposer.propose(sequence)[: self.proposer.max_draft]
@@ -162,6 +169,7 @@ class SpeculativeDecoder:
         features = out.features[:, : accepted + 1] if out.features is not None else None
         self.proposer.commit(block[: accepted + 1], features)
         stats.accept_lengths.append(accepted + 1)
+        stats.draft_lengths.append(len(drafts))
         return drafts[:accepted] + [chosen[accepted]]
 
     def _check_stops(self, output, new_tokens, stop_ids, max_new, stop_strings):

@@ -84,7 +84,7 @@ class Metrics:
                 for i, bound in enumerate(LATENCY_BUCKETS_S):
                     self.latency_buckets[i] += seconds <= bound
 
-    def observe_generation(self, stats: "GenerationStats", max_draft: int) -> None:
+    def observe_generation(self, stats: "GenerationStats") -> None:
         with self._lock:
             self.generations += 1
             self.prompt_tokens += stats.prompt_tokens
@@ -92,9 +92,7 @@ class Metrics:
             self.ttft_sum += stats.ttft_s
             self.rounds += stats.num_rounds
             self.round_tokens += sum(stats.accept_lengths)
-            # the engine does not record how many drafts a proposer actually returned (n-gram may return fewer),
-            # so this counts the draft positions each round could verify
-            self.draft_tokens += stats.num_rounds * max_draft
+            self.draft_tokens += sum(stats.draft_lengths)
             for emitted in stats.accept_lengths:
                 accepted = emitted - 1
                 self.accepted_tokens += accepted
@@ -127,7 +125,7 @@ class Metrics:
                           [("", self.generated_tokens)])
         yield from metric("dflash_verify_rounds_total", "counter", "Target verify rounds.", [("", self.rounds)])
         yield from metric("dflash_draft_tokens_total", "counter",
-                          "Draft positions verified (rounds x (block_size - 1)).", [("", self.draft_tokens)])
+                          "Draft tokens proposed and verified.", [("", self.draft_tokens)])
         yield from metric("dflash_accepted_tokens_total", "counter", "Draft tokens accepted by the target.",
                           [("", self.accepted_tokens)])
         yield from metric("dflash_mean_tau", "gauge", "Mean tokens emitted per verify round, over all rounds.",
@@ -246,7 +244,7 @@ class GenerationWorker:
         job.started_at = time.perf_counter()
         try:
             result = self.decoder.generate(job.prompt_ids, job.config, job.on_tokens)
-            self.metrics.observe_generation(result.stats, self.decoder.proposer.max_draft)
+            self.metrics.observe_generation(result.stats)
             if job.emit is not None:
                 tail = job.deltas.finish(result.text)
                 if tail:
@@ -381,16 +379,11 @@ def completion_prompt_ids(target, prompt) -> list[int]:
     return list(prompt)
 
 
-def check_fits(prompt_ids: list[int], target, max_draft: int) -> None:
-    """Reject a prompt the engine would refuse, before it waits in the queue (the same budget as engine.py)."""
-    limit = target.max_context - max_draft - 2  # room for one new token and a full verify block
+def check_fits(prompt_ids: list[int], decoder) -> None:
+    """Reject a prompt the engine would refuse, before it waits in the queue."""
     if not prompt_ids:
         raise UserError("the prompt is empty")
-    if len(prompt_ids) > limit:
-        raise UserError(
-            f"the prompt has {len(prompt_ids)} tokens but at most {limit} fit in the context of "
-            f"{target.max_context} tokens; shorten the prompt"
-        )
+    decoder.budget(prompt_ids)
 
 
 # ---- responses --------------------------------------------------------------------------------------------------
@@ -482,7 +475,7 @@ class Service:
 
     async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool):
         config = generation_config(body, self.default_max_tokens)
-        check_fits(prompt_ids, self.target, self.proposer.max_draft)
+        check_fits(prompt_ids, self.worker.decoder)
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids))
         if body.stream:
             return self.stream(request, body, prompt_ids, config, exchange)
