@@ -1,0 +1,228 @@
+"""DFlash training batches: anchors, block inputs, the sparse block mask, labels and the position-weighted loss.
+
+One training sequence becomes many blocks trained in ONE drafter pass (DFLASH_SPEC.md section 4). Each anchor `a`
+starts a block [token_a, MASK x (B-1)] at positions a..a+B-1; block position k predicts the token AT a+k (same-position
+prediction, no shift). A block sees the target features of positions STRICTLY before its anchor (at inference the
+bonus token's features do not exist yet) and its own block bidirectionally, never other blocks.
+
+`DFlashObjective` packs this into the `loss(example, rng) -> (loss, metrics)` interface the generic trainer uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+GAMMA_BY_BLOCK_SIZE = ((8, 4.0), (10, 5.0), (16, 7.0))  # the paper's loss decay per block size
+
+
+# ---- block construction ----------------------------------------------------------------------------------------------
+def anchor_candidates(seq_len: int, loss_start: int) -> range:
+    """Positions that may start a block: inside the response, with at least one label after them, and at least one
+    context position before them (inference never drafts from an empty context)."""
+    return range(max(loss_start, 1), seq_len - 1)
+
+
+def sample_anchors(seq_len: int, loss_start: int, num: int, rng: np.random.Generator) -> torch.Tensor:
+    """Up to `num` distinct anchor positions, sorted, drawn uniformly from `anchor_candidates`."""
+    candidates = anchor_candidates(seq_len, loss_start)
+    count = len(candidates)
+    if count <= num:
+        picked = np.arange(count)
+    else:
+        picked = np.sort(rng.choice(count, size=num, replace=False))
+    return torch.as_tensor(picked + candidates.start, dtype=torch.long)
+
+
+@dataclass
+class BlockBatch:
+    block_ids: torch.Tensor  # [nblocks, B]: anchor token then MASK ids
+    positions: torch.Tensor  # [nblocks, B]: absolute positions a..a+B-1
+    labels: torch.Tensor  # [nblocks, B]: token at a+k, IGNORE at k=0 and past the end
+    mask: torch.Tensor  # [nblocks*B, seq_len + nblocks*B] bool, True = may attend
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """Block token ids [nblocks, B] and their absolute positions."""
+    offsets = torch.arange(block_size, device=input_ids.device)
+    positions = anchors[:, None].to(input_ids.device) + offsets
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, 0] = input_ids[anchors]
+    return block_ids, positions
+
+
+def block_labels(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Label of block position k = the token AT anchor+k; IGNORE for k=0 (given, not predicted) and past the end."""
+    inside = positions < input_ids.shape[0]
+    labels = torch.where(inside, input_ids[positions.clamp(max=input_ids.shape[0] - 1)], IGNORE)
+    labels[:, 0] = IGNORE
+    return labels
+
+
+def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Boolean [nblocks*B, seq_len + nblocks*B]: context keys strictly before the block's anchor, then the block's
+    own keys (bidirectional). Keys are ordered as the drafter concatenates them: all context, then all blocks."""
+    device = anchors.device
+    block_of_query = torch.arange(anchors.shape[0] * block_size, device=device) // block_size
+    # `<` not `<=`: the anchor's own target feature is not available at inference time
+    sees_context = torch.arange(seq_len, device=device)[None, :] < anchors[block_of_query][:, None]
+    sees_block = block_of_query[:, None] == block_of_query[None, :]
+    return torch.cat([sees_context, sees_block], dim=1)
+
+
+def build_block_batch(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> BlockBatch:
+    anchors = anchors.to(input_ids.device)
+    block_ids, positions = block_inputs(input_ids, anchors, block_size, mask_token_id)
+    return BlockBatch(
+        block_ids=block_ids,
+        positions=positions,
+        labels=block_labels(input_ids, positions),
+        mask=block_attention_mask(anchors, input_ids.shape[0], block_size),
+    )
+
+
+# ---- loss and metrics ------------------------------------------------------------------------------------------------
+def default_gamma(block_size: int) -> float:
+    """The paper's decay (7 for B=16, 5 for B=10, 4 for B=8), linearly interpolated between and clamped outside."""
+    sizes, gammas = zip(*GAMMA_BY_BLOCK_SIZE)
+    return float(np.interp(block_size, sizes, gammas))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1 (early positions matter most: a miss there ends the
+    accepted prefix); w_0 = 0 because position 0 holds the given anchor token."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+@dataclass
+class BlockResult:
+    loss: torch.Tensor  # weighted cross-entropy, scalar
+    correct: torch.Tensor  # [nblocks, B-1] bool: argmax == label at positions 1..B-1 (False where no label)
+    valid: torch.Tensor  # [nblocks, B-1] bool: a label exists
+    weight_sum: torch.Tensor  # the normaliser of `loss` (to pool losses over sequences exactly)
+
+
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k * CE_k over valid labels, divided by the sum of the weights of those valid labels.
+    logits [N, V] and labels [N] for N valid entries; weights [N]."""
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: torch.Tensor) -> BlockResult:
+    """Loss and accuracy of drafter hidden states [nblocks, B, D] against `labels` [nblocks, B].
+
+    The LM head runs only on positions with a label: the vocabulary projection is the largest tensor in a step.
+    """
+    valid = labels != IGNORE
+    head_dtype = lm_head.weight.dtype
+    logits = lm_head(hidden[valid].to(head_dtype))
+    valid_weights = weights.to(hidden.device).expand_as(labels)[valid]
+    loss = weighted_block_loss(logits, labels[valid], valid_weights)
+    correct = torch.zeros_like(valid)
+    correct[valid] = logits.argmax(-1) == labels[valid]
+    return BlockResult(loss, correct[:, 1:], valid[:, 1:], valid_weights.sum())
+
+
+def accept_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """Per block: 1 (the anchor, like the bonus token) + the number of LEADING correct predictions."""
+    return 1 + correct.long().cumprod(dim=1).sum(dim=1)
+
+
+def block_metrics(result: BlockResult) -> dict[str, torch.Tensor]:
+    """Per-step metrics, left on the device (the trainer syncs only when it logs)."""
+    valid_count = result.valid.sum(0).clamp_min(1)
+    return {
+        "loss": result.loss.detach(),
+        "accuracy": result.correct.sum(0) / valid_count,
+        "tau": accept_lengths(result.correct).float().mean(),
+    }
+
+
+# ---- the objective ---------------------------------------------------------------------------------------------------
+class DFlashObjective:
+    """Trains a DFlashDrafter against a frozen target: one clean target pass for features, one drafter pass for
+    all blocks of the sequence."""
+
+    name = "dflash"
+
+    def __init__(self, drafter, target, anchors_per_seq: int, gamma: float | None = None, max_length: int = 3072):
+        self.model = drafter
+        self.target = target
+        self.block_size = drafter.config.block_size
+        self.anchors_per_seq = anchors_per_seq
+        self.max_length = min(max_length, target.max_context)
+        self.gamma = gamma if gamma is not None else default_gamma(self.block_size)
+        self.weights = position_weights(self.block_size, self.gamma).to(target.device)
+        self.feature_layers = tuple(drafter.config.target_layer_ids)
+
+    def sequence(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids[: self.max_length].to(self.target.device, torch.long)
+
+    def target_features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        features = self.target.forward(input_ids[None], None, self.feature_layers).features
+        # target.forward runs in inference mode; autograd may not save inference tensors, so copy out of it
+        return features.clone()
+
+    def blocks_result(self, input_ids: torch.Tensor, anchors: torch.Tensor) -> BlockResult:
+        """Run every block anchored at `anchors` through the drafter in one pass."""
+        batch = build_block_batch(input_ids, anchors, self.block_size, self.model.config.mask_token_id)
+        features = self.target_features(input_ids)
+        nblocks = batch.block_ids.shape[0]
+        with torch.no_grad():
+            embeds = self.target.embed_tokens(batch.block_ids.reshape(1, -1))
+        hidden = self.model(
+            embeds,
+            batch.positions.reshape(1, -1),
+            features,
+            torch.arange(input_ids.shape[0], device=input_ids.device)[None],
+            mask=batch.mask[None, None],
+        )
+        return block_loss(hidden.view(nblocks, self.block_size, -1), batch.labels, self.target.lm_head, self.weights)
+
+    def usable(self, example) -> bool:
+        """False for sequences whose (truncated) response leaves no anchor to train on."""
+        return len(anchor_candidates(min(len(example.input_ids), self.max_length), example.loss_start)) > 0
+
+    def loss(self, example, rng: np.random.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        input_ids = self.sequence(example.input_ids)
+        anchors = sample_anchors(input_ids.shape[0], example.loss_start, self.anchors_per_seq, rng)
+        result = self.blocks_result(input_ids, anchors)
+        return result.loss, block_metrics(result)
+
+    @torch.no_grad()
+    def evaluate(self, examples, rngs) -> dict:
+        """Surrogate tau (mean over held-out anchors of 1 + leading correct positions), loss and per-position
+        accuracy, pooled over all held-out anchors."""
+        loss_sum = weight_sum = 0.0
+        correct = valid = None
+        lengths = []
+        for example, rng in zip(examples, rngs):
+            input_ids = self.sequence(example.input_ids)
+            anchors = sample_anchors(input_ids.shape[0], example.loss_start, self.anchors_per_seq, rng)
+            result = self.blocks_result(input_ids, anchors)
+            loss_sum += float(result.loss * result.weight_sum)
+            weight_sum += float(result.weight_sum)
+            c, v = result.correct.sum(0), result.valid.sum(0)
+            correct, valid = (c, v) if correct is None else (correct + c, valid + v)
+            lengths.append(accept_lengths(result.correct))
+        if not lengths:
+            return {}
+        return {
+            "eval_loss": loss_sum / max(weight_sum, 1e-12),
+            "eval_tau": float(torch.cat(lengths).float().mean()),
+            "eval_accuracy": (correct / valid.clamp_min(1)).tolist(),
+        }
+
+    def save(self, folder, dtype: torch.dtype | None = torch.bfloat16) -> None:
+        self.model.save(folder, dtype=dtype)
+

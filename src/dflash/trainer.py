@@ -1,0 +1,659 @@
+"""`dflash train`: train a drafter on target-regenerated data, with exact resume.
+
+The loop is objective-agnostic: it trains `objective.model` with `objective.loss(example, rng) -> (loss, metrics)`,
+so DFlash (blocks.DFlashObjective) and EAGLE-3 share data loading, the schedule, logging and checkpoints.
+
+Determinism, which exact resume rests on: the example order of epoch e is a permutation seeded by (seed, e) and the
+anchors of example i in epoch e come from a generator seeded by (seed, e, i). A checkpoint therefore only needs the
+weights, the optimizer and scheduler state and the position (step, epoch, index into the epoch's order).
+
+Output folder:
+  OUT/log.jsonl                      one JSON record per log interval and per evaluation
+  OUT/checkpoints/step-XXXXXX/       drafter (float32, public format) + trainer_state.pt + train_config.json
+  OUT/final/                         the drafter in bfloat16, ready for `dflash generate --drafter OUT/final`
+  OUT/curves.png                     with --plot
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import zlib
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Protocol, get_type_hints
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import UserError
+
+ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random streams
+CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
+STATE_FILE, CONFIG_FILE = "trainer_state.pt", "train_config.json"
+STATE_VERSION = 1
+
+
+# ---- configuration ---------------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    # drafter shape: used for a new drafter; --init-from and --resume take the shape from the checkpoint
+    num_layers: int = 3
+    block_size: int = 16
+    num_features: int = 5
+    # data
+    max_length: int = 3072
+    anchors_per_seq: int = 512
+    eval_fraction: float = 0.02
+    # optimisation
+    epochs: int = 6
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    gamma: float | None = None
+    seed: int = 0
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 500
+    save_every: int = 1000
+    keep_checkpoints: int = 3
+    max_steps: int | None = None
+
+    def validate(self) -> "TrainConfig":
+        positive = ("num_layers", "num_features", "max_length", "anchors_per_seq", "epochs", "grad_accum",
+                    "log_every", "eval_every", "save_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise UserError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.lr > 0:
+            raise UserError(f"lr must be > 0, got {self.lr}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise UserError(f"gamma must be > 0, got {self.gamma}")
+        for name in ("eval_fraction", "warmup_ratio"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0 or self.grad_clip <= 0 or self.keep_checkpoints < 0:
+            raise UserError("weight_decay and keep_checkpoints must be >= 0 and grad_clip > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError(f"max_steps must be >= 1, got {self.max_steps}")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "TrainConfig":
+        hints = get_type_hints(cls)
+        unknown = sorted(set(values) - set(hints))
+        if unknown:
+            raise UserError(f"{source}: unknown training option(s) {', '.join(unknown)}")
+        checked = {name: _checked_value(name, value, hints[name], source) for name, value in values.items()}
+        return cls(**checked).validate()
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TrainConfig":
+        try:
+            values = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"cannot read training config {path}: {exc}") from exc
+        if not isinstance(values, dict):
+            raise UserError(f"{path}: a training config is a JSON object")
+        return cls.from_dict(values, str(path))
+
+    def replace(self, overrides: dict, source: str = "command line") -> "TrainConfig":
+        return TrainConfig.from_dict({**asdict(self), **overrides}, source)
+
+
+# Options a resumed run may change: they do not affect the weights it computes.
+RESUMABLE = ("log_every", "eval_every", "save_every", "keep_checkpoints", "max_steps")
+
+HELP = {
+    "num_layers": "draft layers of a new drafter (default 3)",
+    "num_features": "target layers fused as features (default 5)",
+    "max_length": "truncate sequences to this many tokens (default 3072)",
+    "anchors_per_seq": "blocks per sequence, re-sampled each epoch (default 512)",
+    "eval_fraction": "fraction of sequences held out for the surrogate tau (default 0.02)",
+    "epochs": "passes over the training data (default 6)",
+    "lr": "peak AdamW learning rate (default 6e-4)",
+    "weight_decay": "AdamW weight decay (default 0.01)",
+    "warmup_ratio": "linear warmup, as a fraction of all steps, before the cosine decay (default 0.04)",
+    "grad_clip": "max gradient norm (default 1.0)",
+    "grad_accum": "sequences per optimizer step (default 1)",
+    "gamma": "loss decay over block positions (default: 7 for B=16, 5 for B=10, 4 for B=8, interpolated)",
+    "seed": "seed of the data order, anchors, held-out split and a new drafter's weights (default 0)",
+    "log_every": "steps between log records (default 10)",
+    "eval_every": "steps between held-out evaluations (default 500)",
+    "save_every": "steps between checkpoints (default 1000)",
+    "keep_checkpoints": "keep only the newest N checkpoints, 0 = all (default 3)",
+    "max_steps": "stop after this global step; the schedule still spans all epochs (for chunked runs)",
+}
+
+
+def _checked_value(name: str, value, hint, source: str):
+    optional = "None" in str(hint)
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{source}: {name} may not be null")
+    base = float if "float" in str(hint) else int
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or (base is int and not float(value).is_integer()):
+        raise UserError(f"{source}: {name} must be a number ({base.__name__}), got {value!r}")
+    return base(value)
+
+
+# ---- data ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Example:
+    id: str
+    input_ids: torch.Tensor  # int32 [seq]: prompt + target-regenerated response
+    loss_start: int  # index of the first response token
+
+
+def data_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise UserError(f"training data not found: {path}")
+    files = sorted(path.glob("shard-*.jsonl")) or sorted(path.glob("*.jsonl"))
+    if not files:
+        raise UserError(f"no shard-*.jsonl files in {path}")
+    return files
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    """Records {"id", "input_ids", "loss_start", ...} from a JSONL file or a folder of shard-*.jsonl files."""
+    examples = []
+    for file in data_files(path):
+        with open(file, encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, 1):
+                if line.strip():
+                    examples.append(_parse_record(line, f"{file}:{line_no}"))
+    if not examples:
+        raise UserError(f"no training records in {path}")
+    return examples
+
+
+def _parse_record(line: str, where: str) -> Example:
+    try:
+        record = json.loads(line)
+        ids, start = record["input_ids"], record["loss_start"]
+        example = Example(str(record.get("id", where)), torch.tensor(ids, dtype=torch.int32), int(start))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{where}: not a training record ({exc.__class__.__name__}: {exc})") from exc
+    if example.input_ids.dim() != 1 or not 0 <= example.loss_start <= len(example.input_ids):
+        raise UserError(f"{where}: loss_start {example.loss_start} outside a sequence of {len(example.input_ids)}")
+    return example
+
+
+def split_heldout(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """Hold out the examples whose id hashes lowest: the split does not depend on file order or the seed."""
+    count = min(len(examples) - 1, max(1, round(fraction * len(examples)))) if fraction > 0 else 0
+    ranked = sorted(range(len(examples)), key=lambda i: (zlib.crc32(examples[i].id.encode()), i))
+    heldout = set(ranked[:count])
+    train = [e for i, e in enumerate(examples) if i not in heldout]
+    return train, [examples[i] for i in sorted(heldout)]
+
+
+def data_fingerprint(examples: list[Example]) -> str:
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(f"{e.id}:{len(e.input_ids)}:{e.loss_start}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+# ---- the objective interface -----------------------------------------------------------------------------------------
+class Objective(Protocol):
+    name: str
+    model: nn.Module  # the trainable module; checkpoints save it with `save`
+
+    def usable(self, example: Example) -> bool: ...
+
+    def loss(self, example: Example, rng: np.random.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def evaluate(self, examples: list[Example], rngs: list[np.random.Generator]) -> dict: ...
+
+    def save(self, folder: Path, dtype: torch.dtype | None) -> None: ...
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    position: int = 0  # examples of this epoch's order already consumed
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (an interrupted save leaves only a hidden temp folder)."""
+    root = out / "checkpoints"
+    found = [p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(CHECKPOINT_RE.match(p.name).group(1)))
+
+
+def resolve_checkpoint(resume: str, out: Path) -> Path:
+    """`--resume` alone means OUT's newest checkpoint; a path may be a checkpoint or another run's OUT."""
+    path = out if resume == "latest" else Path(resume)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = checkpoint_dirs(path)
+    if not found:
+        raise UserError(f"no checkpoint to resume from in {path} (looked for {path}/checkpoints/step-*/{STATE_FILE})")
+    return found[-1]
+
+
+def write_atomically(final: Path, write) -> None:
+    """Fill a hidden temp folder with `write(folder)`, then rename it into place: a crash leaves no half folder."""
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    if final.exists():  # re-saving a step after a resume
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    random.setstate(_as_tuple(states["python"]))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _as_tuple(value):
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def read_checkpoint_config(folder: Path) -> TrainConfig:
+    if not (folder / CONFIG_FILE).is_file() or not (folder / STATE_FILE).is_file():
+        raise UserError(f"{folder} is not a training checkpoint (needs {CONFIG_FILE} and {STATE_FILE})")
+    return TrainConfig.from_file(folder / CONFIG_FILE)
+
+
+def read_trainer_state(folder: Path) -> dict:
+    try:
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, bad pickle, ...: all mean the same thing to the user
+        raise UserError(f"{folder / STATE_FILE} is unreadable or corrupt ({exc.__class__.__name__})") from exc
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise UserError(f"{folder / STATE_FILE} is not a dflash trainer state (version {STATE_VERSION})")
+    return state
+
+
+# ---- the loop --------------------------------------------------------------------------------------------------------
+def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int) -> float:
+    """LR multiplier: linear warmup to 1 over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    def __init__(self, objective: Objective, config: TrainConfig, out: str | Path, train: list[Example],
+                 heldout: list[Example], progress: bool = True):
+        if not train:
+            raise UserError("no training sequences left (all too short or held out)")
+        self.objective, self.config, self.out = objective, config, Path(out)
+        self.train, self.heldout, self.progress = train, heldout, progress
+        self.model = objective.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.steps_per_epoch = math.ceil(len(train) / config.grad_accum)
+        self.total_steps = config.epochs * self.steps_per_epoch
+        warmup = max(1, round(config.warmup_ratio * self.total_steps)) if config.warmup_ratio > 0 else 0
+        total = self.total_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: cosine_with_warmup(step, total, warmup)
+        )
+        self.state = TrainState()
+        self.fingerprint = data_fingerprint(train)
+        self.log_path = self.out / "log.jsonl"
+
+    # ---- precision ---------------------------------------------------------------------------------------------------
+    def autocast(self):
+        device = next(self.model.parameters()).device
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()  # float32 on the CPU: bf16 matmuls there are slow and lossy
+
+    # ---- data order --------------------------------------------------------------------------------------------------
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.config.seed, ORDER_STREAM, epoch]).permutation(len(self.train))
+
+    def next_batch(self, order: np.ndarray) -> list[int]:
+        start = self.state.position
+        return order[start : start + self.config.grad_accum].tolist()
+
+    # ---- one step ----------------------------------------------------------------------------------------------------
+    def train_step(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for index in indices:
+            rng = np.random.default_rng([self.config.seed, ANCHOR_STREAM, self.state.epoch, index])
+            with self.autocast():
+                loss, metrics = self.objective.loss(self.train[index], rng)
+            # each sequence counts equally, however many anchors it has
+            (loss / len(indices)).backward()
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0) + value.detach().float() / len(indices)
+        totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+        totals["lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        return totals
+
+    def advance(self, consumed: int) -> None:
+        self.state.step += 1
+        self.state.position += consumed
+        if self.state.position >= len(self.train):
+            self.state.epoch, self.state.position = self.state.epoch + 1, 0
+
+    def stop_step(self) -> int:
+        return min(self.total_steps, self.config.max_steps or self.total_steps)
+
+    def fit(self) -> TrainState:
+        """Train until the last epoch ends or `max_steps`; checkpoint, evaluate and export along the way."""
+        from tqdm.auto import tqdm
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        stop = self.stop_step()
+        bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step", disable=not self.progress,
+                   dynamic_ncols=True)
+        window: list[dict[str, torch.Tensor]] = []
+        window_seconds = 0.0  # training time only: evaluations and checkpoints would distort steps/s
+        order, order_epoch = None, None
+        while self.state.step < stop:
+            if order_epoch != self.state.epoch:
+                order, order_epoch = self.epoch_order(self.state.epoch), self.state.epoch
+            indices = self.next_batch(order)
+            started = time.perf_counter()
+            window.append(self.train_step(indices))
+            self.advance(len(indices))
+            bar.update(1)
+            step = self.state.step
+            if step % self.config.log_every == 0 or step == stop:
+                record = self.log_window(window, window_seconds + time.perf_counter() - started)
+                shown = {k: f"{record[k]:.3f}" for k in ("loss", "tau", "steps_per_s") if k in record}
+                bar.set_postfix(shown)
+                window, window_seconds = [], 0.0
+            else:
+                window_seconds += time.perf_counter() - started
+            if self.heldout and (step % self.config.eval_every == 0 or step == stop):
+                self.evaluate()
+            if step % self.config.save_every == 0 or step == stop:
+                self.save_checkpoint()
+        bar.close()
+        self.export_final()
+        return self.state
+
+    # ---- logging and evaluation --------------------------------------------------------------------------------------
+    def log_window(self, window: list[dict[str, torch.Tensor]], seconds: float) -> dict:
+        record = {"step": self.state.step, "epoch": self.state.epoch}
+        for name in window[0]:
+            mean = torch.stack([m[name].float().cpu() for m in window]).mean(0)
+            record[name] = mean.tolist()
+        record["steps_per_s"] = len(window) / max(seconds, 1e-9)
+        self.append_log(record)
+        return record
+
+    def evaluate(self) -> dict:
+        self.model.eval()
+        rngs = [np.random.default_rng([self.config.seed, EVAL_STREAM, i]) for i in range(len(self.heldout))]
+        with self.autocast():
+            record = {"step": self.state.step, **self.objective.evaluate(self.heldout, rngs)}
+        self.append_log(record)
+        return record
+
+    def append_log(self, record: dict) -> None:
+        with open(self.log_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def truncate_log(self, step: int) -> None:
+        """Drop log records written after `step` by a run that stopped before its next checkpoint."""
+        if not self.log_path.is_file():
+            return
+        keep = [line for line in self.log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.log_path.write_text("".join(line + "\n" for line in keep))
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        final = self.out / "checkpoints" / f"step-{self.state.step:06d}"
+        state = {
+            "version": STATE_VERSION,
+            "objective": self.objective.name,
+            **asdict(self.state),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_states(),
+            "data_fingerprint": self.fingerprint,
+            "num_train": len(self.train),
+        }
+
+        def write(folder: Path) -> None:
+            self.objective.save(folder, torch.float32)  # float32: resuming must not round the weights
+            torch.save(state, folder / STATE_FILE)
+            (folder / CONFIG_FILE).write_text(self.config.to_json())
+
+        write_atomically(final, write)
+        if self.config.keep_checkpoints:
+            for old in checkpoint_dirs(self.out)[: -self.config.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, folder: Path) -> None:
+        """Restore optimizer, scheduler, RNGs and position (the weights were loaded with the model)."""
+        state = read_trainer_state(folder)
+        if state.get("objective") != self.objective.name:
+            raise UserError(f"{folder} was trained with {state.get('objective')!r}, not {self.objective.name!r}")
+        if state.get("data_fingerprint") != self.fingerprint:
+            raise UserError(
+                f"the training data differs from the data of {folder} ({state.get('num_train')} sequences then, "
+                f"{len(self.train)} now): resuming would not continue the same run"
+            )
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            restore_rng_states(state["rng"])
+            self.state = TrainState(int(state["step"]), int(state["epoch"]), int(state["position"]))
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise UserError(f"{folder / STATE_FILE} does not match this drafter ({exc})") from exc
+        self.truncate_log(self.state.step)
+
+    def export_final(self) -> Path:
+        final = self.out / "final"
+        write_atomically(final, lambda folder: self.objective.save(folder, torch.bfloat16))
+        return final
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------------
+def write_plot(log_path: Path, png_path: Path) -> bool:
+    """Loss, mean accuracy and surrogate tau against step. Skipped (False) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[dflash] matplotlib is not installed: skipping --plot (pip install 'dflash[plot]')", file=sys.stderr)
+        return False
+    records = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_tau" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], label="held-out")
+    axes[1].plot([r["step"] for r in train], [float(np.mean(r["accuracy"])) for r in train], label="train")
+    axes[1].plot([r["step"] for r in evals], [float(np.mean(r["eval_accuracy"])) for r in evals], label="held-out")
+    axes[2].plot([r["step"] for r in train], [r["tau"] for r in train], label="train")
+    axes[2].plot([r["step"] for r in evals], [r["eval_tau"] for r in evals], label="held-out")
+    for ax, title in zip(axes, ("weighted loss", "mean block accuracy", "surrogate tau")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# ---- command line ----------------------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    from .cli import add_model_arguments
+
+    add_model_arguments(p, with_method=False)  # also gives --block-size and --drafter (an alias of --init-from)
+    for action in p._actions:  # the shared options mean something slightly different when training
+        if action.dest == "block_size":
+            action.help = "block size of a new drafter (default 16)"
+        elif action.dest == "drafter":
+            action.help = "same as --init-from"
+    p.add_argument("--data", required=True, help="folder of shard-*.jsonl files from `dflash data`, or one JSONL file")
+    p.add_argument("--out", required=True, help="output folder (checkpoints, log.jsonl, final/)")
+    p.add_argument("--config", default=None, help="JSON file of training options; flags override it")
+    p.add_argument("--init-from", default=None, help="start from this drafter folder instead of a new drafter")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue exactly from OUT's newest checkpoint, or from the given checkpoint / run folder")
+    p.add_argument("--plot", action="store_true", help="write OUT/curves.png (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    hints = get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        if f.name == "block_size":
+            continue  # --block-size comes from add_model_arguments
+        kind = float if "float" in str(hints[f.name]) else int
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=HELP[f.name])
+
+
+def cli_overrides(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+
+
+def resumed_config(saved: TrainConfig, overrides: dict, folder: Path) -> TrainConfig:
+    """The checkpoint's config; only options that cannot change the computed weights may be overridden."""
+    changed = {k: v for k, v in overrides.items() if getattr(saved, k) != v and k not in RESUMABLE}
+    if changed:
+        detail = ", ".join(f"{k}={v} (checkpoint: {getattr(saved, k)})" for k, v in changed.items())
+        raise UserError(f"cannot change {detail} when resuming from {folder}; start a new run instead")
+    # max_steps belongs to one invocation (a chunk of a longer run), so it is not inherited from the checkpoint
+    return saved.replace({"max_steps": None, **{k: v for k, v in overrides.items() if k in RESUMABLE}})
+
+
+def load_drafter_checkpoint(folder: Path, target, config: TrainConfig | None = None):
+    """A drafter folder as float32 on the target's device, checked against the target and the training config."""
+    from .drafter import DFlashDrafter
+
+    try:
+        drafter = DFlashDrafter.load(folder, dtype=torch.float32, device=str(target.device))
+    except RuntimeError as exc:  # weight shapes that contradict config.json
+        raise UserError(f"{folder}: drafter weights do not match its config ({str(exc).splitlines()[0]})") from exc
+    drafter.check_fits(target)
+    if config is not None:
+        found = (drafter.config.num_hidden_layers, drafter.config.block_size)
+        if found != (config.num_layers, config.block_size):
+            raise UserError(
+                f"{folder}: drafter has {found[0]} layers and block size {found[1]}, but its training config says "
+                f"{config.num_layers} and {config.block_size} (mismatched checkpoint)"
+            )
+    return drafter
+
+
+def new_drafter(target, config: TrainConfig):
+    from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
+
+    cfg = DFlashConfig.for_target(
+        target.config, target.vocab_size, default_mask_token_id(target.tokenizer, target.vocab_size),
+        num_layers=config.num_layers, block_size=config.block_size, num_features=config.num_features,
+    )
+    torch.manual_seed(config.seed)  # the initial weights are part of the run's seed
+    return DFlashDrafter(cfg).to(target.device)
+
+
+def initial_drafter(args, target, config: TrainConfig, overrides: dict):
+    """(drafter, config) for a fresh run: a new drafter, or --init-from whose shape wins over the defaults."""
+    init_from = args.init_from or args.drafter
+    if not init_from:
+        return new_drafter(target, config), config
+    drafter = load_drafter_checkpoint(Path(init_from), target)
+    shape = {"num_layers": drafter.config.num_hidden_layers, "block_size": drafter.config.block_size,
+             "num_features": len(drafter.config.target_layer_ids)}
+    clash = {k: v for k, v in overrides.items() if k in shape and v != shape[k]}
+    if clash:
+        raise UserError(f"--init-from {init_from} has {shape}; it cannot be trained with {clash}")
+    return drafter, config.replace(shape)
+
+
+def build_run(args, overrides: dict, out: Path):
+    """Target, objective, config and the checkpoint to resume (or None)."""
+    from .blocks import DFlashObjective
+    from .loading import load_target_cached
+
+    resume_from = resolve_checkpoint(args.resume, out) if args.resume else None
+    if resume_from is not None:
+        config = resumed_config(read_checkpoint_config(resume_from), overrides, resume_from)
+    else:
+        base = TrainConfig.from_file(args.config) if args.config else TrainConfig()
+        config = base.replace(overrides)
+    target = load_target_cached(args.target, args.dtype, args.device)
+    if resume_from is not None:
+        drafter = load_drafter_checkpoint(resume_from, target, config)
+    else:
+        drafter, config = initial_drafter(args, target, config, overrides)
+    objective = DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length)
+    return objective, config, resume_from
+
+
+def start_fresh(out: Path) -> None:
+    """A new run must not mix its checkpoints and log with an earlier run's."""
+    if checkpoint_dirs(out):
+        raise UserError(f"{out} already holds checkpoints: pass --resume to continue that run, or pick another --out")
+    (out / "log.jsonl").unlink(missing_ok=True)
+
+
+def run(args) -> int:
+    overrides = cli_overrides(args)
+    out = Path(args.out)
+    examples = load_examples(args.data)
+    objective, config, resume_from = build_run(args, overrides, out)
+    usable = [e for e in examples if objective.usable(e)]
+    if len(usable) < len(examples):
+        print(f"[dflash] skipping {len(examples) - len(usable)} sequences with no response token to train on",
+              file=sys.stderr)
+    train, heldout = split_heldout(usable, config.eval_fraction)
+    trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress)
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+        print(f"[dflash] resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr)
+    else:
+        start_fresh(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(config.to_json())
+    print(f"[dflash] {len(train)} training / {len(heldout)} held-out sequences, {trainer.total_steps} steps "
+          f"({config.epochs} epochs), drafter {sum(p.numel() for p in trainer.params) / 1e6:.1f}M params",
+          file=sys.stderr)
+    trainer.fit()
+    if args.plot:
+        write_plot(trainer.log_path, out / "curves.png")
+    print(f"[dflash] step {trainer.state.step}/{trainer.total_steps}; drafter saved to {out / 'final'}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,313 @@
+"""`dflash train`: block construction, mask, labels, loss weights, learning, losslessness, exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dflash import trainer
+from dflash.blocks import (
+    IGNORE,
+    DFlashObjective,
+    block_attention_mask,
+    build_block_batch,
+    default_gamma,
+    position_weights,
+    sample_anchors,
+    weighted_block_loss,
+)
+from dflash.cli import build_parser
+from dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.errors import UserError
+from dflash.testing import tiny_target
+
+MASK_ID = 2
+WORDS = range(5, 64)  # the tiny tokenizer's ordinary words; 0..4 are special
+
+
+def counting_records(count: int, seed: int = 0) -> list[dict]:
+    """Prompt of random words, then a response that counts w_i -> w_{i+1} (mod the word range)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        prompt_len, response_len, start = rng.randint(3, 8), rng.randint(20, 40), rng.randrange(len(WORDS))
+        prompt = [3] + [rng.choice(WORDS) for _ in range(prompt_len - 1)]
+        response = [WORDS[(start + j) % len(WORDS)] for j in range(response_len)]
+        records.append({"id": f"count-{i}", "input_ids": prompt + response, "loss_start": prompt_len})
+    return records
+
+
+def write_shards(folder, records, shards: int = 2):
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        lines = [json.dumps(r) for r in records[s::shards]]
+        (folder / f"shard-{s:05d}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def tiny_drafter(target, num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, MASK_ID, num_layers=num_layers,
+                                  block_size=block_size, num_features=2)
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The models here are tiny: one thread is several times faster than two on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", logit_scale=4.0)
+
+
+# ---- masks, blocks, labels -------------------------------------------------------------------------------------------
+def brute_force_mask(anchors: list[int], seq_len: int, block_size: int) -> torch.Tensor:
+    n = len(anchors)
+    mask = torch.zeros(n * block_size, seq_len + n * block_size, dtype=torch.bool)
+    for q in range(n * block_size):
+        block = q // block_size
+        for key in range(seq_len + n * block_size):
+            if key < seq_len:
+                mask[q, key] = key < anchors[block]
+            else:
+                mask[q, key] = (key - seq_len) // block_size == block
+    return mask
+
+
+def test_mask_matches_brute_force():
+    seq_len, block_size = 23, 4
+    anchors = [1, 5, 6, 14, 21]
+    mask = block_attention_mask(torch.tensor(anchors), seq_len, block_size)
+    assert torch.equal(mask, brute_force_mask(anchors, seq_len, block_size))
+    for i, a in enumerate(anchors):
+        rows = mask[i * block_size : (i + 1) * block_size]
+        assert not rows[:, a].any(), "the anchor's own feature must not be visible (< not <=)"
+        assert rows[:, a - 1].all()
+        assert not rows[:, a + 1 : seq_len].any()
+        own = slice(seq_len + i * block_size, seq_len + (i + 1) * block_size)
+        assert rows[:, own].all(), "a block sees itself bidirectionally"
+        assert rows[:, seq_len:].sum() == block_size * block_size, "blocks are blind to each other"
+
+
+def test_block_inputs_and_labels_are_same_position():
+    input_ids = torch.arange(10, 30)  # token at position p is 10 + p
+    anchors = torch.tensor([3, 9, 17, 18])
+    batch = build_block_batch(input_ids, anchors, block_size=4, mask_token_id=MASK_ID)
+    assert batch.block_ids[:, 0].tolist() == [13, 19, 27, 28]
+    assert (batch.block_ids[:, 1:] == MASK_ID).all()
+    assert batch.positions.tolist()[0] == [3, 4, 5, 6]
+    for i, a in enumerate(anchors.tolist()):
+        assert batch.labels[i, 0] == IGNORE  # the given anchor token is not predicted
+        for k in range(1, 4):
+            expected = int(input_ids[a + k]) if a + k < len(input_ids) else IGNORE
+            assert batch.labels[i, k] == expected, (a, k)
+    assert batch.labels[3].tolist() == [IGNORE, 29, IGNORE, IGNORE]
+
+
+def test_sample_anchors_inside_response_and_reseeded():
+    rng = np.random.default_rng(0)
+    anchors = sample_anchors(seq_len=100, loss_start=40, num=16, rng=rng)
+    assert len(anchors) == 16 and len(set(anchors.tolist())) == 16
+    assert anchors.tolist() == sorted(anchors.tolist())
+    assert anchors.min() >= 40 and anchors.max() < 99
+    again = sample_anchors(100, 40, 16, np.random.default_rng(0))
+    assert torch.equal(anchors, again)
+    assert not torch.equal(anchors, sample_anchors(100, 40, 16, rng))  # the next epoch's draw differs
+    assert sample_anchors(100, 95, 512, rng).tolist() == [95, 96, 97, 98]  # capped by what is available
+
+
+# ---- loss weights ----------------------------------------------------------------------------------------------------
+def test_default_gamma_follows_the_paper():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    assert default_gamma(12) == pytest.approx(5 + 2 / 3)
+
+
+def test_position_weights_and_normalised_loss():
+    w = position_weights(4, gamma=2.0)
+    assert w.tolist() == pytest.approx([0.0, 1.0, math.exp(-0.5), math.exp(-1.0)])
+    # two blocks of size 4; the first block's last label falls past the end of the sequence
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7)
+    labels = torch.tensor([3, 5, 1, 2, 6])  # positions (block, k): (0,1) (0,2) (1,1) (1,2) (1,3)
+    weights = torch.tensor([1.0, math.exp(-0.5), 1.0, math.exp(-0.5), math.exp(-1.0)])
+    ce = [-torch.log_softmax(logits[i], -1)[labels[i]].item() for i in range(5)]
+    w1, w2, w3 = 1.0, 0.6065306597126334, 0.36787944117144233
+    expected = (w1 * ce[0] + w2 * ce[1] + w1 * ce[2] + w2 * ce[3] + w3 * ce[4]) / (2 * w1 + 2 * w2 + w3)
+    assert weighted_block_loss(logits, labels, weights).item() == pytest.approx(expected, rel=1e-6)
+
+
+# ---- the drafter pass ------------------------------------------------------------------------------------------------
+def test_training_pass_equals_inference_per_block(target):
+    """Every block of the one sparse-mask pass gives the hidden states the drafter computes at inference time
+    from the context before its anchor: the mask, positions and feature alignment agree with decoding."""
+    drafter = tiny_drafter(target, num_layers=2, block_size=4).eval()
+    objective = DFlashObjective(drafter, target, anchors_per_seq=8)
+    input_ids = torch.tensor(counting_records(1)[0]["input_ids"])
+    anchors = torch.tensor([4, 9, 10, 20])
+    batch = build_block_batch(input_ids, anchors, 4, MASK_ID)
+    features = objective.target_features(input_ids)
+    with torch.no_grad():
+        embeds = target.embed_tokens(batch.block_ids.reshape(1, -1))
+        together = drafter(embeds, batch.positions.reshape(1, -1), features,
+                           torch.arange(len(input_ids))[None], mask=batch.mask[None, None]).view(4, 4, -1)
+        for i, a in enumerate(anchors.tolist()):
+            alone = drafter(target.embed_tokens(batch.block_ids[i : i + 1]), batch.positions[i : i + 1],
+                            features[:, :a], torch.arange(a)[None])
+            torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
+    from dflash.engine import GenerationConfig, SpeculativeDecoder
+    from dflash.proposers import DFlashProposer
+
+    examples = [trainer._parse_record(json.dumps(r), "test") for r in counting_records(48)]
+    train, heldout = trainer.split_heldout(examples, 0.1)
+    drafter = tiny_drafter(target, num_layers=1, block_size=4)
+    objective = DFlashObjective(drafter, target, anchors_per_seq=64)
+    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=4, lr=3e-3, eval_every=10_000,
+                                 save_every=10_000, log_every=50)
+    run = trainer.Trainer(objective, config, tmp_path, train, heldout, progress=False)
+    untrained_tau = run.evaluate()["eval_tau"]
+    run.fit()
+    trained_tau = run.evaluate()["eval_tau"]
+    assert untrained_tau < 1.3
+    print(f"surrogate tau: untrained {untrained_tau:.2f}, trained {trained_tau:.2f} (block size 4)")
+    assert trained_tau > 3.0, (untrained_tau, trained_tau)
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+    # drafts are only proposals: greedy output is the target's own, token for token
+    exported = DFlashDrafter.load(tmp_path / "final")
+    generation = GenerationConfig(max_new_tokens=24)
+    for prompt in ([3, 9, 10, 11, 12], [3, 40, 7, 41, 42, 43]):
+        ar = SpeculativeDecoder(target).generate(prompt, generation)
+        spec = SpeculativeDecoder(target, DFlashProposer(exported, target)).generate(prompt, generation)
+        assert spec.tokens == ar.tokens
+
+
+# ---- the command: resume, checkpoints, config ------------------------------------------------------------------------
+def train_args(data, out, *extra):
+    argv = ["train", "--target", "tiny-llama", "--data", str(data), "--out", str(out), "--no-progress",
+            "--num-layers", "1", "--block-size", "4", "--num-features", "2", "--epochs", "2", "--grad-accum", "2",
+            "--eval-fraction", "0.2", "--eval-every", "3", "--log-every", "1", "--anchors-per-seq", "16",
+            "--lr", "3e-3", *extra]
+    return build_parser().parse_args(argv)
+
+
+def checkpoint_weights(out, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """10 sequences -> 8 train, 2 per step: 4 steps per epoch, 8 in all. Straight vs stop at 5 (mid-epoch) + resume."""
+    root = tmp_path_factory.mktemp("resume")
+    data = write_shards(root / "data", counting_records(10, seed=1))
+    assert trainer.run(train_args(data, root / "straight", "--save-every", "100")) == 0
+    assert trainer.run(train_args(data, root / "split", "--save-every", "100", "--max-steps", "5")) == 0
+    assert sorted(p.name for p in trainer.checkpoint_dirs(root / "split")) == ["step-000005"]
+    assert trainer.run(train_args(data, root / "split", "--resume", "--save-every", "100")) == 0
+    return root, data
+
+
+def test_resume_continues_exactly(resume_runs):
+    root, _ = resume_runs
+    straight, split = checkpoint_weights(root / "straight", 8), checkpoint_weights(root / "split", 8)
+    assert straight.keys() == split.keys()
+    for name in straight:
+        torch.testing.assert_close(split[name], straight[name], atol=1e-6, rtol=1e-5)
+    assert not torch.equal(straight["fc.weight"], checkpoint_weights(root / "split", 5)["fc.weight"])
+    logs = [[json.loads(line) for line in (root / run / "log.jsonl").read_text().splitlines()]
+            for run in ("straight", "split")]
+    last_losses = [[r["loss"] for r in log if "loss" in r and r["step"] > 5] for log in logs]
+    assert len(last_losses[0]) == 3
+    assert last_losses[0] == pytest.approx(last_losses[1], rel=1e-5)
+    evals = [r for r in logs[0] if "eval_tau" in r]
+    assert [r["step"] for r in evals] == [3, 6, 8]
+
+
+def test_bad_checkpoints_are_user_errors(resume_runs, tmp_path):
+    root, data = resume_runs
+    source = root / "split" / "checkpoints" / "step-000008"
+
+    def resume_from(mutate):
+        folder = tmp_path / f"ckpt-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(source, folder)
+        mutate(folder)
+        with pytest.raises(UserError) as info:
+            trainer.run(train_args(data, tmp_path / "out", "--resume", str(folder)))
+        return str(info.value)
+
+    def truncate(name):
+        return lambda folder: (folder / name).write_bytes((folder / name).read_bytes()[:200])
+
+    assert "corrupt" in resume_from(truncate("trainer_state.pt"))
+    assert "corrupt" in resume_from(truncate("model.safetensors"))
+
+    def other_shape(folder):  # a 2-layer drafter where the run trained a 1-layer one
+        target = tiny_target("llama")
+        tiny_drafter(target, num_layers=2).save(folder, dtype=torch.float32)
+
+    assert "mismatched" in resume_from(other_shape)
+
+    def other_weights(folder):  # weights whose shapes contradict config.json
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(folder / "model.safetensors"))
+        state["fc.weight"] = state["fc.weight"][:, :10].contiguous()
+        save_file(state, str(folder / "model.safetensors"))
+
+    assert "do not match" in resume_from(other_weights)
+    with pytest.raises(UserError, match="cannot change lr"):
+        trainer.run(train_args(data, tmp_path / "out", "--resume", str(source), "--lr", "1e-3"))
+    with pytest.raises(UserError, match="no checkpoint"):
+        trainer.run(train_args(data, tmp_path / "empty", "--resume"))
+
+
+def test_interrupted_save_is_never_latest(tmp_path):
+    complete = tmp_path / "checkpoints" / "step-000004"
+    complete.mkdir(parents=True)
+    (complete / trainer.STATE_FILE).write_bytes(b"x")
+    (tmp_path / "checkpoints" / ".tmp-step-000009-123").mkdir()  # what a crash mid-save leaves
+    assert trainer.resolve_checkpoint("latest", tmp_path) == complete
+
+
+def test_config_round_trips_and_rejects_bad_values():
+    config = trainer.TrainConfig(lr=1e-3, gamma=5.0, max_steps=7)
+    assert trainer.TrainConfig.from_dict(json.loads(config.to_json())) == config
+    with pytest.raises(UserError, match="unknown training option"):
+        trainer.TrainConfig.from_dict({"learning_rate": 1e-3})
+    with pytest.raises(UserError, match="must be a number"):
+        trainer.TrainConfig.from_dict({"epochs": "six"})
+    with pytest.raises(UserError, match="epochs must be >= 1"):
+        config.replace({"epochs": 0})
+    with pytest.raises(UserError, match="warmup_ratio"):
+        config.replace({"warmup_ratio": 1.5})
+
+
+def test_bad_data_is_a_user_error(tmp_path):
+    (tmp_path / "shard-00000.jsonl").write_text('{"id": "a", "input_ids": [1, 2, 3], "loss_start": 1}\n{"id": "b"}\n')
+    with pytest.raises(UserError, match="shard-00000.jsonl:2"):
+        trainer.load_examples(tmp_path)
+    with pytest.raises(UserError, match="not found"):
+        trainer.load_examples(tmp_path / "missing")
+
+
+def test_plot_of_the_log(resume_runs, tmp_path):
+    root, _ = resume_runs
+    png = tmp_path / "curves.png"
+    if trainer.write_plot(root / "straight" / "log.jsonl", png):  # False (with a note) without matplotlib
+        assert png.stat().st_size > 1000
