@@ -1,0 +1,558 @@
+"""`dflash bench`: methods side by side on a benchmark set (tau, speedup, tokens/s), every output checked against ar.
+
+    dflash bench --dataset gsm8k --limit 20 --methods ar,hf,ngram,dflash,eagle3 --max-new-tokens 256 --out runs/gsm8k
+
+All methods run in one process, interleaved per prompt (the order rotates from prompt to prompt so no method always
+runs on a cache warmed by another), after one short warm-up generation each. `hf` is the target's own
+`model.generate` (greedy or sampled), timed the same way, to show that our `ar` path is not a slow strawman.
+
+Aggregates (DFLASH_SPEC.md section 7), pooled over all generations rather than averaged per prompt:
+    tau            = tokens emitted over all verify rounds / number of rounds (bonus included)
+    tokens_per_s   = new tokens / wall time of the generations (TTFT included)
+    tpot_ms        = decode time (total - TTFT) / (new tokens - 1 per generation)
+    speedup        = ar tpot / method tpot (decode phase; at T=0 outputs match, so this is the decode time ratio)
+    e2e_speedup    = method tokens_per_s / ar tokens_per_s (TTFT included)
+At T=0 every method's tokens are compared with ar's; any difference is a bug and is counted in greedy_mismatches.
+
+Writes DIR/results.json, DIR/results.md (the table, also printed), DIR/per_prompt.jsonl and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+# name -> (file in the data folder, prompt template)
+DATASETS = {
+    "gsm8k": ("gsm8k_test.jsonl", "math"),
+    "math500": ("math500_test.jsonl", "math"),
+    "humaneval": ("humaneval.jsonl", "code"),
+    "mt_bench": ("mt_bench.jsonl", "chat"),
+}
+TEMPLATES = {
+    "chat": "{prompt}",
+    "math": "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    "code": "Complete the following Python function. Reply with the whole function in one ```python code block."
+    "\n\n```python\n{prompt}```",
+}
+ENGINE_METHODS = ("ar", "ngram", "dflash", "eagle3")
+METHODS = ENGINE_METHODS + ("hf",)
+WARMUP_TOKENS = 8
+
+
+# ---- datasets -----------------------------------------------------------------------------------------------------
+@dataclass
+class BenchPrompt:
+    id: str
+    turns: list[str]  # user messages; turn i > 0 follows the model's own answer to turn i-1
+
+
+def data_dir() -> Path:
+    """$DFLASH_DATA_DIR, else ../shared/data relative to the working directory."""
+    return Path(os.environ.get("DFLASH_DATA_DIR", "../shared/data"))
+
+
+def resolve_dataset(name: str, template: str = "auto") -> tuple[Path, str]:
+    """(file, template name) for a built-in name or a .jsonl path. `auto` picks the built-in set's template, else
+    sends prompts as they are."""
+    if name in DATASETS:
+        file_name, default_template = DATASETS[name]
+        path = data_dir() / file_name
+        if not path.is_file():
+            raise UserError(f"dataset {name!r}: {path} not found (set $DFLASH_DATA_DIR to the data folder)")
+    else:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise UserError(f"dataset {name!r} is neither a built-in name ({', '.join(DATASETS)}) nor a JSONL file")
+        by_file = {file_name: tmpl for file_name, tmpl in DATASETS.values()}
+        default_template = by_file.get(path.name, "chat")
+    chosen = default_template if template == "auto" else template
+    if chosen not in TEMPLATES:
+        raise UserError(f"unknown template {template!r}; choose auto, {', '.join(TEMPLATES)}")
+    return path, chosen
+
+
+def read_prompts(path: Path, template: str, limit: int | None = None) -> list[BenchPrompt]:
+    """Rows with `turns` (a list of strings) or `prompt`; the template wraps the first turn only."""
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if limit is not None and len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
+            turns = _turns_of(row)
+            if turns is None:
+                raise UserError(f"{path}:{line_no} needs a string 'prompt' or a list of strings 'turns'")
+            turns[0] = TEMPLATES[template].format(prompt=turns[0])
+            prompts.append(BenchPrompt(str(row.get("id", line_no - 1)), turns))
+    if not prompts:
+        raise UserError(f"{path} holds no prompts")
+    return prompts
+
+
+def _turns_of(row) -> list[str] | None:
+    if not isinstance(row, dict):
+        return None
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
+        return list(turns)
+    prompt = row.get("prompt")
+    return [prompt] if isinstance(prompt, str) and prompt.strip() else None
+
+
+def parse_methods(text: str) -> list[str]:
+    """Comma-separated methods, ar always first (every other method is compared with it)."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    return ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+
+
+# ---- running one generation --------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    tokens: list[int]
+    text: str
+    ttft_s: float
+    total_s: float
+    accept_lengths: list[int] | None = None  # None for hf (no verify rounds)
+
+
+class EngineRunner:
+    """A proposer behind the shared verification loop."""
+
+    def __init__(self, method: str, target, proposer, sampling):
+        from .engine import SpeculativeDecoder
+
+        self.method, self.sampling = method, sampling
+        self.decoder = SpeculativeDecoder(target, proposer)
+        self.block_size = proposer.max_draft + 1
+
+    def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
+        from .engine import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=max_new, sampling=copy.copy(self.sampling), ignore_eos=ignore_eos)
+        result = self.decoder.generate(prompt_ids, config)
+        stats = result.stats
+        return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths))
+
+
+class _FirstTokenClock:
+    """A `generate` streamer that notes when the first new token arrives (its first `put` is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.first_token_at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFRunner:
+    """The target's own `model.generate`, same prompt ids, same stop ids, same length limit as ar."""
+
+    method, block_size = "hf", 1
+
+    def __init__(self, target, sampling):
+        from transformers.generation.streamers import BaseStreamer
+
+        self.target, self.sampling = target, sampling
+        self.clock_type = type("FirstTokenClock", (_FirstTokenClock, BaseStreamer), {})
+
+    def generation_config(self, max_new: int, ignore_eos: bool):
+        gc = copy.deepcopy(self.target.model.generation_config)
+        eos = self.target.eos_token_ids
+        gc.max_new_tokens, gc.max_length, gc.min_new_tokens, gc.min_length = max_new, None, None, 0
+        gc.eos_token_id = None if ignore_eos else (eos or None)
+        gc.pad_token_id = eos[0] if eos else 0
+        gc.do_sample = not self.sampling.greedy
+        if gc.do_sample:
+            gc.temperature, gc.top_k, gc.top_p = self.sampling.temperature, self.sampling.top_k, self.sampling.top_p
+        else:  # unset sampling knobs so transformers does not warn that they are ignored
+            gc.temperature = gc.top_k = gc.top_p = None
+        return gc
+
+    def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
+        target = self.target
+        max_new = min(max_new, target.max_context - len(prompt_ids) - 1)  # the ar engine's own limit
+        input_ids = torch.tensor([prompt_ids], device=target.device)
+        clock = self.clock_type()
+        if self.sampling.seed is not None:
+            torch.manual_seed(self.sampling.seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                generation_config=self.generation_config(max_new, ignore_eos), streamer=clock,
+            )
+        tokens = out[0, len(prompt_ids):].tolist()  # the host copy also waits for the device
+        total = time.perf_counter() - start
+        eos = set(target.eos_token_ids)
+        shown = tokens[:-1] if tokens and tokens[-1] in eos and not ignore_eos else tokens
+        ttft = (clock.first_token_at or time.perf_counter()) - start
+        return Run(tokens, target.decode(shown), ttft, total)
+
+
+def build_runners(methods: list[str], target, args, sampling) -> dict:
+    from .loading import build_proposer
+
+    runners = {}
+    for method in methods:
+        if method == "hf":
+            runners[method] = HFRunner(target, sampling)
+            continue
+        path = args.eagle3 if method == "eagle3" else args.drafter
+        proposer, note = build_proposer(method, target, path, args.block_size)
+        if note:
+            print(f"[dflash] {method}: {note}", file=sys.stderr)
+        runners[method] = EngineRunner(method, target, proposer, sampling)
+    return runners
+
+
+def run_conversation(runner, target, prompt: BenchPrompt, max_new: int, ignore_eos: bool) -> list[Run]:
+    """All turns of one prompt; a later turn sees the method's OWN earlier answers as assistant messages."""
+    runs, messages = [], []
+    for i, turn in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": turn})
+        ids = target.encode_prompt(turn) if i == 0 else target.encode_messages(messages)
+        run = runner.generate(ids, max_new, ignore_eos)
+        runs.append(run)
+        messages.append({"role": "assistant", "content": run.text})
+    return runs
+
+
+# ---- aggregation ----------------------------------------------------------------------------------------------------
+@dataclass
+class Totals:
+    """Pooled statistics of one method over every generation of the run."""
+
+    block_size: int = 1
+    generations: int = 0
+    new_tokens: int = 0
+    total_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+
+    def add(self, run: Run) -> None:
+        n = len(run.tokens)
+        self.generations += 1
+        self.new_tokens += n
+        self.total_s += run.total_s
+        self.ttft_s += run.ttft_s
+        self.decode_s += run.total_s - run.ttft_s
+        self.decode_tokens += max(0, n - 1)  # the first token belongs to TTFT
+        self.accept_lengths += run.accept_lengths or []
+
+    @property
+    def tpot_ms(self) -> float:
+        return 1000 * self.decode_s / max(1, self.decode_tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(1e-9, self.total_s)
+
+    def summary(self, method: str, ar: "Totals") -> dict:
+        out = {"tokens_per_s": self.tokens_per_s, "tpot_ms": self.tpot_ms,
+               "ttft_ms": 1000 * self.ttft_s / max(1, self.generations), "new_tokens": self.new_tokens}
+        if method == "ar":
+            return out
+        # no decode phase at all (one-token outputs) leaves the TPOT ratio undefined
+        out["speedup"] = ar.tpot_ms / self.tpot_ms if self.decode_tokens and ar.decode_tokens else None
+        out["e2e_speedup"] = self.tokens_per_s / max(1e-9, ar.tokens_per_s)
+        if method != "hf":
+            out.update(acceptance_stats(self.accept_lengths, self.block_size))
+        return out
+
+
+def acceptance_stats(accept_lengths: list[int], block_size: int) -> dict:
+    """tau, per-position acceptance and the histogram over the pooled rounds (the engine's own definitions)."""
+    from .engine import GenerationStats
+
+    pooled = GenerationStats(block_size=block_size, accept_lengths=accept_lengths)
+    return {"tau": pooled.tau, "num_rounds": pooled.num_rounds, "block_size": block_size,
+            "per_position_acceptance": pooled.per_position_acceptance, "tau_histogram": pooled.tau_histogram}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+# ---- the command ----------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli import add_model_arguments
+
+    add_model_arguments(p, with_method=False)
+    p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)} (from $DFLASH_DATA_DIR or ../shared/data) "
+                   "or a JSONL file with 'prompt' or 'turns'")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--methods", default="ar,ngram,dflash", help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder (default: the shipped head for the target)")
+    p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def validate(args) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from .loading import load_target_cached
+    from .sampling import SamplingConfig
+
+    validate(args)
+    methods = parse_methods(args.methods)
+    path, template = resolve_dataset(args.dataset, args.template)
+    prompts = read_prompts(path, template, args.limit)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target = load_target_cached(args.target, args.dtype, args.device)
+    sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
+    runners = build_runners(methods, target, args, sampling)
+
+    warm = BenchPrompt("warmup", prompts[0].turns[:1])
+    for runner in runners.values():
+        run_conversation(runner, target, warm, min(WARMUP_TOKENS, args.max_new_tokens), args.ignore_eos)
+
+    totals = {m: Totals(block_size=r.block_size) for m, r in runners.items()}
+    mismatches, rows = [], []
+    for index, prompt in enumerate(tqdm(prompts, desc="bench", unit="prompt", disable=args.no_progress)):
+        shift = index % len(methods)
+        runs = {}
+        for method in methods[shift:] + methods[:shift]:
+            runs[method] = run_conversation(runners[method], target, prompt, args.max_new_tokens, args.ignore_eos)
+        for method, method_runs in runs.items():
+            for turn, r in enumerate(method_runs):
+                totals[method].add(r)
+                reference = runs["ar"][turn].tokens
+                same = r.tokens == reference
+                if sampling.greedy and not same:
+                    mismatches.append({"id": prompt.id, "turn": turn, "method": method,
+                                       "first_difference": first_difference(r.tokens, reference)})
+                rows.append(_row(prompt.id, turn, method, r, same))
+
+    results = collect_results(args, target, prompts, path, methods, totals, mismatches, sampling.greedy)
+    write_outputs(out_dir, results, rows)
+    if mismatches:
+        print(f"dflash bench: {len(mismatches)} greedy output(s) differ from ar (see results.json)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
+    row = {"id": prompt_id, "turn": turn, "method": method, "new_tokens": len(r.tokens),
+           "ttft_ms": 1000 * r.ttft_s, "total_s": r.total_s, "same_as_ar": same}
+    if r.accept_lengths is not None:
+        row["tau"] = sum(r.accept_lengths) / max(1, len(r.accept_lengths))
+    return row
+
+
+def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool) -> dict:
+    ar = totals["ar"]
+    summaries = {m: totals[m].summary(m, ar) for m in methods}
+    results = {
+        "target": args.target,
+        "device": str(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "dataset": args.dataset,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "methods": summaries,
+        # outputs are compared only when decoding is greedy; sampled runs have nothing to compare
+        "greedy_mismatches": len(mismatches) if greedy else None,
+        "mismatches": mismatches,
+        "num_generations": ar.generations,
+        "block_size": args.block_size,
+        "ignore_eos": args.ignore_eos,
+        "dataset_file": str(path),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(args),
+        "machine": machine_info(target),
+    }
+    if "hf" in summaries:
+        # > 1 means our ar path is faster than transformers' generate
+        results["ar_vs_hf_tokens_per_s"] = summaries["ar"]["tokens_per_s"] / max(1e-9, summaries["hf"]["tokens_per_s"])
+    return results
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run (rebuilt from the parsed flags, so it holds the defaults too)."""
+    parts = ["dflash bench", f"--dataset {args.dataset}", f"--methods {args.methods}", f"--target {args.target}",
+             f"--max-new-tokens {args.max_new_tokens}", f"--temperature {args.temperature}", f"--dtype {args.dtype}",
+             f"--device {args.device}"]
+    for flag, value in (("--limit", args.limit), ("--block-size", args.block_size), ("--drafter", args.drafter),
+                        ("--eagle3", args.eagle3)):
+        if value is not None:
+            parts.append(f"{flag} {value}")
+    if args.template != "auto":
+        parts.append(f"--template {args.template}")
+    if args.ignore_eos:
+        parts.append("--ignore-eos")
+    if args.threads is not None:
+        parts.append(f"--threads {args.threads}")
+    return " ".join(parts + [f"--out {args.out}"])
+
+
+def machine_info(target) -> dict:
+    import transformers
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    if target.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(target.device)
+    return info
+
+
+# ---- reports ----------------------------------------------------------------------------------------------------
+def markdown_table(results: dict) -> str:
+    lines = ["| method | tau | speedup | e2e speedup | tokens/s | TPOT ms | TTFT ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for method, s in results["methods"].items():
+        tau = f"{s['tau']:.2f}" if "tau" in s else ("1.00" if method == "ar" else "-")
+        lines.append(
+            f"| {method} | {tau} | {_times(s.get('speedup', 1.0))} | {_times(s.get('e2e_speedup', 1.0))} "
+            f"| {s['tokens_per_s']:.1f} | {s['tpot_ms']:.2f} | {s['ttft_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
+    mismatches = results["greedy_mismatches"]
+    lines = [
+        f"# dflash bench: {results['dataset']}",
+        "",
+        f"`{results['command']}`",
+        "",
+        f"target `{results['target']}` ({results['dtype']}, {results['device']}), {results['num_prompts']} prompts "
+        f"({results['num_generations']} generations per method), max {results['max_new_tokens']} new tokens, "
+        f"T={results['temperature']}, {results['date']}",
+        "",
+        markdown_table(results),
+        "",
+        "speedup = ar TPOT / method TPOT (decode); e2e speedup = tokens/s ratio including TTFT.",
+        "",
+        f"greedy mismatches vs ar: {mismatches if mismatches is not None else 'not compared (sampling)'}",
+    ]
+    if "ar_vs_hf_tokens_per_s" in results:
+        lines.append(f"ar vs transformers generate: ar runs at {results['ar_vs_hf_tokens_per_s']:.2f}x hf's tokens/s")
+    lines.append("")
+    lines += [f"![{p}]({p})" for p in plots]
+    if note:
+        lines.append(note)
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(out_dir: Path, results: dict) -> tuple[list[str], str | None]:
+    """PNG plots; skipped with a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not installed: plots skipped (pip install 'dflash[plot]')"
+    speculative = {m: s for m, s in results["methods"].items() if "tau" in s}
+    written = []
+    if speculative:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(speculative)
+        for i, (method, s) in enumerate(speculative.items()):
+            hist = s["tau_histogram"]
+            share = [h / max(1, sum(hist)) for h in hist]
+            ax.bar([k + 1 + (i - (len(speculative) - 1) / 2) * width for k in range(len(hist))], share, width,
+                   label=f"{method} (tau {s['tau']:.2f})")
+        ax.set(xlabel="tokens emitted per verify round", ylabel="share of rounds", title="acceptance length")
+        ax.legend()
+        written.append(_save(fig, out_dir / "tau_histogram.png"))
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for method, s in speculative.items():
+            acc = s["per_position_acceptance"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=method)
+        ax.set(xlabel="draft position k", ylabel="fraction of rounds accepted", ylim=(0, 1.02),
+               title="per-position acceptance")
+        ax.legend()
+        written.append(_save(fig, out_dir / "per_position_acceptance.png"))
+
+    others = {m: s for m, s in results["methods"].items() if m != "ar"}
+    if others:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(list(others), [s["speedup"] or 0.0 for s in others.values()], color="tab:blue")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set(ylabel="speedup over ar (TPOT)", title=f"{results['dataset']}: speedup")
+        written.append(_save(fig, out_dir / "speedup.png"))
+    plt.close("all")
+    return written, None
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
+def write_outputs(out_dir: Path, results: dict, rows: list[dict]) -> None:
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    with (out_dir / "per_prompt.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    plots, note = write_plots(out_dir, results)
+    if note:
+        print(f"[dflash] {note}", file=sys.stderr)
+    (out_dir / "results.md").write_text(markdown_report(results, plots, note))
+    print(markdown_table(results))
+    mismatches = results["greedy_mismatches"]
+    print(f"\ngreedy mismatches vs ar: {mismatches if mismatches is not None else 'not compared (sampling)'}")
+    if "ar_vs_hf_tokens_per_s" in results:
+        print(f"ar vs transformers generate: {results['ar_vs_hf_tokens_per_s']:.2f}x hf tokens/s")
+    print(f"results: {out_dir / 'results.json'}")

@@ -1,0 +1,128 @@
+"""`dflash bench` on tiny targets: the results schema, zero greedy mismatches across methods (hf included), two-turn
+records, dataset resolution and user errors."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.bench import parse_methods, read_prompts, resolve_dataset
+from dflash.cli import main
+from dflash.errors import UserError
+
+SCHEMA_TOP = {"target", "device", "dtype", "dataset", "num_prompts", "max_new_tokens", "temperature", "methods",
+              "greedy_mismatches"}
+RATE_KEYS = {"tokens_per_s", "tpot_ms", "ttft_ms"}
+SPECULATIVE_KEYS = RATE_KEYS | {"tau", "speedup", "per_position_acceptance", "tau_histogram"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared machine a busy core stalls every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench(tmp_path, dataset, methods, *extra, name="out"):
+    out = tmp_path / name
+    code = main(["bench", "--target", "tiny-llama", "--device", "cpu", "--dataset", str(dataset), "--methods", methods,
+                 "--max-new-tokens", "16", "--out", str(out), "--no-progress", *extra])
+    return code, out
+
+
+def test_results_schema_and_lossless(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "set.jsonl", [
+        {"id": "a", "prompt": "w5 w6 w7 w5 w6 w7"}, {"id": "b", "prompt": "w10 w11"}, {"id": "c", "prompt": "w30"}])
+    code, out = bench(tmp_path, data, "ar,ngram,dflash,eagle3,hf", "--block-size", "4", "--ignore-eos")
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert SCHEMA_TOP <= set(results)
+    assert results["greedy_mismatches"] == 0 and results["num_prompts"] == 3 and results["target"] == "tiny-llama"
+    methods = results["methods"]
+    assert list(methods) == ["ar", "ngram", "dflash", "eagle3", "hf"]
+    assert RATE_KEYS <= set(methods["ar"])
+    for method in ("ngram", "dflash", "eagle3"):
+        stats = methods[method]
+        assert SPECULATIVE_KEYS <= set(stats), method
+        assert 1.0 <= stats["tau"] <= stats["block_size"]
+        assert sum(stats["tau_histogram"]) == stats["num_rounds"]
+    assert methods["ngram"]["tau"] >= 1.0 and len(methods["ngram"]["per_position_acceptance"]) == 3
+    assert len(methods["eagle3"]["per_position_acceptance"]) == 7  # the head's own depth
+    # --ignore-eos: every method produced exactly max_new_tokens per prompt
+    assert all(m["new_tokens"] == 3 * 16 for m in methods.values())
+    assert results["ar_vs_hf_tokens_per_s"] > 0 and "speedup" in methods["hf"]
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 5 and all(r["same_as_ar"] for r in rows)
+    table = (out / "results.md").read_text()
+    assert "| eagle3 |" in table and "greedy mismatches vs ar: 0" in table
+    assert "| dflash |" in capsys.readouterr().out
+    for plot in ("tau_histogram.png", "per_position_acceptance.png", "speedup.png"):
+        assert (out / plot).stat().st_size > 0
+
+
+def test_two_turn_records(tmp_path):
+    data = write_jsonl(tmp_path / "mt.jsonl", [{"id": 81, "turns": ["w1 w2 w3", "w4 w5"]}, {"id": 82, "prompt": "w9"}])
+    code, out = bench(tmp_path, data, "ar,ngram")
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_mismatches"] == 0 and results["num_prompts"] == 2 and results["num_generations"] == 3
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["turn"]) for r in rows if r["method"] == "ngram") == [("81", 0), ("81", 1), ("82", 0)]
+
+
+def test_limit_and_sampling(tmp_path):
+    data = write_jsonl(tmp_path / "set.jsonl", [{"prompt": f"w{i} w{i + 1}"} for i in range(5, 12)])
+    code, out = bench(tmp_path, data, "ngram", "--limit", "2", "--temperature", "0.8")
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_prompts"] == 2 and list(results["methods"]) == ["ar", "ngram"]
+    assert results["greedy_mismatches"] is None  # sampled outputs are not compared
+
+
+def test_builtin_names_and_templates(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "gsm8k_test.jsonl", [{"id": "g0", "prompt": "What is 2+2?"}])
+    write_jsonl(tmp_path / "humaneval.jsonl", [{"id": "h0", "prompt": "def f(x):\n    "}])
+    monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path))
+    path, template = resolve_dataset("gsm8k")
+    assert path == tmp_path / "gsm8k_test.jsonl" and template == "math"
+    (prompt,) = read_prompts(path, template)
+    assert prompt.turns[0].startswith("What is 2+2?") and "\\boxed{}" in prompt.turns[0]
+    (code,) = read_prompts(*resolve_dataset("humaneval"))
+    assert "```python\ndef f(x):" in code.turns[0]
+    assert resolve_dataset(str(tmp_path / "gsm8k_test.jsonl"))[1] == "math"  # a path to a known file: same template
+    assert resolve_dataset(str(tmp_path / "gsm8k_test.jsonl"), "chat")[1] == "chat"
+    with pytest.raises(UserError, match="not found"):
+        resolve_dataset("math500")
+
+
+def test_methods_parsing():
+    assert parse_methods("dflash,ngram,dflash") == ["ar", "dflash", "ngram"]
+    with pytest.raises(UserError, match="unknown method"):
+        parse_methods("ar,medusa")
+
+
+@pytest.mark.parametrize("case", ["missing", "bad_json", "no_prompt", "unknown_method", "empty"])
+def test_bad_input_exits_2(tmp_path, capsys, case):
+    dataset, methods = tmp_path / "set.jsonl", "ar"
+    if case == "bad_json":
+        dataset.write_text('{"prompt": "w1"}\n{"prompt": \n')
+    elif case == "no_prompt":
+        write_jsonl(dataset, [{"question": "w1"}])
+    elif case == "empty":
+        dataset.write_text("\n")
+    elif case == "unknown_method":
+        write_jsonl(dataset, [{"prompt": "w1"}])
+        methods = "ar,medusa"
+    code, _ = bench(tmp_path, dataset, methods)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash: error:") and "Traceback" not in err
+    if case == "bad_json":
+        assert "set.jsonl:2" in err

@@ -1,0 +1,228 @@
+"""The EAGLE-3 baseline: lossless through the shared engine, inference equals the training-time unroll, checkpoints
+round-trip, and a short training run lifts acceptance far above an untrained head."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ARCHS
+from dflash.eagle3 import (
+    Eagle3Head,
+    Eagle3Objective,
+    Eagle3Proposer,
+    build_eagle3_proposer,
+    default_feature_layers,
+    eagle3_loss,
+    frequent_tokens,
+)
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.testing import tiny_target
+
+PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3"]
+FIRST_WORD = 5  # ids 0..4 are the tiny tokenizer's special tokens
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared machine a busy core stalls every op."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def generate(target, proposer, ids, max_new=32):
+    config = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
+    return SpeculativeDecoder(target, proposer).generate(ids, config)
+
+
+def fresh_head(target, scale=None, draft_vocab=None, seed=0):
+    torch.manual_seed(seed)
+    head = Eagle3Head.for_target(target, draft_vocab=draft_vocab)
+    if scale is not None:  # a sharper random head: distinct argmaxes make equality checks meaningful
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, scale)
+    return head
+
+
+def test_default_feature_layers():
+    assert default_feature_layers(30) == [2, 15, 27]
+    assert default_feature_layers(36) == [2, 18, 33]
+    assert all(0 <= i < 4 for i in default_feature_layers(4))
+    assert all(0 <= i < 2 for i in default_feature_layers(2))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_untrained_head_is_lossless(tiny_targets, arch):
+    target = tiny_targets[arch]
+    proposer, note = build_eagle3_proposer(target)
+    assert "UNTRAINED" in note and proposer.max_draft == 7 and len(proposer.feature_layers) == 3
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        assert generate(target, proposer, ids).tokens == generate(target, None, ids).tokens
+
+
+def test_reduced_vocab_sharp_head_is_lossless(tiny_targets):
+    target = tiny_targets["llama"]
+    head = fresh_head(target, scale=0.3, draft_vocab=range(FIRST_WORD, 40))
+    proposer = Eagle3Proposer(head, target, depth=5)
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        result = generate(target, proposer, ids)
+        assert result.tokens == generate(target, None, ids).tokens
+        assert result.stats.block_size == 6
+
+
+def test_chain_drafts_equal_training_unroll(tiny_targets):
+    """The cached chain at inference (with rollback of speculative K/V) must be what the TTT unroll trains."""
+    target = tiny_targets["qwen3"]
+    head = fresh_head(target, scale=0.3)
+    proposer = Eagle3Proposer(head, target)
+    seq = torch.randint(FIRST_WORD, target.vocab_size, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    features = target.forward(torch.tensor([seq]), None, head.feature_layers).features
+    proposer.start(seq[:10], features[:, :10])
+    last = 10  # position of the pending bonus token
+    for accepted in (3, 1, 5, 0):
+        drafts = proposer.propose(seq[: last + 1])
+        teacher = seq[: last + 1] + drafts
+        full = target.forward(torch.tensor([teacher]), None, head.feature_layers).features
+        with torch.no_grad():
+            embeds = target.embed_tokens(torch.tensor([teacher[1:]]))
+            outputs = head.unroll(embeds, head.fuse(full[:, :-1]), steps=len(drafts))
+        # the chain is rooted at pair last-1 (last committed feature + bonus); its step k sits at pair last-1+k
+        expected = [int(head.draft_to_target(head.logits(outputs[k][0, last - 1 + k]).argmax())) for k in range(7)]
+        assert drafts == expected
+        # pretend `accepted` drafts were accepted: the bonus and them enter the cache with their target features
+        proposer.commit(seq[last : last + accepted + 1], features[:, last : last + accepted + 1])
+        last += accepted + 1
+
+
+def test_save_load_round_trip(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    vocab = frequent_tokens([[7, 7, 9, 12], [9, 7, 3]], target.vocab_size, 16)
+    assert len(vocab) == 16 and {3, 7, 9, 12} <= set(vocab)
+    head = fresh_head(target, scale=0.3, draft_vocab=vocab)
+    head.save(tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 16 and config["target_layer_ids"] == list(head.feature_layers)
+    loaded, note = build_eagle3_proposer(target, str(tmp_path / "head"))
+    assert note is None
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(loaded.head.state_dict()[name], tensor), name
+    drafted = loaded.head.draft_to_target(torch.arange(16))
+    assert drafted.tolist() == vocab
+    ids = target.encode_prompt(PROMPTS[2])
+    a, b = generate(target, Eagle3Proposer(head, target), ids), generate(target, loaded, ids)
+    assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths
+
+
+def test_bad_checkpoints_are_user_errors(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    with pytest.raises(UserError, match="not found"):
+        build_eagle3_proposer(target, str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="needs config.json"):
+        build_eagle3_proposer(target, str(tmp_path / "empty"))
+    other = tiny_target("llama", num_layers=2)
+    fresh_head(target).save(tmp_path / "head")
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (tmp_path / "head" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError):
+        build_eagle3_proposer(other, str(tmp_path / "head"))
+
+
+def test_loss_weights_and_masks(tiny_targets):
+    target = tiny_targets["llama"]
+    head = fresh_head(target)
+    ids = torch.randint(FIRST_WORD, target.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss, metrics = eagle3_loss(head, target, ids, loss_start=torch.tensor([4, 8]), steps=3)
+    assert loss.requires_grad and torch.isfinite(loss)
+    assert metrics["accuracy"].shape == (3,) and 1.0 <= float(metrics["tau"]) <= 4.0
+    loss.backward()
+    assert head.fc.weight.grad is not None and head.lm_head.weight.grad.abs().sum() > 0
+    # no label anywhere: the loss is zero, never NaN
+    none, _ = eagle3_loss(head, target, ids, loss_start=ids.shape[1], steps=3)
+    assert float(none) == 0.0
+
+
+def test_objective_interface(tiny_targets, tmp_path):
+    """What the generic trainer calls: usable, loss(example, rng), evaluate, save."""
+    target = tiny_targets["llama"]
+    objective = Eagle3Objective(fresh_head(target), target, steps=3)
+    ids = torch.randint(FIRST_WORD, target.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    example = SimpleNamespace(id="x", input_ids=ids.to(torch.int32), loss_start=6)
+    assert objective.usable(example)
+    assert not objective.usable(SimpleNamespace(id="y", input_ids=ids[:6], loss_start=6))
+    loss, metrics = objective.loss(example, np.random.default_rng(0))
+    loss.backward()
+    assert set(metrics) == {"loss", "accuracy", "tau"} and not metrics["loss"].requires_grad
+    record = objective.evaluate([example], [np.random.default_rng(0)])
+    assert record["eval_tau"] >= 1.0 and len(record["eval_accuracy"]) == 3
+    objective.save(tmp_path / "head", torch.bfloat16)
+    loaded, _ = build_eagle3_proposer(target, str(tmp_path / "head"))
+    assert loaded.head.d2t.dtype == torch.long and loaded.head.fc.weight.dtype == torch.float32
+
+
+# ---- training lifts acceptance ----------------------------------------------------------------------------------
+def counting_target():
+    """A tiny target whose greedy continuation counts: w_k -> w_{k+1} (cycling over the word ids).
+    The decoder layers write nothing into the residual stream, and lm_head row y holds the embedding of y's
+    predecessor, so the argmax after token x is x + 1."""
+    target = tiny_target("qwen3", logit_scale=1.0)
+    model = target.model
+    words = torch.arange(FIRST_WORD, target.vocab_size)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[words] = 10 * model.get_input_embeddings().weight[words.roll(1)]
+    return target
+
+
+def counting_sequences(n, length, generator, vocab_size=64):
+    span = vocab_size - FIRST_WORD
+    starts = torch.randint(0, span, (n, 1), generator=generator)
+    return FIRST_WORD + (starts + torch.arange(length)) % span
+
+
+def mean_tau(target, proposer, prompts, max_new=40):
+    taus = []
+    for ids in prompts:
+        result = generate(target, proposer, ids, max_new)
+        assert result.tokens == generate(target, None, ids, max_new).tokens
+        taus.append(result.stats.tau)
+    return sum(taus) / len(taus)
+
+
+def test_training_lifts_acceptance():
+    torch.manual_seed(0)
+    target = counting_target()
+    generator = torch.Generator().manual_seed(0)
+    prompts = counting_sequences(3, 4, generator).tolist()
+    # the training data below is exactly the target's own greedy output, as `dflash data` would regenerate it
+    span = target.vocab_size - FIRST_WORD
+    continuation = generate(target, None, prompts[0], 8).tokens
+    assert continuation == [FIRST_WORD + (prompts[0][-1] - FIRST_WORD + i) % span for i in range(1, 9)]
+
+    head = fresh_head(target, seed=1)
+    untrained = mean_tau(target, Eagle3Proposer(head, target), prompts)
+    objective = Eagle3Objective(head, target, steps=7)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(120):
+        batch = counting_sequences(8, 20, generator)
+        loss, metrics = eagle3_loss(head, target, batch, loss_start=4, steps=objective.steps)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    trained = mean_tau(target, Eagle3Proposer(head.eval(), target), prompts)
+    assert untrained < 1.3
+    assert trained > 4.0, (untrained, trained, metrics)
