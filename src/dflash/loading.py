@@ -71,5 +71,5 @@ def build_proposer(
             from .eagle3 import build_eagle3_proposer
         except ModuleNotFoundError as exc:
             raise UserError("the eagle3 method is not available in this build") from exc
-        return build_eagle3_proposer(target, drafter_path)
+        return build_eagle3_proposer(target, drafter_path, depth=block_size - 1 if block_size else None)
     raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
