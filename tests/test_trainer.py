@@ -197,12 +197,15 @@ def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
 
 
 # ---- the command: resume, checkpoints, config ------------------------------------------------------------------------
-def train_args(data, out, *extra):
-    argv = ["train", "--target", "tiny-llama", "--data", str(data), "--out", str(out), "--no-progress",
+def train_argv(data, out, *extra):
+    return ["train", "--target", "tiny-llama", "--data", str(data), "--out", str(out), "--no-progress",
             "--num-layers", "1", "--block-size", "4", "--num-features", "2", "--epochs", "2", "--grad-accum", "2",
             "--eval-fraction", "0.2", "--eval-every", "3", "--log-every", "1", "--anchors-per-seq", "16",
             "--lr", "3e-3", *extra]
-    return build_parser().parse_args(argv)
+
+
+def train_args(data, out, *extra):
+    return build_parser().parse_args(train_argv(data, out, *extra))
 
 
 def checkpoint_weights(out, step: int) -> dict[str, torch.Tensor]:
@@ -311,3 +314,99 @@ def test_plot_of_the_log(resume_runs, tmp_path):
     png = tmp_path / "curves.png"
     if trainer.write_plot(root / "straight" / "log.jsonl", png):  # False (with a note) without matplotlib
         assert png.stat().st_size > 1000
+
+
+# ---- --method eagle3: the same loop, schedule, checkpoints and resume for the EAGLE-3 head ------------------------
+def eagle3_argv(data, out, *extra):
+    return ["train", "--method", "eagle3", "--target", "tiny-llama", "--data", str(data), "--out", str(out),
+            "--no-progress", "--block-size", "4", "--draft-vocab", "40", "--epochs", "2", "--grad-accum", "2",
+            "--eval-fraction", "0.2", "--eval-every", "3", "--log-every", "1", "--lr", "3e-3", "--save-every", "100",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def eagle3_runs(tmp_path_factory):
+    """As resume_runs, through `dflash.cli.main`: 8 steps straight vs stop at 5 (mid-epoch) + resume, which leaves
+    --method out (a resumed run keeps its checkpoint's method)."""
+    from dflash.cli import main
+
+    root = tmp_path_factory.mktemp("eagle3")
+    data = write_shards(root / "data", counting_records(10, seed=1))
+    assert main(eagle3_argv(data, root / "straight")) == 0
+    assert main(eagle3_argv(data, root / "split", "--max-steps", "5")) == 0
+    resume = [a for a in eagle3_argv(data, root / "split", "--resume") if a not in ("--method", "eagle3")]
+    assert main(resume) == 0
+    return root, data
+
+
+def test_eagle3_resume_continues_exactly(eagle3_runs):
+    from dflash.eagle3 import frequent_tokens
+
+    root, data = eagle3_runs
+    straight, split = checkpoint_weights(root / "straight", 8), checkpoint_weights(root / "split", 8)
+    assert straight.keys() == split.keys() and "midlayer.self_attn.q_proj.weight" in straight
+    for name in straight:
+        torch.testing.assert_close(split[name], straight[name], atol=1e-6, rtol=1e-5)
+    assert not torch.equal(straight["fc.weight"], checkpoint_weights(root / "split", 5)["fc.weight"])
+    config = trainer.TrainConfig.from_file(root / "split" / "checkpoints" / "step-000008" / trainer.CONFIG_FILE)
+    assert (config.method, config.num_layers, config.num_features, config.block_size, config.draft_vocab) == (
+        "eagle3", 1, 3, 4, 40)
+    state = torch.load(root / "split" / "checkpoints" / "step-000008" / trainer.STATE_FILE, weights_only=True)
+    assert state["objective"] == "eagle3" and state["step"] == 8
+    # the draft vocabulary: the 40 most frequent response tokens of the TRAINING sequences (held-out ones excluded)
+    train, _ = trainer.split_heldout(trainer.load_examples(data), 0.2)
+    vocab = frequent_tokens([e.input_ids[e.loss_start :] for e in train], 64, 40)
+    d2t = straight["d2t"]
+    assert (d2t + torch.arange(40)).tolist() == vocab
+    logs = [[json.loads(line) for line in (root / run / "log.jsonl").read_text().splitlines()]
+            for run in ("straight", "split")]
+    last_losses = [[r["loss"] for r in log if "loss" in r and r["step"] > 5] for log in logs]
+    assert len(last_losses[0]) == 3 and last_losses[0] == pytest.approx(last_losses[1], rel=1e-5)
+    assert [r["step"] for r in logs[0] if "eval_tau" in r] == [3, 6, 8]
+    assert all(len(r["accuracy"]) == 3 for r in logs[0] if "accuracy" in r)  # block size 4: 3 chain steps
+
+
+def test_eagle3_final_loads_everywhere_and_is_lossless(eagle3_runs, capsys):
+    """OUT/final is an EAGLE-3 head folder: build_eagle3_proposer (bench --eagle3, generate --method eagle3
+    --drafter) loads it, and greedy output equals ar token for token."""
+    from dflash.cli import main
+    from dflash.eagle3 import build_eagle3_proposer
+    from dflash.engine import GenerationConfig, SpeculativeDecoder
+    from dflash.loading import load_target_cached
+
+    final = eagle3_runs[0] / "straight" / "final"
+    target = load_target_cached("tiny-llama")
+    proposer, note = build_eagle3_proposer(target, final)
+    assert note is None and proposer.depth == 3 and proposer.head.config.draft_vocab_size == 40
+    generation = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    for prompt in ([3, 9, 10, 11, 12], [3, 40, 7, 41, 42, 43]):
+        ar = SpeculativeDecoder(target).generate(prompt, generation)
+        assert SpeculativeDecoder(target, proposer).generate(prompt, generation).tokens == ar.tokens
+    capsys.readouterr()
+    outputs = {}
+    for method in ("ar", "eagle3"):
+        assert main(["generate", "--target", "tiny-llama", "--method", method, "--drafter", str(final),
+                     "--max-new-tokens", "16", "--json", "w5 w6 w7"]) == 0
+        outputs[method] = json.loads(capsys.readouterr().out)["tokens"]
+    assert outputs["eagle3"] == outputs["ar"] and outputs["ar"]
+
+
+def test_eagle3_method_mistakes_are_user_errors(eagle3_runs, resume_runs, tmp_path):
+    root, data = eagle3_runs
+
+    def error(argv) -> str:
+        with pytest.raises(UserError) as info:
+            trainer.run(build_parser().parse_args(argv))
+        return str(info.value)
+
+    dflash_ckpt = resume_runs[0] / "split" / "checkpoints" / "step-000008"
+    assert "was trained with --method dflash" in error(eagle3_argv(data, tmp_path / "a", "--resume", str(dflash_ckpt)))
+    as_dflash = train_argv(data, tmp_path / "b", "--method", "dflash", "--resume", str(root / "split"))
+    assert "was trained with --method eagle3" in error(as_dflash)
+    for method in ("ar", "ngram"):
+        assert "needs no training" in error(eagle3_argv(data, tmp_path / "c", "--method", method))
+    assert "--draft-vocab applies to --method eagle3" in error(
+        train_argv(data, tmp_path / "d", "--draft-vocab", "10"))
+    assert "--gamma applies to --method dflash" in error(eagle3_argv(data, tmp_path / "e", "--gamma", "3"))
+    assert "has 1 layer" in error(eagle3_argv(data, tmp_path / "f", "--num-layers", "2"))
+    assert "not an EAGLE-3 head" in error(eagle3_argv(data, tmp_path / "g", "--init-from", str(dflash_ckpt)))

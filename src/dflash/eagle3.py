@@ -32,7 +32,6 @@ The token embedding is the target's (frozen, not stored).
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -368,16 +367,33 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 # ---- draft vocabulary from data ------------------------------------------------------------------------------------
 def frequent_tokens(sequences: Iterable[Iterable[int]], vocab_size: int, size: int) -> list[int]:
     """The `size` most frequent target ids in `sequences` (ties: lower id first), topped up with the lowest unseen ids
-    so the head always has exactly `size` entries."""
-    counts = Counter()
+    so the head always has exactly min(size, vocab_size) entries. Ids outside [0, vocab_size) are not counted.
+    Counts with numpy in chunks: a training set has hundreds of millions of tokens."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    chunk: list[np.ndarray] = []
+    pending = 0
+
+    def flush() -> None:
+        ids = np.concatenate(chunk)
+        ids = ids[(ids >= 0) & (ids < vocab_size)]
+        counts[:] += np.bincount(ids, minlength=vocab_size)
+        chunk.clear()
+
     for seq in sequences:
-        counts.update(int(t) for t in seq)
-    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    chosen = set(ranked)
-    filler = (t for t in range(vocab_size) if t not in chosen)
-    while len(ranked) < min(size, vocab_size):
-        ranked.append(next(filler))
-    return sorted(ranked)
+        if isinstance(seq, torch.Tensor):
+            seq = seq.cpu().numpy()
+        elif not isinstance(seq, (list, tuple, np.ndarray)):
+            seq = list(seq)
+        ids = np.asarray(seq, dtype=np.int64).reshape(-1)
+        chunk.append(ids)
+        pending += ids.size
+        if pending >= 1 << 24:
+            flush()
+            pending = 0
+    if chunk:
+        flush()
+    ranked = np.lexsort((np.arange(vocab_size), -counts))[: min(size, vocab_size)]  # count desc, then id asc
+    return sorted(int(t) for t in ranked)
 
 
 # ---- training loss ---------------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """`dflash train`: train a drafter on target-regenerated data, with exact resume.
 
 The loop is objective-agnostic: it trains `objective.model` with `objective.loss(example, rng) -> (loss, metrics)`,
-so DFlash (blocks.DFlashObjective) and EAGLE-3 share data loading, the schedule, logging and checkpoints.
+so DFlash (blocks.DFlashObjective, `--method dflash`) and the EAGLE-3 head (eagle3.Eagle3Objective,
+`--method eagle3`) share data loading, the schedule, logging, checkpoints and exact resume. An EAGLE-3 run's
+--block-size B trains B - 1 chain steps (training-time test) and sets the head's draft depth, as `--block-size` does
+for `dflash generate --method eagle3`; its draft vocabulary is the --draft-vocab most frequent response tokens of the
+training sequences.
 
 Determinism, which exact resume rests on: the example order of epoch e is a permutation seeded by (seed, e) and the
 anchors of example i in epoch e come from a generator seeded by (seed, e, i). A checkpoint therefore only needs the
@@ -11,6 +15,8 @@ Output folder:
   OUT/log.jsonl                      one JSON record per log interval and per evaluation
   OUT/checkpoints/step-XXXXXX/       drafter (float32, public format) + trainer_state.pt + train_config.json
   OUT/final/                         the drafter in bfloat16, ready for `dflash generate --drafter OUT/final`
+                                     (eagle3: `dflash generate --method eagle3 --drafter OUT/final`,
+                                     `dflash bench --methods eagle3 --eagle3 OUT/final`)
   OUT/curves.png                     with --plot
 """
 
@@ -41,15 +47,22 @@ ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random str
 CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE, CONFIG_FILE = "trainer_state.pt", "train_config.json"
 STATE_VERSION = 1
+TRAIN_METHODS = ("dflash", "eagle3")
+DEFAULT_DRAFT_VOCAB = 8192
+DFLASH_ONLY, EAGLE3_ONLY = ("anchors_per_seq", "gamma"), ("draft_vocab",)  # options only one method uses
+EAGLE3_DEFAULT_BLOCK = 8  # the root + 7 chain steps (DFLASH_SPEC.md section 8)
+EAGLE3_SHAPE = {"num_layers": 1, "num_features": 3}  # one decoder layer over a low, middle and high target layer
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
 @dataclass
 class TrainConfig:
+    method: str = "dflash"  # the objective: dflash or eagle3
     # drafter shape: used for a new drafter; --init-from and --resume take the shape from the checkpoint
     num_layers: int = 3
     block_size: int = 16
     num_features: int = 5
+    draft_vocab: int | None = None  # eagle3 only: size of the head's draft vocabulary
     # data
     max_length: int = 3072
     anchors_per_seq: int = 512
@@ -71,6 +84,11 @@ class TrainConfig:
     max_steps: int | None = None
 
     def validate(self) -> "TrainConfig":
+        if self.method not in TRAIN_METHODS:
+            raise UserError(f"cannot train method {self.method!r}: `dflash train` trains {' or '.join(TRAIN_METHODS)} "
+                            "drafters (ar and ngram need no training)")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise UserError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
         positive = ("num_layers", "num_features", "max_length", "anchors_per_seq", "epochs", "grad_accum",
                     "log_every", "eval_every", "save_every")
         for name in positive:
@@ -105,26 +123,32 @@ class TrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TrainConfig":
-        try:
-            values = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read training config {path}: {exc}") from exc
-        if not isinstance(values, dict):
-            raise UserError(f"{path}: a training config is a JSON object")
-        return cls.from_dict(values, str(path))
+        return cls.from_dict(read_config_values(path), str(path))
 
     def replace(self, overrides: dict, source: str = "command line") -> "TrainConfig":
         return TrainConfig.from_dict({**asdict(self), **overrides}, source)
+
+
+def read_config_values(path: str | Path) -> dict:
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read training config {path}: {exc}") from exc
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: a training config is a JSON object")
+    return values
 
 
 # Options a resumed run may change: they do not affect the weights it computes.
 RESUMABLE = ("log_every", "eval_every", "save_every", "keep_checkpoints", "max_steps")
 
 HELP = {
-    "num_layers": "draft layers of a new drafter (default 3)",
-    "num_features": "target layers fused as features (default 5)",
+    "num_layers": "draft layers of a new drafter (default 3; an EAGLE-3 head has 1)",
+    "num_features": "target layers fused as features (default 5; an EAGLE-3 head fuses 3)",
+    "draft_vocab": f"eagle3: draft vocabulary = the N most frequent response tokens of the training data "
+                   f"(default {DEFAULT_DRAFT_VOCAB}, capped at the target vocabulary)",
     "max_length": "truncate sequences to this many tokens (default 3072)",
-    "anchors_per_seq": "blocks per sequence, re-sampled each epoch (default 512)",
+    "anchors_per_seq": "dflash: blocks per sequence, re-sampled each epoch (default 512)",
     "eval_fraction": "fraction of sequences held out for the surrogate tau (default 0.02)",
     "epochs": "passes over the training data (default 6)",
     "lr": "peak AdamW learning rate (default 6e-4)",
@@ -132,7 +156,7 @@ HELP = {
     "warmup_ratio": "linear warmup, as a fraction of all steps, before the cosine decay (default 0.04)",
     "grad_clip": "max gradient norm (default 1.0)",
     "grad_accum": "sequences per optimizer step (default 1)",
-    "gamma": "loss decay over block positions (default: 7 for B=16, 5 for B=10, 4 for B=8, interpolated)",
+    "gamma": "dflash: loss decay over block positions (default: 7 for B=16, 5 for B=10, 4 for B=8, interpolated)",
     "seed": "seed of the data order, anchors, held-out split and a new drafter's weights (default 0)",
     "log_every": "steps between log records (default 10)",
     "eval_every": "steps between held-out evaluations (default 500)",
@@ -148,6 +172,10 @@ def _checked_value(name: str, value, hint, source: str):
         if optional:
             return None
         raise UserError(f"{source}: {name} may not be null")
+    if hint is str:
+        if not isinstance(value, str):
+            raise UserError(f"{source}: {name} must be a string, got {value!r}")
+        return value
     base = float if "float" in str(hint) else int
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or (base is int and not float(value).is_integer()):
@@ -523,12 +551,16 @@ def write_plot(log_path: Path, png_path: Path) -> bool:
 def add_arguments(p) -> None:
     from .cli import add_model_arguments
 
-    add_model_arguments(p, with_method=False)  # also gives --block-size and --drafter (an alias of --init-from)
+    add_model_arguments(p)  # also gives --method, --block-size and --drafter (an alias of --init-from)
     for action in p._actions:  # the shared options mean something slightly different when training
         if action.dest == "block_size":
-            action.help = "block size of a new drafter (default 16)"
+            action.help = ("block size of a new drafter (default 16); eagle3: chain steps trained and drafted + 1 "
+                           f"(default {EAGLE3_DEFAULT_BLOCK})")
         elif action.dest == "drafter":
             action.help = "same as --init-from"
+        elif action.dest == "method":
+            action.default = None  # a new run trains dflash; --resume continues the checkpoint's method
+            action.help = "what to train: dflash (default) or eagle3 (ar and ngram need no training)"
     p.add_argument("--data", required=True, help="folder of shard-*.jsonl files from `dflash data`, or one JSONL file")
     p.add_argument("--out", required=True, help="output folder (checkpoints, log.jsonl, final/)")
     p.add_argument("--config", default=None, help="JSON file of training options; flags override it")
@@ -539,8 +571,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     hints = get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
-        if f.name == "block_size":
-            continue  # --block-size comes from add_model_arguments
+        if f.name in ("block_size", "method"):
+            continue  # --block-size and --method come from add_model_arguments
         kind = float if "float" in str(hints[f.name]) else int
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=HELP[f.name])
 
@@ -551,6 +583,9 @@ def cli_overrides(args) -> dict:
 
 def resumed_config(saved: TrainConfig, overrides: dict, folder: Path) -> TrainConfig:
     """The checkpoint's config; only options that cannot change the computed weights may be overridden."""
+    if overrides.get("method", saved.method) != saved.method:
+        raise UserError(f"{folder} was trained with --method {saved.method}: it cannot be resumed with --method "
+                        f"{overrides['method']} (drop --method, or start a new run in another --out)")
     changed = {k: v for k, v in overrides.items() if getattr(saved, k) != v and k not in RESUMABLE}
     if changed:
         detail = ", ".join(f"{k}={v} (checkpoint: {getattr(saved, k)})" for k, v in changed.items())
@@ -603,6 +638,89 @@ def initial_drafter(args, target, config: TrainConfig, overrides: dict):
     return drafter, config.replace(shape)
 
 
+# ---- EAGLE-3 -----------------------------------------------------------------------------------------------------
+def method_config(config: TrainConfig, explicit: set[str], target) -> TrainConfig:
+    """A new run's config with its method's defaults filled in; options the method does not use are errors.
+    `explicit`: the options given on the command line or in --config."""
+    if config.method == "dflash":
+        stray = [k for k in EAGLE3_ONLY if k in explicit]
+        if stray:
+            raise UserError(f"{_flags(stray)} applies to --method eagle3 only")
+        return config
+    stray = [k for k in DFLASH_ONLY if k in explicit]
+    if stray:
+        raise UserError(f"{_flags(stray)} applies to --method dflash only (the EAGLE-3 loss weights chain step k "
+                        "by 0.8**k over every response position)")
+    clash = {k: getattr(config, k) for k, v in EAGLE3_SHAPE.items() if k in explicit and getattr(config, k) != v}
+    if clash:
+        raise UserError(f"an EAGLE-3 head has {EAGLE3_SHAPE['num_layers']} layer and fuses "
+                        f"{EAGLE3_SHAPE['num_features']} target layers; it cannot be trained with {clash}")
+    values = dict(EAGLE3_SHAPE)
+    if "block_size" not in explicit:
+        values["block_size"] = EAGLE3_DEFAULT_BLOCK
+    values["draft_vocab"] = min(config.draft_vocab or DEFAULT_DRAFT_VOCAB, target.vocab_size)
+    return config.replace(values)
+
+
+def _flags(names) -> str:
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
+def load_head_checkpoint(folder: Path, target, config: TrainConfig | None = None):
+    """An EAGLE-3 head folder as float32 on the target's device, checked against the target and the training config."""
+    from .eagle3 import Eagle3Head
+
+    head = Eagle3Head.load(folder, dtype=torch.float32, device=str(target.device))
+    head.check_fits(target)
+    if config is not None:
+        found = (head.config.depth + 1, head.config.draft_vocab_size)
+        if found != (config.block_size, config.draft_vocab):
+            raise UserError(
+                f"{folder}: EAGLE-3 head has depth {found[0] - 1} and draft vocabulary {found[1]}, but its training "
+                f"config says {config.block_size - 1} and {config.draft_vocab} (mismatched checkpoint)"
+            )
+    return head
+
+
+def initial_head(args, target, config: TrainConfig, explicit: set[str]):
+    """(head, config) for a fresh EAGLE-3 run: a new head (its draft vocabulary is fitted to the training data later,
+    see fit_draft_vocab), or --init-from whose draft vocabulary wins; --block-size may change the depth of either."""
+    from .eagle3 import Eagle3Head
+
+    init_from = args.init_from or args.drafter
+    if not init_from:
+        torch.manual_seed(config.seed)  # the initial weights are part of the run's seed
+        return Eagle3Head.for_target(target, range(config.draft_vocab), depth=config.block_size - 1), config
+    head = load_head_checkpoint(Path(init_from), target)
+    size = head.config.draft_vocab_size
+    if "draft_vocab" in explicit and config.draft_vocab != size:
+        raise UserError(f"--init-from {init_from} has a draft vocabulary of {size}; it cannot be trained with "
+                        f"--draft-vocab {config.draft_vocab}")
+    if "block_size" in explicit:  # the depth is no weight shape: a head may be trained on for a longer chain
+        head.config.depth = config.block_size - 1
+    return head, config.replace({"draft_vocab": size, "block_size": head.config.depth + 1})
+
+
+def fit_draft_vocab(objective, train: list[Example]) -> None:
+    """A new EAGLE-3 head drafts the most frequent response tokens of the training sequences (the labels it learns)."""
+    from .eagle3 import frequent_tokens
+
+    head = objective.model
+    responses = (e.input_ids[e.loss_start : objective.max_length] for e in train)
+    head.set_draft_vocab(frequent_tokens(responses, head.config.vocab_size, head.config.draft_vocab_size))
+
+
+def eagle3_objective(args, target, config: TrainConfig, explicit: set[str], resume_from: Path | None):
+    from .eagle3 import Eagle3Objective
+
+    if resume_from is not None:
+        head = load_head_checkpoint(resume_from, target, config)
+    else:
+        head, config = initial_head(args, target, config, explicit)
+    return Eagle3Objective(head, target, steps=config.block_size - 1, max_length=config.max_length), config
+
+
+# ---- building a run ----------------------------------------------------------------------------------------------
 def build_run(args, overrides: dict, out: Path):
     """Target, objective, config and the checkpoint to resume (or None)."""
     from .blocks import DFlashObjective
@@ -611,10 +729,18 @@ def build_run(args, overrides: dict, out: Path):
     resume_from = resolve_checkpoint(args.resume, out) if args.resume else None
     if resume_from is not None:
         config = resumed_config(read_checkpoint_config(resume_from), overrides, resume_from)
+        explicit: set[str] = set()
     else:
-        base = TrainConfig.from_file(args.config) if args.config else TrainConfig()
+        values = read_config_values(args.config) if args.config else {}
+        base = TrainConfig.from_dict(values, str(args.config)) if args.config else TrainConfig()
         config = base.replace(overrides)
+        explicit = set(values) | set(overrides)
     target = load_target_cached(args.target, args.dtype, args.device)
+    if resume_from is None:
+        config = method_config(config, explicit, target)
+    if config.method == "eagle3":
+        objective, config = eagle3_objective(args, target, config, explicit, resume_from)
+        return objective, config, resume_from
     if resume_from is not None:
         drafter = load_drafter_checkpoint(resume_from, target, config)
     else:
@@ -631,6 +757,9 @@ def start_fresh(out: Path) -> None:
 
 
 def run(args) -> int:
+    if args.method is not None and args.method not in TRAIN_METHODS:
+        raise UserError(f"--method {args.method} needs no training: `dflash train` trains "
+                        f"{' or '.join(TRAIN_METHODS)} drafters")
     overrides = cli_overrides(args)
     out = Path(args.out)
     examples = load_examples(args.data)
@@ -640,6 +769,8 @@ def run(args) -> int:
         print(f"[dflash] skipping {len(examples) - len(usable)} sequences with no response token to train on",
               file=sys.stderr)
     train, heldout = split_heldout(usable, config.eval_fraction)
+    if config.method == "eagle3" and resume_from is None and not (args.init_from or args.drafter):
+        fit_draft_vocab(objective, train)
     trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
@@ -648,9 +779,9 @@ def run(args) -> int:
         start_fresh(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(config.to_json())
-    print(f"[dflash] {len(train)} training / {len(heldout)} held-out sequences, {trainer.total_steps} steps "
-          f"({config.epochs} epochs), drafter {sum(p.numel() for p in trainer.params) / 1e6:.1f}M params",
-          file=sys.stderr)
+    print(f"[dflash] {config.method}: {len(train)} training / {len(heldout)} held-out sequences, "
+          f"{trainer.total_steps} steps ({config.epochs} epochs), drafter "
+          f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M params", file=sys.stderr)
     trainer.fit()
     if args.plot:
         write_plot(trainer.log_path, out / "curves.png")
