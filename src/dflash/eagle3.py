@@ -565,4 +565,5 @@ def build_eagle3_proposer(target, path: str | Path | None = None, depth: int | N
             head = Eagle3Head.for_target(target)
     else:
         head = Eagle3Head.load(path, device=str(target.device))
-    return Eagle3Proposer(head, target, depth), note
+    # run in the target's dtype, like the DFlash drafter, so both baselines pay the same per-step cost
+    return Eagle3Proposer(head.to(device=target.device, dtype=target.dtype), target, depth), note

@@ -23,7 +23,11 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu") -
         arch = spec.removeprefix("tiny-")
         if arch not in ("llama", "qwen3", "gemma3"):
             raise UserError(f"unknown tiny target {spec!r}; use tiny-llama, tiny-qwen3 or tiny-gemma3")
-        return tiny_target(arch, logit_scale=4.0)
+        from .target import DTYPES
+
+        target = tiny_target(arch, logit_scale=4.0)
+        target.model.to(DTYPES.get(dtype, torch.float32))
+        return target
     return load_target(spec, dtype, device)
 
 
@@ -38,7 +42,7 @@ def untrained_drafter(target: TargetModel, num_layers: int = 3, block_size: int 
         num_layers=num_layers, block_size=block_size,
     )
     torch.manual_seed(0)
-    return DFlashDrafter(cfg).to(target.device)
+    return DFlashDrafter(cfg).to(device=target.device, dtype=target.dtype)
 
 
 def load_drafter(path: str | Path | None, target: TargetModel) -> tuple[DFlashDrafter, str | None]:
@@ -51,7 +55,8 @@ def load_drafter(path: str | Path | None, target: TargetModel) -> tuple[DFlashDr
             return untrained_drafter(target), note
     elif not Path(path).exists():
         raise UserError(f"drafter folder not found: {path}")
-    drafter = DFlashDrafter.load(path, dtype=torch.float32, device=str(target.device))
+    # the drafter runs in the target's dtype: a float32 drafter beside a bf16 target would be the slow part
+    drafter = DFlashDrafter.load(path, dtype=target.dtype, device=str(target.device))
     drafter.check_fits(target)
     return drafter, note
 

@@ -364,7 +364,11 @@ class Trainer:
         device = next(self.model.parameters()).device
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.autocast("cuda", dtype=torch.bfloat16)
-        return nullcontext()  # float32 on the CPU: bf16 matmuls there are slow and lossy
+        if self.objective.target.dtype == torch.bfloat16:
+            # a bf16 target on the CPU means the user chose bf16 (fast where the CPU has AVX512-BF16/AMX);
+            # weights and optimizer state stay float32
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return nullcontext()
 
     # ---- data order --------------------------------------------------------------------------------------------------
     def epoch_order(self, epoch: int) -> np.ndarray:
