@@ -16,15 +16,6 @@ RATE_KEYS = {"tokens_per_s", "tpot_ms", "ttft_ms"}
 SPECULATIVE_KEYS = RATE_KEYS | {"tau", "speedup", "per_position_acceptance", "tau_histogram"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared machine a busy core stalls every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -26,15 +26,6 @@ PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3"]
 FIRST_WORD = 5  # ids 0..4 are the tiny tokenizer's special tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared machine a busy core stalls every op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def generate(target, proposer, ids, max_new=32):
     config = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
     return SpeculativeDecoder(target, proposer).generate(ids, config)

@@ -30,15 +30,6 @@ MAX_TOKENS = 16
 PROMPTS = [f"w{i} w{i + 3} w{i + 7} w{(2 * i + 11) % 59}" for i in range(16)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls on a shared CPU run many times faster on one thread than on several that wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_targets):
     return tiny_targets["qwen3"]

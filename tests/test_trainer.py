@@ -58,15 +58,6 @@ def tiny_drafter(target, num_layers: int = 1, block_size: int = 4, seed: int = 0
     return DFlashDrafter(cfg)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models here are tiny: one thread is several times faster than two on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_target("llama", logit_scale=4.0)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .jsonl import iter_jsonl
 
 # name -> (file in the data folder, prompt template)
 DATASETS = {
@@ -87,21 +88,14 @@ def resolve_dataset(name: str, template: str = "auto") -> tuple[Path, str]:
 def read_prompts(path: Path, template: str, limit: int | None = None) -> list[BenchPrompt]:
     """Rows with `turns` (a list of strings) or `prompt`; the template wraps the first turn only."""
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
-            turns = _turns_of(row)
-            if turns is None:
-                raise UserError(f"{path}:{line_no} needs a string 'prompt' or a list of strings 'turns'")
-            turns[0] = TEMPLATES[template].format(prompt=turns[0])
-            prompts.append(BenchPrompt(str(row.get("id", line_no - 1)), turns))
+    for line_no, row in iter_jsonl(path):
+        if limit is not None and len(prompts) >= limit:
+            break
+        turns = _turns_of(row)
+        if turns is None:
+            raise UserError(f"{path}:{line_no} needs a string 'prompt' or a list of strings 'turns'")
+        turns[0] = TEMPLATES[template].format(prompt=turns[0])
+        prompts.append(BenchPrompt(str(row.get("id", line_no - 1)), turns))
     if not prompts:
         raise UserError(f"{path} holds no prompts")
     return prompts
@@ -223,8 +217,10 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         if method == "hf":
             runners[method] = HFRunner(target, sampling)
             continue
-        path = args.eagle3 if method == "eagle3" else args.drafter
-        proposer, note = build_proposer(method, target, path, args.block_size)
+        path, block_size = (args.drafter, args.block_size)
+        if method == "eagle3":  # --block-size is DFlash's; the EAGLE-3 chain keeps its own depth unless told
+            path, block_size = args.eagle3, (args.eagle3_depth + 1 if args.eagle3_depth else None)
+        proposer, note = build_proposer(method, target, path, block_size)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         runners[method] = EngineRunner(method, target, proposer, sampling)
@@ -314,6 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--methods", default="ar,ngram,dflash", help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder (default: the shipped head for the target)")
+    p.add_argument("--eagle3-depth", type=int, default=None, help="EAGLE-3 chain depth (default: the head's own, 7)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -34,6 +34,7 @@ from typing import IO, Iterator
 import torch
 
 from .errors import UserError
+from .jsonl import iter_jsonl
 
 # Benchmark test splits: training on them would inflate every acceptance number we report.
 BENCHMARK_SPLITS = ("gsm8k_test", "math500_test", "humaneval", "mt_bench")
@@ -87,19 +88,12 @@ def read_jsonl_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
     """Rows with a `prompt` field; ids are `<file stem>:<row id or line number>` so they stay unique across files."""
     source = path.name.removesuffix(".jsonl")
     prompts = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise UserError(f"{path}:{line_no} has no string field 'prompt'")
-            prompts.append(Prompt(f"{source}:{row.get('id', line_no - 1)}", source, row["prompt"]))
+    for line_no, row in iter_jsonl(path):
+        if limit is not None and len(prompts) >= limit:
+            break
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f"{path}:{line_no} has no string field 'prompt'")
+        prompts.append(Prompt(f"{source}:{row.get('id', line_no - 1)}", source, row["prompt"]))
     return prompts
 
 

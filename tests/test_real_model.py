@@ -1,0 +1,66 @@
+"""Greedy losslessness on the real default target, SmolLM2-135M-Instruct (fetched from its PyPI wheel)."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import OracleProposer, RandomProposer
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.loading import build_proposer, untrained_drafter
+from dflash.proposers import DFlashProposer
+
+pytestmark = pytest.mark.real_model
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in a few sentences why the sky is blue.",
+]
+MAX_NEW = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def all_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from dflash.target import load_target
+
+    return load_target("smollm2-135m")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_identical_to_transformers_generate(target, prompt):
+    ids = target.encode_prompt(prompt)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    reference = SpeculativeDecoder(target).generate(ids, config)
+    with torch.no_grad():
+        hf = target.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+    assert reference.tokens == hf[0, len(ids):].tolist()
+    assert len(reference.tokens) == MAX_NEW
+
+    proposers = {
+        "untrained dflash": DFlashProposer(untrained_drafter(target, num_layers=1), target),
+        "oracle": OracleProposer(reference.tokens, len(ids), 15),
+        "random": RandomProposer(target.vocab_size, 15),
+        "shipped dflash": build_proposer("dflash", target)[0],
+    }
+    for name, proposer in proposers.items():
+        result = SpeculativeDecoder(target, proposer).generate(ids, config)
+        assert result.tokens == reference.tokens, f"{name} changed the greedy output"
+    oracle = SpeculativeDecoder(target, proposers["oracle"]).generate(ids, config)
+    assert oracle.stats.tau > 10
+
+
+def test_chat_template_and_eos(target):
+    ids = target.encode_prompt("What is 2+2? Answer with one number.")
+    assert target.tokenizer.decode(ids).count("<|im_start|>") >= 2
+    out = SpeculativeDecoder(target).generate(ids, GenerationConfig(max_new_tokens=64))
+    assert out.finish_reason == "stop" and "<|im_end|>" not in out.text and "4" in out.text
