@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m dflash.hub smollm2-135m
+	$(VENV)/bin/dflash fetch smollm2-135m
 
 run: model
 	$(VENV)/bin/dflash generate --compare-ar --max-new-tokens 128 "$(PROMPT)"

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "train": ("dflash.trainer", "train a DFlash (or EAGLE-3) drafter"),
     "bench": ("dflash.bench", "benchmark methods side by side (tau, speedup, tokens/s)"),
     "serve": ("dflash.server", "OpenAI-compatible HTTP server"),
+    "fetch": ("dflash.hub", "download and convert registry target models into the cache"),
 }
 
 

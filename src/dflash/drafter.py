@@ -63,6 +63,7 @@ class DFlashConfig:
         n_target = target_config.num_hidden_layers
         heads = target_config.num_attention_heads
         rope = getattr(target_config, "rope_parameters", None) or {}
+        rope = rope.get("full_attention", rope)  # Gemma3 keeps one entry per layer type
         return cls(
             hidden_size=target_config.hidden_size,
             intermediate_size=target_config.intermediate_size,

@@ -129,16 +129,14 @@ def resolve_registry_folder(name: str) -> Path:
     return folder
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash.hub NAME`: download and convert a registry model now (the Makefile's `model` step)."""
-    names = argv if argv is not None else sys.argv[1:]
-    for name in names or [DEFAULT_TARGET]:
+def add_arguments(p) -> None:
+    p.add_argument("names", nargs="*", default=[DEFAULT_TARGET], help=f"registry models ({', '.join(REGISTRY)})")
+
+
+def run(args) -> int:
+    """`dflash fetch NAME...`: download and convert registry models now (the Makefile's `model` step)."""
+    for name in args.names:
         if name not in REGISTRY:
-            print(f"unknown registry model {name!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
-            return 2
+            raise UserError(f"unknown registry model {name!r}; known: {', '.join(REGISTRY)}")
         print(resolve_registry_folder(name))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
