@@ -56,6 +56,22 @@ def test_greedy_lossless_every_proposer(tiny_targets, arch, block_size):
         assert oracle.stats.accept_lengths[:-1] == [block_size] * (oracle.stats.num_rounds - 1)
 
 
+def test_bf16_drafter_beside_float32_target(tiny_targets):
+    """The drafter may run in a cheaper dtype: outputs stay those of the float32 target."""
+    from dflash.loading import build_proposer
+
+    target = tiny_targets["qwen3"]
+    for method in ("dflash", "eagle3"):
+        proposer, _ = build_proposer(method, target, None, 8, "bfloat16")
+        model = proposer.drafter if method == "dflash" else proposer.head
+        assert next(model.parameters()).dtype == torch.bfloat16
+        for prompt in PROMPTS:
+            ids = target.encode_prompt(prompt)
+            config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+            result = SpeculativeDecoder(target, proposer).generate(ids, config)
+            assert result.tokens == ar_tokens(target, ids, 32).tokens
+
+
 def test_generated_mask_token_is_kept(tiny_targets):
     """If the target itself generates the drafter's mask id, that token is real output and must stay."""
     target = tiny_targets["llama"]

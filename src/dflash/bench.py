@@ -220,7 +220,7 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         path, block_size = (args.drafter, args.block_size)
         if method == "eagle3":  # --block-size is DFlash's; the EAGLE-3 chain keeps its own depth unless told
             path, block_size = args.eagle3, (args.eagle3_depth + 1 if args.eagle3_depth else None)
-        proposer, note = build_proposer(method, target, path, block_size)
+        proposer, note = build_proposer(method, target, path, block_size, args.draft_dtype)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         runners[method] = EngineRunner(method, target, proposer, sampling)
@@ -395,6 +395,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "target": args.target,
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
+        "draft_dtype": args.draft_dtype or str(target.dtype).removeprefix("torch."),
         "dataset": args.dataset,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

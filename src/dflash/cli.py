@@ -38,6 +38,8 @@ def add_model_arguments(p: argparse.ArgumentParser, with_method: bool = True) ->
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (<= the drafter's)")
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="run the drafter in this dtype (default: the target's); drafts never change the output")
     if with_method:
         p.add_argument("--method", default="dflash", choices=["dflash", "ar", "ngram", "eagle3"])
 
@@ -80,7 +82,7 @@ def run(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
     config.validate()
     target = load_target_cached(args.target, args.dtype, args.device)
-    proposer, note = build_proposer(args.method, target, args.drafter, args.block_size)
+    proposer, note = build_proposer(args.method, target, args.drafter, args.block_size, args.draft_dtype)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)

@@ -546,8 +546,8 @@ class Eagle3Proposer(Proposer):
         return torch.cat(drafts, dim=1)[0].tolist()
 
 
-def build_eagle3_proposer(target, path: str | Path | None = None, depth: int | None = None
-                          ) -> tuple[Eagle3Proposer, str | None]:
+def build_eagle3_proposer(target, path: str | Path | None = None, depth: int | None = None,
+                          dtype: torch.dtype | None = None) -> tuple[Eagle3Proposer, str | None]:
     """The head at `path`, else the shipped one for this target, else an UNTRAINED head (with a note saying so)."""
     from .loading import SHIPPED_DRAFTERS
 
@@ -565,5 +565,5 @@ def build_eagle3_proposer(target, path: str | Path | None = None, depth: int | N
             head = Eagle3Head.for_target(target)
     else:
         head = Eagle3Head.load(path, device=str(target.device))
-    # run in the target's dtype, like the DFlash drafter, so both baselines pay the same per-step cost
-    return Eagle3Proposer(head.to(device=target.device, dtype=target.dtype), target, depth), note
+    # run in the target's dtype (or the chosen draft dtype), like the DFlash drafter, so both pay alike
+    return Eagle3Proposer(head.to(device=target.device, dtype=dtype or target.dtype), target, depth), note

@@ -45,36 +45,46 @@ def untrained_drafter(target: TargetModel, num_layers: int = 3, block_size: int 
     return DFlashDrafter(cfg).to(device=target.device, dtype=target.dtype)
 
 
-def load_drafter(path: str | Path | None, target: TargetModel) -> tuple[DFlashDrafter, str | None]:
-    """The drafter at `path`, else the shipped one for this target, else an untrained one (with a note saying so)."""
+def load_drafter(
+    path: str | Path | None, target: TargetModel, dtype: torch.dtype | None = None
+) -> tuple[DFlashDrafter, str | None]:
+    """The drafter at `path`, else the shipped one for this target, else an untrained one (with a note saying so).
+    It runs in `dtype` (default: the target's)."""
+    dtype = dtype or target.dtype
     note = None
     if path is None:
         path = shipped_drafter_dir(target)
         if path is None:
             note = f"no trained drafter ships for {target.name}: using an UNTRAINED drafter (expect tau ~1, no speedup)"
-            return untrained_drafter(target), note
+            return untrained_drafter(target).to(dtype), note
     elif not Path(path).exists():
         raise UserError(f"drafter folder not found: {path}")
-    # the drafter runs in the target's dtype: a float32 drafter beside a bf16 target would be the slow part
-    drafter = DFlashDrafter.load(path, dtype=target.dtype, device=str(target.device))
+    drafter = DFlashDrafter.load(path, dtype=dtype, device=str(target.device))
     drafter.check_fits(target)
     return drafter, note
 
 
 def build_proposer(
-    method: str, target: TargetModel, drafter_path: str | None = None, block_size: int | None = None
+    method: str, target: TargetModel, drafter_path: str | None = None, block_size: int | None = None,
+    draft_dtype: str | None = None,
 ) -> tuple[Proposer, str | None]:
+    """A proposer by method name; `draft_dtype` (e.g. "bfloat16") runs a drafter cheaper than the target."""
+    from .target import DTYPES
+
+    if draft_dtype is not None and draft_dtype not in DTYPES:
+        raise UserError(f"unknown draft dtype {draft_dtype!r}; choose one of {', '.join(DTYPES)}")
+    dtype = DTYPES[draft_dtype] if draft_dtype else None
     if method == "ar":
         return Proposer(), None
     if method == "ngram":
         return NgramProposer(max_draft=(block_size or 8) - 1), None
     if method == "dflash":
-        drafter, note = load_drafter(drafter_path, target)
+        drafter, note = load_drafter(drafter_path, target, dtype)
         return DFlashProposer(drafter, target, block_size), note
     if method == "eagle3":
         try:
             from .eagle3 import build_eagle3_proposer
         except ModuleNotFoundError as exc:
             raise UserError("the eagle3 method is not available in this build") from exc
-        return build_eagle3_proposer(target, drafter_path, depth=block_size - 1 if block_size else None)
+        return build_eagle3_proposer(target, drafter_path, depth=block_size - 1 if block_size else None, dtype=dtype)
     raise UserError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

@@ -9,6 +9,7 @@ proposers (DFlash, EAGLE-3) can extend their context.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .drafter import DFlashDrafter, DrafterCache
 
@@ -68,6 +69,10 @@ class DFlashProposer(Proposer):
         self.max_draft = self.block_size - 1
         self.mask_token_id = drafter.config.mask_token_id
         self._param = next(drafter.parameters())
+        # Drafts never change the output, only how many are accepted, so the drafter may run in a cheaper dtype
+        # than the target (bf16 beside a float32 target on CPU); it then needs its own copy of the LM head.
+        head = target.lm_head.weight
+        self.head_weight = head if head.dtype == self._param.dtype else head.detach().to(self._param.dtype)
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = DrafterCache(len(self.drafter.layers))
@@ -92,5 +97,5 @@ class DFlashProposer(Proposer):
             cache=self.cache,
         )
         self.pending = None
-        logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))
+        logits = F.linear(hidden[:, 1:], self.head_weight)
         return logits[0].argmax(-1).tolist()
