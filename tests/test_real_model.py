@@ -57,6 +57,9 @@ def test_greedy_identical_to_transformers_generate(target, prompt):
         assert result.tokens == reference.tokens, f"{name} changed the greedy output"
     oracle = SpeculativeDecoder(target, proposers["oracle"]).generate(ids, config)
     assert oracle.stats.tau > 10
+    if prompt == PROMPTS[0]:  # GSM8K style: the shipped drafter must be accepted (a broken checkpoint gives ~1.0)
+        shipped = SpeculativeDecoder(target, proposers["shipped dflash"]).generate(ids, config)
+        assert shipped.stats.tau > 1.2
 
 
 def test_chat_template_and_eos(target):

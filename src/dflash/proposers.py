@@ -97,5 +97,6 @@ class DFlashProposer(Proposer):
             cache=self.cache,
         )
         self.pending = None
-        logits = F.linear(hidden[:, 1:], self.head_weight)
-        return logits[0].argmax(-1).tolist()
+        # 2-D on purpose: a 3-D bf16 input sends F.linear down a ~15x slower CPU path (44 ms vs 3 ms here)
+        logits = F.linear(hidden[0, 1:], self.head_weight)
+        return logits.argmax(-1).tolist()
