@@ -97,6 +97,6 @@ class DFlashProposer(Proposer):
             cache=self.cache,
         )
         self.pending = None
-        # 2-D on purpose: a 3-D bf16 input sends F.linear down a ~15x slower CPU path (44 ms vs 3 ms here)
+        # 2-D on purpose: with the drafter's 3-D bf16 output this matmul took 44 ms instead of 3 ms on our CPU
         logits = F.linear(hidden[0, 1:], self.head_weight)
         return logits.argmax(-1).tolist()
