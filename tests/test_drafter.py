@@ -83,6 +83,11 @@ def test_mismatch_errors(tiny_targets, tmp_path):
         DFlashDrafter.load(tmp_path / "broken")
     with pytest.raises(UserError, match="not a drafter folder"):
         DFlashDrafter.load(tmp_path / "missing")
+    reshaped = json.loads((tmp_path / "ok" / "config.json").read_text())
+    reshaped["intermediate_size"] += 8  # weights on disk no longer fit the config: an error, not a traceback
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(reshaped))
+    with pytest.raises(UserError, match="do not match"):
+        DFlashDrafter.load(tmp_path / "ok")
     (tmp_path / "ok" / "model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(UserError, match="corrupt"):
         DFlashDrafter.load(tmp_path / "ok")

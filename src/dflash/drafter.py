@@ -11,7 +11,6 @@ The module and weight names follow the public checkpoint format (DFLASH_SPEC.md 
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import load_weights, read_folder, write_folder
 from .errors import UserError
 
 
@@ -283,34 +283,13 @@ class DFlashDrafter(nn.Module):
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------
     def save(self, folder: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2) + "\n")
+        write_folder(folder, self.state_dict(), self.config.to_hf_dict(), dtype)
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "DFlashDrafter":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-            raise UserError(f"{folder} is not a drafter folder (needs config.json and model.safetensors)")
-        try:
-            cfg = DFlashConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
-        drafter = cls(cfg)
-        try:
-            state = load_file(str(folder / "model.safetensors"))
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"{folder / 'model.safetensors'} is unreadable or corrupt: {exc}") from exc
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise UserError(f"drafter weights do not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        config, state = read_folder(folder, "drafter")
+        drafter = cls(DFlashConfig.from_hf_dict(config))
+        load_weights(drafter, state, "drafter", folder)
         return drafter.to(device=device, dtype=dtype).eval()
 
     def check_fits(self, target) -> None:

@@ -31,7 +31,6 @@ The token embedding is the target's (frozen, not stored).
 
 from __future__ import annotations
 
-import json
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .drafter import MLP, RMSNorm, Rotary, apply_rotary
+from .checkpoint import load_weights, read_folder, write_folder
 from .errors import UserError
 from .proposers import Proposer
 
@@ -284,42 +284,13 @@ class Eagle3Head(nn.Module):
     # ---- checkpoint ------------------------------------------------------------------------------------------
     def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write config.json + model.safetensors; float weights cast to `dtype` when given (d2t/t2d never are)."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {}
-        for name, tensor in self.state_dict().items():
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            state[name] = tensor.detach().cpu().contiguous()
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        (folder / "config.json").write_text(json.dumps(self.config.to_json_dict(), indent=2) + "\n")
+        write_folder(folder, self.state_dict(), self.config.to_json_dict(), dtype)
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Eagle3Head":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-            raise UserError(f"{folder} is not an EAGLE-3 head folder (needs config.json and model.safetensors)")
-        try:
-            cfg = Eagle3Config.from_json_dict(json.loads((folder / "config.json").read_text()))
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
-        try:
-            state = load_file(str(folder / "model.safetensors"))
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"{folder / 'model.safetensors'} is unreadable or corrupt: {exc}") from exc
-        head = cls(cfg)
-        try:
-            missing, unexpected = head.load_state_dict(state, strict=False)
-        except RuntimeError as exc:  # shape mismatches raise even with strict=False
-            raise UserError(f"EAGLE-3 weights in {folder} do not match its config.json: {str(exc)[:300]}") from exc
-        if missing or unexpected:
-            raise UserError(f"EAGLE-3 weights do not match the config: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+        config, state = read_folder(folder, "EAGLE-3 head")
+        head = cls(Eagle3Config.from_json_dict(config))
+        load_weights(head, state, "EAGLE-3 head", folder)
         head.to(device)
         return head.to(dtype=dtype).eval()  # casts float tensors only; d2t/t2d keep their types
 

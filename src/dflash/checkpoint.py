@@ -1,0 +1,53 @@
+"""Drafter folders on disk: config.json + model.safetensors, read and written with errors a user can act on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+
+def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: dict,
+                 dtype: torch.dtype | None = None) -> None:
+    """Float tensors are cast to `dtype` when given; integer tensors (index maps) never are."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cast = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in state.items()}
+    save_file(cast, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_folder(folder: str | Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, state dict) of a `kind` folder ("drafter", "EAGLE-3 head"), or a UserError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise UserError(f"{folder} is not a {kind} folder (needs config.json and model.safetensors)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{folder / 'config.json'} is not valid JSON: {exc}") from exc
+    try:
+        state = load_file(str(folder / "model.safetensors"))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{folder / 'model.safetensors'} is unreadable or corrupt: {exc}") from exc
+    return config, state
+
+
+def load_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], kind: str, folder) -> None:
+    """Load `state` into `module`; any missing, unexpected or mis-shaped weight is a UserError."""
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even with strict=False
+        raise UserError(f"{kind} weights in {folder} do not match its config.json: {str(exc)[:300]}") from exc
+    if missing or unexpected:
+        raise UserError(f"{kind} weights in {folder} do not match its config.json: "
+                        f"missing {missing[:3]}, unexpected {unexpected[:3]}")
