@@ -19,11 +19,11 @@ from dflash.blocks import (
     build_block_batch,
     default_gamma,
     position_weights,
+    linear_cross_entropy,
     sample_anchors,
-    weighted_block_loss,
 )
 from dflash.cli import build_parser
-from dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.drafter import BlockLayout, DFlashConfig, DFlashDrafter, block_sparse_attention
 from dflash.errors import UserError
 from dflash.testing import tiny_target
 
@@ -136,7 +136,51 @@ def test_position_weights_and_normalised_loss():
     ce = [-torch.log_softmax(logits[i], -1)[labels[i]].item() for i in range(5)]
     w1, w2, w3 = 1.0, 0.6065306597126334, 0.36787944117144233
     expected = (w1 * ce[0] + w2 * ce[1] + w1 * ce[2] + w2 * ce[3] + w3 * ce[4]) / (2 * w1 + 2 * w2 + w3)
-    assert weighted_block_loss(logits, labels, weights).item() == pytest.approx(expected, rel=1e-6)
+    loss, predictions = linear_cross_entropy(logits, torch.eye(7), labels, weights)  # identity head: logits
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert torch.equal(predictions, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [3, 700, 1100])  # inside one chunk, and across 512-row chunk boundaries
+def test_chunked_cross_entropy_matches_autograd(rows):
+    torch.manual_seed(rows)
+    hidden = torch.randn(rows, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(50, 16, dtype=torch.float64)
+    labels, weights = torch.randint(0, 50, (rows,)), torch.rand(rows, dtype=torch.float64)
+    loss, predictions = linear_cross_entropy(hidden, head, labels, weights)
+    loss.backward()
+    reference = hidden.detach().clone().requires_grad_(True)
+    logits = reference @ head.t()
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    expected = (ce * weights).sum() / weights.sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-6, atol=1e-8)
+    assert torch.equal(predictions, logits.argmax(-1))
+    with torch.no_grad():  # evaluation: same loss, no gradient work
+        assert linear_cross_entropy(hidden, head, labels, weights)[0].item() == pytest.approx(loss.item())
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_block_sparse_attention_equals_dense_mask(kv_heads):
+    """The sparse training attention is SDPA under the dense block mask, in the output and in every gradient."""
+    torch.manual_seed(kv_heads)
+    seq_len, size, heads, dim = 23, 4, 4, 8
+    anchors = torch.tensor([1, 5, 6, 14, 21])
+    n = len(anchors) * size
+    tensors = [torch.randn(2, h, length, dim, dtype=torch.float64, requires_grad=True)
+               for h, length in ((heads, n), (kv_heads, seq_len), (kv_heads, seq_len), (kv_heads, n), (kv_heads, n))]
+    q, ctx_k, ctx_v, k, v = tensors
+    sparse = block_sparse_attention(q, ctx_k, ctx_v, k, v, BlockLayout(anchors, size))
+    mask = block_attention_mask(anchors, seq_len, size)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), attn_mask=mask, enable_gqa=kv_heads != heads)
+    torch.testing.assert_close(sparse, dense)
+    grad = torch.randn_like(dense)
+    sparse_grads = torch.autograd.grad(sparse, tensors, grad)
+    dense_grads = torch.autograd.grad(dense, tensors, grad)
+    for a, b in zip(sparse_grads, dense_grads):
+        torch.testing.assert_close(a, b)
 
 
 # ---- the drafter pass ------------------------------------------------------------------------------------------------
@@ -152,7 +196,7 @@ def test_training_pass_equals_inference_per_block(target):
     with torch.no_grad():
         embeds = target.embed_tokens(batch.block_ids.reshape(1, -1))
         together = drafter(embeds, batch.positions.reshape(1, -1), features,
-                           torch.arange(len(input_ids))[None], mask=batch.mask[None, None]).view(4, 4, -1)
+                           torch.arange(len(input_ids))[None], mask=batch.layout).view(4, 4, -1)
         for i, a in enumerate(anchors.tolist()):
             alone = drafter(target.embed_tokens(batch.block_ids[i : i + 1]), batch.positions[i : i + 1],
                             features[:, :a], torch.arange(a)[None])

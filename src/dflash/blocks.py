@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from .drafter import BlockLayout
 
 IGNORE = -100
 GAMMA_BY_BLOCK_SIZE = ((8, 4.0), (10, 5.0), (16, 7.0))  # the paper's loss decay per block size
@@ -43,7 +44,7 @@ class BlockBatch:
     block_ids: torch.Tensor  # [nblocks, B]: anchor token then MASK ids
     positions: torch.Tensor  # [nblocks, B]: absolute positions a..a+B-1
     labels: torch.Tensor  # [nblocks, B]: token at a+k, IGNORE at k=0 and past the end
-    mask: torch.Tensor  # [nblocks*B, seq_len + nblocks*B] bool, True = may attend
+    layout: BlockLayout  # who sees what: the sparse equivalent of block_attention_mask
 
 
 def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
@@ -65,7 +66,9 @@ def block_labels(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tens
 
 def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """Boolean [nblocks*B, seq_len + nblocks*B]: context keys strictly before the block's anchor, then the block's
-    own keys (bidirectional). Keys are ordered as the drafter concatenates them: all context, then all blocks."""
+    own keys (bidirectional). Keys are ordered as the drafter concatenates them: all context, then all blocks.
+    This dense mask defines the training attention; the drafter computes it sparsely from a BlockLayout (tests
+    check both against each other), since at 512 anchors almost every entry is False."""
     device = anchors.device
     block_of_query = torch.arange(anchors.shape[0] * block_size, device=device) // block_size
     # `<` not `<=`: the anchor's own target feature is not available at inference time
@@ -83,7 +86,7 @@ def build_block_batch(
         block_ids=block_ids,
         positions=positions,
         labels=block_labels(input_ids, positions),
-        mask=block_attention_mask(anchors, input_ids.shape[0], block_size),
+        layout=BlockLayout(anchors, block_size),
     )
 
 
@@ -111,11 +114,49 @@ class BlockResult:
     weight_sum: torch.Tensor  # the normaliser of `loss` (to pool losses over sequences exactly)
 
 
-def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_k w_k * CE_k over valid labels, divided by the sum of the weights of those valid labels.
-    logits [N, V] and labels [N] for N valid entries; weights [N]."""
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
-    return (ce * weights).sum() / weights.sum().clamp_min(1e-12)
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ head.T, label_i) / sum_i w_i, and the argmax of each row, computed in row chunks.
+
+    The [N, vocab] logits are the largest tensor of a training step (at 512 anchors x 16 positions x 49K words they
+    are 1.6 GB in float32) and their log-softmax passes dominated the CPU step time. The head is frozen, so the
+    gradient w.r.t. hidden, (softmax - onehot) * w / sum(w) @ head, is formed chunk by chunk during the forward pass
+    and no logits are kept. Softmax statistics are float32 whatever the matmul dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, chunk_rows: int = 512):
+        values = hidden.detach()
+        weight_sum = weights.sum().clamp_min(1e-12)
+        need_grad = hidden.requires_grad
+        grad = torch.empty_like(values) if need_grad else None
+        predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = (values[rows].to(head_weight.dtype) @ head_weight.t()).float()
+            log_norm = logits.logsumexp(-1)
+            picked = logits.gather(1, labels[rows, None])[:, 0]
+            loss += ((log_norm - picked) * weights[rows]).sum()
+            predictions[rows] = logits.argmax(-1)
+            if need_grad:
+                probs = logits.sub_(log_norm[:, None]).exp_()
+                probs[torch.arange(probs.shape[0], device=probs.device), labels[rows]] -= 1.0
+                probs.mul_((weights[rows] / weight_sum)[:, None])
+                grad[rows] = (probs.to(head_weight.dtype) @ head_weight).to(grad.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(predictions)
+        return loss / weight_sum, predictions
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_predictions):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def linear_cross_entropy(hidden, head_weight, labels, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean cross-entropy, argmax predictions) of the logits hidden @ head_weight.T; see LinearCrossEntropy.
+    hidden [N, D], head_weight [V, D] (frozen), labels [N], weights [N]."""
+    return LinearCrossEntropy.apply(hidden, head_weight.detach(), labels, weights.to(torch.float32))
 
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: torch.Tensor) -> BlockResult:
@@ -124,12 +165,10 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: tor
     The LM head runs only on positions with a label: the vocabulary projection is the largest tensor in a step.
     """
     valid = labels != IGNORE
-    head_dtype = lm_head.weight.dtype
-    logits = lm_head(hidden[valid].to(head_dtype))
     valid_weights = weights.to(hidden.device).expand_as(labels)[valid]
-    loss = weighted_block_loss(logits, labels[valid], valid_weights)
+    loss, predictions = linear_cross_entropy(hidden[valid], lm_head.weight, labels[valid], valid_weights)
     correct = torch.zeros_like(valid)
-    correct[valid] = logits.argmax(-1) == labels[valid]
+    correct[valid] = predictions == labels[valid]
     return BlockResult(loss, correct[:, 1:], valid[:, 1:], valid_weights.sum())
 
 
@@ -185,7 +224,7 @@ class DFlashObjective:
             batch.positions.reshape(1, -1),
             features,
             torch.arange(input_ids.shape[0], device=input_ids.device)[None],
-            mask=batch.mask[None, None],
+            mask=batch.layout,
         )
         return block_loss(hidden.view(nblocks, self.block_size, -1), batch.labels, self.target.lm_head, self.weights)
 

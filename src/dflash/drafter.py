@@ -163,6 +163,37 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
     return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
 
 
+@dataclass
+class BlockLayout:
+    """The training layout of a drafter call: the query tokens are len(anchors) blocks of block_size tokens, block i
+    anchored at position anchors[i], and the context holds positions 0..S-1. Block i sees context positions
+    < anchors[i] and its own block bidirectionally, never another block (DFLASH_SPEC.md section 4). Passed instead of
+    a dense mask so attention never materialises the [N, S + N] mask, of which all but N * (S + B) entries are False."""
+
+    anchors: torch.Tensor  # [nblocks], long
+    block_size: int
+
+
+def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
+    """Attention under `layout` in O(N * (S + B)): scores against the context (hidden from each block's anchor on)
+    and against the block's own B keys, one softmax over both. Equals SDPA with the dense block mask.
+    q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV)."""
+    b, heads, n, d = q.shape
+    kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[0], layout.block_size
+    group = heads // kv_heads
+    q = q.reshape(b, kv_heads, group, n, d) * d**-0.5
+    ctx_scores = q @ ctx_k[:, :, None].transpose(-1, -2)  # [b, KV, group, N, S]
+    visible = torch.arange(s, device=q.device) < layout.anchors.repeat_interleave(size)[:, None]
+    ctx_scores = ctx_scores.masked_fill(~visible, float("-inf"))
+    blocked_q = q.reshape(b, kv_heads, group, nblocks, size, d)
+    own_scores = blocked_q @ k.reshape(b, kv_heads, 1, nblocks, size, d).transpose(-1, -2)  # [..., nblocks, B, B]
+    scores = torch.cat([ctx_scores, own_scores.reshape(b, kv_heads, group, n, size)], dim=-1)
+    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
+    out = probs[..., :s] @ ctx_v[:, :, None]
+    own = probs[..., s:].reshape(b, kv_heads, group, nblocks, size, size) @ v.reshape(b, kv_heads, 1, nblocks, size, d)
+    return (out + own.reshape(b, kv_heads, group, n, d)).reshape(b, heads, n, d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -187,9 +218,12 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.heads)), rope_block)
         k = apply_rotary(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), rope_block)
         v = self._split(self.v_proj(x), self.kv_heads)
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        if isinstance(mask, BlockLayout):
+            out = block_sparse_attention(q, ctx_k, ctx_v, k, v, mask)
+        else:
+            k = torch.cat([ctx_k, k], dim=2)
+            v = torch.cat([ctx_v, v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
         b, _, s, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
@@ -258,15 +292,15 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         context_features: torch.Tensor,
         context_positions: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockLayout | None = None,
         cache: DrafterCache | None = None,
     ) -> torch.Tensor:
         """Final hidden states [batch, block_len, hidden] of the block tokens.
 
         block_embeds: target embeddings of the block tokens; context_features: raw concatenated target layer outputs
         [batch, ctx_len, n*hidden] (only the NEW ones when a cache is given). mask: boolean [batch or 1, 1, block_len,
-        ctx_len_total + block_len], True = may attend; None = attend to everything (inference: the context holds only
-        positions before the block).
+        ctx_len_total + block_len], True = may attend; a BlockLayout (training: many blocks over one context); None =
+        attend to everything (inference: the context holds only positions before the block).
         """
         ctx = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
         rope_ctx = self.rotary(context_positions)
