@@ -1,0 +1,40 @@
+"""Held-out surrogate tau of a drafter checkpoint on a training run's held-out split (the split `dflash train` makes
+of DATA with its default --eval-fraction), e.g. to put a run's starting point on its learning curve.
+
+Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS]
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash import trainer
+from dflash.blocks import DFlashObjective
+from dflash.eagle3 import Eagle3Objective
+from dflash.loading import load_target_cached
+
+
+def main() -> None:
+    method, checkpoint, data = sys.argv[1:4]
+    anchors = int(sys.argv[4]) if len(sys.argv) > 4 else 512
+    target = load_target_cached("smollm2-135m", "bfloat16")
+    config = trainer.TrainConfig()
+    if method == "dflash":
+        objective = DFlashObjective(trainer.load_drafter_checkpoint(Path(checkpoint), target), target, anchors)
+    else:
+        head = trainer.load_head_checkpoint(Path(checkpoint), target)
+        objective = Eagle3Objective(head, target, steps=head.config.depth, max_length=config.max_length)
+    usable = [e for e in trainer.load_examples(data) if objective.usable(e)]
+    _, heldout = trainer.split_heldout(usable, config.eval_fraction)
+    rngs = [np.random.default_rng([config.seed, trainer.EVAL_STREAM, i]) for i in range(len(heldout))]
+    objective.model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = objective.evaluate(heldout, rngs)
+    print(f"{method} {checkpoint}: {len(heldout)} held-out sequences, eval_tau {result['eval_tau']:.3f}, "
+          f"eval_loss {result['eval_loss']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
