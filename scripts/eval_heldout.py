@@ -1,7 +1,7 @@
 """Held-out surrogate tau of a drafter checkpoint on a training run's held-out split (the split `dflash train` makes
 of DATA with its default --eval-fraction), e.g. to put a run's starting point on its learning curve.
 
-Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS]
+Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS]   (target: smollm2-135m, bf16)
 """
 
 import sys
