@@ -7,7 +7,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from dflash.loading import build_proposer, load_target_cached
 
@@ -49,9 +48,9 @@ def main() -> None:
         proposer.start(prompt, features)
         proposer.propose(prompt + [5])
     print(f"drafter propose (block 16, LM head over 15): {median_ms(draft):7.1f} ms")
-    hidden = torch.randn(1, 15, target.hidden_size, dtype=proposer.head_weight.dtype)
+    hidden = torch.randn(15, target.hidden_size, dtype=proposer._param.dtype)
     with torch.inference_mode():
-        print(f"  of which the LM head: {median_ms(lambda: F.linear(hidden[0], proposer.head_weight)):7.1f} ms")
+        print(f"  of which the LM head: {median_ms(lambda: proposer.lm_head(hidden)):7.1f} ms")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from torch import nn
 from .drafter import MLP, RMSNorm, Rotary, apply_rotary
 from .checkpoint import load_weights, read_folder, write_folder
 from .errors import UserError
+from .packed import pack_linears
 from .proposers import Proposer
 
 IGNORE = -100
@@ -510,7 +511,7 @@ class Eagle3Proposer(Proposer):
         self.cache.length, self.pending = last, None
         drafts = []
         for k in range(self.depth):
-            token = self.head.draft_to_target(self.head.logits(hidden).argmax(-1))  # [1, 1], stays on the device
+            token = self.head.draft_to_target(self.head.logits(hidden).float().argmax(-1))  # [1, 1], stays on the device
             drafts.append(token)
             if k + 1 < self.depth:  # speculative pair at position last+k: written past the committed length
                 hidden = self.head.step(self._embed(token), hidden, last + k, self.cache)
@@ -537,4 +538,6 @@ def build_eagle3_proposer(target, path: str | Path | None = None, depth: int | N
     else:
         head = Eagle3Head.load(path, device=str(target.device))
     # run in the target's dtype (or the chosen draft dtype), like the DFlash drafter, so both pay alike
-    return Eagle3Proposer(head.to(device=target.device, dtype=dtype or target.dtype), target, depth), note
+    head = head.to(device=target.device, dtype=dtype or target.dtype)
+    pack_linears(head)  # loaded for drafting only: its weights no longer change
+    return Eagle3Proposer(head, target, depth), note

@@ -8,6 +8,7 @@ import torch
 
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .errors import UserError
+from .packed import pack_linears
 from .proposers import DFlashProposer, NgramProposer, Proposer
 from .target import TargetModel, load_target
 
@@ -27,6 +28,7 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu") -
 
         target = tiny_target(arch, logit_scale=4.0)
         target.model.to(DTYPES.get(dtype, torch.float32))
+        target.pack_linears()
         return target
     return load_target(spec, dtype, device)
 
@@ -56,11 +58,14 @@ def load_drafter(
         path = shipped_drafter_dir(target)
         if path is None:
             note = f"no trained drafter ships for {target.name}: using an UNTRAINED drafter (expect tau ~1, no speedup)"
-            return untrained_drafter(target).to(dtype), note
+            drafter = untrained_drafter(target).to(dtype)
+            pack_linears(drafter)
+            return drafter, note
     elif not Path(path).exists():
         raise UserError(f"drafter folder not found: {path}")
     drafter = DFlashDrafter.load(path, dtype=dtype, device=str(target.device))
     drafter.check_fits(target)
+    pack_linears(drafter)  # loaded for drafting only: its weights no longer change
     return drafter, note
 
 

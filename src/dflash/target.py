@@ -15,6 +15,7 @@ from torch import nn
 
 from .errors import UserError
 from .hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
+from .packed import pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,6 +116,10 @@ class TargetModel:
         return sorted(ids)
 
     # ---- running -------------------------------------------------------------------------------------------
+    def pack_linears(self) -> int:
+        """Run the frozen target's linears through packed oneDNN kernels on CPU (see packed.py); after any .to()."""
+        return pack_linears(self.model)
+
     def new_cache(self) -> KVCache:
         return KVCache(self.model.config)
 
@@ -207,4 +212,6 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
     except OSError as exc:
         known = ", ".join(REGISTRY)
         raise UserError(f"could not load target {spec!r} ({exc.__class__.__name__}); registry names: {known}") from exc
-    return TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
+    target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
+    target.pack_linears()
+    return target
