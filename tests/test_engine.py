@@ -10,7 +10,7 @@ from conftest import ARCHS, OracleProposer, RandomProposer
 from dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
-from dflash.proposers import DFlashProposer, NgramProposer, Proposer
+from dflash.proposers import DFlashProposer, NgramProposer, Proposer, confident_drafts
 from dflash.sampling import SamplingConfig, target_probs
 
 PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3"]
@@ -70,6 +70,39 @@ def test_bf16_drafter_beside_float32_target(tiny_targets):
             config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
             result = SpeculativeDecoder(target, proposer).generate(ids, config)
             assert result.tokens == ar_tokens(target, ids, 32).tokens
+
+
+def test_confident_drafts_cut_where_the_running_belief_drops():
+    probs = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.8, 0.0], [0.1, 0.0, 0.9], [0.0, 1.0, 0.0]])
+    logits = probs.clamp_min(1e-9).log()  # running belief 0.9, 0.72, 0.648, 0.648
+    assert confident_drafts(logits, 0.0).tolist() == [0, 1, 2, 1]
+    assert confident_drafts(logits, 0.7).tolist() == [0, 1]
+    assert confident_drafts(logits, 0.648 * 0.999).tolist() == [0, 1, 2, 1]
+    assert confident_drafts(logits, 0.95).tolist() == []
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 1e-5, 1.0])
+def test_min_confidence_trims_blocks_and_stays_lossless(tiny_targets, min_confidence):
+    target = tiny_targets["llama"]
+    proposer = DFlashProposer(make_drafter(target, 8), target, min_confidence=min_confidence)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        result = SpeculativeDecoder(target, proposer).generate(ids, config)
+        assert result.tokens == ar_tokens(target, ids).tokens
+        lengths = set(result.stats.draft_lengths[:-1])  # the last round may be cut by the token budget
+        if min_confidence == 1.0:  # no drafter is that sure: every round verifies the bonus token alone
+            assert lengths == {0}
+        elif min_confidence == 0.0:
+            assert lengths == {7}
+        else:  # an untrained drafter's belief decays fast, so blocks are trimmed but not emptied
+            assert lengths and 0 < min(lengths) and max(lengths) < 7
+
+
+def test_min_confidence_out_of_range(tiny_targets):
+    target = tiny_targets["llama"]
+    with pytest.raises(UserError, match="min confidence"):
+        DFlashProposer(make_drafter(target, 8), target, min_confidence=1.5)
 
 
 def test_generated_mask_token_is_kept(tiny_targets):

@@ -220,7 +220,7 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         path, block_size = (args.drafter, args.block_size)
         if method == "eagle3":  # --block-size is DFlash's; the EAGLE-3 chain keeps its own depth unless told
             path, block_size = args.eagle3, (args.eagle3_depth + 1 if args.eagle3_depth else None)
-        proposer, note = build_proposer(method, target, path, block_size, args.draft_dtype)
+        proposer, note = build_proposer(method, target, path, block_size, args.draft_dtype, args.min_confidence)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         runners[method] = EngineRunner(method, target, proposer, sampling)
@@ -406,6 +406,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "mismatches": mismatches,
         "num_generations": ar.generations,
         "block_size": args.block_size,
+        "min_confidence": args.min_confidence,
         "ignore_eos": args.ignore_eos,
         "dataset_file": str(path),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -429,6 +430,8 @@ def command_line(args) -> str:
             parts.append(f"{flag} {value}")
     if args.template != "auto":
         parts.append(f"--template {args.template}")
+    if args.min_confidence:
+        parts.append(f"--min-confidence {args.min_confidence}")
     if args.ignore_eos:
         parts.append("--ignore-eos")
     if args.threads is not None:

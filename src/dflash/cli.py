@@ -40,6 +40,10 @@ def add_model_arguments(p: argparse.ArgumentParser, with_method: bool = True) ->
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (<= the drafter's)")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="run the drafter in this dtype (default: the target's); drafts never change the output")
+    p.add_argument("--min-confidence", type=float, default=0.0, metavar="P",
+                   help="dflash: verify only the leading drafts the drafter itself believes in, i.e. while the "
+                        "running product of its top probabilities stays >= P (default 0: the whole block). Worth it "
+                        "where verifying costs grow with the tokens verified (CPUs); never changes the output")
     if with_method:
         p.add_argument("--method", default="dflash", choices=["dflash", "ar", "ngram", "eagle3"])
 
@@ -82,7 +86,9 @@ def run(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
     config.validate()
     target = load_target_cached(args.target, args.dtype, args.device)
-    proposer, note = build_proposer(args.method, target, args.drafter, args.block_size, args.draft_dtype)
+    proposer, note = build_proposer(
+        args.method, target, args.drafter, args.block_size, args.draft_dtype, args.min_confidence
+    )
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)

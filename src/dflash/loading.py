@@ -71,9 +71,10 @@ def load_drafter(
 
 def build_proposer(
     method: str, target: TargetModel, drafter_path: str | None = None, block_size: int | None = None,
-    draft_dtype: str | None = None,
+    draft_dtype: str | None = None, min_confidence: float = 0.0,
 ) -> tuple[Proposer, str | None]:
-    """A proposer by method name; `draft_dtype` (e.g. "bfloat16") runs a drafter cheaper than the target."""
+    """A proposer by method name; `draft_dtype` (e.g. "bfloat16") runs a drafter cheaper than the target;
+    `min_confidence` > 0 trims DFlash blocks to the drafts the drafter is sure enough of."""
     from .target import DTYPES
 
     if draft_dtype is not None and draft_dtype not in DTYPES:
@@ -85,7 +86,7 @@ def build_proposer(
         return NgramProposer(max_draft=(block_size or 8) - 1), None
     if method == "dflash":
         drafter, note = load_drafter(drafter_path, target, dtype)
-        return DFlashProposer(drafter, target, block_size), note
+        return DFlashProposer(drafter, target, block_size, min_confidence), note
     if method == "eagle3":
         try:
             from .eagle3 import build_eagle3_proposer

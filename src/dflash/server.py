@@ -726,7 +726,9 @@ def run(args) -> int:
         raise UserError("--default-max-tokens and --max-queue must be >= 1")
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
     target = load_target_cached(args.target, args.dtype, args.device)
-    proposer, note = build_proposer(args.method, target, args.drafter, args.block_size, args.draft_dtype)
+    proposer, note = build_proposer(
+        args.method, target, args.drafter, args.block_size, args.draft_dtype, args.min_confidence
+    )
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
     warm_up = GenerationConfig(max_new_tokens=4)
