@@ -111,12 +111,42 @@ def _turns_of(row) -> list[str] | None:
     return [prompt] if isinstance(prompt, str) and prompt.strip() else None
 
 
+@dataclass(frozen=True)
+class MethodSpec:
+    """One entry of --methods: NAME, or NAME@SIZE[:P] to run one method at several settings in the same run.
+    SIZE is the DFlash or ngram block size or the EAGLE-3 chain depth; P is DFlash's --min-confidence."""
+
+    name: str
+    size: int | None = None
+    min_confidence: float | None = None
+
+
+def parse_method(text: str) -> MethodSpec:
+    name, _, setting = text.partition("@")
+    if name not in METHODS:
+        raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS)} (optionally NAME@SIZE[:P])")
+    if not setting:
+        return MethodSpec(name)
+    size_text, _, confidence_text = setting.partition(":")
+    try:
+        size = int(size_text)
+        confidence = float(confidence_text) if confidence_text else None
+    except ValueError:
+        raise UserError(f"bad method setting {text!r}: use NAME@SIZE or dflash@SIZE:P (e.g. dflash@8:0.05)") from None
+    if name in ("ar", "hf"):
+        raise UserError(f"{name} takes no setting (got {text!r})")
+    if size < (1 if name == "eagle3" else 2):
+        raise UserError(f"{text!r}: {'depth' if name == 'eagle3' else 'block size'} too small")
+    if confidence is not None and (name != "dflash" or not 0.0 <= confidence <= 1.0):
+        raise UserError(f"{text!r}: a minimum confidence in [0, 1] applies to dflash only")
+    return MethodSpec(name, size, confidence)
+
+
 def parse_methods(text: str) -> list[str]:
-    """Comma-separated methods, ar always first (every other method is compared with it)."""
+    """Comma-separated methods (each checked by parse_method), ar always first (every other one is compared with it)."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    for method in methods:
+        parse_method(method)
     return ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
 
 
@@ -214,13 +244,16 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
 
     runners = {}
     for method in methods:
-        if method == "hf":
+        spec = parse_method(method)
+        if spec.name == "hf":
             runners[method] = HFRunner(target, sampling)
             continue
-        path, block_size = (args.drafter, args.block_size)
-        if method == "eagle3":  # --block-size is DFlash's; the EAGLE-3 chain keeps its own depth unless told
-            path, block_size = args.eagle3, (args.eagle3_depth + 1 if args.eagle3_depth else None)
-        proposer, note = build_proposer(method, target, path, block_size, args.draft_dtype, args.min_confidence)
+        path, block_size = (args.drafter, spec.size or args.block_size)
+        if spec.name == "eagle3":  # --block-size is DFlash's; the EAGLE-3 chain keeps its own depth unless told
+            depth = spec.size or args.eagle3_depth
+            path, block_size = args.eagle3, (depth + 1 if depth else None)
+        min_confidence = args.min_confidence if spec.min_confidence is None else spec.min_confidence
+        proposer, note = build_proposer(spec.name, target, path, block_size, args.draft_dtype, min_confidence)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         runners[method] = EngineRunner(method, target, proposer, sampling)
@@ -308,7 +341,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)} (from $DFLASH_DATA_DIR or ../shared/data) "
                    "or a JSONL file with 'prompt' or 'turns'")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--methods", default="ar,ngram,dflash", help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--methods", default="ar,ngram,dflash",
+                   help=f"comma-separated, from {', '.join(METHODS)}; NAME@SIZE[:P] runs a method at another block "
+                        "size (eagle3: chain depth) and dflash at --min-confidence P, side by side with the others "
+                        "(e.g. dflash,dflash@8,dflash@16:0.05,eagle3@3)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder (default: the shipped head for the target)")
     p.add_argument("--eagle3-depth", type=int, default=None, help="EAGLE-3 chain depth (default: the head's own, 7)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
