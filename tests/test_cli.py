@@ -29,6 +29,15 @@ def test_text_output_names_untrained_drafter(capsys):
     assert code == 0 and "UNTRAINED" in err and "tau" in err
 
 
+def test_compare_ar(capsys):
+    """--compare-ar: the speedup line says the outputs are identical and reports medians of interleaved runs."""
+    code, out, err = run(capsys, "--method", "ngram", "--max-new-tokens", "16", "--compare-ar", "w1 w2 w3 w1 w2")
+    assert code == 0 and "outputs identical; median of 3 interleaved runs" in err
+    code, out, err = run(capsys, "--method", "ngram", "--max-new-tokens", "16", "--compare-ar", "--json", "w1 w2")
+    payload = json.loads(out)
+    assert payload["speedup"] == pytest.approx(payload["tokens_per_s"] / payload["ar_tokens_per_s"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["   "], "empty"),
     (["--max-new-tokens", "0", "w1"], "max_new_tokens"),

@@ -425,6 +425,8 @@ def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
 
 
 def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool) -> dict:
+    from .loading import default_min_confidence
+
     ar = totals["ar"]
     summaries = {m: totals[m].summary(m, ar) for m in methods}
     results = {
@@ -442,7 +444,8 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "mismatches": mismatches,
         "num_generations": ar.generations,
         "block_size": args.block_size,
-        "min_confidence": args.min_confidence,
+        "min_confidence": (  # of methods without their own ':P'; None on the command line = the device's default
+            default_min_confidence(target.device) if args.min_confidence is None else args.min_confidence),
         "ignore_eos": args.ignore_eos,
         "dataset_file": str(path),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -466,7 +469,7 @@ def command_line(args) -> str:
             parts.append(f"{flag} {value}")
     if args.template != "auto":
         parts.append(f"--template {args.template}")
-    if args.min_confidence:
+    if args.min_confidence is not None:
         parts.append(f"--min-confidence {args.min_confidence}")
     if args.ignore_eos:
         parts.append("--ignore-eos")
