@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The exact recipe of the drafters shipped for SmolLM2-135M-Instruct: the DFlash drafter and the EAGLE-3 baseline,
 # trained on the same regenerated data with the same compute (one CPU core each, side by side, same epochs).
-# Usage: bash scripts/train_shipped.sh   (from the repo root, after `make setup`; about 2.5 hours on 2 CPU cores)
+# Usage: bash scripts/train_shipped.sh   (from the repo root, after `make setup`; about 4 hours on 2 CPU cores)
 set -euo pipefail
 DF=.venv/bin/dflash
 PY=.venv/bin/python
@@ -56,3 +56,13 @@ DFLASH_ARGS=(--init-from runs/train/dflash/checkpoints/step-001800 --anchors-per
 EAGLE3_ARGS=(--init-from runs/train/eagle3/checkpoints/step-001800 --epochs 3 --max-steps 5400
              --eval-every 1200 --save-every 600)
 train_both "-stage2" runs/data/mix
+
+# ---- stage 3: the same data, warm-started from stage 2 with a fresh schedule at half the peak lr ------------------
+# DFlash stopped at step 1800 (99 min on one core), EAGLE-3 at step 5400 (86 min on the other); the schedules still
+# span 1 and 3 epochs, so --max-steps reproduces the stops.
+DFLASH_ARGS=(--init-from runs/train/dflash-stage2/checkpoints/step-001600 --anchors-per-seq 512 --epochs 1 --lr 3e-4
+             --max-steps 1800 --eval-every 400 --save-every 200)
+EAGLE3_ARGS=(--init-from runs/train/eagle3-stage2/checkpoints/step-005400 --epochs 3 --lr 3e-4 --max-steps 5400
+             --eval-every 1200 --save-every 600)
+train_both "-stage3" runs/data/mix
+# what ships: runs/train/dflash-stage3/final and runs/train/eagle3-stage3/final (bf16), copied to src/dflash/drafters/
