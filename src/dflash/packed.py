@@ -7,8 +7,9 @@ run through oneDNN but re-layout the weight on every call; packing halves their 
 
 Only for weights that no longer change (a frozen target, a loaded drafter): the packed copy is made once and would
 go stale if the weight were trained. Anything the packed kernel does not cover (autograd, another device, a dtype
-other than the weight's, a PyTorch build without oneDNN) falls back to `F.linear`. `DFLASH_PACKED=0` turns the
-packing off, e.g. to compare against the plain path.
+other than the weight's, a PyTorch build without oneDNN) falls back to `F.linear`, so the original weights stay
+and the packed copies double the memory of the linears: `DFLASH_PACKED=0` turns the packing off where memory is
+tight (a large target on CPU) or to compare against the plain path.
 """
 
 from __future__ import annotations
