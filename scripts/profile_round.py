@@ -48,7 +48,7 @@ def main() -> None:
         proposer.start(prompt, features)
         proposer.propose(prompt + [5])
     print(f"drafter propose (block 16, LM head over 15): {median_ms(draft):7.1f} ms")
-    hidden = torch.randn(15, target.hidden_size, dtype=proposer._param.dtype)
+    hidden = torch.randn(15, target.hidden_size, dtype=proposer.lm_head.weight.dtype)
     with torch.inference_mode():
         print(f"  of which the LM head: {median_ms(lambda: proposer.lm_head(hidden)):7.1f} ms")
 

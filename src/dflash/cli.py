@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--compare-ar", action="store_true", help="also run plain autoregressive decoding and print the speedup")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also run plain autoregressive decoding and print the speedup (median of 3 interleaved runs)")
     p.add_argument("prompt", help="the prompt text")
 
 

@@ -511,7 +511,8 @@ class Eagle3Proposer(Proposer):
         self.cache.length, self.pending = last, None
         drafts = []
         for k in range(self.depth):
-            token = self.head.draft_to_target(self.head.logits(hidden).float().argmax(-1))  # [1, 1], stays on the device
+            logits = self.head.logits(hidden).float()  # float32: a bf16 argmax is several times slower on CPU
+            token = self.head.draft_to_target(logits.argmax(-1))  # [1, 1], stays on the device
             drafts.append(token)
             if k + 1 < self.depth:  # speculative pair at position last+k: written past the committed length
                 hidden = self.head.step(self._embed(token), hidden, last + k, self.cache)

@@ -70,8 +70,8 @@ def load_drafter(
 
 
 def default_min_confidence(device: torch.device) -> float:
-    """On CPU a float32 verify pass is compute-bound (about 1 ms more per verified token for SmolLM2 on 2 cores), so
-    drafts the drafter itself doubts cost more than they bring: on GSM8K, block 16 went from 0.91x to 1.21x of `ar`
+    """On CPU a float32 verify pass is compute-bound (about 0.8 ms more per verified token for SmolLM2 on 2 cores), so
+    drafts the drafter itself doubts cost more than they bring: on GSM8K, block 16 went from 1.00x to 1.25x of `ar`
     with 0.05 (docs/RESULTS.md). On GPUs verifying 16 tokens costs about what 1 does, so whole blocks are kept."""
     return 0.05 if device.type == "cpu" else 0.0
 

@@ -1,9 +1,10 @@
 """Inference matmuls on CPU through oneDNN, with each frozen weight laid out ("packed") for it once.
 
 Why: PyTorch sends a float32 `nn.Linear` on CPU to MKL's sgemm. On the AMD EPYC we develop on, for the 1 to 17 rows
-of decoding and verification, that path ran SmolLM2-135M's forward in 39 ms for one token and 69 ms for sixteen;
-with the same weights packed for oneDNN it took 22 and 30 ms (scripts/profile_round.py). bfloat16 linears already
-run through oneDNN but re-layout the weight on every call; packing halves their few-row cost as well.
+of decoding and verification, that path ran SmolLM2-135M's forward in 43 ms for one token and 85 ms for sixteen
+(with features); with the same weights packed for oneDNN it took 24 and 36 ms (`scripts/profile_round.py float32`,
+2 threads, with and without DFLASH_PACKED=0). bfloat16 linears already run through oneDNN but re-layout the weight
+on every call; packing halves their few-row cost as well.
 
 Only for weights that no longer change (a frozen target, a loaded drafter): the packed copy is made once and would
 go stale if the weight were trained. Anything the packed kernel does not cover (autograd, another device, a dtype
