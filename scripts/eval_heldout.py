@@ -11,21 +11,18 @@ import numpy as np
 import torch
 
 from dflash import trainer
-from dflash.blocks import DFlashObjective
-from dflash.eagle3 import Eagle3Objective
 from dflash.loading import load_target_cached
+from dflash.methods import registry
 
 
 def main() -> None:
     method, checkpoint, data = sys.argv[1:4]
     anchors = int(sys.argv[4]) if len(sys.argv) > 4 else 512
     target = load_target_cached("smollm2-135m", "bfloat16")
-    config = trainer.TrainConfig()
-    if method == "dflash":
-        objective = DFlashObjective(trainer.load_drafter_checkpoint(Path(checkpoint), target), target, anchors)
-    else:
-        head = trainer.load_head_checkpoint(Path(checkpoint), target)
-        objective = Eagle3Objective(head, target, steps=head.config.depth, max_length=config.max_length)
+    recipe = registry.get(method).training
+    model = recipe.load_model(Path(checkpoint), target)
+    config = trainer.TrainConfig(method=method, anchors_per_seq=anchors).replace(recipe.shape_of(model))
+    objective = recipe.objective(model, target, config)
     usable = [e for e in trainer.load_examples(data) if objective.usable(e)]
     _, heldout = trainer.split_heldout(usable, config.eval_fraction)
     rngs = [np.random.default_rng([config.seed, trainer.EVAL_STREAM, i]) for i in range(len(heldout))]

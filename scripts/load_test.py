@@ -113,6 +113,7 @@ def in_process(args, deadline: float) -> list[LoadResult]:
     import torch
 
     from dflash.loading import build_proposer, load_target_cached
+    from dflash.methods.base import MethodOptions
     from dflash.server import BackgroundServer, create_app
 
     if args.torch_threads:
@@ -120,7 +121,8 @@ def in_process(args, deadline: float) -> list[LoadResult]:
     target = load_target_cached(args.target, args.dtype, args.device)
     results = []
     for method in args.methods.split(","):
-        proposer, note = build_proposer(method, target, args.drafter, args.block_size)
+        drafter = args.drafter if method == "dflash" else None
+        proposer, note = build_proposer(method, target, MethodOptions(drafter=drafter, block_size=args.block_size))
         if note:
             print(f"[load_test] {method}: {note}", file=sys.stderr)
         with BackgroundServer(create_app(target, proposer, args.target)) as url:

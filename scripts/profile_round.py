@@ -9,6 +9,7 @@ import time
 import torch
 
 from dflash.loading import build_proposer, load_target_cached
+from dflash.methods.base import MethodOptions
 
 
 def median_ms(fn, runs: int = 10) -> float:
@@ -25,7 +26,7 @@ def main() -> None:
     dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
     torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
     target = load_target_cached("smollm2-135m", dtype)
-    proposer, _ = build_proposer("dflash", target, draft_dtype="bfloat16")
+    proposer, _ = build_proposer("dflash", target, MethodOptions(draft_dtype="bfloat16"))
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How much does she make every day?")
     cache = target.new_cache()
     target.forward(torch.tensor([prompt]), cache)

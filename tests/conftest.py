@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dflash.proposers import Proposer
+from dflash.methods.base import Draft, Proposer
 
 # Tiny models gain nothing from a second thread, and on a busy CPU threads that wait for each other make every
 # small op many times slower. The real-model tests raise this for themselves.
@@ -24,9 +24,10 @@ class OracleProposer(Proposer):
     def __init__(self, reference: list[int], prompt_len: int, max_draft: int):
         self.reference, self.prompt_len, self.max_draft = reference, prompt_len, max_draft
 
-    def propose(self, sequence):
+    def propose(self, sequence, limit=None):
         done = len(sequence) - self.prompt_len
-        return self.reference[done : done + self.max_draft]
+        count = self.max_draft if limit is None else min(limit, self.max_draft)
+        return Draft(self.reference[done : done + count])
 
 
 class RandomProposer(Proposer):
@@ -38,5 +39,6 @@ class RandomProposer(Proposer):
         self.vocab_size, self.max_draft = vocab_size, max_draft
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, sequence):
-        return torch.randint(0, self.vocab_size, (self.max_draft,), generator=self.generator).tolist()
+    def propose(self, sequence, limit=None):
+        count = self.max_draft if limit is None else min(limit, self.max_draft)
+        return Draft(torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())

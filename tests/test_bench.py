@@ -4,7 +4,6 @@ records, dataset resolution and user errors."""
 import json
 
 import pytest
-import torch
 
 from dflash.bench import MethodSpec, parse_method, parse_methods, read_prompts, resolve_dataset
 from dflash.cli import main
@@ -45,7 +44,7 @@ def test_results_schema_and_lossless(tmp_path, capsys):
         assert 1.0 <= stats["tau"] <= stats["block_size"]
         assert sum(stats["tau_histogram"]) == stats["num_rounds"]
     assert methods["ngram"]["tau"] >= 1.0 and len(methods["ngram"]["per_position_acceptance"]) == 3
-    assert len(methods["eagle3"]["per_position_acceptance"]) == 7  # the head's own depth
+    assert len(methods["eagle3"]["per_position_acceptance"]) == 3  # --block-size 4 means a chain of 3 for EAGLE-3
     # --ignore-eos: every method produced exactly max_new_tokens per prompt
     assert all(m["new_tokens"] == 3 * 16 for m in methods.values())
     assert results["ar_vs_hf_tokens_per_s"] > 0 and "speedup" in methods["hf"]
@@ -97,8 +96,8 @@ def test_methods_parsing():
     assert parse_methods("dflash,ngram,dflash") == ["ar", "dflash", "ngram"]
     assert parse_methods("dflash@8,dflash@16:0.05,eagle3@3") == ["ar", "dflash@8", "dflash@16:0.05", "eagle3@3"]
     assert parse_method("dflash@16:0.05") == MethodSpec("dflash", 16, 0.05)
-    assert parse_method("eagle3@1") == MethodSpec("eagle3", 1)
-    for bad in ("dflash@x", "dflash@1", "eagle3@0", "ngram@4:0.1", "dflash@8:1.5", "hf@4", "ar@2", "dflash@8:p"):
+    assert parse_method("eagle3@2") == MethodSpec("eagle3", 2)
+    for bad in ("dflash@x", "dflash@1", "eagle3@1", "ngram@4:0.1", "dflash@8:1.5", "hf@4", "ar@2", "dflash@8:p"):
         with pytest.raises(UserError):
             parse_method(bad)
 
@@ -107,13 +106,13 @@ def test_settings_side_by_side(tmp_path):
     """One method at several settings in one run: each is its own row, with its own block size, all lossless."""
     dataset = tmp_path / "set.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 3} w9"}) + "\n" for i in range(2)))
-    code, out = bench(tmp_path, dataset, "dflash,dflash@4,dflash@8:0.5,eagle3@2,ngram@3")
+    code, out = bench(tmp_path, dataset, "dflash,dflash@4,dflash@8:0.5,eagle3@3,ngram@3")
     results = json.loads((out / "results.json").read_text())
     assert code == 0 and results["greedy_mismatches"] == 0
     methods = results["methods"]
-    assert list(methods) == ["ar", "dflash", "dflash@4", "dflash@8:0.5", "eagle3@2", "ngram@3"]
+    assert list(methods) == ["ar", "dflash", "dflash@4", "dflash@8:0.5", "eagle3@3", "ngram@3"]
     assert len(methods["dflash@4"]["per_position_acceptance"]) == 3
-    assert len(methods["eagle3@2"]["per_position_acceptance"]) == 2
+    assert len(methods["eagle3@3"]["per_position_acceptance"]) == 2  # block size 3: a chain of 2
     assert len(methods["ngram@3"]["per_position_acceptance"]) == 2
     with pytest.raises(UserError, match="unknown method"):
         parse_methods("ar,medusa")

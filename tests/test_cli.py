@@ -3,10 +3,9 @@
 import json
 
 import pytest
-import torch
 
 from dflash.cli import main
-from dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 
 
 def run(capsys, *argv):

@@ -5,16 +5,16 @@ import json
 import pytest
 import torch
 
-from dflash.drafter import DFlashConfig, DFlashDrafter, DrafterCache, default_target_layer_ids
 from dflash.errors import UserError
 from dflash.loading import build_proposer
+from dflash.methods.base import MethodOptions
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter, default_target_layer_ids
 
 
 def tiny_drafter(target, layers=2, block_size=8, mask_token_id=2):
-    torch.manual_seed(0)
     cfg = DFlashConfig.for_target(target.config, target.vocab_size, mask_token_id, num_layers=layers,
                                   block_size=block_size, num_features=3)
-    return DFlashDrafter(cfg)
+    return DFlashDrafter.untrained(cfg)
 
 
 def test_default_feature_layers():
@@ -92,7 +92,7 @@ def test_mismatch_errors(tiny_targets, tmp_path):
     with pytest.raises(UserError, match="corrupt"):
         DFlashDrafter.load(tmp_path / "ok")
     with pytest.raises(UserError, match="not found"):
-        build_proposer("dflash", llama, str(tmp_path / "nowhere"))
+        build_proposer("dflash", llama, MethodOptions(drafter=str(tmp_path / "nowhere")))
 
 
 def run_block(drafter, target, block, start, features, cache=None, ctx_from=0):
@@ -111,7 +111,7 @@ def test_incremental_context_cache_matches_full(tiny_targets):
     feats = target.forward(ids, None, tuple(drafter.config.target_layer_ids)).features
     block = [7] + [2] * 7
     full = run_block(drafter, target, block, 24, feats)
-    cache = DrafterCache(len(drafter.layers))
+    cache = drafter.new_cache()
     run_block(drafter, target, block, 10, feats[:, :10], cache)
     run_block(drafter, target, block, 17, feats[:, 10:17], cache, ctx_from=10)
     incremental = run_block(drafter, target, block, 24, feats[:, 17:], cache, ctx_from=17)

@@ -9,17 +9,13 @@ import pytest
 import torch
 
 from conftest import ARCHS
-from dflash.eagle3 import (
-    Eagle3Head,
-    Eagle3Objective,
-    Eagle3Proposer,
-    build_eagle3_proposer,
-    default_feature_layers,
-    eagle3_loss,
-    frequent_tokens,
-)
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
+from dflash.methods.base import MethodOptions
+from dflash.methods.eagle3.head import Eagle3Head, default_feature_layers
+from dflash.methods.eagle3.objective import Eagle3Objective, eagle3_loss, frequent_tokens, unroll
+from dflash.methods.eagle3.proposer import Eagle3Proposer
+from dflash.methods.eagle3.proposer import build as build_eagle3
 from dflash.testing import tiny_target
 
 PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3"]
@@ -31,9 +27,13 @@ def generate(target, proposer, ids, max_new=32):
     return SpeculativeDecoder(target, proposer).generate(ids, config)
 
 
+def build_eagle3_proposer(target, path=None):
+    return build_eagle3(target, MethodOptions(drafter=path))
+
+
 def fresh_head(target, scale=None, draft_vocab=None, seed=0):
     torch.manual_seed(seed)
-    head = Eagle3Head.for_target(target, draft_vocab=draft_vocab)
+    head = Eagle3Head.for_target(target, draft_vocab=draft_vocab, seed=seed)
     if scale is not None:  # a sharper random head: distinct argmaxes make equality checks meaningful
         with torch.no_grad():
             for p in head.parameters():
@@ -80,12 +80,12 @@ def test_chain_drafts_equal_training_unroll(tiny_targets):
     proposer.start(seq[:10], features[:, :10])
     last = 10  # position of the pending bonus token
     for accepted in (3, 1, 5, 0):
-        drafts = proposer.propose(seq[: last + 1])
+        drafts = proposer.propose(seq[: last + 1]).tokens
         teacher = seq[: last + 1] + drafts
         full = target.forward(torch.tensor([teacher]), None, head.feature_layers).features
         with torch.no_grad():
             embeds = target.embed_tokens(torch.tensor([teacher[1:]]))
-            outputs = head.unroll(embeds, head.fuse(full[:, :-1]), steps=len(drafts))
+            outputs = unroll(head, embeds, head.fuse(full[:, :-1]), steps=len(drafts))
         # the chain is rooted at pair last-1 (last committed feature + bonus); its step k sits at pair last-1+k
         expected = [int(head.draft_to_target(head.logits(outputs[k][0, last - 1 + k]).argmax())) for k in range(7)]
         assert drafts == expected

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from conftest import ARCHS, OracleProposer, RandomProposer
-from dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
-from dflash.proposers import DFlashProposer, NgramProposer, Proposer, confident_drafts
+from dflash.methods.base import Draft, MethodOptions, Proposer
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.methods.dflash.proposer import DFlashProposer, confident_drafts
+from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, target_probs
 
 PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3"]
@@ -18,10 +20,9 @@ MAX_NEW = 48
 
 
 def make_drafter(target, block_size, mask_token_id=2, seed=0):
-    torch.manual_seed(seed)
     cfg = DFlashConfig.for_target(target.config, target.vocab_size, mask_token_id, num_layers=1,
                                   block_size=block_size, num_features=2)
-    return DFlashDrafter(cfg)
+    return DFlashDrafter.untrained(cfg, seed).freeze()
 
 
 def ar_tokens(target, prompt_ids, max_new=MAX_NEW):
@@ -62,7 +63,7 @@ def test_bf16_drafter_beside_float32_target(tiny_targets):
 
     target = tiny_targets["qwen3"]
     for method in ("dflash", "eagle3"):
-        proposer, _ = build_proposer(method, target, None, 8, "bfloat16")
+        proposer, _ = build_proposer(method, target, MethodOptions(block_size=8, draft_dtype="bfloat16"))
         model = proposer.drafter if method == "dflash" else proposer.head
         assert next(model.parameters()).dtype == torch.bfloat16
         for prompt in PROMPTS:
@@ -125,9 +126,9 @@ def test_stats_from_known_rounds(tiny_targets):
     reference = ar_tokens(target, ids, 30)
 
     class TwoRight(OracleProposer):
-        def propose(self, sequence):
-            right = super().propose(sequence)[:2]
-            return right + [(t + 1) % target.vocab_size for t in super().propose(sequence)[2:3]]
+        def propose(self, sequence, limit=None):
+            known = super().propose(sequence).tokens
+            return Draft(known[:2] + [(t + 1) % target.vocab_size for t in known[2:3]])
 
     result = SpeculativeDecoder(target, TwoRight(reference.tokens, len(ids), 3)).generate(
         ids, GenerationConfig(max_new_tokens=30, ignore_eos=True))

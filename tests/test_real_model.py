@@ -7,8 +7,8 @@ import torch
 
 from conftest import OracleProposer, RandomProposer
 from dflash.engine import GenerationConfig, SpeculativeDecoder
-from dflash.loading import build_proposer, untrained_drafter
-from dflash.proposers import DFlashProposer
+from dflash.loading import build_proposer
+from dflash.methods.dflash.proposer import DFlashProposer, untrained_drafter
 
 pytestmark = pytest.mark.real_model
 PROMPTS = [
@@ -30,7 +30,7 @@ def all_threads():
 
 @pytest.fixture(scope="module")
 def target():
-    from dflash.target import load_target
+    from dflash.models.target import load_target
 
     return load_target("smollm2-135m")
 
@@ -47,7 +47,7 @@ def test_greedy_identical_to_transformers_generate(target, prompt):
     assert len(reference.tokens) == MAX_NEW
 
     proposers = {
-        "untrained dflash": DFlashProposer(untrained_drafter(target, num_layers=1), target),
+        "untrained dflash": DFlashProposer(untrained_drafter(target, num_layers=1).freeze(), target),
         "oracle": OracleProposer(reference.tokens, len(ids), 15),
         "random": RandomProposer(target.vocab_size, 15),
         "shipped dflash": build_proposer("dflash", target)[0],
@@ -67,3 +67,36 @@ def test_chat_template_and_eos(target):
     assert target.tokenizer.decode(ids).count("<|im_start|>") >= 2
     out = SpeculativeDecoder(target).generate(ids, GenerationConfig(max_new_tokens=64))
     assert out.finish_reason == "stop" and "<|im_end|>" not in out.text and "4" in out.text
+
+
+def test_shipped_drafters_compute_what_they_did_before_the_refactor(target):
+    """The shipped checkpoints' outputs, computed by the code of commit 8ee6a20 (before the method registry, shared
+    layers and position-indexed caches) and stored in tests/data: the same argmax drafts, logits within 1e-3."""
+    import json
+    from pathlib import Path
+
+    from dflash.methods.base import MethodOptions
+
+    reference = json.loads((Path(__file__).parent / "data" / "shipped_drafters_reference.json").read_text())
+    seq = reference["sequence"]
+    last = len(seq) - 1
+    with torch.inference_mode():
+        proposer, _ = build_proposer("dflash", target, MethodOptions(draft_dtype="float32", min_confidence=0.0))
+        drafter = proposer.drafter
+        feats = target.forward(torch.tensor([seq]), None, proposer.feature_layers).features
+        block = torch.tensor([[seq[-1]] + [drafter.config.mask_token_id] * 15])
+        hidden = drafter(target.embed_tokens(block), torch.arange(last, last + 16)[None], feats[:, :last],
+                         torch.arange(last)[None])
+        logits = (hidden[0, 1:] @ target.lm_head.weight.t()).float()
+        assert logits.argmax(-1).tolist() == reference["dflash"]["argmax"]
+        torch.testing.assert_close(logits.max(-1).values, torch.tensor(reference["dflash"]["max"]), atol=1e-3, rtol=0)
+        torch.testing.assert_close(logits.mean(-1), torch.tensor(reference["dflash"]["mean"]), atol=1e-3, rtol=0)
+
+        proposer, _ = build_proposer("eagle3", target, MethodOptions(draft_dtype="float32"))
+        feats = target.forward(torch.tensor([seq]), None, proposer.feature_layers).features
+        proposer.start(seq[:last], feats[:, :last])
+        assert proposer.propose(seq).tokens == reference["eagle3"]["drafts"]
+        head_logits = proposer.head.logits(proposer.head.fuse(feats[:, :last])).float()[0]
+        assert head_logits.argmax(-1)[-5:].tolist() == reference["eagle3"]["fuse_logits_argmax"]
+        torch.testing.assert_close(head_logits.max(-1).values[-5:], torch.tensor(reference["eagle3"]["fuse_logits_max"]),
+                                   atol=1e-3, rtol=0)

@@ -10,7 +10,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -18,8 +17,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from dflash.engine import GenerationConfig, GenerationResult, GenerationStats, SpeculativeDecoder  # noqa: E402
-from dflash.loading import untrained_drafter  # noqa: E402
-from dflash.proposers import DFlashProposer, Proposer  # noqa: E402
+from dflash.methods.base import Proposer  # noqa: E402
+from dflash.methods.dflash.proposer import DFlashProposer, untrained_drafter  # noqa: E402
 from dflash.sampling import SamplingConfig  # noqa: E402
 from dflash.server import (  # noqa: E402
     BackgroundServer, GenerationWorker, Job, Metrics, ServerBusy, TextDeltas, cancel, create_app,
@@ -37,7 +36,7 @@ def target(tiny_targets):
 
 @pytest.fixture(scope="module")
 def proposer(target):
-    return DFlashProposer(untrained_drafter(target, num_layers=1, block_size=4), target)
+    return DFlashProposer(untrained_drafter(target, num_layers=1, block_size=4).freeze(), target)
 
 
 @pytest.fixture(scope="module")
@@ -238,9 +237,9 @@ def test_too_long_prompt_and_broken_json_then_still_serving(client, url, chat_re
 class SlowProposer(Proposer):
     """Plain decoding that sleeps every round, so an uncancelled long request would hold the worker for seconds."""
 
-    def propose(self, sequence):
+    def propose(self, sequence, limit=None):
         time.sleep(0.025)
-        return []
+        return super().propose(sequence, limit)
 
 
 def open_stream(http: httpx.Client, base: str):

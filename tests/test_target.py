@@ -1,33 +1,55 @@
-"""Target adapter: the layer-feature convention and KV-cache rollback."""
+"""The target adapter and our own forward (models/transformer.py) against transformers, the oracle: logits, the
+layer-feature convention, KV-cache rollback, ragged batches, and the transformers fallback for other families."""
 
 import pytest
 import torch
 
-from conftest import ARCHS
+from conftest import ARCHS, OracleProposer
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.methods.ngram import NgramProposer
+from dflash.models.hf import HFEngine
+from dflash.models.target import TargetModel
+from dflash.models.transformer import Transformer
+from dflash.testing import tiny_target
+
+FAMILIES = ARCHS + ("qwen2",)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_features_are_layer_outputs(tiny_targets, arch):
-    """Feature of layer i == HF output_hidden_states[i + 1] (index 0 is the embedding output)."""
-    target = tiny_targets[arch]
-    ids = torch.tensor([[5, 9, 11, 7, 20, 33]])
+@pytest.fixture(scope="module")
+def family_targets():
+    return {arch: tiny_target(arch, logit_scale=4.0) for arch in FAMILIES}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_our_forward_equals_transformers(family_targets, arch):
+    """Logits of a prefill and features (feature of layer i == HF output_hidden_states[i + 1])."""
+    target = family_targets[arch]
+    assert target.backend == "dflash" and isinstance(target.engine, Transformer)
+    ids = torch.tensor([[5, 9, 11, 7, 20, 33, 41, 8, 12, 5, 9, 60, 3, 17, 22, 28, 31, 40, 44, 50]])
     layers = (0, 1, 2)
     out = target.forward(ids, None, layers)
     with torch.no_grad():
         ref = target.model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, ref.logits.float(), rtol=1e-5, atol=1e-5)
     expected = torch.cat([ref.hidden_states[i + 1] for i in layers], dim=-1)
-    torch.testing.assert_close(out.features, expected)
-    torch.testing.assert_close(out.logits, ref.logits.float())
+    torch.testing.assert_close(out.features, expected, rtol=1e-5, atol=1e-5)
     # a wrong offset (hidden_states[i]) must NOT match: guards the known off-by-one pitfall
     wrong = torch.cat([ref.hidden_states[i] for i in layers], dim=-1)
     assert not torch.allclose(out.features, wrong)
+    last = target.forward(ids, None, (), logits_at="last").logits
+    torch.testing.assert_close(last, out.logits[:, -1:])
+    assert target.forward(ids, None, (1,), logits_at="none").logits is None
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_rollback_equals_fresh_forward(tiny_targets, arch):
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("transformers", [False, True], ids=["ours", "transformers"])
+def test_rollback_equals_fresh_forward(family_targets, arch, transformers):
     """After verifying a block and rejecting part of it, the cache equals a fresh prefill of the committed tokens;
     gemma3's 16-token sliding window is passed on purpose."""
-    target = tiny_targets[arch]
+    target = family_targets[arch]
+    if transformers:
+        target = TargetModel(target.model, target.tokenizer, target.name, prefer_transformers=True)
+        assert target.backend == "transformers"
     torch.manual_seed(0)
     committed = torch.randint(5, 60, (1, 30)).tolist()[0]
     cache = target.new_cache()
@@ -44,9 +66,68 @@ def test_rollback_equals_fresh_forward(tiny_targets, arch):
     torch.testing.assert_close(after_rollback.features, fresh.features[:, -2:], atol=1e-5, rtol=1e-4)
 
 
-def test_truncate_rejects_growth(tiny_targets):
-    target = tiny_targets["llama"]
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_ragged_batch_rows_equal_their_solo_runs(family_targets, arch):
+    """Rows of one batch at different lengths (each row its own rollback) compute what each would alone."""
+    target = family_targets[arch]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 60, (n,), generator=gen).tolist() for n in (7, 19, 12)]
+    solo = []
+    for p in prompts:
+        cache = target.new_cache()
+        target.forward(torch.tensor([p]), cache)
+        solo.append(target.forward(torch.tensor([[9, 10, 11]]), cache, (1, 2)))
+    batch = target.new_cache(batch=len(prompts))
+    width = max(len(p) for p in prompts)
+    padded = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    first = target.forward(padded, batch, (), logits_at=torch.tensor([len(p) - 1 for p in prompts]))
+    batch.set_lengths([len(p) for p in prompts])  # padding rolled back: rows now differ in length
+    together = target.forward(torch.tensor([[9, 10, 11]] * 3), batch, (1, 2))
+    for i, p in enumerate(prompts):
+        alone = target.forward(torch.tensor([p]), None, (), logits_at="last").logits
+        torch.testing.assert_close(first.logits[i], alone[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(together.logits[i], solo[i].logits[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(together.features[i], solo[i].features[0], atol=1e-5, rtol=1e-4)
+
+
+def test_other_families_fall_back_to_transformers():
+    """A family without our forward runs through transformers, losslessly, with its features."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from dflash.testing import tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           eos_token_id=1, pad_token_id=0, bos_token_id=None, sliding_window=None)
+    target = TargetModel(AutoModelForCausalLM.from_config(config), tiny_tokenizer(64), "tiny-mistral")
+    assert target.backend == "transformers" and isinstance(target.engine, HFEngine)
+    ids = target.encode_prompt("w3 w9 w9 w4")
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    reference = SpeculativeDecoder(target).generate(ids, config)
+    with torch.no_grad():
+        hf = target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)
+    assert reference.tokens == hf[0, len(ids):].tolist()
+    for proposer in (NgramProposer(max_draft=3), OracleProposer(reference.tokens, len(ids), 5)):
+        assert SpeculativeDecoder(target, proposer).generate(ids, config).tokens == reference.tokens
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        target.new_cache(batch=2)
+
+
+def test_truncate_rejects_growth(family_targets):
+    target = family_targets["llama"]
     cache = target.new_cache()
     target.forward(torch.tensor([[5, 6, 7]]), cache)
     with pytest.raises(ValueError):
         cache.truncate(4)
+
+
+def test_cache_grows_past_its_first_capacity(family_targets):
+    target = family_targets["qwen3"]
+    ids = torch.randint(5, 60, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache = target.new_cache(capacity=8)
+    for i in range(0, 40, 5):
+        out = target.forward(ids[:, i : i + 5], cache)
+    assert len(cache) == 40 and cache.capacity >= 40
+    torch.testing.assert_close(out.logits, target.forward(ids).logits[:, -5:], atol=1e-5, rtol=1e-4)

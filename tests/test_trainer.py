@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash import trainer
-from dflash.blocks import (
+from dflash.methods.dflash.objective import (
     IGNORE,
     DFlashObjective,
     block_attention_mask,
@@ -23,7 +23,7 @@ from dflash.blocks import (
     sample_anchors,
 )
 from dflash.cli import build_parser
-from dflash.drafter import BlockLayout, DFlashConfig, DFlashDrafter, block_sparse_attention
+from dflash.methods.dflash.drafter import BlockLayout, DFlashConfig, DFlashDrafter, block_sparse_attention
 from dflash.errors import UserError
 from dflash.testing import tiny_target
 
@@ -54,8 +54,7 @@ def write_shards(folder, records, shards: int = 2):
 def tiny_drafter(target, num_layers: int = 1, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
     cfg = DFlashConfig.for_target(target.config, target.vocab_size, MASK_ID, num_layers=num_layers,
                                   block_size=block_size, num_features=2)
-    torch.manual_seed(seed)
-    return DFlashDrafter(cfg)
+    return DFlashDrafter.untrained(cfg, seed)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +204,7 @@ def test_training_pass_equals_inference_per_block(target):
 
 def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
     from dflash.engine import GenerationConfig, SpeculativeDecoder
-    from dflash.proposers import DFlashProposer
+    from dflash.methods.dflash.proposer import DFlashProposer
 
     examples = [trainer._parse_record(json.dumps(r), "test") for r in counting_records(48)]
     train, heldout = trainer.split_heldout(examples, 0.1)
@@ -227,7 +226,7 @@ def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
     generation = GenerationConfig(max_new_tokens=24)
     for prompt in ([3, 9, 10, 11, 12], [3, 40, 7, 41, 42, 43]):
         ar = SpeculativeDecoder(target).generate(prompt, generation)
-        spec = SpeculativeDecoder(target, DFlashProposer(exported, target)).generate(prompt, generation)
+        spec = SpeculativeDecoder(target, DFlashProposer(exported.freeze(), target)).generate(prompt, generation)
         assert spec.tokens == ar.tokens
 
 
@@ -375,7 +374,7 @@ def eagle3_runs(tmp_path_factory):
 
 
 def test_eagle3_resume_continues_exactly(eagle3_runs):
-    from dflash.eagle3 import frequent_tokens
+    from dflash.methods.eagle3.objective import frequent_tokens
 
     root, data = eagle3_runs
     straight, split = checkpoint_weights(root / "straight", 8), checkpoint_weights(root / "split", 8)
@@ -405,13 +404,14 @@ def test_eagle3_final_loads_everywhere_and_is_lossless(eagle3_runs, capsys):
     """OUT/final is an EAGLE-3 head folder: build_eagle3_proposer (bench --eagle3, generate --method eagle3
     --drafter) loads it, and greedy output equals ar token for token."""
     from dflash.cli import main
-    from dflash.eagle3 import build_eagle3_proposer
+    from dflash.methods.base import MethodOptions
+    from dflash.methods.eagle3.proposer import build as build_eagle3
     from dflash.engine import GenerationConfig, SpeculativeDecoder
     from dflash.loading import load_target_cached
 
     final = eagle3_runs[0] / "straight" / "final"
     target = load_target_cached("tiny-llama")
-    proposer, note = build_eagle3_proposer(target, final)
+    proposer, note = build_eagle3(target, MethodOptions(drafter=str(final)))
     assert note is None and proposer.depth == 3 and proposer.head.config.draft_vocab_size == 40
     generation = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     for prompt in ([3, 9, 10, 11, 12], [3, 40, 7, 41, 42, 43]):
@@ -419,10 +419,12 @@ def test_eagle3_final_loads_everywhere_and_is_lossless(eagle3_runs, capsys):
         assert SpeculativeDecoder(target, proposer).generate(prompt, generation).tokens == ar.tokens
     capsys.readouterr()
     outputs = {}
-    for method in ("ar", "eagle3"):
-        assert main(["generate", "--target", "tiny-llama", "--method", method, "--drafter", str(final),
+    for method, extra in (("ar", []), ("eagle3", ["--drafter", str(final)])):
+        assert main(["generate", "--target", "tiny-llama", "--method", method, *extra,
                      "--max-new-tokens", "16", "--json", "w5 w6 w7"]) == 0
         outputs[method] = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(["generate", "--target", "tiny-llama", "--method", "ar", "--drafter", str(final), "w5"]) == 2
+    assert "--drafter" in capsys.readouterr().err  # a flag that means nothing for ar is an error, not ignored
     assert outputs["eagle3"] == outputs["ar"] and outputs["ar"]
 
 

@@ -1,14 +1,17 @@
 """dflash: lossless block-diffusion speculative decoding (DFlash) for Hugging Face causal LMs."""
 
-from .drafter import DFlashConfig, DFlashDrafter
 from .engine import GenerationConfig, GenerationResult, SpeculativeDecoder
 from .errors import UserError
-from .proposers import DFlashProposer, NgramProposer, Proposer
+from .methods.base import Draft, MethodOptions, Proposer
+from .methods.dflash.drafter import DFlashConfig, DFlashDrafter
+from .methods.dflash.proposer import DFlashProposer
+from .methods.ngram import NgramProposer
+from .models.target import TargetModel, load_target
 from .sampling import SamplingConfig
-from .target import TargetModel, load_target
 
 __all__ = [
-    "DFlashConfig", "DFlashDrafter", "DFlashProposer", "GenerationConfig", "GenerationResult", "NgramProposer",
-    "Proposer", "SamplingConfig", "SpeculativeDecoder", "TargetModel", "UserError", "load_target",
+    "DFlashConfig", "DFlashDrafter", "DFlashProposer", "Draft", "GenerationConfig", "GenerationResult",
+    "MethodOptions", "NgramProposer", "Proposer", "SamplingConfig", "SpeculativeDecoder", "TargetModel", "UserError",
+    "load_target",
 ]
 __version__ = "0.1.0"

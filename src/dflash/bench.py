@@ -48,8 +48,7 @@ TEMPLATES = {
     "code": "Complete the following Python function. Reply with the whole function in one ```python code block."
     "\n\n```python\n{prompt}```",
 }
-ENGINE_METHODS = ("ar", "ngram", "dflash", "eagle3")
-METHODS = ENGINE_METHODS + ("hf",)
+HF_METHOD = "hf"  # transformers' own generate, beside the engine's methods
 WARMUP_TOKENS = 8
 
 
@@ -113,18 +112,25 @@ def _turns_of(row) -> list[str] | None:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One entry of --methods: NAME, or NAME@SIZE[:P] to run one method at several settings in the same run.
-    SIZE is the DFlash or ngram block size or the EAGLE-3 chain depth; P is DFlash's --min-confidence."""
+    """One entry of --methods: NAME, or NAME@B[:P] to run one method at several settings in the same run.
+    B is the block size (tokens verified per round at most: dflash's block, EAGLE-3's depth + 1, ngram's drafts + 1);
+    P is DFlash's --min-confidence."""
 
     name: str
     size: int | None = None
     min_confidence: float | None = None
 
 
+def known_methods() -> list[str]:
+    from .methods import registry
+
+    return registry.names() + [HF_METHOD]
+
+
 def parse_method(text: str) -> MethodSpec:
     name, _, setting = text.partition("@")
-    if name not in METHODS:
-        raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS)} (optionally NAME@SIZE[:P])")
+    if name not in known_methods():
+        raise UserError(f"unknown method {name!r}; choose from {', '.join(known_methods())} (optionally NAME@B[:P])")
     if not setting:
         return MethodSpec(name)
     size_text, _, confidence_text = setting.partition(":")
@@ -132,11 +138,11 @@ def parse_method(text: str) -> MethodSpec:
         size = int(size_text)
         confidence = float(confidence_text) if confidence_text else None
     except ValueError:
-        raise UserError(f"bad method setting {text!r}: use NAME@SIZE or dflash@SIZE:P (e.g. dflash@8:0.05)") from None
-    if name in ("ar", "hf"):
+        raise UserError(f"bad method setting {text!r}: use NAME@B or dflash@B:P (e.g. dflash@8:0.05)") from None
+    if name in ("ar", HF_METHOD):
         raise UserError(f"{name} takes no setting (got {text!r})")
-    if size < (1 if name == "eagle3" else 2):
-        raise UserError(f"{text!r}: {'depth' if name == 'eagle3' else 'block size'} too small")
+    if size < 2:
+        raise UserError(f"{text!r}: block size must be >= 2 (the bonus token and at least one draft)")
     if confidence is not None and (name != "dflash" or not 0.0 <= confidence <= 1.0):
         raise UserError(f"{text!r}: a minimum confidence in [0, 1] applies to dflash only")
     return MethodSpec(name, size, confidence)
@@ -240,20 +246,18 @@ class HFRunner:
 
 
 def build_runners(methods: list[str], target, args, sampling) -> dict:
+    from .cli import drafter_paths, method_options
     from .loading import build_proposer
 
+    specs = {method: parse_method(method) for method in methods}
+    drafter_paths(args.drafter, [spec.name for spec in specs.values() if spec.name != HF_METHOD])  # checks them
     runners = {}
-    for method in methods:
-        spec = parse_method(method)
-        if spec.name == "hf":
+    for method, spec in specs.items():
+        if spec.name == HF_METHOD:
             runners[method] = HFRunner(target, sampling)
             continue
-        path, block_size = (args.drafter, spec.size or args.block_size)
-        if spec.name == "eagle3":  # --block-size is DFlash's; the EAGLE-3 chain keeps its own depth unless told
-            depth = spec.size or args.eagle3_depth
-            path, block_size = args.eagle3, (depth + 1 if depth else None)
-        min_confidence = args.min_confidence if spec.min_confidence is None else spec.min_confidence
-        proposer, note = build_proposer(spec.name, target, path, block_size, args.draft_dtype, min_confidence)
+        options = method_options(args, spec.name, spec.size, spec.min_confidence)
+        proposer, note = build_proposer(spec.name, target, options)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         runners[method] = EngineRunner(method, target, proposer, sampling)
@@ -335,18 +339,18 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 # ---- the command ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_arguments
+    from .cli import add_method_arguments, add_target_arguments
 
-    add_model_arguments(p, with_method=False)
+    add_target_arguments(p)
+    add_method_arguments(p, several=True)
     p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)} (from $DFLASH_DATA_DIR or ../shared/data) "
                    "or a JSONL file with 'prompt' or 'turns'")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--methods", default="ar,ngram,dflash",
-                   help=f"comma-separated, from {', '.join(METHODS)}; NAME@SIZE[:P] runs a method at another block "
-                        "size (eagle3: chain depth) and dflash at --min-confidence P, side by side with the others "
-                        "(e.g. dflash,dflash@8,dflash@16:0.05,eagle3@3)")
-    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder (default: the shipped head for the target)")
-    p.add_argument("--eagle3-depth", type=int, default=None, help="EAGLE-3 chain depth (default: the head's own, 7)")
+                   help="comma-separated: the engine's methods (ar, ngram, dflash, eagle3) and hf (transformers' "
+                        "generate); NAME@B[:P] runs a method at block size B (and dflash at --min-confidence P) side "
+                        "by side with the others, e.g. dflash,dflash@8,dflash@16:0.05,eagle3@4 (default: "
+                        "ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -383,7 +387,7 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    target = load_target_cached(args.target, args.dtype, args.device)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
 
@@ -425,8 +429,6 @@ def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
 
 
 def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool) -> dict:
-    from .loading import default_min_confidence
-
     ar = totals["ar"]
     summaries = {m: totals[m].summary(m, ar) for m in methods}
     results = {
@@ -444,8 +446,9 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "mismatches": mismatches,
         "num_generations": ar.generations,
         "block_size": args.block_size,
-        "min_confidence": (  # of methods without their own ':P'; None on the command line = the device's default
-            default_min_confidence(target.device) if args.min_confidence is None else args.min_confidence),
+        "min_confidence": args.min_confidence,  # of methods without their own ':P'; None = the method's default
+        "engine": target.backend,
+        "kernels": target.kernel_report,
         "ignore_eos": args.ignore_eos,
         "dataset_file": str(path),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -463,10 +466,14 @@ def command_line(args) -> str:
     parts = ["dflash bench", f"--dataset {args.dataset}", f"--methods {args.methods}", f"--target {args.target}",
              f"--max-new-tokens {args.max_new_tokens}", f"--temperature {args.temperature}", f"--dtype {args.dtype}",
              f"--device {args.device}"]
-    for flag, value in (("--limit", args.limit), ("--block-size", args.block_size), ("--drafter", args.drafter),
-                        ("--eagle3", args.eagle3)):
+    for flag, value in (("--limit", args.limit), ("--block-size", args.block_size),
+                        ("--draft-dtype", args.draft_dtype)):
         if value is not None:
             parts.append(f"{flag} {value}")
+    for value in args.drafter or []:
+        parts.append(f"--drafter {value}")
+    if args.kernels != "auto":
+        parts.append(f"--kernels {args.kernels}")
     if args.template != "auto":
         parts.append(f"--template {args.template}")
     if args.min_confidence is not None:

@@ -1,7 +1,13 @@
-"""The `dflash` command: generate, data, train, bench, serve.
+"""The `dflash` command: generate, data, train, bench, serve, fetch.
 
-Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; this file only
-wires them up. User mistakes (UserError) print one line and exit with code 2, never a traceback.
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; this file wires
+them up and holds the argument groups they share, so the same thing has the same flag everywhere:
+
+    target options   --target --dtype --device --kernels            every command that loads a target
+    method options   --method --drafter --block-size --draft-dtype   generate and serve (bench: --methods)
+    sampling options --max-new-tokens --temperature --top-p --top-k --seed
+
+User mistakes (UserError) print one line and exit with code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -30,31 +36,89 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"dflash: error: {message}\n")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, with_method: bool = True) -> None:
-    """Arguments shared by every command that loads a target (and maybe a drafter)."""
+# ---- shared argument groups -------------------------------------------------------------------------------------
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
     from .hub import DEFAULT_TARGET
+    from .models.target import DTYPES, KERNEL_CHOICES
 
-    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder, .gguf file or hub id")
-    p.add_argument("--drafter", default=None, help="drafter folder (default: the shipped drafter for the target)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (<= the drafter's)")
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="run the drafter in this dtype (default: the target's); drafts never change the output")
-    p.add_argument("--min-confidence", type=float, default=None, metavar="P",
-                   help="dflash: verify only the leading drafts the drafter itself believes in, i.e. while the "
-                        "running product of its top probabilities stays >= P. Default: 0.05 on CPU, where each "
-                        "verified token costs time; 0 (the whole block) elsewhere. Never changes the output")
-    if with_method:
-        p.add_argument("--method", default="dflash", choices=["dflash", "ar", "ngram", "eagle3"])
+    group = p.add_argument_group("target")
+    group.add_argument("--target", default=DEFAULT_TARGET,
+                       help=f"registry name, HF folder, .gguf file or hub id (default: {DEFAULT_TARGET})")
+    group.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                       help="the target's dtype (default: float32, the exact one)")
+    group.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
+    group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
+                       help="CPU matmul kernels: auto = the faster of packed oneDNN and plain PyTorch per weight "
+                            "shape, measured once per machine and cached (default: auto)")
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """--method (or --methods for bench) and how the methods draft."""
+    from .methods import registry
+    from .methods.base import MethodOptions
+
+    group = p.add_argument_group("drafting method")
+    if not several:
+        group.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.names(),
+                           help="; ".join(f"{m.name}: {m.summary}" for m in registry.METHODS.values()))
+    group.add_argument("--drafter", action="append", default=None, metavar="[METHOD=]PATH",
+                       help="drafter folder (default: the one shipped for the target). METHOD=PATH names the method "
+                            "it is for" + ("; repeat for several methods" if several else ""))
+    group.add_argument("--block-size", type=int, default=MethodOptions.block_size, metavar="B",
+                       help="tokens verified per round at most, the bonus included: dflash's block size, EAGLE-3's "
+                            "chain depth + 1, ngram's copied drafts + 1 (default: what the drafter was trained with; "
+                            "ngram 8)")
+    group.add_argument("--draft-dtype", default=MethodOptions.draft_dtype, choices=["float32", "bfloat16", "float16"],
+                       help="run the drafter in this dtype (default: the target's); drafts never change the output")
+    group.add_argument("--min-confidence", type=float, default=None, metavar="P",
+                       help="dflash: verify only the leading drafts the drafter itself believes in, i.e. while the "
+                            "running product of its top probabilities stays >= P. Default: 0.05 on CPU, where each "
+                            "verified token costs time; 0 (the whole block) elsewhere. Never changes the output")
+
+
+def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str]:
+    """--drafter values as {method: path}. A bare PATH belongs to the only method in `methods` that loads a
+    drafter; METHOD=PATH names it."""
+    from .methods import registry
+
+    paths: dict[str, str] = {}
+    drafting = [m for m in dict.fromkeys(methods) if registry.get(m).uses_drafter]
+    for value in values or []:
+        method, sep, path = value.partition("=")
+        if sep and method in registry.METHODS:
+            if not registry.get(method).uses_drafter:
+                raise UserError(f"--drafter {value}: {method} loads no drafter")
+        else:
+            if len(drafting) != 1:
+                which = ", ".join(drafting) or "none of the methods asked for"
+                raise UserError(f"--drafter {value}: say which method it is for (METHOD=PATH; drafters: {which})")
+            method, path = drafting[0], value
+        if method in paths:
+            raise UserError(f"--drafter given twice for {method}")
+        paths[method] = path
+    return paths
+
+
+def method_options(args, method: str, block_size: int | None = None, min_confidence: float | None = None):
+    """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@SIZE override)."""
+    from .methods.base import MethodOptions
+
+    return MethodOptions(
+        drafter=drafter_paths(args.drafter, [method]).get(method),
+        block_size=block_size if block_size is not None else args.block_size,
+        draft_dtype=args.draft_dtype,
+        min_confidence=min_confidence if min_confidence is not None else args.min_confidence,
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+    group = p.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                       help=f"stop after this many new tokens (default: {max_new_tokens})")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1 = off)")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0 = off)")
+    group.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
 
 
 def _cuda() -> bool:
@@ -68,7 +132,8 @@ def _cuda() -> bool:
 
 # ---- generate -------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_target_arguments(p)
+    add_method_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -87,10 +152,9 @@ def run(args) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
     config.validate()
-    target = load_target_cached(args.target, args.dtype, args.device)
-    proposer, note = build_proposer(
-        args.method, target, args.drafter, args.block_size, args.draft_dtype, args.min_confidence
-    )
+    options = method_options(args, args.method)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
@@ -107,6 +171,7 @@ def run(args) -> int:
             "method": args.method, "tau": stats.tau, "tokens_per_s": stats.tokens_per_s,
             "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
             "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s, "tpot_ms": stats.tpot_ms,
+            "engine": target.backend, "kernels": target.kernel_report,
         }
         if ar_result is not None:
             payload["ar_tokens_per_s"] = ar_result.stats.tokens_per_s
@@ -151,15 +216,11 @@ def compare_with_ar(decoder, ar_decoder, prompt_ids, config):
 
 # ---- entry point ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's parser. A subcommand whose module fails to import is an error, never silently absent."""
     parser = ArgumentParser(prog="dflash", description="Lossless block-diffusion speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("dflash"):
-                continue  # a subcommand whose module is not part of this build
-            raise
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
         p.set_defaults(handler=module.run)

@@ -378,9 +378,9 @@ class DataSettings:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_arguments
+    from .cli import add_target_arguments
 
-    add_model_arguments(p, with_method=False)
+    add_target_arguments(p)
     p.add_argument("--input", action="append", default=[], metavar="PATH[:N]",
                    help="JSONL file with a 'prompt' field, first N rows; repeat to mix. Bare names are looked up in "
                         "$DFLASH_DATA_DIR or ../shared/data (default: gsm8k_train.jsonl and code_alpaca_2k.jsonl)")
@@ -507,7 +507,7 @@ def run(args) -> int:
     mix, skipped = build_mix(prompts, args.seed)
     out = OutputDir(Path(args.out), args.shard_size)
     out.check_settings(asdict(settings))
-    target = load_target_cached(args.target, args.dtype, args.device)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
     todo, too_long = encode_todo(target, [p for p in mix if p.id not in out.done_ids], args.max_prompt_tokens)
     skipped += too_long
     out.write_skipped(skipped)

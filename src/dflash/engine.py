@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .errors import UserError
-from .proposers import Proposer
+from .methods.base import Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
 
 
@@ -117,9 +117,10 @@ class SpeculativeDecoder:
 
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
         t0 = time.perf_counter()
-        cache = self.target.new_cache()
+        cache = self.target.new_cache(capacity=len(prompt_ids) + max_new + self.proposer.max_draft + 1)
         device = self.target.device
-        out = self.target.forward(torch.tensor([prompt_ids], device=device), cache, self.proposer.feature_layers)
+        out = self.target.forward(torch.tensor([prompt_ids], device=device), cache, self.proposer.feature_layers,
+                                  logits_at="last")
         first = pick_tokens(out.logits[0, -1:], config.sampling, generator).tolist()
         self.proposer.start(list(prompt_ids), out.features)
         stats.ttft_s = time.perf_counter() - t0
@@ -157,7 +158,7 @@ class SpeculativeDecoder:
 
     def _round(self, sequence, cache, sampling, generator, stats) -> list[int]:
         """One propose/verify/accept round; returns the emitted tokens (accepted drafts + the new bonus)."""
-        drafts = self.proposer.propose(sequence)[: self.proposer.max_draft]
+        drafts = self.proposer.propose(sequence).tokens[: self.proposer.max_draft]
         block = [sequence[-1]] + drafts
         start = len(sequence) - 1
         out = self.target.forward(

@@ -701,9 +701,10 @@ class BackgroundServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_model_arguments
+    from .cli import add_method_arguments, add_target_arguments
 
-    add_model_arguments(p)
+    add_target_arguments(p)
+    add_method_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
@@ -719,16 +720,16 @@ def run(args) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError as exc:
         raise UserError(f"`dflash serve` needs {exc.name}: pip install 'dflash[serve]'") from exc
+    from .cli import method_options
     from .engine import GenerationConfig, SpeculativeDecoder
     from .loading import build_proposer, load_target_cached
 
     if args.default_max_tokens < 1 or args.max_queue < 1:
         raise UserError("--default-max-tokens and --max-queue must be >= 1")
+    options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
-    target = load_target_cached(args.target, args.dtype, args.device)
-    proposer, note = build_proposer(
-        args.method, target, args.drafter, args.block_size, args.draft_dtype, args.min_confidence
-    )
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
     warm_up = GenerationConfig(max_new_tokens=4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .target import TargetModel
+from .models.target import TargetModel
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<mask>", "<user>", "<assistant>"]
 CHAT_TEMPLATE = (
@@ -34,7 +34,7 @@ def tiny_tokenizer(vocab_size: int):
 
 
 def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_size: int = 64):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -45,6 +45,8 @@ def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_siz
         return LlamaConfig(**common, tie_word_embeddings=True)
     if arch == "qwen3":
         return Qwen3Config(**common, tie_word_embeddings=False)
+    if arch == "qwen2":  # biases on q/k/v, none on o
+        return Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "gemma3":
         # a small sliding window so the rollback of sliding-window layers is exercised
         return Gemma3TextConfig(**common, sliding_window=16, query_pre_attn_scalar=hidden_size // 4)

@@ -1,11 +1,11 @@
 """`dflash train`: train a drafter on target-regenerated data, with exact resume.
 
-The loop is objective-agnostic: it trains `objective.model` with `objective.loss(example, rng) -> (loss, metrics)`,
-so DFlash (blocks.DFlashObjective, `--method dflash`) and the EAGLE-3 head (eagle3.Eagle3Objective,
-`--method eagle3`) share data loading, the schedule, logging, checkpoints and exact resume. An EAGLE-3 run's
---block-size B trains B - 1 chain steps (training-time test) and sets the head's draft depth, as `--block-size` does
-for `dflash generate --method eagle3`; its draft vocabulary is the --draft-vocab most frequent response tokens of the
-training sequences.
+The loop is method-agnostic: it trains `objective.model` with `objective.loss(example, rng) -> (loss, metrics)`, and
+each trainable method's recipe (`Method.training` in methods/, e.g. methods/dflash/objective.py) builds, loads and
+checks its model. So DFlash and the EAGLE-3 head share data loading, the schedule, logging, checkpoints and exact
+resume. An EAGLE-3 run's --block-size B trains B - 1 chain steps (training-time test) and sets the head's draft depth,
+as `--block-size` does for `dflash generate --method eagle3`; its draft vocabulary is the --draft-vocab most frequent
+response tokens of the training sequences.
 
 Determinism, which exact resume rests on: the example order of epoch e is a permutation seeded by (seed, e) and the
 anchors of example i in epoch e come from a generator seeded by (seed, e, i). A checkpoint therefore only needs the
@@ -33,7 +33,7 @@ import sys
 import time
 import zlib
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Protocol, get_type_hints
 
@@ -47,46 +47,53 @@ ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random str
 CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE, CONFIG_FILE = "trainer_state.pt", "train_config.json"
 STATE_VERSION = 1
-TRAIN_METHODS = ("dflash", "eagle3")
-DEFAULT_DRAFT_VOCAB = 8192
-DFLASH_ONLY, EAGLE3_ONLY = ("anchors_per_seq", "gamma"), ("draft_vocab",)  # options only one method uses
-EAGLE3_DEFAULT_BLOCK = 8  # the root + 7 chain steps (DFLASH_SPEC.md section 8)
-EAGLE3_SHAPE = {"num_layers": 1, "num_features": 3}  # one decoder layer over a low, middle and high target layer
+SHAPE_OPTIONS = ("num_layers", "block_size", "num_features")
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
+def option(default, help_text: str):
+    """A training option: its default and its --help text (which shows the default)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class TrainConfig:
-    method: str = "dflash"  # the objective: dflash or eagle3
-    # drafter shape: used for a new drafter; --init-from and --resume take the shape from the checkpoint
-    num_layers: int = 3
-    block_size: int = 16
-    num_features: int = 5
-    draft_vocab: int | None = None  # eagle3 only: size of the head's draft vocabulary
+    method: str = option("dflash", "what to train: a method with a training recipe (dflash, eagle3)")
+    # drafter shape: a new drafter takes these (or its method's own defaults); --init-from and --resume take the
+    # shape from the checkpoint
+    num_layers: int = option(3, "draft layers of a new drafter (dflash 3; an EAGLE-3 head has 1)")
+    block_size: int = option(16, "tokens per block: dflash's block, EAGLE-3's chain steps + 1 (dflash 16, eagle3 8)")
+    num_features: int = option(5, "target layers fused as features (dflash 5; an EAGLE-3 head fuses 3)")
+    draft_vocab: int | None = option(None, "eagle3: draft vocabulary = the N most frequent response tokens of the "
+                                           "training data (8192, capped at the target vocabulary)")
     # data
-    max_length: int = 3072
-    anchors_per_seq: int = 512
-    eval_fraction: float = 0.02
+    max_length: int = option(3072, "truncate sequences to this many tokens")
+    anchors_per_seq: int = option(512, "dflash: blocks per sequence, re-sampled each epoch")
+    eval_fraction: float = option(0.02, "fraction of sequences held out for the surrogate tau")
     # optimisation
-    epochs: int = 6
-    lr: float = 6e-4
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    gamma: float | None = None
-    seed: int = 0
+    epochs: int = option(6, "passes over the training data")
+    lr: float = option(6e-4, "peak AdamW learning rate")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    warmup_ratio: float = option(0.04, "linear warmup, as a fraction of all steps, before the cosine decay")
+    grad_clip: float = option(1.0, "max gradient norm")
+    grad_accum: int = option(1, "sequences per optimizer step")
+    gamma: float | None = option(None, "dflash: loss decay over block positions (7 for B=16, 5 for B=10, 4 for B=8, "
+                                       "interpolated)")
+    seed: int = option(0, "seed of the data order, anchors, held-out split and a new drafter's weights")
     # bookkeeping
-    log_every: int = 10
-    eval_every: int = 500
-    save_every: int = 1000
-    keep_checkpoints: int = 3
-    max_steps: int | None = None
+    log_every: int = option(10, "steps between log records")
+    eval_every: int = option(500, "steps between held-out evaluations")
+    save_every: int = option(1000, "steps between checkpoints")
+    keep_checkpoints: int = option(3, "keep only the newest N checkpoints, 0 = all")
+    max_steps: int | None = option(None, "stop after this global step; the schedule still spans all epochs "
+                                         "(for chunked runs)")
 
     def validate(self) -> "TrainConfig":
-        if self.method not in TRAIN_METHODS:
-            raise UserError(f"cannot train method {self.method!r}: `dflash train` trains {' or '.join(TRAIN_METHODS)} "
-                            "drafters (ar and ngram need no training)")
+        from .methods import registry
+
+        if self.method not in registry.trainable():
+            raise UserError(f"--method {self.method} needs no training: `dflash train` trains "
+                            f"{' or '.join(registry.trainable())} drafters")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise UserError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
         positive = ("num_layers", "num_features", "max_length", "anchors_per_seq", "epochs", "grad_accum",
@@ -142,28 +149,6 @@ def read_config_values(path: str | Path) -> dict:
 # Options a resumed run may change: they do not affect the weights it computes.
 RESUMABLE = ("log_every", "eval_every", "save_every", "keep_checkpoints", "max_steps")
 
-HELP = {
-    "num_layers": "draft layers of a new drafter (default 3; an EAGLE-3 head has 1)",
-    "num_features": "target layers fused as features (default 5; an EAGLE-3 head fuses 3)",
-    "draft_vocab": f"eagle3: draft vocabulary = the N most frequent response tokens of the training data "
-                   f"(default {DEFAULT_DRAFT_VOCAB}, capped at the target vocabulary)",
-    "max_length": "truncate sequences to this many tokens (default 3072)",
-    "anchors_per_seq": "dflash: blocks per sequence, re-sampled each epoch (default 512)",
-    "eval_fraction": "fraction of sequences held out for the surrogate tau (default 0.02)",
-    "epochs": "passes over the training data (default 6)",
-    "lr": "peak AdamW learning rate (default 6e-4)",
-    "weight_decay": "AdamW weight decay (default 0.01)",
-    "warmup_ratio": "linear warmup, as a fraction of all steps, before the cosine decay (default 0.04)",
-    "grad_clip": "max gradient norm (default 1.0)",
-    "grad_accum": "sequences per optimizer step (default 1)",
-    "gamma": "dflash: loss decay over block positions (default: 7 for B=16, 5 for B=10, 4 for B=8, interpolated)",
-    "seed": "seed of the data order, anchors, held-out split and a new drafter's weights (default 0)",
-    "log_every": "steps between log records (default 10)",
-    "eval_every": "steps between held-out evaluations (default 500)",
-    "save_every": "steps between checkpoints (default 1000)",
-    "keep_checkpoints": "keep only the newest N checkpoints, 0 = all (default 3)",
-    "max_steps": "stop after this global step; the schedule still spans all epochs (for chunked runs)",
-}
 
 
 def _checked_value(name: str, value, hint, source: str):
@@ -553,18 +538,12 @@ def write_plot(log_path: Path, png_path: Path) -> bool:
 
 # ---- command line ----------------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    from .cli import add_model_arguments
+    from .cli import add_target_arguments
+    from .methods import registry
 
-    add_model_arguments(p)  # also gives --method, --block-size and --drafter (an alias of --init-from)
-    for action in p._actions:  # the shared options mean something slightly different when training
-        if action.dest == "block_size":
-            action.help = ("block size of a new drafter (default 16); eagle3: chain steps trained and drafted + 1 "
-                           f"(default {EAGLE3_DEFAULT_BLOCK})")
-        elif action.dest == "drafter":
-            action.help = "same as --init-from"
-        elif action.dest == "method":
-            action.default = None  # a new run trains dflash; --resume continues the checkpoint's method
-            action.help = "what to train: dflash (default) or eagle3 (ar and ngram need no training)"
+    add_target_arguments(p)
+    p.add_argument("--method", default=None, choices=registry.names(),
+                   help="what to train: dflash (default) or eagle3; --resume continues the checkpoint's method")
     p.add_argument("--data", required=True, help="folder of shard-*.jsonl files from `dflash data`, or one JSONL file")
     p.add_argument("--out", required=True, help="output folder (checkpoints, log.jsonl, final/)")
     p.add_argument("--config", default=None, help="JSON file of training options; flags override it")
@@ -573,12 +552,15 @@ def add_arguments(p) -> None:
                    help="continue exactly from OUT's newest checkpoint, or from the given checkpoint / run folder")
     p.add_argument("--plot", action="store_true", help="write OUT/curves.png (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options = p.add_argument_group("training options (also the keys of --config)")
     hints = get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
-        if f.name in ("block_size", "method"):
-            continue  # --block-size and --method come from add_model_arguments
+        if f.name == "method":
+            continue
         kind = float if "float" in str(hints[f.name]) else int
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, help=HELP[f.name])
+        default = "none" if f.default is None else f.default
+        options.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
+                             help=f"{f.metadata['help']} (default: {default})")
 
 
 def cli_overrides(args) -> dict:
@@ -598,136 +580,63 @@ def resumed_config(saved: TrainConfig, overrides: dict, folder: Path) -> TrainCo
     return saved.replace({"max_steps": None, **{k: v for k, v in overrides.items() if k in RESUMABLE}})
 
 
-def load_drafter_checkpoint(folder: Path, target, config: TrainConfig | None = None):
-    """A drafter folder as float32 on the target's device, checked against the target and the training config."""
-    from .drafter import DFlashDrafter
+def recipe_of(config: TrainConfig):
+    from .methods import registry
 
-    try:
-        drafter = DFlashDrafter.load(folder, dtype=torch.float32, device=str(target.device))
-    except RuntimeError as exc:  # weight shapes that contradict config.json
-        raise UserError(f"{folder}: drafter weights do not match its config ({str(exc).splitlines()[0]})") from exc
-    drafter.check_fits(target)
-    if config is not None:
-        found = (drafter.config.num_hidden_layers, drafter.config.block_size)
-        if found != (config.num_layers, config.block_size):
-            raise UserError(
-                f"{folder}: drafter has {found[0]} layers and block size {found[1]}, but its training config says "
-                f"{config.num_layers} and {config.block_size} (mismatched checkpoint)"
-            )
-    return drafter
+    return registry.get(config.method).training
 
 
-def new_drafter(target, config: TrainConfig):
-    from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
+def method_config(config: TrainConfig, explicit: set[str]) -> TrainConfig:
+    """A new run's config with its method's shape defaults filled in; options another method owns, or shape
+    options this method fixes, are errors. `explicit`: the options given on the command line or in --config."""
+    from .methods import registry
 
-    cfg = DFlashConfig.for_target(
-        target.config, target.vocab_size, default_mask_token_id(target.tokenizer, target.vocab_size),
-        num_layers=config.num_layers, block_size=config.block_size, num_features=config.num_features,
-    )
-    torch.manual_seed(config.seed)  # the initial weights are part of the run's seed
-    return DFlashDrafter(cfg).to(target.device)
-
-
-def initial_drafter(args, target, config: TrainConfig, overrides: dict):
-    """(drafter, config) for a fresh run: a new drafter, or --init-from whose shape wins over the defaults."""
-    init_from = args.init_from or args.drafter
-    if not init_from:
-        return new_drafter(target, config), config
-    drafter = load_drafter_checkpoint(Path(init_from), target)
-    shape = {"num_layers": drafter.config.num_hidden_layers, "block_size": drafter.config.block_size,
-             "num_features": len(drafter.config.target_layer_ids)}
-    clash = {k: v for k, v in overrides.items() if k in shape and v != shape[k]}
-    if clash:
-        raise UserError(f"--init-from {init_from} has {shape}; it cannot be trained with {clash}")
-    return drafter, config.replace(shape)
-
-
-# ---- EAGLE-3 -----------------------------------------------------------------------------------------------------
-def method_config(config: TrainConfig, explicit: set[str], target) -> TrainConfig:
-    """A new run's config with its method's defaults filled in; options the method does not use are errors.
-    `explicit`: the options given on the command line or in --config."""
-    if config.method == "dflash":
-        stray = [k for k in EAGLE3_ONLY if k in explicit]
-        if stray:
-            raise UserError(f"{_flags(stray)} applies to --method eagle3 only")
-        return config
-    stray = [k for k in DFLASH_ONLY if k in explicit]
+    recipe = recipe_of(config)
+    others = {option: name for name in registry.trainable() if name != config.method
+              for option in registry.get(name).training.own_options if option not in recipe.own_options}
+    stray = sorted(k for k in explicit if k in others)
     if stray:
-        raise UserError(f"{_flags(stray)} applies to --method dflash only (the EAGLE-3 loss weights chain step k "
-                        "by 0.8**k over every response position)")
-    clash = {k: getattr(config, k) for k, v in EAGLE3_SHAPE.items() if k in explicit and getattr(config, k) != v}
+        owner = others[stray[0]]
+        raise UserError(f"{_flags(stray)} applies to --method {owner} only")
+    clash = {k: getattr(config, k) for k in recipe.fixed_shape
+             if k in explicit and getattr(config, k) != recipe.shape_defaults[k]}
     if clash:
-        raise UserError(f"an EAGLE-3 head has {EAGLE3_SHAPE['num_layers']} layer and fuses "
-                        f"{EAGLE3_SHAPE['num_features']} target layers; it cannot be trained with {clash}")
-    values = dict(EAGLE3_SHAPE)
-    if "block_size" not in explicit:
-        values["block_size"] = EAGLE3_DEFAULT_BLOCK
-    values["draft_vocab"] = min(config.draft_vocab or DEFAULT_DRAFT_VOCAB, target.vocab_size)
-    return config.replace(values)
+        raise UserError(f"{recipe.fixed_shape_note}; it cannot be trained with {clash}")
+    return config.replace({k: v for k, v in recipe.shape_defaults.items() if k not in explicit})
 
 
 def _flags(names) -> str:
     return ", ".join("--" + name.replace("_", "-") for name in names)
 
 
-def load_head_checkpoint(folder: Path, target, config: TrainConfig | None = None):
-    """An EAGLE-3 head folder as float32 on the target's device, checked against the target and the training config."""
-    from .eagle3 import Eagle3Head
-
-    head = Eagle3Head.load(folder, dtype=torch.float32, device=str(target.device))
-    head.check_fits(target)
-    if config is not None:
-        found = (head.config.depth + 1, head.config.draft_vocab_size)
-        if found != (config.block_size, config.draft_vocab):
-            raise UserError(
-                f"{folder}: EAGLE-3 head has depth {found[0] - 1} and draft vocabulary {found[1]}, but its training "
-                f"config says {config.block_size - 1} and {config.draft_vocab} (mismatched checkpoint)"
-            )
-    return head
+def checked_shape(model, config: TrainConfig, folder: Path) -> None:
+    """A checkpoint's model must have the shape its training config says (a mismatched folder is a user error)."""
+    found = recipe_of(config).shape_of(model)
+    expected = {k: getattr(config, k) for k in found}
+    if found != expected:
+        raise UserError(f"{folder}: the model has {found}, but its training config says {expected} "
+                        "(mismatched checkpoint)")
 
 
-def initial_head(args, target, config: TrainConfig, explicit: set[str]):
-    """(head, config) for a fresh EAGLE-3 run: a new head (its draft vocabulary is fitted to the training data later,
-    see fit_draft_vocab), or --init-from whose draft vocabulary wins; --block-size may change the depth of either."""
-    from .eagle3 import Eagle3Head
-
-    init_from = args.init_from or args.drafter
-    if not init_from:
-        torch.manual_seed(config.seed)  # the initial weights are part of the run's seed
-        return Eagle3Head.for_target(target, range(config.draft_vocab), depth=config.block_size - 1), config
-    head = load_head_checkpoint(Path(init_from), target)
-    size = head.config.draft_vocab_size
-    if "draft_vocab" in explicit and config.draft_vocab != size:
-        raise UserError(f"--init-from {init_from} has a draft vocabulary of {size}; it cannot be trained with "
-                        f"--draft-vocab {config.draft_vocab}")
-    if "block_size" in explicit:  # the depth is no weight shape: a head may be trained on for a longer chain
-        head.config.depth = config.block_size - 1
-    return head, config.replace({"draft_vocab": size, "block_size": head.config.depth + 1})
-
-
-def fit_draft_vocab(objective, train: list[Example]) -> None:
-    """A new EAGLE-3 head drafts the most frequent response tokens of the training sequences (the labels it learns)."""
-    from .eagle3 import frequent_tokens
-
-    head = objective.model
-    responses = (e.input_ids[e.loss_start : objective.max_length] for e in train)
-    head.set_draft_vocab(frequent_tokens(responses, head.config.vocab_size, head.config.draft_vocab_size))
-
-
-def eagle3_objective(args, target, config: TrainConfig, explicit: set[str], resume_from: Path | None):
-    from .eagle3 import Eagle3Objective
-
-    if resume_from is not None:
-        head = load_head_checkpoint(resume_from, target, config)
-    else:
-        head, config = initial_head(args, target, config, explicit)
-    return Eagle3Objective(head, target, steps=config.block_size - 1, max_length=config.max_length), config
+def initial_model(args, target, config: TrainConfig, explicit: set[str]):
+    """(model, config) for a fresh run: a new model, or --init-from whose weight shapes win over the defaults."""
+    recipe = recipe_of(config)
+    if not args.init_from:
+        model = recipe.new_model(target, config)
+        return model, config.replace(recipe.shape_of(model))
+    model = recipe.load_model(Path(args.init_from), target)
+    shape = recipe.shape_of(model)
+    clash = {k: getattr(config, k) for k, v in shape.items() if k in explicit and getattr(config, k) != v
+             and k not in recipe.free_on_init}
+    if clash:
+        raise UserError(f"--init-from {args.init_from} has {shape}; it cannot be trained with {clash}")
+    keep = {k: v for k, v in shape.items() if not (k in recipe.free_on_init and k in explicit)}
+    return model, config.replace(keep)
 
 
 # ---- building a run ----------------------------------------------------------------------------------------------
 def build_run(args, overrides: dict, out: Path):
-    """Target, objective, config and the checkpoint to resume (or None)."""
-    from .blocks import DFlashObjective
+    """Objective, config and the checkpoint to resume (or None)."""
     from .loading import load_target_cached
 
     resume_from = resolve_checkpoint(args.resume, out) if args.resume else None
@@ -739,18 +648,15 @@ def build_run(args, overrides: dict, out: Path):
         base = TrainConfig.from_dict(values, str(args.config)) if args.config else TrainConfig()
         config = base.replace(overrides)
         explicit = set(values) | set(overrides)
-    target = load_target_cached(args.target, args.dtype, args.device)
-    if resume_from is None:
-        config = method_config(config, explicit, target)
-    if config.method == "eagle3":
-        objective, config = eagle3_objective(args, target, config, explicit, resume_from)
-        return objective, config, resume_from
+        config = method_config(config, explicit)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    recipe = recipe_of(config)
     if resume_from is not None:
-        drafter = load_drafter_checkpoint(resume_from, target, config)
+        model = recipe.load_model(resume_from, target)
+        checked_shape(model, config, resume_from)
     else:
-        drafter, config = initial_drafter(args, target, config, overrides)
-    objective = DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length)
-    return objective, config, resume_from
+        model, config = initial_model(args, target, config, explicit)
+    return recipe.objective(model, target, config), config, resume_from
 
 
 def start_fresh(out: Path) -> None:
@@ -761,10 +667,14 @@ def start_fresh(out: Path) -> None:
 
 
 def run(args) -> int:
-    if args.method is not None and args.method not in TRAIN_METHODS:
+    from .methods import registry
+
+    if args.method is not None and args.method not in registry.trainable():
         raise UserError(f"--method {args.method} needs no training: `dflash train` trains "
-                        f"{' or '.join(TRAIN_METHODS)} drafters")
+                        f"{' or '.join(registry.trainable())} drafters")
     overrides = cli_overrides(args)
+    if args.method is not None:
+        overrides["method"] = args.method
     out = Path(args.out)
     examples = load_examples(args.data)
     objective, config, resume_from = build_run(args, overrides, out)
@@ -773,8 +683,8 @@ def run(args) -> int:
         print(f"[dflash] skipping {len(examples) - len(usable)} sequences with no response token to train on",
               file=sys.stderr)
     train, heldout = split_heldout(usable, config.eval_fraction)
-    if config.method == "eagle3" and resume_from is None and not (args.init_from or args.drafter):
-        fit_draft_vocab(objective, train)
+    if resume_from is None and not args.init_from:
+        recipe_of(config).prepare_new(objective, train, config)
     trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)

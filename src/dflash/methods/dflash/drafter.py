@@ -5,21 +5,26 @@ injected as extra keys/values in EVERY layer: K_ctx = k_norm(k_proj(ctx)), V_ctx
 block's own K/V. Queries come only from block tokens, so context never enters the residual stream. Inside the block
 attention is bidirectional. Token embedding and LM head are the target's (frozen, not stored here).
 
-The module and weight names follow the public checkpoint format (DFLASH_SPEC.md section 6) so that
-`state_dict()` is exactly what vLLM / SGLang load.
+At inference the context keys/values live in a position-indexed KVCache (models/cache.py): each call writes the new
+context at the committed length and the block's own keys right after it, attends over both, and moves the length by
+the context only, so the block's keys are overwritten next time.
+
+The module and weight names follow the public checkpoint format (DFLASH_SPEC.md section 6) so that `state_dict()` is
+exactly what vLLM / SGLang load.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import load_weights, read_folder, write_folder
-from .errors import UserError
+from ...checkpoint import load_weights, read_folder, write_folder
+from ...errors import UserError
+from ...models.cache import KVCache
+from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, rope_theta
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -59,11 +64,9 @@ class DFlashConfig:
         num_features: int = 5,
         target_layer_ids: list[int] | None = None,
     ) -> "DFlashConfig":
-        """A drafter shaped like the target (same width, heads and RoPE) with `num_layers` layers."""
+        """A drafter shaped like the target (same width, heads and RoPE base) with `num_layers` layers."""
         n_target = target_config.num_hidden_layers
         heads = target_config.num_attention_heads
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        rope = rope.get("full_attention", rope)  # Gemma3 keeps one entry per layer type
         return cls(
             hidden_size=target_config.hidden_size,
             intermediate_size=target_config.intermediate_size,
@@ -77,7 +80,7 @@ class DFlashConfig:
             mask_token_id=mask_token_id,
             block_size=block_size,
             rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+            rope_theta=rope_theta(target_config),
             max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
         )
 
@@ -127,42 +130,7 @@ class DFlashConfig:
             raise UserError(f"drafter config.json is not a DFlash config (missing or bad {exc})") from exc
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [batch, 1, seq, head_dim] for absolute `positions` [batch, seq]."""
-        angles = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((angles, angles), dim=-1)[:, None]
-        return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, sin = cos_sin
-    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
-
-
+# ---- training attention ------------------------------------------------------------------------------------------
 @dataclass
 class BlockLayout:
     """The training layout of a drafter call: the query tokens are len(anchors) blocks of block_size tokens, block i
@@ -177,7 +145,8 @@ class BlockLayout:
 def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
     """Attention under `layout` in O(N * (S + B)): scores against the context (hidden from each block's anchor on)
     and against the block's own B keys, one softmax over both. Equals SDPA with the dense block mask.
-    q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV)."""
+    q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV).
+    Returns [b, H, N, d]."""
     b, heads, n, d = q.shape
     kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[0], layout.block_size
     group = heads // kv_heads
@@ -194,79 +163,32 @@ def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.
     return (out + own.reshape(b, kv_heads, group, n, d)).reshape(b, heads, n, d)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-
-    def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, heads, self.head_dim).transpose(1, 2)
-
-    def context_kv(self, ctx: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the fused target features, with this layer's own projections (the KV injection)."""
-        k = apply_rotary(self.k_norm(self._split(self.k_proj(ctx), self.kv_heads)), rope)
-        return k, self._split(self.v_proj(ctx), self.kv_heads)
-
-    def forward(self, x, rope_block, ctx_k, ctx_v, mask) -> torch.Tensor:
-        q = apply_rotary(self.q_norm(self._split(self.q_proj(x), self.heads)), rope_block)
-        k = apply_rotary(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), rope_block)
-        v = self._split(self.v_proj(x), self.kv_heads)
-        if isinstance(mask, BlockLayout):
-            out = block_sparse_attention(q, ctx_k, ctx_v, k, v, mask)
-        else:
-            k = torch.cat([ctx_k, k], dim=2)
-            v = torch.cat([ctx_v, v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        b, _, s, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
+# ---- the model -----------------------------------------------------------------------------------------------------
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   cfg.hidden_size, qk_norm=True, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "silu")
 
-    def forward(self, x, rope_block, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), rope_block, ctx_k, ctx_v, mask)
+    def forward(self, x, rope_block, ctx_k, ctx_v, mask, cache: KVCache | None = None, index: int = 0):
+        """Block tokens `x` attend to the context keys/values and to each other. With a `cache` (inference) the
+        context goes in at its length and the block's own keys right after, never committed."""
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x), rope_block)
+        if cache is not None:
+            cache.write(index, ctx_k, ctx_v)
+            keys, values = cache.write(index, k, v, offset=ctx_k.shape[2])
+            out = attn.attend(q, keys, values)
+        elif isinstance(mask, BlockLayout):
+            out = block_sparse_attention(q, ctx_k, ctx_v, k, v, mask)
+            out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+        else:
+            out = attn.attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+        x = x + attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DrafterCache:
-    """Per-layer K/V of the context features seen so far. Only committed tokens enter the context, so this cache
-    never needs a rollback; block K/V are recomputed each call and discarded."""
-
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.length = 0
-
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
 
 
 class DFlashDrafter(nn.Module):
@@ -278,13 +200,30 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.apply(self._init_weights)
+        self.rotary = Rotary.with_theta(cfg.head_dim, cfg.rope_theta)
 
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
+    @classmethod
+    def untrained(cls, cfg: DFlashConfig, seed: int = 0) -> "DFlashDrafter":
+        """A new drafter with N(0, 0.02) linear weights from a local generator (the global RNG is left alone)."""
+        drafter = cls(cfg)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in drafter.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, 0.02, generator=generator)
+        return drafter
+
+    def freeze(self, plan=None) -> "DFlashDrafter":
+        """Fused products for inference (after the last change of weights, device or dtype)."""
+        for layer in self.layers:
+            layer.self_attn.freeze(plan, context=True)
+            layer.mlp.freeze(plan)
+        return self.eval()
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        cfg, weight = self.config, self.fc.weight
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, weight.dtype, weight.device,
+                       capacity=capacity)
 
     def forward(
         self,
@@ -293,26 +232,27 @@ class DFlashDrafter(nn.Module):
         context_features: torch.Tensor,
         context_positions: torch.Tensor,
         mask: torch.Tensor | BlockLayout | None = None,
-        cache: DrafterCache | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Final hidden states [batch, block_len, hidden] of the block tokens.
 
         block_embeds: target embeddings of the block tokens; context_features: raw concatenated target layer outputs
-        [batch, ctx_len, n*hidden] (only the NEW ones when a cache is given). mask: boolean [batch or 1, 1, block_len,
-        ctx_len_total + block_len], True = may attend; a BlockLayout (training: many blocks over one context); None =
-        attend to everything (inference: the context holds only positions before the block).
+        [batch, ctx_len, n*hidden] (only the NEW ones when a cache is given: they are written at the cache's length,
+        and the block right after them). mask: boolean [batch or 1, 1, block_len, ctx_len + block_len], True = may
+        attend; a BlockLayout (training: many blocks over one context); None = attend to everything.
         """
-        ctx = self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
-        rope_ctx = self.rotary(context_positions)
-        rope_block = self.rotary(block_positions)
-        x = block_embeds.to(self.fc.weight.dtype)
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(context_features.to(dtype)))
+        rope_ctx = self.rotary(context_positions, dtype)
+        rope_block = self.rotary(block_positions, dtype)
+        x = block_embeds.to(dtype)
+        if cache is not None:
+            cache.reserve(max(cache.lengths) + ctx.shape[1] + x.shape[1])
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
-            if cache is not None:
-                ctx_k, ctx_v = cache.extend(i, ctx_k, ctx_v)
-            x = layer(x, rope_block, ctx_k, ctx_v, mask)
+            x = layer(x, rope_block, ctx_k, ctx_v, mask, cache, i)
         if cache is not None:
-            cache.length += context_features.shape[1]
+            cache.advance(ctx.shape[1])
         return self.norm(x)
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------

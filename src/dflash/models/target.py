@@ -1,52 +1,33 @@
-"""The target model adapter: any Hugging Face causal LM, with layer features and a KV cache that rolls back.
+"""The target model adapter: a Hugging Face causal LM run through our own forward where its family is supported
+(models/transformer.py: Llama, Qwen2, Qwen3, Gemma3), else through transformers (models/hf.py).
 
 Feature convention (DFLASH_SPEC.md section 2): the feature of layer i is the OUTPUT of decoder layer i, which HF
-exposes as `output_hidden_states[i + 1]` (index 0 is the embedding output). We capture it with forward hooks on the
-chosen layers only, so no other hidden state is materialised.
+exposes as `output_hidden_states[i + 1]` (index 0 is the embedding output).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .errors import UserError
-from .hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
-from .packed import pack_linears
+from ..errors import UserError
+from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
+from .hf import HFEngine
+from .kernels import PACKED, PLAIN, KernelPlan, kernel_plan_for
+from .transformer import Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNEL_CHOICES = ("auto", "packed", "plain")
 
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [batch, seq, vocab], float32
+    logits: torch.Tensor | None  # [batch, positions, vocab], float32
     features: torch.Tensor | None  # [batch, seq, n_layers * hidden] concatenated layer outputs, or None
-
-
-class KVCache:
-    """A thin wrapper over HF's DynamicCache that can be rolled back to any committed length."""
-
-    def __init__(self, config):
-        from transformers import DynamicCache
-
-        self.inner = DynamicCache(config=config)
-        # Sliding-window layers drop old states once full; recording keeps them until we crop, so a rejected
-        # block can always be removed.
-        self.inner.activate_past_recording()
-
-    def __len__(self) -> int:
-        return self.inner.get_seq_length()
-
-    def truncate(self, length: int) -> None:
-        """Drop every cached position >= length. Called after each verify, also with nothing to drop, so sliding
-        layers shrink back to their window."""
-        current = len(self)
-        if length > current:
-            raise ValueError(f"cannot truncate a cache of length {current} to {length}")
-        self.inner.crop(length - current)
 
 
 @dataclass
@@ -54,12 +35,14 @@ class TargetModel:
     model: nn.Module
     tokenizer: object
     name: str = "target"
-    _captured: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    kernel_plan: KernelPlan = field(default_factory=lambda: PACKED)
+    kernel_report: dict = field(default_factory=dict)  # how the kernels were chosen (for --json and bench)
+    prefer_transformers: bool = False  # run through transformers even where our forward exists
+    _engine: object = field(default=None, repr=False)
 
     def __post_init__(self):
         self.model.eval()
         self.model.requires_grad_(False)
-        self._hooks = []
 
     # ---- shape facts -------------------------------------------------------------------------------------
     @property
@@ -99,10 +82,6 @@ class TargetModel:
         return self.model.get_output_embeddings()
 
     @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.model.get_decoder().layers
-
-    @property
     def eos_token_ids(self) -> list[int]:
         ids = set()
         for source in (self.model.generation_config, self.config):
@@ -116,53 +95,52 @@ class TargetModel:
         return sorted(ids)
 
     # ---- running -------------------------------------------------------------------------------------------
-    def pack_linears(self) -> int:
-        """Run the frozen target's linears through packed oneDNN kernels on CPU (see packed.py); after any .to()."""
-        return pack_linears(self.model)
+    @property
+    def engine(self):
+        """Our forward where the family is supported, else transformers'; built on first use, so a model moved or
+        cast before its first forward is read as it is then."""
+        if self._engine is None:
+            self._engine = self._build_engine()
+        return self._engine
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.model.config)
+    def _build_engine(self):
+        if not self.prefer_transformers:
+            try:
+                return Transformer.from_hf(self.model, self.kernel_plan)
+            except Unsupported as exc:
+                print(f"[dflash] {self.name}: {exc}; running through transformers", file=sys.stderr)
+        return HFEngine(self.model)
 
-    def _hook(self, layer_id: int):
-        def capture(module, args, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+    @property
+    def backend(self) -> str:
+        return "transformers" if isinstance(self.engine, HFEngine) else "dflash"
 
-        return capture
+    def use_kernels(self, plan: KernelPlan, report: dict | None = None) -> None:
+        self.kernel_plan = plan
+        self.kernel_report = report or {}
+        if isinstance(self.engine, Transformer):
+            self.engine.use_plan(plan)
 
-    @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, cache: KVCache | None = None, feature_layers: tuple[int, ...] = ()
-    ) -> TargetOutput:
-        """Run `input_ids` [batch, seq] after what `cache` holds; return logits and the chosen layers' outputs."""
+    def new_cache(self, batch: int = 1, capacity: int = 256):
+        return self.engine.new_cache(batch=batch, capacity=capacity, max_capacity=self.max_context)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, feature_layers: tuple[int, ...] = (),
+                logits_at: str | torch.Tensor = "all") -> TargetOutput:
+        """Run `input_ids` [batch, seq] after what `cache` holds (a fresh sequence when None); return the logits at
+        `logits_at` ("all", "last", "none" or one position per row) and the chosen layers' outputs."""
         for layer_id in feature_layers:
             if not 0 <= layer_id < self.num_layers:
                 raise UserError(f"feature layer {layer_id} is out of range for a {self.num_layers}-layer target")
-        hooks = [self.decoder_layers[i].register_forward_hook(self._hook(i)) for i in feature_layers]
-        try:
-            out = self.model(
-                input_ids=input_ids,
-                past_key_values=cache.inner if cache is not None else None,
-                use_cache=cache is not None,
-            )
-        finally:
-            for h in hooks:
-                h.remove()
-        features = None
-        if feature_layers:
-            features = torch.cat([self._captured[i] for i in feature_layers], dim=-1)
-        self._captured.clear()
-        return TargetOutput(logits=out.logits.float(), features=features)
+        if cache is None and not isinstance(self.engine, HFEngine):
+            cache = self.new_cache(batch=input_ids.shape[0], capacity=input_ids.shape[1])
+        logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at)
+        return TargetOutput(logits=logits, features=features)
 
     # ---- text -----------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for a user prompt; wrapped in the chat template when the tokenizer has one and chat=True."""
         if chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
@@ -177,7 +155,27 @@ class TargetModel:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str = "cpu") -> TargetModel:
+def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
+    """Set the target's matmul kernels: `auto` measures them on this machine (cached per machine and model),
+    `packed` / `plain` force one kernel everywhere."""
+    if kernels not in KERNEL_CHOICES:
+        raise UserError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNEL_CHOICES)}")
+    if kernels != "auto" or not isinstance(target.engine, Transformer) or target.device.type != "cpu":
+        plan = PLAIN if kernels == "plain" else PACKED
+        target.use_kernels(plan, {"kernels": kernels, "measured": False})
+        return
+    engine = target.engine
+    model_key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}"
+    import time
+
+    start = time.perf_counter()
+    plan, measured = kernel_plan_for(model_key, engine.frozen_linears())
+    target.use_kernels(plan, {"kernels": "auto", "measured_now": measured, "choices": plan.summary(),
+                              "measure_s": round(time.perf_counter() - start, 3)})
+
+
+def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str = "cpu",
+                kernels: str = "auto") -> TargetModel:
     """Load a target from a registry name, a local HF folder, a .gguf file, or a hub id (when online)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -213,5 +211,5 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
         known = ", ".join(REGISTRY)
         raise UserError(f"could not load target {spec!r} ({exc.__class__.__name__}); registry names: {known}") from exc
     target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
-    target.pack_linears()
+    choose_kernels(target, kernels)
     return target

@@ -5,7 +5,8 @@ starts a block [token_a, MASK x (B-1)] at positions a..a+B-1; block position k p
 prediction, no shift). A block sees the target features of positions STRICTLY before its anchor (at inference the
 bonus token's features do not exist yet) and its own block bidirectionally, never other blocks.
 
-`DFlashObjective` packs this into the `loss(example, rng) -> (loss, metrics)` interface the generic trainer uses.
+`DFlashObjective` packs this into the `loss(example, rng) -> (loss, metrics)` interface the generic trainer uses;
+`DFlashTraining` tells the trainer how to build, load and measure a drafter.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .drafter import BlockLayout
+from ...errors import UserError
+from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, default_mask_token_id
 
 IGNORE = -100
 GAMMA_BY_BLOCK_SIZE = ((8, 4.0), (10, 5.0), (16, 7.0))  # the paper's loss decay per block size
@@ -208,7 +210,7 @@ class DFlashObjective:
         return input_ids[: self.max_length].to(self.target.device, torch.long)
 
     def target_features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        features = self.target.forward(input_ids[None], None, self.feature_layers).features
+        features = self.target.forward(input_ids[None], None, self.feature_layers, logits_at="none").features
         # target.forward runs in inference mode; autograd may not save inference tensors, so copy out of it
         return features.clone()
 
@@ -265,3 +267,38 @@ class DFlashObjective:
     def save(self, folder, dtype: torch.dtype | None = torch.bfloat16) -> None:
         self.model.save(folder, dtype=dtype)
 
+
+
+# ---- what `dflash train --method dflash` needs ---------------------------------------------------------------------
+class DFlashTraining:
+    shape_defaults = {"num_layers": 3, "block_size": 16, "num_features": 5}
+    fixed_shape: tuple[str, ...] = ()
+    fixed_shape_note = ""
+    free_on_init: tuple[str, ...] = ()
+    own_options = ("anchors_per_seq", "gamma")
+
+    def new_model(self, target, config) -> DFlashDrafter:
+        cfg = DFlashConfig.for_target(
+            target.config, target.vocab_size, default_mask_token_id(target.tokenizer, target.vocab_size),
+            num_layers=config.num_layers, block_size=config.block_size, num_features=config.num_features,
+        )
+        return DFlashDrafter.untrained(cfg, seed=config.seed).to(target.device)  # the seed fixes the initial weights
+
+    def load_model(self, folder, target) -> DFlashDrafter:
+        try:
+            drafter = DFlashDrafter.load(folder, dtype=torch.float32, device=str(target.device))
+        except RuntimeError as exc:  # weight shapes that contradict config.json
+            raise UserError(f"{folder}: drafter weights do not match its config ({str(exc).splitlines()[0]})") from exc
+        drafter.check_fits(target)
+        return drafter
+
+    def shape_of(self, drafter: DFlashDrafter) -> dict[str, int]:
+        cfg = drafter.config
+        return {"num_layers": cfg.num_hidden_layers, "block_size": cfg.block_size,
+                "num_features": len(cfg.target_layer_ids)}
+
+    def objective(self, drafter: DFlashDrafter, target, config) -> DFlashObjective:
+        return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length)
+
+    def prepare_new(self, objective, train_examples, config) -> None:
+        """Nothing to fit from the data before a new DFlash run."""

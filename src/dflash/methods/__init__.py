@@ -1,0 +1,1 @@
+"""Drafting methods: one module or package per method, looked up by name in registry.py."""

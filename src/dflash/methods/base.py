@@ -1,0 +1,104 @@
+"""What every drafting method provides: a proposer for the ONE verification loop (engine.py), and optionally a
+training recipe for `dflash train`. The registry (registry.py) maps names to `Method` objects; nothing outside
+`methods/` names a method.
+
+A proposer sees the committed sequence (prompt + output; its last token is the pending "bonus", not yet in the
+target's KV cache) and returns draft tokens that should follow it, with the drafter's confidence in each where it
+has one. After each verify round the engine calls `commit` with the tokens that entered the target's cache and
+their target features, so feature-reading proposers (DFlash, EAGLE-3) can extend their context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # the drafter's probability of each token (its top-1 softmax probability); None for drafters without one
+    confidence: list[float] | None = None
+
+
+class Proposer:
+    """No drafts: plain autoregressive decoding through the same engine (the `ar` baseline)."""
+
+    name = "ar"
+    feature_layers: tuple[int, ...] = ()
+    max_draft = 0
+
+    def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
+        """Called once after the target's prefill with the prompt's target features."""
+
+    def propose(self, sequence: list[int], limit: int | None = None) -> Draft:
+        """Up to min(limit, max_draft) drafts to follow `sequence`."""
+        return Draft([])
+
+    def skip(self) -> None:
+        """This round verifies the bonus alone without drafting (the controller found drafting does not pay)."""
+
+    def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None:
+        """`token_ids` entered the target's cache (the old bonus and the accepted drafts)."""
+
+
+@dataclass
+class MethodOptions:
+    """What a user may say about a method on the command line (generate, serve and bench share these)."""
+
+    drafter: str | None = None  # a drafter folder; None: the one shipped for the target, else an untrained one
+    block_size: int | None = None  # tokens verified per round at most: the bonus + block_size - 1 drafts
+    draft_dtype: str | None = None  # the drafter's dtype; None: the target's
+    min_confidence: float | None = None  # dflash: trim blocks where the drafter's belief drops below this
+
+
+class TrainingRecipe(Protocol):
+    """How `dflash train` builds, loads and trains a method's model (implemented by dflash and eagle3)."""
+
+    shape_defaults: dict[str, int]  # shape options of a new model: num_layers, block_size, num_features
+    fixed_shape: tuple[str, ...]  # shape options the method does not allow to change ...
+    fixed_shape_note: str  # ... and how to say so
+    free_on_init: tuple[str, ...]  # shape options that may differ from an --init-from model's (no weight shape)
+    own_options: tuple[str, ...]  # training options only this method uses
+
+    def new_model(self, target, config) -> nn.Module: ...
+
+    def load_model(self, folder: Path, target) -> nn.Module: ...
+
+    def shape_of(self, model: nn.Module) -> dict[str, int]: ...
+
+    def objective(self, model: nn.Module, target, config): ...
+
+    def prepare_new(self, objective, train_examples, config) -> None: ...
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    build_proposer: Callable[..., tuple[Proposer, str | None]]  # (target, MethodOptions) -> (proposer, note)
+    uses_drafter: bool = False  # whether --drafter means something for it
+    training: TrainingRecipe | None = None
+    block_size_help: str = field(default="tokens verified per round at most (drafts + 1)")
+
+
+def shipped_drafter(target_name: str, method: str) -> Path | None:
+    folder = SHIPPED_DRAFTERS / f"{target_name}-{method}"
+    return folder if (folder / "config.json").is_file() else None
+
+
+def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+    from ..errors import UserError
+    from ..models.target import DTYPES
+
+    if name is None:
+        return default
+    if name not in DTYPES:
+        raise UserError(f"unknown draft dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]

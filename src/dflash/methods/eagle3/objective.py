@@ -1,0 +1,244 @@
+"""Training the EAGLE-3 head: the training-time test (TTT) unroll, its loss, the draft vocabulary from data, and the
+recipe `dflash train --method eagle3` uses.
+
+TTT. `unroll` reproduces inference for EVERY position at once: step k at position j uses the hidden state step k-1
+produced at j-1 and attends to step-0 keys at positions <= j-k (the chain's real root and before) plus step-i keys at
+j-k+i for i = 1..k (its own chain), exactly what the speculative step sees at inference.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .head import DEFAULT_DEPTH, IGNORE, Eagle3Head
+
+
+def unroll(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Training-time test over all positions: the output hidden states [b, s, D] of steps 0..steps-1.
+    embeds: target embeddings of the pairs' tokens; hidden: fused target features of the pairs."""
+    positions = torch.arange(embeds.shape[1], device=embeds.device)[None]
+    rope = head.rotary(positions, hidden.dtype)
+    layer = head.midlayer
+    attn = layer.self_attn
+    embeds = embeds.to(hidden.dtype)
+    keys, values, outputs = [], [], []
+    for k in range(steps):
+        if k > 0:  # position j continues the chain of position j-1: its hidden is the previous step's output there
+            hidden = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))
+        q, key, value = attn.project(layer.attention_input(embeds, hidden), rope)
+        keys.append(key)
+        values.append(value)
+        attended = ttt_attention(q, keys, values)
+        b, heads, s, d = attended.shape
+        outputs.append(layer.finish(hidden, attended.transpose(1, 2).reshape(b, s, heads * d)))
+    return outputs
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of step k = len(keys) - 1 at every position j: step-0 keys at positions <= j-k, and step-i keys at
+    position j-k+i for i = 1..k (the diagonal of the speculative chain). Positions j < k have no real root; they only
+    see what exists (at least their own key) and carry no loss."""
+    k = len(keys) - 1
+    heads, seq = q.shape[1], q.shape[2]
+    scale = q.shape[-1] ** -0.5
+
+    def expand(t: torch.Tensor) -> torch.Tensor:  # GQA: kv head g serves query heads g*r .. g*r+r-1 (as SDPA does)
+        return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+    def shift(t: torch.Tensor, by: int) -> torch.Tensor:  # t'[j] = t[j - by]
+        return F.pad(t[:, :, : seq - by], (0, 0, by, 0)) if by else t
+
+    rows = torch.arange(seq, device=q.device)
+    scores = [(q @ expand(keys[0]).transpose(-1, -2)) * scale]
+    scores[0] = scores[0].masked_fill(rows[None, :] > rows[:, None] - k, float("-inf"))
+    shifted_values = []
+    for i in range(1, k + 1):
+        key = shift(expand(keys[i]), k - i)
+        diagonal = (q * key).sum(-1, keepdim=True) * scale
+        scores.append(diagonal.masked_fill((rows < k - i)[:, None], float("-inf")))
+        shifted_values.append(shift(expand(values[i]), k - i))
+    weights = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+    out = weights[..., :seq] @ expand(values[0])
+    for i, value in enumerate(shifted_values):
+        out = out + weights[..., seq + i : seq + i + 1] * value
+    return out
+
+
+# ---- draft vocabulary from data ------------------------------------------------------------------------------------
+def frequent_tokens(sequences: Iterable[Iterable[int]], vocab_size: int, size: int) -> list[int]:
+    """The `size` most frequent target ids in `sequences` (ties: lower id first), topped up with the lowest unseen ids
+    so the head always has exactly min(size, vocab_size) entries. Ids outside [0, vocab_size) are not counted.
+    Counts with numpy in chunks: a training set has hundreds of millions of tokens."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    chunk: list[np.ndarray] = []
+    pending = 0
+
+    def flush() -> None:
+        ids = np.concatenate(chunk)
+        ids = ids[(ids >= 0) & (ids < vocab_size)]
+        counts[:] += np.bincount(ids, minlength=vocab_size)
+        chunk.clear()
+
+    for seq in sequences:
+        if isinstance(seq, torch.Tensor):
+            seq = seq.cpu().numpy()
+        elif not isinstance(seq, (list, tuple, np.ndarray)):
+            seq = list(seq)
+        ids = np.asarray(seq, dtype=np.int64).reshape(-1)
+        chunk.append(ids)
+        pending += ids.size
+        if pending >= 1 << 24:
+            flush()
+            pending = 0
+    if chunk:
+        flush()
+    ranked = np.lexsort((np.arange(vocab_size), -counts))[: min(size, vocab_size)]  # count desc, then id asc
+    return sorted(int(t) for t in ranked)
+
+
+# ---- training loss ---------------------------------------------------------------------------------------------
+def _label_mask(input_ids: torch.Tensor, loss_start) -> torch.Tensor:
+    """Bool [b, s]: positions whose token is a training label. `loss_start` is an int, a [b] tensor of first
+    response indices, or already a bool [b, s] mask (e.g. response and not padding)."""
+    if isinstance(loss_start, torch.Tensor) and loss_start.dtype == torch.bool:
+        return loss_start.to(input_ids.device)
+    start = torch.as_tensor(loss_start, device=input_ids.device).reshape(-1, 1)
+    return torch.arange(input_ids.shape[1], device=input_ids.device)[None] >= start
+
+
+def eagle3_loss(head: Eagle3Head, target, input_ids: torch.Tensor, loss_start, features: torch.Tensor | None = None,
+                steps: int = DEFAULT_DEPTH, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Training-time-test loss over sequences `input_ids` [b, s] (prompt + target-regenerated response).
+
+    Pair j = (feature j, token j+1) predicts token j+2, whose value in the data is the target's own choice. Step k
+    unrolls the head on its own outputs; its cross-entropy over the draft vocabulary is weighted decay**k and the sum
+    is divided by the sum of the weights of the steps that have labels. Labels outside the draft vocabulary and
+    positions before `loss_start` are ignored. `features` [b, s, 3D]: the target's outputs of head.feature_layers
+    (computed here when None). Metrics (detached, on the device): loss, accuracy [steps] (top-1 per step) and tau
+    (1 + mean number of leading correct steps over chains with all steps labelled; a surrogate of acceptance).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.shape[1] < 3:
+        raise ValueError("eagle3_loss needs sequences of at least 3 tokens")
+    if features is None:
+        features = target.forward(input_ids, None, head.feature_layers, logits_at="none").features
+    if features.is_inference():  # autograd may not save inference tensors (target.forward runs in inference mode)
+        features = features.clone()
+    with torch.no_grad():
+        embeds = target.embed_tokens(input_ids[:, 1:-1])
+    labels = head.target_to_draft(input_ids[:, 2:])
+    labels = labels.masked_fill(~_label_mask(input_ids, loss_start)[:, 2:], IGNORE)
+    outputs = unroll(head, embeds, head.fuse(features[:, :-2]), steps)
+
+    total = weight_sum = torch.zeros((), device=input_ids.device)
+    accuracy, correct_steps = [], []
+    for k, hidden in enumerate(outputs):
+        step_labels = labels.clone()
+        step_labels[:, :k] = IGNORE  # no real root k pairs back
+        valid = step_labels != IGNORE
+        logits = head.logits(hidden[valid])
+        if logits.shape[0]:
+            total = total + decay**k * F.cross_entropy(logits.float(), step_labels[valid])
+            weight_sum = weight_sum + decay**k
+        correct = torch.zeros_like(valid)
+        correct[valid] = logits.argmax(-1) == step_labels[valid]
+        accuracy.append(correct.sum() / valid.sum().clamp_min(1))
+        correct_steps.append(correct)
+    loss = total / weight_sum.clamp_min(1e-12)
+    return loss, {"loss": loss.detach(), "accuracy": torch.stack(accuracy).detach(),
+                  "tau": _surrogate_tau(correct_steps, labels, steps)}
+
+
+def _surrogate_tau(correct_steps: list[torch.Tensor], labels: torch.Tensor, steps: int) -> torch.Tensor:
+    """1 + leading correct drafts of the chain rooted at each pair r (its step-k draft sits at pair r+k)."""
+    n = labels.shape[1] - steps + 1
+    if n <= 0:
+        return torch.ones((), device=labels.device)
+    chain_ok = torch.stack([c[:, k : k + n] for k, c in enumerate(correct_steps)], dim=-1)  # [b, n, steps]
+    has_all = torch.stack([labels[:, k : k + n] != IGNORE for k in range(steps)], dim=-1).all(-1)
+    lengths = 1 + chain_ok.long().cumprod(-1).sum(-1).float()
+    return (lengths[has_all].mean() if has_all.any() else torch.ones((), device=labels.device)).detach()
+
+
+class Eagle3Objective:
+    """The EAGLE-3 head behind the trainer's objective interface (`loss(example, rng) -> (loss, metrics)`), the same
+    interface as blocks.DFlashObjective: one clean target pass for features, one unrolled head pass."""
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, target, steps: int = DEFAULT_DEPTH, decay: float = 0.8,
+                 max_length: int = 3072):
+        head.check_fits(target)
+        self.model, self.target = head, target
+        self.steps, self.decay = steps, decay
+        self.max_length = min(max_length, target.max_context)
+
+    def sequence(self, input_ids) -> torch.Tensor:
+        return torch.as_tensor(input_ids)[: self.max_length].to(self.target.device, torch.long)
+
+    def usable(self, example) -> bool:
+        """False when the (truncated) sequence has no response token that a pair predicts (pairs predict j + 2)."""
+        return min(len(example.input_ids), self.max_length) > max(example.loss_start, 2)
+
+    def loss(self, example, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        input_ids = self.sequence(example.input_ids)
+        return eagle3_loss(self.model, self.target, input_ids, example.loss_start, None, self.steps, self.decay)
+
+    @torch.no_grad()
+    def evaluate(self, examples, rngs=None) -> dict:
+        losses, taus, accuracies = [], [], []
+        for example in examples:
+            loss, metrics = self.loss(example)
+            losses.append(float(loss))
+            taus.append(float(metrics["tau"]))
+            accuracies.append(metrics["accuracy"])
+        if not losses:
+            return {}
+        return {"eval_loss": float(np.mean(losses)), "eval_tau": float(np.mean(taus)),
+                "eval_accuracy": torch.stack(accuracies).mean(0).tolist()}
+
+    def save(self, folder, dtype: torch.dtype | None = None) -> None:
+        self.model.save(folder, dtype=dtype)
+
+
+# ---- what `dflash train --method eagle3` needs ---------------------------------------------------------------------
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+class Eagle3Training:
+    # one decoder layer over a low, middle and high target layer; block 8 = the root + 7 chain steps (section 8)
+    shape_defaults = {"num_layers": 1, "block_size": 8, "num_features": 3}
+    fixed_shape = ("num_layers", "num_features")
+    fixed_shape_note = "an EAGLE-3 head has 1 layer and fuses 3 target layers"
+    free_on_init = ("block_size",)  # the chain depth is no weight shape: a head may be trained on for longer chains
+    own_options = ("draft_vocab",)
+
+    def new_model(self, target, config) -> Eagle3Head:
+        # its draft vocabulary is fitted to the training data by prepare_new
+        vocab = min(config.draft_vocab or DEFAULT_DRAFT_VOCAB, target.vocab_size)
+        return Eagle3Head.for_target(target, range(vocab), depth=config.block_size - 1, seed=config.seed)
+
+    def load_model(self, folder, target) -> Eagle3Head:
+        head = Eagle3Head.load(folder, dtype=torch.float32, device=str(target.device))
+        head.check_fits(target)
+        return head
+
+    def shape_of(self, head: Eagle3Head) -> dict[str, int]:
+        return {"num_layers": 1, "block_size": head.config.depth + 1, "num_features": 3,
+                "draft_vocab": head.config.draft_vocab_size}
+
+    def objective(self, head: Eagle3Head, target, config) -> "Eagle3Objective":
+        head.config.depth = config.block_size - 1  # the depth is no weight shape: a head may train on for longer
+        return Eagle3Objective(head, target, steps=config.block_size - 1, max_length=config.max_length)
+
+    def prepare_new(self, objective, train_examples, config) -> None:
+        """A new head drafts the most frequent response tokens of the training sequences (the labels it learns)."""
+        head = objective.model
+        responses = (e.input_ids[e.loss_start: objective.max_length] for e in train_examples)
+        head.set_draft_vocab(frequent_tokens(responses, head.config.vocab_size, head.config.draft_vocab_size))
+

@@ -1,0 +1,117 @@
+"""One key/value cache for every model: preallocated buffers written by position (gpt-fast's design).
+
+Rolling back is setting a length: positions past it hold stale keys that attention never reads (masks and views stop
+at the length) and the next write overwrites. No tensor is concatenated or cropped per round. Each row of a batch has
+its own length, so a batch may be ragged (rows that accepted different numbers of drafts).
+
+The target engine writes every layer's keys/values of new tokens; the DFlash drafter keeps the keys/values of the
+injected target features (its block's own go past the committed length and are dropped by not moving it); the
+EAGLE-3 head keeps those of its pairs the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROWTH_STEP = 256
+
+
+class KVCache:
+    """keys/values: [layers, batch, kv_heads, capacity, head_dim]; `lengths[r]`: positions of row r in use."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", batch: int = 1, capacity: int = GROWTH_STEP,
+                 max_capacity: int | None = None):
+        self.shape = (num_layers, batch, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch
+        self.max_capacity = max_capacity
+
+    # ---- sizes ---------------------------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def __len__(self) -> int:
+        """The length of a single-row cache (the batch-1 engine's view)."""
+        if self.batch != 1:
+            raise TypeError("len() of a batched cache is ambiguous; read .lengths")
+        return self.lengths[0]
+
+    def reserve(self, end: int) -> None:
+        """Make room for positions < `end` (grows in steps, copying what is cached)."""
+        if end <= self.capacity:
+            return
+        if self.max_capacity is not None and end > self.max_capacity:
+            raise ValueError(f"cache capacity {self.max_capacity} exceeded (asked for {end} positions)")
+        capacity = -(-max(end, 2 * self.capacity) // GROWTH_STEP) * GROWTH_STEP
+        if self.max_capacity is not None:
+            capacity = min(capacity, self.max_capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    # ---- writing and reading -------------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [batch, kv_heads, n, head_dim] of `layer` at each row's positions lengths[r] + offset onward
+        (call `reserve` first) and return that layer's keys/values up to the longest row's new end. Lengths do not
+        move: `advance` does that once per forward, after every layer has written."""
+        n = k.shape[2]
+        starts = [length + offset for length in self.lengths] if offset else self.lengths
+        end = max(starts) + n
+        keys, values = self.keys[layer], self.values[layer]
+        if all(s == starts[0] for s in starts):
+            keys[:, :, starts[0]: end] = k
+            values[:, :, starts[0]: end] = v
+        else:  # ragged rows: each at its own offset
+            rows = torch.arange(self.batch, device=k.device)[:, None, None]
+            heads = torch.arange(k.shape[1], device=k.device)[None, :, None]
+            positions = (torch.tensor(starts, device=k.device)[:, None] + torch.arange(n, device=k.device))[:, None]
+            keys[rows, heads, positions] = k
+            values[rows, heads, positions] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        end = max(self.lengths) if end is None else end
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.lengths = [length + n for length in self.lengths]
+
+    def truncate(self, length: int) -> None:
+        """Roll a single-row cache back to `length` positions."""
+        if self.batch != 1:
+            raise TypeError("truncate() is for single-row caches; use set_lengths")
+        self.set_lengths([length])
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Roll rows back to these lengths (never forward: positions past a length may hold stale keys)."""
+        if len(lengths) != self.batch:
+            raise ValueError(f"{len(lengths)} lengths for a batch of {self.batch}")
+        if any(not 0 <= new <= old for new, old in zip(lengths, self.lengths)):
+            raise ValueError(f"cannot roll lengths {self.lengths} to {lengths}: rollback only shortens")
+        self.lengths = list(lengths)
+
+    # ---- rows ------------------------------------------------------------------------------------------------------
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only `rows`, in this order (finished sequences leave a batch)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+        self.keys = self.keys.index_select(1, index)
+        self.values = self.values.index_select(1, index)
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def append_rows(self, other: "KVCache") -> None:
+        """Add the rows of `other` (a new sequence's prefilled cache) after this cache's rows."""
+        end = max(self.capacity, other.capacity)
+        self.reserve(end)
+        other.reserve(end)
+        self.keys = torch.cat([self.keys, other.keys], dim=1)
+        self.values = torch.cat([self.values, other.values], dim=1)
+        self.lengths = self.lengths + other.lengths

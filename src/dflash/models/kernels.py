@@ -1,0 +1,273 @@
+"""Inference matmuls on CPU: each frozen weight's product runs through the kernel measured fastest on this machine.
+
+Why measured: PyTorch sends a float32 `nn.Linear` on CPU to MKL's sgemm. On one AMD EPYC that path ran SmolLM2-135M's
+1-token step in 43 ms against 24 ms with the weights laid out ("packed") once for oneDNN; on an Intel Xeon with AMX
+the packed path was 20% slower for the same step (shared/MEASURED.md). So the choice is made per weight shape and
+per number of rows by timing both kernels on the weights themselves (`measure_plan`), and cached per machine
+(`kernel_plan_for`), never assumed.
+
+`FrozenLinear` is for weights that no longer change (a frozen target, a loaded drafter). It keeps its weight as a
+buffer, so `.to()` moves it, and re-packs whenever the weight it packed was moved, cast or written in place: a packed
+copy can never go stale. Autograd, other devices and dtypes without a packed kernel take `F.linear`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("plain", "packed")
+# Row buckets by their largest row count: 1 (a decode step), 2-16 (verify passes), more (prefill, batches); each is
+# measured at a typical count of its own (MEASURED_ROWS).
+ROW_BUCKETS = (1, 16, 1 << 30)
+MEASURED_ROWS = (1, 8, 32)
+PACK_ROWS_HINT = 16  # oneDNN picks its layout for about this many rows: a verify pass of a block of 16
+
+
+def row_bucket(rows: int) -> int:
+    return 1 if rows <= 1 else 16 if rows <= 16 else ROW_BUCKETS[-1]
+
+
+def shape_key(out_features: int, in_features: int, dtype: torch.dtype, bucket: int) -> str:
+    return f"{out_features}x{in_features}:{str(dtype).removeprefix('torch.')}:{bucket}"
+
+
+@dataclass
+class KernelPlan:
+    """Which kernel each (weight shape, dtype, row bucket) uses. Keys that were never measured use `default`."""
+
+    choices: dict[str, str] = field(default_factory=dict)
+    default: str = "packed"
+    timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # what the choice rests on, for reports
+
+    def kernel(self, out_features: int, in_features: int, dtype: torch.dtype, rows: int) -> str:
+        return self.choices.get(shape_key(out_features, in_features, dtype, row_bucket(rows)), self.default)
+
+    def summary(self) -> dict[str, int]:
+        """How many measured (shape, rows) keys chose each kernel."""
+        counts = {k: 0 for k in KERNELS}
+        for choice in self.choices.values():
+            counts[choice] += 1
+        return counts
+
+
+PLAIN = KernelPlan(default="plain")  # what a PyTorch user gets: F.linear everywhere
+PACKED = KernelPlan(default="packed")
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The oneDNN layout of `weight`, or None where this build or CPU has no such kernel or it disagrees with
+    F.linear on a probe (a cheap guard against a misbehaving build)."""
+    if not packing_supported(weight):
+        return None
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+            probe = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            tolerance = 1e-3 if weight.dtype == torch.float32 else 5e-2
+            if not torch.allclose(_packed_product(probe, packed, bias).float(), F.linear(probe, weight, bias).float(),
+                                  rtol=tolerance, atol=tolerance):
+                return None
+        return packed
+    except RuntimeError:  # e.g. bf16 packing needs AVX512-BF16 / AVX-NE-CONVERT
+        return None
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class FrozenLinear(nn.Module):
+    """y = x W^T (+ b) for inference, through the kernel `plan` picks for this shape and row count."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, plan: KernelPlan | None = None):
+        super().__init__()
+        # non-persistent: a frozen twin never adds keys to a model's state dict (checkpoint formats stay as they are)
+        self.register_buffer("weight", weight.detach(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self._packed: torch.Tensor | None = None
+        self._packed_for: tuple | None = None
+        self.use_plan(plan or PACKED)
+
+    def use_plan(self, plan: KernelPlan) -> None:
+        """Look up this weight's kernel per row bucket once, so a call costs one comparison, not a lookup."""
+        self.plan = plan
+        out_f, in_f = self.weight.shape
+        self._kernel_by_bucket = tuple(plan.kernel(out_f, in_f, self.weight.dtype, b) for b in ROW_BUCKETS)
+        self._planned_dtype = self.weight.dtype
+
+    @classmethod
+    def of(cls, linear: nn.Linear, plan: KernelPlan | None = None) -> "FrozenLinear":
+        """A frozen twin sharing `linear`'s weight storage (no copy)."""
+        return cls(linear.weight, linear.bias, plan)
+
+    @classmethod
+    def fused(cls, linears: list[nn.Linear], plan: KernelPlan | None = None) -> "FrozenLinear":
+        """One product for several linears reading the same input; their outputs are concatenated in order. The
+        linears' weights become views of the fused weight, so fusing costs no memory."""
+        with torch.no_grad():
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            biases = [lin.bias for lin in linears]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                 for b, lin in zip(biases, linears)])
+            start = 0
+            for lin in linears:
+                lin.weight.data = weight[start: start + lin.out_features]
+                start += lin.out_features
+        return cls(weight, bias, plan)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def _signature(self) -> tuple:
+        w = self.weight
+        # inference tensors (made under torch.inference_mode) keep no version counter; they are not written later
+        return w.data_ptr(), w.dtype, w.device, 0 if w.is_inference() else w._version
+
+    def packed(self) -> torch.Tensor | None:
+        """The oneDNN layout of the CURRENT weight (re-made after a move, a cast or an in-place write)."""
+        signature = self._signature()
+        if self._packed_for != signature:
+            self._packed, self._packed_for = _pack(self.weight, self.bias), signature
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.dtype != weight.dtype or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+            return F.linear(x, weight, self.bias)
+        if weight.dtype != self._planned_dtype:  # cast after freezing: the plan's choice for this dtype
+            self.use_plan(self.plan)
+        rows = x.numel() // x.shape[-1]
+        bucket = 0 if rows <= 1 else 1 if rows <= 16 else 2  # the index of row_bucket(rows) in ROW_BUCKETS
+        if self._kernel_by_bucket[bucket] == "packed":
+            packed = self.packed()
+            if packed is not None:
+                return _packed_product(x, packed, self.bias)
+        return F.linear(x, weight, self.bias)
+
+    def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """The product through one named kernel (for measuring)."""
+        packed = self.packed() if kernel == "packed" else None
+        return _packed_product(x, packed, self.bias) if packed is not None else F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+# ---- choosing kernels by measurement ----------------------------------------------------------------------------
+Timer = Callable[[], float]
+MIN_GAIN = 0.05  # the other kernel must be this much faster to displace the default (timings are noisy)
+
+
+def measure_plan(linears: Iterable[FrozenLinear], rows: Iterable[int] = MEASURED_ROWS, timer: Timer = time.perf_counter,
+                 repeats: int = 2, prefer: str = "packed") -> KernelPlan:
+    """Time each kernel on the model's own weights, per weight shape and row bucket, and keep the faster one.
+
+    A narrow product streams its weight from memory, so weights of one shape (e.g. the 30 fused q/k/v projections)
+    are timed in one pass over all of them, as a forward pass streams them, never hot in cache; a wide one reuses
+    each weight many times, so two of them tell. Only shapes whose packed layout exists are timed; a kernel must
+    beat `prefer` by MIN_GAIN to be chosen. `timer` is injectable for deterministic tests. About half a second for
+    SmolLM2-135M on 2 cores."""
+    groups: dict[tuple, list[FrozenLinear]] = {}
+    for lin in linears:
+        if lin.weight.device.type == "cpu" and lin.packed() is not None:
+            groups.setdefault((lin.out_features, lin.in_features, lin.weight.dtype), []).append(lin)
+    plan = KernelPlan(default=prefer)
+    other = next(k for k in KERNELS if k != prefer)
+    with torch.inference_mode():
+        for (out_f, in_f, dtype), members in groups.items():
+            for n in rows:
+                timed = members if n <= 16 else members[:2]
+                x = torch.randn(n, in_f, dtype=dtype)
+                ms = {k: _time_kernel(timed, x, k, timer, repeats) for k in KERNELS}
+                key = shape_key(out_f, in_f, dtype, row_bucket(n))
+                plan.choices[key] = other if ms[other] < (1 - MIN_GAIN) * ms[prefer] else prefer
+                plan.timings_ms[key] = {k: round(v, 4) for k, v in ms.items()}
+    return plan
+
+
+def _time_kernel(linears: list[FrozenLinear], x: torch.Tensor, kernel: str, timer: Timer, repeats: int) -> float:
+    linears[0].run(x, kernel)  # warm-up: first calls allocate
+    best = float("inf")
+    for _ in range(repeats):
+        start = timer()
+        for lin in linears:
+            lin.run(x, kernel)
+        best = min(best, timer() - start)
+    return 1000 * best / len(linears)
+
+
+def machine_fingerprint() -> str:
+    """What a kernel choice depends on: CPU model and features, torch version, thread count."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "cpu family", "model\t"))]
+        cpu = "\n".join(dict.fromkeys(lines))
+    except OSError:
+        pass
+    text = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_cache_file() -> Path:
+    from ..hub import cache_dir
+
+    return cache_dir() / "kernel_plans.json"
+
+
+def kernel_plan_for(model_key: str, linears: list[FrozenLinear], fingerprint: str | None = None,
+                    cache_file: Path | None = None, timer: Timer = time.perf_counter) -> tuple[KernelPlan, bool]:
+    """(plan, measured_now): the cached plan of `model_key` on this machine, else a fresh measurement (then cached).
+    A plan measured on another CPU, torch build or thread count is never reused."""
+    fingerprint = fingerprint or machine_fingerprint()
+    cache_file = cache_file or plan_cache_file()
+    key = f"{fingerprint}/{model_key}"
+    stored = _read_json(cache_file)
+    if key in stored:
+        entry = stored[key]
+        return KernelPlan(entry["choices"], entry["default"], entry.get("timings_ms", {})), False
+    plan = measure_plan(linears, timer=timer)
+    stored = _read_json(cache_file)  # re-read: another process may have written meanwhile
+    stored[key] = {"choices": plan.choices, "default": plan.default, "timings_ms": plan.timings_ms}
+    _write_json(cache_file, stored)
+    return plan, True
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache costs a re-measurement next time, nothing more

@@ -1,0 +1,215 @@
+"""Our own forward of the target (Llama, Qwen2, Qwen3, Gemma3 text models), gpt-fast style.
+
+Built from a loaded Hugging Face model and sharing its weight storage (the fused q/k/v and gate/up weights become
+the storage the HF modules view), it replaces the per-call work of the transformers forward: no DynamicCache objects
+rebuilt and cropped each round (a position-indexed `KVCache` where rollback sets a length), no hooks (the feature
+layers' outputs are kept inline), one fused product for q/k/v and one for gate/up, the matmul kernel measured fastest
+for each shape (kernels.py). The HF model stays untouched and serves as the oracle in tests and as `hf` in bench.
+
+Any other architecture, or a RoPE whose frequencies depend on the sequence length, raises `Unsupported`; the
+target adapter then falls back to transformers (models/hf.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .kernels import FrozenLinear, KernelPlan
+from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+
+
+class Unsupported(Exception):
+    """This model cannot run through our forward; use the transformers fallback."""
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; Gemma's variant also normalises each block's output ("sandwich")."""
+
+    def __init__(self, attention: Attention, mlp: GatedMLP, norms: dict[str, RMSNorm], window: int | None,
+                 layer_type: str, softcap: float | None):
+        super().__init__()
+        self.self_attn, self.mlp = attention, mlp
+        self.input_layernorm = norms["input_layernorm"]
+        self.post_attention_layernorm = norms["post_attention_layernorm"]
+        self.sandwich = "pre_feedforward_layernorm" in norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norms["pre_feedforward_layernorm"]
+            self.post_feedforward_layernorm = norms["post_feedforward_layernorm"]
+        self.window, self.layer_type, self.softcap = window, layer_type, softcap
+
+    def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None) -> torch.Tensor:
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(h), rope)
+        keys, values = cache.write(index, k, v)
+        out = attn.output(attn.attend(q, keys, values, mask, self.softcap))
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(out)
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """forward(input_ids, cache, feature_layers) -> (logits, features), over a KVCache of its own shape."""
+
+    def __init__(self, config, embed_weight: torch.Tensor, embed_scale: float | None, layers: list[DecoderLayer],
+                 norm: RMSNorm, lm_head: nn.Linear, rotary: dict[str, Rotary], final_softcap: float | None):
+        super().__init__()
+        self.config = config
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.embed_scale = embed_scale
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary = nn.ModuleDict(rotary)
+        self.final_softcap = final_softcap
+        self.kv_heads = layers[0].self_attn.kv_heads
+        self.head_dim = layers[0].self_attn.head_dim
+
+    # ---- building ------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, model: nn.Module, plan: KernelPlan | None = None) -> "Transformer":
+        config = model.config.get_text_config()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise Unsupported(f"model type {config.model_type!r} (ours: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if getattr(config, "attn_implementation", None) == "flash_attention_2":
+            raise Unsupported("flash attention models keep transformers' forward")
+        decoder = model.get_decoder()
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        try:
+            rotary = {t: Rotary.for_config(config, head_dim, t) for t in dict.fromkeys(layer_types)}
+        except NotImplementedError as exc:
+            raise Unsupported(str(exc)) from exc
+        gemma = config.model_type.startswith("gemma")
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        layers = [_layer_from_hf(hf_layer, config, head_dim, layer_types[i], gemma, softcap)
+                  for i, hf_layer in enumerate(decoder.layers)]
+        norm = _norm_from_hf(decoder.norm, config, gemma)
+        embed = decoder.embed_tokens
+        embed_scale = float(getattr(embed, "scalar_embed_scale", 1.0)) if gemma else None
+        engine = cls(config, embed.weight, embed_scale, layers, norm, model.get_output_embeddings(), rotary,
+                     getattr(config, "final_logit_softcapping", None))
+        engine.freeze(plan)
+        return engine.eval()
+
+    def freeze(self, plan: KernelPlan | None) -> None:
+        """Fused products through `plan`'s kernels (call again with a newly measured plan)."""
+        for layer in self.layers:
+            layer.self_attn.freeze(plan)
+            layer.mlp.freeze(plan)
+        head = self.lm_head if isinstance(self.lm_head, nn.Linear) else None
+        self.head = FrozenLinear.of(head, plan) if head is not None else FrozenLinear(self.lm_head.weight, None, plan)
+
+    def use_plan(self, plan: KernelPlan) -> None:
+        for linear in self.frozen_linears():
+            linear.use_plan(plan)
+
+    def frozen_linears(self) -> list[FrozenLinear]:
+        return [m for m in self.modules() if isinstance(m, FrozenLinear)]
+
+    def new_cache(self, batch: int = 1, capacity: int = 256, max_capacity: int | None = None) -> KVCache:
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.embed_weight.dtype,
+                       self.embed_weight.device, batch, capacity, max_capacity)
+
+    # ---- running -------------------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_weight)
+        if self.embed_scale is not None:  # Gemma scales in the weight dtype (sqrt(640) -> bf16 rounds it)
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...] = (),
+                logits_at: str | torch.Tensor = "all") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run `input_ids` [b, n], row r at positions cache.lengths[r] onward, and advance every row by n.
+
+        Returns (logits [b, m, vocab] float32, features [b, n, len(feature_layers) * hidden]): the feature of layer
+        i is the OUTPUT of decoder layer i. logits_at: "all" (m = n), "last" (m = 1), "none" (no logits), or a
+        LongTensor [b] of one position per row (m = 1; e.g. each row's last real token in a padded prefill)."""
+        b, n = input_ids.shape
+        starts = cache.lengths
+        end = max(starts) + n
+        cache.reserve(end)
+        positions = torch.tensor(starts, device=input_ids.device)[:, None] + torch.arange(n, device=input_ids.device)
+        h = self.embed(input_ids)
+        ropes = {t: rotary(positions, h.dtype) for t, rotary in self.rotary.items()}
+        masks = {layer.layer_type: self._mask(positions, starts, n, end, layer.window) for layer in self.layers}
+        if any(not 0 <= i < len(self.layers) for i in feature_layers):
+            raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
+        outputs: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type])
+            if index in feature_layers:
+                outputs[index] = h
+        cache.advance(n)
+        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return self.logits(h, logits_at), features
+
+    def logits(self, h: torch.Tensor, logits_at: str | torch.Tensor) -> torch.Tensor | None:
+        if isinstance(logits_at, torch.Tensor):
+            h = h[torch.arange(h.shape[0], device=h.device), logits_at][:, None]
+        elif logits_at == "last":
+            h = h[:, -1:]
+        elif logits_at == "none":
+            return None
+        logits = self.head(self.norm(h)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    @staticmethod
+    def _mask(positions: torch.Tensor, starts: list[int], n: int, end: int, window: int | None):
+        """None where every key up to `end` is visible to every query (one new token per row, rows aligned, no
+        window reached): then attention needs no mask at all."""
+        aligned = all(s == starts[0] for s in starts)
+        if n == 1 and aligned and (window is None or end <= window):
+            return None
+        return causal_mask(positions, end, window)
+
+
+# ---- reading the Hugging Face modules ------------------------------------------------------------------------------
+def _norm_from_hf(hf_norm: nn.Module, config, gemma: bool) -> RMSNorm:
+    norm = RMSNorm(hf_norm.weight.shape[0], _eps(hf_norm, config), unit_offset=gemma)
+    norm.weight = hf_norm.weight  # shared, not copied
+    return norm
+
+
+def _eps(hf_norm: nn.Module, config) -> float:
+    return float(getattr(hf_norm, "variance_epsilon", getattr(hf_norm, "eps", config.rms_norm_eps)))
+
+
+def _share_linear(ours: nn.Linear, theirs: nn.Linear) -> None:
+    ours.weight = theirs.weight
+    ours.bias = theirs.bias
+
+
+def _layer_from_hf(hf_layer: nn.Module, config, head_dim: int, layer_type: str, gemma: bool,
+                   softcap: float | None) -> DecoderLayer:
+    hf_attn, hf_mlp = hf_layer.self_attn, hf_layer.mlp
+    qk_norm = getattr(hf_attn, "q_norm", None) is not None
+    attention = Attention(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim, config.hidden_size,
+        qk_norm=qk_norm, eps=_eps(hf_attn.q_norm, config) if qk_norm else config.rms_norm_eps,
+        bias=hf_attn.q_proj.bias is not None, out_bias=hf_attn.o_proj.bias is not None, norm_unit_offset=gemma,
+        scale=float(getattr(hf_attn, "scaling", head_dim**-0.5)),
+    )
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        _share_linear(getattr(attention, name), getattr(hf_attn, name))
+    if qk_norm:
+        attention.q_norm.weight, attention.k_norm.weight = hf_attn.q_norm.weight, hf_attn.k_norm.weight
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    mlp = GatedMLP(config.hidden_size, hf_mlp.gate_proj.out_features, activation, bias=hf_mlp.gate_proj.bias is not None)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        _share_linear(getattr(mlp, name), getattr(hf_mlp, name))
+    names = ["input_layernorm", "post_attention_layernorm"]
+    if gemma:
+        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    norms = {name: _norm_from_hf(getattr(hf_layer, name), config, gemma) for name in names}
+    window = getattr(config, "sliding_window", None) if layer_type == "sliding_attention" else None
+    return DecoderLayer(attention, mlp, norms, window, layer_type, softcap)

@@ -1,0 +1,195 @@
+"""Frozen inference linears (models/kernels.py): the same products as F.linear through either kernel, packed copies
+that follow moves and in-place writes, fused projections, and kernel plans chosen by (injected) timings and cached
+per machine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import ARCHS, OracleProposer, RandomProposer
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.methods.dflash.proposer import DFlashProposer
+from dflash.methods.ngram import NgramProposer
+from dflash.models.kernels import (
+    PACKED,
+    PLAIN,
+    FrozenLinear,
+    KernelPlan,
+    kernel_plan_for,
+    measure_plan,
+    packing_supported,
+    shape_key,
+)
+from dflash.models.target import choose_kernels
+from dflash.testing import tiny_target
+from test_engine import make_drafter
+
+needs_packing = pytest.mark.skipif(FrozenLinear(torch.randn(4, 4)).packed() is None,
+                                   reason="this PyTorch build or CPU has no oneDNN float32 packing")
+
+
+def bf16_packs() -> bool:
+    return FrozenLinear(torch.randn(4, 4).bfloat16()).packed() is not None
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 2, 17, 100])
+@pytest.mark.parametrize("plan", [PACKED, PLAIN], ids=["packed", "plain"])
+def test_float32_product_matches_f_linear(rows, plan):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 96), torch.randn(300)
+    frozen = FrozenLinear(weight, bias, plan)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(frozen(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, rows, 96)  # batched [B, T, D] inputs keep their shape
+    assert frozen(x3).shape == (2, rows, 300)
+    torch.testing.assert_close(frozen(x3), F.linear(x3, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_product_matches_f_linear():
+    torch.manual_seed(0)
+    weight = torch.randn(300, 96).bfloat16()
+    frozen = FrozenLinear(weight)
+    for rows in (1, 15, 200):
+        x = torch.randn(rows, 96).bfloat16()
+        torch.testing.assert_close(frozen(x).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
+    assert (frozen.packed() is not None) == bf16_packs()  # packed only where the CPU has a bf16 kernel
+
+
+def test_falls_back_where_the_packed_kernel_does_not_apply():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 4)
+    frozen = FrozenLinear(weight)
+    x = torch.randn(3, 4, requires_grad=True)
+    frozen(x).sum().backward()  # autograd: the F.linear path, so gradients exist and are exact
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(3, 4))
+    half = FrozenLinear(weight.half())  # float16 is never packed
+    assert half.packed() is None
+    torch.testing.assert_close(half(x.detach().half()).float(), F.linear(x.detach(), weight), rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError):  # an input of another dtype than the weight: F.linear raises as it always did
+        frozen(x.detach().double())
+
+
+@needs_packing
+def test_packed_copy_follows_moves_and_writes():
+    """A packed layout is never stale: after .to(dtype) or an in-place write the product is the new weight's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48))
+    frozen = FrozenLinear.of(model[0])
+    x = torch.randn(3, 32)
+    frozen(x)  # packs
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # shared storage, written in place
+    torch.testing.assert_close(frozen(x), model[0](x), rtol=1e-5, atol=1e-5)
+    frozen.to(torch.bfloat16)
+    assert frozen.weight.dtype == torch.bfloat16
+    xb = x.bfloat16()
+    torch.testing.assert_close(frozen(xb).float(), F.linear(xb, frozen.weight, frozen.bias).float(),
+                               rtol=2e-2, atol=2e-2)
+    frozen.to(torch.float32)
+    torch.testing.assert_close(frozen(x), model[0](x), rtol=1e-2, atol=1e-1)  # back from a bf16 round trip
+
+
+def test_fused_projection_equals_the_parts_and_shares_memory():
+    torch.manual_seed(0)
+    parts = [nn.Linear(16, n, bias=b) for n, b in ((24, True), (8, False), (8, True))]
+    x = torch.randn(5, 16)
+    expected = torch.cat([p(x) for p in parts], dim=-1)
+    fused = FrozenLinear.fused(parts)
+    torch.testing.assert_close(fused(x), expected)
+    assert parts[1].weight.data_ptr() == fused.weight[24:].data_ptr()  # the parts now view the fused weight
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), expected)
+    assert not any(k.endswith("weight") for k in fused.state_dict())  # a frozen twin adds no checkpoint keys
+
+
+class FakeClock:
+    """A timer under test control: each kernel call advances it by a cost the test decides."""
+
+    def __init__(self):
+        self.now, self.calls = 0.0, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.now
+
+
+@needs_packing
+def test_plan_follows_the_timings_and_is_deterministic(monkeypatch):
+    """With a clock that says plain is 2x faster for 1 row of the 64x32 weight and packed faster elsewhere, the
+    plan picks exactly that, every time."""
+    clock = FakeClock()
+    linears = [FrozenLinear(torch.randn(64, 32)) for _ in range(3)] + [FrozenLinear(torch.randn(16, 32))]
+
+    def fake_run(self, x, kernel):
+        plain_wins = self.out_features == 64 and x.shape[0] == 1
+        slow = kernel == ("packed" if plain_wins else "plain")
+        clock.now += 2.0 if slow else 1.0
+        return x
+
+    monkeypatch.setattr(FrozenLinear, "run", fake_run)
+    plans = [measure_plan(linears, rows=(1, 8), timer=clock) for _ in range(2)]
+    assert plans[0].choices == plans[1].choices
+    choices = plans[0].choices
+    assert choices[shape_key(64, 32, torch.float32, 1)] == "plain"
+    assert choices[shape_key(64, 32, torch.float32, 16)] == "packed"  # the 2-16 bucket, measured at 8
+    assert choices[shape_key(16, 32, torch.float32, 1)] == "packed"
+    assert plans[0].kernel(64, 32, torch.float32, 1) == "plain" and plans[0].kernel(64, 32, torch.float32, 9) == "packed"
+
+
+@needs_packing
+def test_cached_plan_is_reused_on_the_same_machine_only(tmp_path, monkeypatch):
+    clock = FakeClock()
+
+    def fake_run(self, x, kernel):
+        clock.now += 1.0
+        return x
+
+    monkeypatch.setattr(FrozenLinear, "run", fake_run)
+    linears = [FrozenLinear(torch.randn(64, 32))]
+    cache = tmp_path / "plans.json"
+    plan, measured = kernel_plan_for("m", linears, fingerprint="cpu-a", cache_file=cache, timer=clock)
+    assert measured and clock.calls > 0
+    calls = clock.calls
+    again, measured = kernel_plan_for("m", linears, fingerprint="cpu-a", cache_file=cache, timer=clock)
+    assert not measured and clock.calls == calls and again.choices == plan.choices
+    _, measured = kernel_plan_for("m", linears, fingerprint="cpu-b", cache_file=cache, timer=clock)
+    assert measured and clock.calls > calls  # another CPU (or torch build, or thread count): measured anew
+
+
+def test_machine_fingerprint_changes_with_the_thread_count():
+    from dflash.models.kernels import machine_fingerprint
+
+    before = torch.get_num_threads()
+    try:
+        a = machine_fingerprint()
+        torch.set_num_threads(before + 1)
+        assert machine_fingerprint() != a
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_packing
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernel_choice_never_changes_greedy_output(arch):
+    packed, plain = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    choose_kernels(packed, "packed")
+    choose_kernels(plain, "plain")
+    ids = packed.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
+    got = packed.forward(torch.tensor([ids])).logits
+    expected = plain.forward(torch.tensor([ids])).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    reference = SpeculativeDecoder(plain).generate(ids, config)
+    drafter = make_drafter(packed, 8)
+    for proposer in (DFlashProposer(drafter, packed), NgramProposer(max_draft=7),
+                     RandomProposer(packed.vocab_size, 7), OracleProposer(reference.tokens, len(ids), 7)):
+        result = SpeculativeDecoder(packed, proposer).generate(ids, config)
+        assert result.tokens == reference.tokens, f"{proposer.name} changed the greedy output"
+
+
+def test_plan_summary_and_defaults():
+    plan = KernelPlan({shape_key(4, 4, torch.float32, 1): "plain"}, default="packed")
+    assert plan.summary() == {"plain": 1, "packed": 0}
+    assert plan.kernel(8, 8, torch.float32, 1) == "packed" and plan.kernel(4, 4, torch.float32, 1) == "plain"
+    assert packing_supported(torch.randn(2, 2)) in (True, False)
