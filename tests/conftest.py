@@ -24,7 +24,7 @@ class OracleProposer(Proposer):
     def __init__(self, reference: list[int], prompt_len: int, max_draft: int):
         self.reference, self.prompt_len, self.max_draft = reference, prompt_len, max_draft
 
-    def propose(self, sequence, limit=None):
+    def propose(self, sequence, limit=None, keep_going=None):
         done = len(sequence) - self.prompt_len
         count = self.max_draft if limit is None else min(limit, self.max_draft)
         return Draft(self.reference[done : done + count])
@@ -39,6 +39,6 @@ class RandomProposer(Proposer):
         self.vocab_size, self.max_draft = vocab_size, max_draft
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, sequence, limit=None):
+    def propose(self, sequence, limit=None, keep_going=None):
         count = self.max_draft if limit is None else min(limit, self.max_draft)
         return Draft(torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())

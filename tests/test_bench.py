@@ -94,10 +94,11 @@ def test_builtin_names_and_templates(tmp_path, monkeypatch):
 
 def test_methods_parsing():
     assert parse_methods("dflash,ngram,dflash") == ["ar", "dflash", "ngram"]
-    assert parse_methods("dflash@8,dflash@16:0.05,eagle3@3") == ["ar", "dflash@8", "dflash@16:0.05", "eagle3@3"]
-    assert parse_method("dflash@16:0.05") == MethodSpec("dflash", 16, 0.05)
+    assert parse_methods("dflash@8,dflash@16:whole,eagle3@3") == ["ar", "dflash@8", "dflash@16:whole", "eagle3@3"]
+    assert parse_method("dflash@16:whole") == MethodSpec("dflash", 16, True)
+    assert parse_method("eagle3:whole") == MethodSpec("eagle3", None, True)
     assert parse_method("eagle3@2") == MethodSpec("eagle3", 2)
-    for bad in ("dflash@x", "dflash@1", "eagle3@1", "ngram@4:0.1", "dflash@8:1.5", "hf@4", "ar@2", "dflash@8:p"):
+    for bad in ("dflash@x", "dflash@1", "eagle3@1", "ngram@4:0.1", "dflash@8:half", "hf@4", "ar@2", "ar:whole"):
         with pytest.raises(UserError):
             parse_method(bad)
 
@@ -106,11 +107,12 @@ def test_settings_side_by_side(tmp_path):
     """One method at several settings in one run: each is its own row, with its own block size, all lossless."""
     dataset = tmp_path / "set.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 3} w9"}) + "\n" for i in range(2)))
-    code, out = bench(tmp_path, dataset, "dflash,dflash@4,dflash@8:0.5,eagle3@3,ngram@3")
+    code, out = bench(tmp_path, dataset, "dflash,dflash@4,dflash@8:whole,eagle3@3,ngram@3")
     results = json.loads((out / "results.json").read_text())
     assert code == 0 and results["greedy_mismatches"] == 0
     methods = results["methods"]
-    assert list(methods) == ["ar", "dflash", "dflash@4", "dflash@8:0.5", "eagle3@3", "ngram@3"]
+    assert list(methods) == ["ar", "dflash", "dflash@4", "dflash@8:whole", "eagle3@3", "ngram@3"]
+    assert set(methods["dflash@8:whole"]["draft_length_histogram"][:-1]) == {0}  # whole blocks: always 7 drafts
     assert len(methods["dflash@4"]["per_position_acceptance"]) == 3
     assert len(methods["eagle3@3"]["per_position_acceptance"]) == 2  # block size 3: a chain of 2
     assert len(methods["ngram@3"]["per_position_acceptance"]) == 2

@@ -53,29 +53,53 @@ def varied_target(arch: str):
     return target
 
 
+def regenerated(target, prompts, max_new, **kwargs) -> list[list[int]]:
+    out = [None] * len(prompts)
+    for index, response, error in data.regenerate(target, prompts, max_new, **kwargs):
+        assert error is None
+        out[index] = response
+    return out
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_batched_left_padded_greedy_equals_unbatched(arch):
+def test_batched_regeneration_equals_one_at_a_time(arch):
+    """Rows decode together, finish at different steps and hand their row to the next prompt: every response is
+    what the target gives that prompt alone, and what transformers' generate gives."""
     target = varied_target(arch)
     prompts = [target.encode_prompt(p) for p in random_prompts(7, seed=3)]
-    assert len({len(p) for p in prompts}) > 3  # real padding
-    alone = [data.regenerate(target.model, [p], 24, [1])[0] for p in prompts]
+    assert len({len(p) for p in prompts}) > 3
+    alone = [regenerated(target, [p], 24, batch_size=1)[0] for p in prompts]
     # a token the target emits mid-response acts as EOS, so rows finish at different steps and leave the batch
     stop = [t for row in alone for t in row[2:]][0]
-    alone = [data.regenerate(target.model, [p], 24, [1, stop])[0] for p in prompts]
+    target.model.generation_config.eos_token_id = [1, stop]
+    alone = [regenerated(target, [p], 24, batch_size=1)[0] for p in prompts]
     assert len({len(r) for r in alone}) > 1 and min(len(r) for r in alone) < 24
-    assert all(r[-1] == stop for r in alone if len(r) < 24)
-    assert data.regenerate(target.model, prompts, 24, [1, stop]) == alone
+    assert all(r[-1] in (1, stop) for r in alone if len(r) < 24)
+    assert regenerated(target, prompts, 24, batch_size=3) == alone
     reference = target.model.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False,
                                       eos_token_id=[1, stop], pad_token_id=0)
     assert reference[0, len(prompts[0]):].tolist() == alone[0]
 
 
-def test_sampling_is_seeded():
+def test_sampling_is_seeded_per_row():
+    """A row's sample depends on the seed and its key, not on the batch it ran in."""
     target = varied_target("qwen3")
-    prompts = [target.encode_prompt(p) for p in random_prompts(3)]
-    draw = lambda: data.regenerate(target.model, prompts, 10, [1], 1.0, 0,  # noqa: E731
-                                   torch.Generator().manual_seed(5))
-    assert draw() == draw()
+    prompts = [target.encode_prompt(p) for p in random_prompts(4)]
+    keys = ["a", "b", "c", "d"]
+    batched = regenerated(target, prompts, 10, temperature=1.0, seed=5, batch_size=4, keys=keys)
+    assert batched == regenerated(target, prompts, 10, temperature=1.0, seed=5, batch_size=4, keys=keys)
+    alone = [regenerated(target, [p], 10, temperature=1.0, seed=5, batch_size=1, keys=[k])[0]
+             for p, k in zip(prompts, keys)]
+    assert alone == batched
+    assert regenerated(target, prompts, 10, temperature=1.0, seed=6, batch_size=4, keys=keys) != batched
+
+
+def test_categories():
+    assert data.prompt_category("Natalia sold clips", "gsm8k_train") == "math"
+    assert data.prompt_category("Write a haiku", "code_alpaca_2k") == "code"
+    assert data.prompt_category("Fix this ```x = 1```", "sharegpt") == "code"
+    assert data.prompt_category("How do I sort a list in Python?", "sharegpt") == "code"
+    assert data.prompt_category("Tell me about Paris", "sharegpt") == "chat"
 
 
 # ---- reading and mixing ------------------------------------------------------------------------------------------
@@ -155,25 +179,30 @@ def test_packaged_sharegpt_head():
 def test_counts_add_up_and_records_have_the_trainer_format(tmp_path):
     texts = random_prompts(9) + ["w1 w2", "w1 w2", "", " ".join(["w3"] * 40)]
     first = write_jsonl(tmp_path / "first.jsonl", texts)
-    second = write_jsonl(tmp_path / "second.jsonl", ["w1 w2", "w9 w8", "w4"])
+    second = write_jsonl(tmp_path / "code_second.jsonl", ["w1 w2", "w9 w8", "w4"])
     out = tmp_path / "out"
     assert run_data(out, str(first), f"{second}:2", extra=("--max-prompt-tokens", "30")) == 0
     records, errors, skipped, manifest = read_out(out)
     counts = manifest["counts"]
     assert counts["inputs"] == len(texts) + 2
     assert counts["ok"] + counts["error"] + counts["skipped"] == counts["inputs"] and counts["pending"] == 0
+    assert counts["retry"] == 0
     assert (counts["ok"], counts["error"], counts["skipped"]) == (len(records), len(errors), len(skipped))
     assert manifest["complete"] and manifest["skipped_by_reason"] == {
         "duplicate prompt": 2, "empty prompt": 1, "prompt too long": 1}
     assert len(list(out.glob("shard-*.jsonl"))) == -(-len(records) // 5)
     target = tiny_target("qwen3")
     for r in records:
-        assert set(r) == {"id", "source", "prompt", "input_ids", "loss_start"}
+        assert set(r) == {"id", "source", "category", "prompt", "input_ids", "loss_start"}
         prompt_ids = target.encode_prompt(r["prompt"], chat=True)
         assert r["input_ids"][: r["loss_start"]] == prompt_ids and r["loss_start"] == len(prompt_ids)
         assert 0 < len(r["input_ids"]) - r["loss_start"] <= MAX_NEW
     assert len({r["id"] for r in records}) == len(records)
-    assert {r["source"] for r in records} == {"first", "second"}
+    assert {r["source"] for r in records} == {"first", "code_second"}
+    assert {r["category"] for r in records if r["source"] == "code_second"} == {"code"}
+    mix = manifest["mix"]
+    assert sum(v["sequences"] for v in mix.values()) == counts["ok"]
+    assert sum(v["response_tokens"] for v in mix.values()) == manifest["response_tokens"]
 
 
 def test_resume_after_interruption_has_no_duplicates_or_losses(tmp_path, monkeypatch):
@@ -181,15 +210,15 @@ def test_resume_after_interruption_has_no_duplicates_or_losses(tmp_path, monkeyp
     assert run_data(tmp_path / "clean", inputs) == 0
     clean, *_ = read_out(tmp_path / "clean")
 
-    real, calls = data.regenerate, []
+    real, calls = data.OutputDir.add_records, []
 
-    def dies_on_third_batch(*args, **kwargs):
+    def dies_on_third_flush(self, records):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real(self, records)
 
-    monkeypatch.setattr(data, "regenerate", dies_on_third_batch)
+    monkeypatch.setattr(data.OutputDir, "add_records", dies_on_third_flush)
     out = tmp_path / "out"
     assert run_data(out, inputs) == 130
     partial, *_, manifest = read_out(out)
@@ -197,7 +226,7 @@ def test_resume_after_interruption_has_no_duplicates_or_losses(tmp_path, monkeyp
     last_shard = sorted(out.glob("shard-*.jsonl"))[-1]
     with last_shard.open("a") as f:  # the kill landed in the middle of a write
         f.write('{"id": "p:r99", "source": "p", "prom')
-    monkeypatch.setattr(data, "regenerate", real)
+    monkeypatch.setattr(data.OutputDir, "add_records", real)
     assert run_data(out, inputs) == 0
     resumed, errors, skipped, manifest = read_out(out)
     assert manifest["complete"] and manifest["counts"]["ok"] == 14 and not errors and not skipped
@@ -213,23 +242,62 @@ def test_other_settings_refuse_to_resume(tmp_path):
     assert run_data(tmp_path / "out", inputs, extra=("--temperature", "0.7")) == 2
 
 
-def test_a_failing_row_is_an_error_not_a_crash(tmp_path, monkeypatch):
+def test_out_of_memory_rows_are_retried_and_empty_responses_are_final(tmp_path, monkeypatch):
+    """Running out of memory fails the rows in flight, retryably: the manifest is not complete until a re-run has
+    retried them. A response that is only EOS is final. Any other exception is a bug: it propagates."""
     texts = ["w1 w2", "w3 w4", "w5 w58", "w7"]
     inputs = str(write_jsonl(tmp_path / "p.jsonl", texts))
     encode = tiny_target("qwen3").encode_prompt
     poison, stops_at_once = encode("w5 w58"), encode("w7")
-    real = data.regenerate
+    real_step = data_engine_step = __import__("dflash.engine", fromlist=["Engine"]).Engine.step
+    state = {"failure": torch.OutOfMemoryError("CUDA out of memory (simulated)")}
 
-    def fails_on_poison(model, prompts, max_new, eos_ids, *args):
-        if poison in prompts:
-            raise RuntimeError("boom")
-        if prompts == [stops_at_once]:
-            return [[eos_ids[0]]]
-        return real(model, prompts, max_new, eos_ids, *args)
+    def step(self):
+        # fail as the poison row is admitted, with no other row in flight (batch size 1)
+        if state["failure"] is not None and not self.running and any(s.prompt_ids == poison for s in self.waiting):
+            raise state["failure"]
+        finished = data_engine_step(self)
+        for seq in finished:
+            if seq.prompt_ids == stops_at_once:
+                seq.result.tokens[:] = [1]
+        return finished
 
-    monkeypatch.setattr(data, "regenerate", fails_on_poison)
-    assert run_data(tmp_path / "out", inputs) == 0
-    records, errors, skipped, manifest = read_out(tmp_path / "out")
+    monkeypatch.setattr("dflash.engine.Engine.step", step)
+    out = tmp_path / "out"
+    assert run_data(out, inputs, extra=("--batch-size", "1")) == 0
+    records, errors, skipped, manifest = read_out(out)
     assert sorted(r["prompt"] for r in records) == ["w1 w2", "w3 w4"]
-    assert {e["id"]: e["error"].split(":")[0] for e in errors} == {"p:r2": "RuntimeError", "p:r3": "empty response"}
-    assert manifest["counts"] == {"inputs": 4, "ok": 2, "error": 2, "skipped": 0, "pending": 0}
+    final = {e["id"]: (e["error"].split(":")[0], e["retryable"]) for e in errors}
+    assert final == {"p:r2": ("OutOfMemoryError", True), "p:r3": ("empty response", False)}
+    assert manifest["counts"] == {"inputs": 4, "ok": 2, "error": 1, "retry": 1, "skipped": 0, "pending": 0}
+    assert not manifest["complete"]
+    state["failure"] = None  # memory is back: the re-run retries the failed row, not the final error
+    assert run_data(out, inputs, extra=("--batch-size", "1")) == 0
+    records, errors, skipped, manifest = read_out(out)
+    assert sorted(r["prompt"] for r in records) == ["w1 w2", "w3 w4", "w5 w58"]
+    assert manifest["counts"] == {"inputs": 4, "ok": 3, "error": 1, "retry": 0, "skipped": 0, "pending": 0}
+    assert manifest["complete"]
+    state["failure"] = TypeError("a bug")
+    with pytest.raises(TypeError):
+        run_data(tmp_path / "other", inputs)
+    monkeypatch.setattr("dflash.engine.Engine.step", real_step)
+
+
+def test_pack_round_trips_and_trains(tmp_path):
+    from dflash import trainer
+
+    inputs = str(write_jsonl(tmp_path / "p.jsonl", random_prompts(12, seed=2)))
+    assert run_data(tmp_path / "out", inputs) == 0
+    assert main(["data", "--target", "tiny-qwen3", "--out", str(tmp_path / "out"), "--pack",
+                 str(tmp_path / "corpus")]) == 0
+    corpus = json.loads((tmp_path / "corpus" / "corpus.json").read_text())
+    assert corpus["records"] == 12 and corpus["token_dtype"] == "uint16" and corpus["mix"]
+    from_folder = {e.id: e for e in trainer.load_examples(tmp_path / "out")}
+    from_corpus = {e.id: e for e in trainer.load_examples(tmp_path / "corpus")}
+    assert from_folder.keys() == from_corpus.keys()
+    for key, example in from_folder.items():
+        assert torch.equal(example.input_ids, from_corpus[key].input_ids)
+        assert example.loss_start == from_corpus[key].loss_start
+    (tmp_path / "corpus" / corpus["shards"][0]["file"]).write_bytes(b"junk")
+    with pytest.raises(UserError, match="corrupt"):
+        trainer.load_examples(tmp_path / "corpus")

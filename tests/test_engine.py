@@ -11,7 +11,7 @@ from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.methods.base import Draft, MethodOptions, Proposer
 from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
-from dflash.methods.dflash.proposer import DFlashProposer, confident_drafts
+from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, target_probs
 
@@ -52,8 +52,8 @@ def test_greedy_lossless_every_proposer(tiny_targets, arch, block_size):
             result = SpeculativeDecoder(target, proposer).generate(ids, config)
             assert result.tokens == reference.tokens, f"{name} changed the greedy output"
             assert result.text == reference.text
-        oracle = SpeculativeDecoder(target, proposers["oracle"]).generate(ids, config)
-        # the oracle is always right: every round but the last emits a full block
+        oracle = SpeculativeDecoder(target, proposers["oracle"], adaptive=False).generate(ids, config)
+        # the oracle is always right: with whole blocks, every round but the last emits a full block
         assert oracle.stats.accept_lengths[:-1] == [block_size] * (oracle.stats.num_rounds - 1)
 
 
@@ -71,39 +71,6 @@ def test_bf16_drafter_beside_float32_target(tiny_targets):
             config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
             result = SpeculativeDecoder(target, proposer).generate(ids, config)
             assert result.tokens == ar_tokens(target, ids, 32).tokens
-
-
-def test_confident_drafts_cut_where_the_running_belief_drops():
-    probs = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.8, 0.0], [0.1, 0.0, 0.9], [0.0, 1.0, 0.0]])
-    logits = probs.clamp_min(1e-9).log()  # running belief 0.9, 0.72, 0.648, 0.648
-    assert confident_drafts(logits, 0.0).tolist() == [0, 1, 2, 1]
-    assert confident_drafts(logits, 0.7).tolist() == [0, 1]
-    assert confident_drafts(logits, 0.648 * 0.999).tolist() == [0, 1, 2, 1]
-    assert confident_drafts(logits, 0.95).tolist() == []
-
-
-@pytest.mark.parametrize("min_confidence", [0.0, 1e-5, 1.0])
-def test_min_confidence_trims_blocks_and_stays_lossless(tiny_targets, min_confidence):
-    target = tiny_targets["llama"]
-    proposer = DFlashProposer(make_drafter(target, 8), target, min_confidence=min_confidence)
-    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
-    for prompt in PROMPTS:
-        ids = target.encode_prompt(prompt)
-        result = SpeculativeDecoder(target, proposer).generate(ids, config)
-        assert result.tokens == ar_tokens(target, ids).tokens
-        lengths = set(result.stats.draft_lengths[:-1])  # the last round may be cut by the token budget
-        if min_confidence == 1.0:  # no drafter is that sure: every round verifies the bonus token alone
-            assert lengths == {0}
-        elif min_confidence == 0.0:
-            assert lengths == {7}
-        else:  # an untrained drafter's belief decays fast, so blocks are trimmed but not emptied
-            assert lengths and 0 < min(lengths) and max(lengths) < 7
-
-
-def test_min_confidence_out_of_range(tiny_targets):
-    target = tiny_targets["llama"]
-    with pytest.raises(UserError, match="min confidence"):
-        DFlashProposer(make_drafter(target, 8), target, min_confidence=1.5)
 
 
 def test_generated_mask_token_is_kept(tiny_targets):
@@ -126,11 +93,11 @@ def test_stats_from_known_rounds(tiny_targets):
     reference = ar_tokens(target, ids, 30)
 
     class TwoRight(OracleProposer):
-        def propose(self, sequence, limit=None):
+        def propose(self, sequence, limit=None, keep_going=None):
             known = super().propose(sequence).tokens
             return Draft(known[:2] + [(t + 1) % target.vocab_size for t in known[2:3]])
 
-    result = SpeculativeDecoder(target, TwoRight(reference.tokens, len(ids), 3)).generate(
+    result = SpeculativeDecoder(target, TwoRight(reference.tokens, len(ids), 3), adaptive=False).generate(
         ids, GenerationConfig(max_new_tokens=30, ignore_eos=True))
     stats = result.stats
     assert result.tokens == reference.tokens
@@ -281,3 +248,27 @@ def test_sampling_is_seedable(tiny_targets):
     cfg = GenerationConfig(max_new_tokens=20, ignore_eos=True, sampling=SamplingConfig(temperature=1.0, seed=7))
     decoder = SpeculativeDecoder(target, NgramProposer())
     assert decoder.generate(ids, cfg).tokens == decoder.generate(ids, cfg).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seeded_sampling_is_the_same_for_every_method(tiny_targets, arch):
+    """The random number of the token at position p depends only on (seed, p): with one seed, every proposer,
+    whole blocks or adaptive, alone or batched, samples exactly the tokens plain sampling does."""
+    from dflash.engine import Engine
+
+    target = tiny_targets[arch]
+    ids = target.encode_prompt(PROMPTS[2])
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True,
+                              sampling=SamplingConfig(temperature=1.0, top_p=0.9, seed=11))
+    reference = SpeculativeDecoder(target).generate(ids, config).tokens
+    for proposer in (NgramProposer(max_draft=5), DFlashProposer(make_drafter(target, 8), target),
+                     RandomProposer(target.vocab_size, 6), OracleProposer(reference, len(ids), 7)):
+        for adaptive in (True, False):
+            result = SpeculativeDecoder(target, proposer, adaptive=adaptive).generate(ids, config)
+            assert result.tokens == reference, f"{proposer.name} adaptive={adaptive}"
+    engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)
+    other = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=SamplingConfig(temperature=1.0, seed=3))
+    seqs = [engine.submit(ids, config), engine.submit(target.encode_prompt(PROMPTS[0]), other),
+            engine.submit(ids, config)]
+    engine.run()
+    assert seqs[0].result.tokens == seqs[2].result.tokens == reference

@@ -237,7 +237,7 @@ def test_too_long_prompt_and_broken_json_then_still_serving(client, url, chat_re
 class SlowProposer(Proposer):
     """Plain decoding that sleeps every round, so an uncancelled long request would hold the worker for seconds."""
 
-    def propose(self, sequence, limit=None):
+    def propose(self, sequence, limit=None, keep_going=None):
         time.sleep(0.025)
         return super().propose(sequence, limit)
 
@@ -277,7 +277,7 @@ def test_metrics_are_prometheus_text(client, url):
     samples = metrics(url)
     assert samples['dflash_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert samples["dflash_generated_tokens_total"] > 0
-    assert samples["dflash_draft_tokens_total"] == 3 * samples["dflash_verify_rounds_total"]
+    assert 0 <= samples["dflash_draft_tokens_total"] <= 3 * samples["dflash_verify_rounds_total"]  # adaptive
     assert samples["dflash_mean_tau"] >= 1
     for k in (1, 2, 3):
         assert 0 <= samples[f'dflash_position_acceptance{{position="{k}"}}'] <= 1

@@ -206,7 +206,7 @@ def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
     from dflash.engine import GenerationConfig, SpeculativeDecoder
     from dflash.methods.dflash.proposer import DFlashProposer
 
-    examples = [trainer._parse_record(json.dumps(r), "test") for r in counting_records(48)]
+    examples = [trainer.example_of(r) for r in counting_records(48)]
     train, heldout = trainer.split_heldout(examples, 0.1)
     drafter = tiny_drafter(target, num_layers=1, block_size=4)
     objective = DFlashObjective(drafter, target, anchors_per_seq=64)

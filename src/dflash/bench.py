@@ -112,13 +112,13 @@ def _turns_of(row) -> list[str] | None:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One entry of --methods: NAME, or NAME@B[:P] to run one method at several settings in the same run.
-    B is the block size (tokens verified per round at most: dflash's block, EAGLE-3's depth + 1, ngram's drafts + 1);
-    P is DFlash's --min-confidence."""
+    """One entry of --methods: NAME, NAME@B, NAME@B:whole or NAME:whole, to run one method at several settings in
+    the same run. B is the block size (tokens verified per round at most: dflash's block, EAGLE-3's depth + 1,
+    ngram's drafts + 1); `whole` verifies every draft every round instead of the adaptive choice."""
 
     name: str
     size: int | None = None
-    min_confidence: float | None = None
+    whole_blocks: bool = False
 
 
 def known_methods() -> list[str]:
@@ -128,24 +128,24 @@ def known_methods() -> list[str]:
 
 
 def parse_method(text: str) -> MethodSpec:
-    name, _, setting = text.partition("@")
+    head, colon, mode = text.partition(":")
+    name, _, size_text = head.partition("@")
     if name not in known_methods():
-        raise UserError(f"unknown method {name!r}; choose from {', '.join(known_methods())} (optionally NAME@B[:P])")
-    if not setting:
-        return MethodSpec(name)
-    size_text, _, confidence_text = setting.partition(":")
-    try:
-        size = int(size_text)
-        confidence = float(confidence_text) if confidence_text else None
-    except ValueError:
-        raise UserError(f"bad method setting {text!r}: use NAME@B or dflash@B:P (e.g. dflash@8:0.05)") from None
-    if name in ("ar", HF_METHOD):
+        raise UserError(f"unknown method {name!r}; choose from {', '.join(known_methods())} "
+                        "(optionally NAME@B, NAME@B:whole)")
+    if colon and mode != "whole":
+        raise UserError(f"bad method setting {text!r}: the only mode is ':whole' (e.g. dflash@16:whole)")
+    if (size_text or colon) and name in ("ar", HF_METHOD):
         raise UserError(f"{name} takes no setting (got {text!r})")
-    if size < 2:
-        raise UserError(f"{text!r}: block size must be >= 2 (the bonus token and at least one draft)")
-    if confidence is not None and (name != "dflash" or not 0.0 <= confidence <= 1.0):
-        raise UserError(f"{text!r}: a minimum confidence in [0, 1] applies to dflash only")
-    return MethodSpec(name, size, confidence)
+    size = None
+    if size_text:
+        try:
+            size = int(size_text)
+        except ValueError:
+            raise UserError(f"bad method setting {text!r}: use NAME@B with an integer B (e.g. dflash@8)") from None
+        if size < 2:
+            raise UserError(f"{text!r}: block size must be >= 2 (the bonus token and at least one draft)")
+    return MethodSpec(name, size, bool(colon))
 
 
 def parse_methods(text: str) -> list[str]:
@@ -164,17 +164,20 @@ class Run:
     ttft_s: float
     total_s: float
     accept_lengths: list[int] | None = None  # None for hf (no verify rounds)
+    draft_lengths: list[int] | None = None  # drafts verified per round
+    skipped_drafting: int = 0
 
 
 class EngineRunner:
     """A proposer behind the shared verification loop."""
 
-    def __init__(self, method: str, target, proposer, sampling):
+    def __init__(self, method: str, target, proposer, sampling, adaptive: bool = True):
         from .engine import SpeculativeDecoder
 
         self.method, self.sampling = method, sampling
-        self.decoder = SpeculativeDecoder(target, proposer)
+        self.decoder = SpeculativeDecoder(target, proposer, adaptive=adaptive)
         self.block_size = proposer.max_draft + 1
+        self.report = proposer.report
 
     def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
         from .engine import GenerationConfig
@@ -182,7 +185,8 @@ class EngineRunner:
         config = GenerationConfig(max_new_tokens=max_new, sampling=copy.copy(self.sampling), ignore_eos=ignore_eos)
         result = self.decoder.generate(prompt_ids, config)
         stats = result.stats
-        return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths))
+        return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths),
+                   list(stats.draft_lengths), stats.skipped_drafting)
 
 
 class _FirstTokenClock:
@@ -256,11 +260,12 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         if spec.name == HF_METHOD:
             runners[method] = HFRunner(target, sampling)
             continue
-        options = method_options(args, spec.name, spec.size, spec.min_confidence)
+        options = method_options(args, spec.name, spec.size)
         proposer, note = build_proposer(spec.name, target, options)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
-        runners[method] = EngineRunner(method, target, proposer, sampling)
+        adaptive = not (spec.whole_blocks or args.whole_blocks)
+        runners[method] = EngineRunner(method, target, proposer, sampling, adaptive)
     return runners
 
 
@@ -289,6 +294,8 @@ class Totals:
     decode_s: float = 0.0
     decode_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    skipped_drafting: int = 0
 
     def add(self, run: Run) -> None:
         n = len(run.tokens)
@@ -299,6 +306,8 @@ class Totals:
         self.decode_s += run.total_s - run.ttft_s
         self.decode_tokens += max(0, n - 1)  # the first token belongs to TTFT
         self.accept_lengths += run.accept_lengths or []
+        self.draft_lengths += run.draft_lengths or []
+        self.skipped_drafting += run.skipped_drafting
 
     @property
     def tpot_ms(self) -> float:
@@ -317,17 +326,19 @@ class Totals:
         out["speedup"] = ar.tpot_ms / self.tpot_ms if self.decode_tokens and ar.decode_tokens else None
         out["e2e_speedup"] = self.tokens_per_s / max(1e-9, ar.tokens_per_s)
         if method != "hf":
-            out.update(acceptance_stats(self.accept_lengths, self.block_size))
+            out.update(acceptance_stats(self.accept_lengths, self.draft_lengths, self.block_size))
+            out["skipped_drafting"] = self.skipped_drafting
         return out
 
 
-def acceptance_stats(accept_lengths: list[int], block_size: int) -> dict:
-    """tau, per-position acceptance and the histogram over the pooled rounds (the engine's own definitions)."""
+def acceptance_stats(accept_lengths: list[int], draft_lengths: list[int], block_size: int) -> dict:
+    """tau, per-position acceptance and the histograms over the pooled rounds (the engine's own definitions)."""
     from .engine import GenerationStats
 
-    pooled = GenerationStats(block_size=block_size, accept_lengths=accept_lengths)
+    pooled = GenerationStats(block_size=block_size, accept_lengths=accept_lengths, draft_lengths=draft_lengths)
     return {"tau": pooled.tau, "num_rounds": pooled.num_rounds, "block_size": block_size,
-            "per_position_acceptance": pooled.per_position_acceptance, "tau_histogram": pooled.tau_histogram}
+            "per_position_acceptance": pooled.per_position_acceptance, "tau_histogram": pooled.tau_histogram,
+            "draft_length_histogram": pooled.draft_length_histogram}
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -347,18 +358,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or a JSONL file with 'prompt' or 'turns'")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--methods", default="ar,ngram,dflash",
-                   help="comma-separated: the engine's methods (ar, ngram, dflash, eagle3) and hf (transformers' "
-                        "generate); NAME@B[:P] runs a method at block size B (and dflash at --min-confidence P) side "
-                        "by side with the others, e.g. dflash,dflash@8,dflash@16:0.05,eagle3@4 (default: "
-                        "ar,ngram,dflash)")
+                   help="comma-separated: the engine's methods and hf (transformers' generate); NAME@B runs a "
+                        "method at block size B, NAME@B:whole (or NAME:whole) verifies whole blocks instead of the "
+                        "adaptive choice, side by side with the others, e.g. dflash,dflash@8,dflash@16:whole,eagle3@4 "
+                        "(default: ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -369,8 +378,6 @@ def validate(args) -> None:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
 
 
 def run(args) -> int:
@@ -385,8 +392,6 @@ def run(args) -> int:
     prompts = read_prompts(path, template, args.limit)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
@@ -412,7 +417,7 @@ def run(args) -> int:
                                        "first_difference": first_difference(r.tokens, reference)})
                 rows.append(_row(prompt.id, turn, method, r, same))
 
-    results = collect_results(args, target, prompts, path, methods, totals, mismatches, sampling.greedy)
+    results = collect_results(args, target, prompts, path, methods, totals, mismatches, sampling.greedy, runners)
     write_outputs(out_dir, results, rows)
     if mismatches:
         print(f"dflash bench: {len(mismatches)} greedy output(s) differ from ar (see results.json)", file=sys.stderr)
@@ -428,14 +433,15 @@ def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
     return row
 
 
-def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool) -> dict:
+def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool, runners: dict) -> dict:
     ar = totals["ar"]
     summaries = {m: totals[m].summary(m, ar) for m in methods}
     results = {
         "target": args.target,
         "device": str(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
-        "draft_dtype": args.draft_dtype or str(target.dtype).removeprefix("torch."),
+        "draft_dtype": args.draft_dtype,
+        "drafters": {m: r.report for m, r in runners.items() if getattr(r, "report", None)},
         "dataset": args.dataset,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -446,7 +452,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "mismatches": mismatches,
         "num_generations": ar.generations,
         "block_size": args.block_size,
-        "min_confidence": args.min_confidence,  # of methods without their own ':P'; None = the method's default
+        "adaptive": not args.whole_blocks,  # of methods without their own ':whole'
         "engine": target.backend,
         "kernels": target.kernel_report,
         "ignore_eos": args.ignore_eos,
@@ -467,7 +473,7 @@ def command_line(args) -> str:
              f"--max-new-tokens {args.max_new_tokens}", f"--temperature {args.temperature}", f"--dtype {args.dtype}",
              f"--device {args.device}"]
     for flag, value in (("--limit", args.limit), ("--block-size", args.block_size),
-                        ("--draft-dtype", args.draft_dtype)):
+                        ("--draft-dtype", None if args.draft_dtype == "auto" else args.draft_dtype)):
         if value is not None:
             parts.append(f"{flag} {value}")
     for value in args.drafter or []:
@@ -476,8 +482,8 @@ def command_line(args) -> str:
         parts.append(f"--kernels {args.kernels}")
     if args.template != "auto":
         parts.append(f"--template {args.template}")
-    if args.min_confidence is not None:
-        parts.append(f"--min-confidence {args.min_confidence}")
+    if args.whole_blocks:
+        parts.append("--whole-blocks")
     if args.ignore_eos:
         parts.append("--ignore-eos")
     if args.threads is not None:

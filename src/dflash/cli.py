@@ -47,6 +47,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="float32", choices=list(DTYPES),
                        help="the target's dtype (default: float32, the exact one)")
     group.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads (default: torch's choice, one per core)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                        help="CPU matmul kernels: auto = the faster of packed oneDNN and plain PyTorch per weight "
                             "shape, measured once per machine and cached (default: auto)")
@@ -68,12 +70,14 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                        help="tokens verified per round at most, the bonus included: dflash's block size, EAGLE-3's "
                             "chain depth + 1, ngram's copied drafts + 1 (default: what the drafter was trained with; "
                             "ngram 8)")
-    group.add_argument("--draft-dtype", default=MethodOptions.draft_dtype, choices=["float32", "bfloat16", "float16"],
-                       help="run the drafter in this dtype (default: the target's); drafts never change the output")
-    group.add_argument("--min-confidence", type=float, default=None, metavar="P",
-                       help="dflash: verify only the leading drafts the drafter itself believes in, i.e. while the "
-                            "running product of its top probabilities stays >= P. Default: 0.05 on CPU, where each "
-                            "verified token costs time; 0 (the whole block) elsewhere. Never changes the output")
+    group.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="the drafter's dtype; auto = the faster of the target's dtype and bfloat16, timed once "
+                            "per machine (default: auto). Drafts never change the output")
+    group.add_argument("--whole-blocks", action="store_true",
+                       help="draft and verify every draft of every round (the paper's setting). Default: each round "
+                            "verifies the number of drafts that maximises tokens/s on this machine, from the drafter's "
+                            "calibrated confidence and the measured cost of the target's passes, and skips drafting "
+                            "while it does not pay. Neither changes the output")
 
 
 def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str]:
@@ -99,15 +103,14 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
     return paths
 
 
-def method_options(args, method: str, block_size: int | None = None, min_confidence: float | None = None):
-    """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@SIZE override)."""
+def method_options(args, method: str, block_size: int | None = None):
+    """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@B override)."""
     from .methods.base import MethodOptions
 
     return MethodOptions(
         drafter=drafter_paths(args.drafter, [method]).get(method),
         block_size=block_size if block_size is not None else args.block_size,
         draft_dtype=args.draft_dtype,
-        min_confidence=min_confidence if min_confidence is not None else args.min_confidence,
     )
 
 
@@ -158,7 +161,7 @@ def run(args) -> int:
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
-    decoder = SpeculativeDecoder(target, proposer)
+    decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=4, sampling=sampling))  # warm-up
     if args.compare_ar and args.method != "ar":
         result, ar_result = compare_with_ar(decoder, SpeculativeDecoder(target), prompt_ids, config)
@@ -170,8 +173,10 @@ def run(args) -> int:
             "text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
             "method": args.method, "tau": stats.tau, "tokens_per_s": stats.tokens_per_s,
             "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
-            "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s, "tpot_ms": stats.tpot_ms,
-            "engine": target.backend, "kernels": target.kernel_report,
+            "draft_length_histogram": stats.draft_length_histogram, "skipped_drafting": stats.skipped_drafting,
+            "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
+            "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
+            "drafter": proposer.report,
         }
         if ar_result is not None:
             payload["ar_tokens_per_s"] = ar_result.stats.tokens_per_s
@@ -231,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "threads", None) is not None:
+            if args.threads < 1:
+                raise UserError(f"--threads must be >= 1, got {args.threads}")
+            import torch
+
+            torch.set_num_threads(args.threads)
         return args.handler(args) or 0
     except UserError as exc:
         print(f"dflash: error: {exc}", file=sys.stderr)

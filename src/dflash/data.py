@@ -1,17 +1,12 @@
 """`dflash data`: build a prompt mix and regenerate every response with the target (DFLASH_SPEC.md section 4).
 
-The drafter must learn the TARGET's distribution, so responses in the source sets are thrown away and regenerated.
-Output folder (the format `dflash train` reads):
+The drafter must learn the TARGET's distribution, so responses in the source sets are thrown away and regenerated,
+through the engine's continuous batching (engine.py): up to --batch-size sequences decode together, and a finished
+one leaves its row to the next prompt at once. The output folder and the packed corpus (`--pack`) are described in
+corpus.py. Each prompt gets a category (math, code or chat) so the mix can be checked; ShareGPT prompts are sorted
+into code and chat by what they ask for (`prompt_category`).
 
-    shard-00000.jsonl ...  {"id", "source", "prompt", "input_ids", "loss_start"}: input_ids = chat-templated
-                           prompt ids + response ids (ending with EOS when the target produced one);
-                           loss_start = index of the first response token
-    errors.jsonl           {"id", "error"}: rows whose regeneration failed or came back empty
-    skipped.jsonl          {"id", "reason", ...}: duplicates, empty prompts, prompts too long
-    manifest.json          settings and counts; ok + error + skipped == inputs once complete
-
-Every finished batch is appended and fsync'ed, so a killed run is resumed by re-running the same command: ids already
-in a shard or in errors.jsonl are skipped, and a torn last line (the kill landed mid-write) is cut off.
+Killing a run loses at most the rows in flight: re-running the same command resumes it.
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ import re
 import sys
 import time
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -33,6 +29,7 @@ from typing import IO, Iterator
 
 import torch
 
+from .corpus import OutputDir, write_json_atomic
 from .errors import UserError
 from .jsonl import iter_jsonl
 
@@ -44,12 +41,33 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 USER_ROLES = ("human", "user")
 
 
+CATEGORIES = ("math", "code", "chat")
+# What a prompt asks for, by its source file: anything else is chat, unless it asks for code (prompt_category)
+CATEGORY_BY_SOURCE = (("gsm8k", "math"), ("math", "math"), ("code", "code"))
+CODE_REQUEST = re.compile(
+    r"```|#include|\bdef |\bclass \w|console\.log|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|"
+    r"html|css|react|node\.?js|bash|regex|code|coding|script|function|program|compile|api|json|dataframe|numpy|"
+    r"pandas|django|flask|git)\b", re.IGNORECASE)
+
+
 @dataclass
 class Prompt:
     id: str
     source: str
     text: str
     skip_reason: str | None = None  # set by a reader that already knows the row is unusable
+    category: str = "chat"
+
+
+def source_category(source: str) -> str | None:
+    name = source.lower()
+    return next((category for key, category in CATEGORY_BY_SOURCE if key in name), None)
+
+
+def prompt_category(text: str, source: str) -> str:
+    """math or code by the source's name (gsm8k*, *math*, *code*), else code if the prompt asks about code, else
+    chat: ShareGPT's first turns mix both."""
+    return source_category(source) or ("code" if CODE_REQUEST.search(text) else "chat")
 
 
 Encoded = list[tuple[Prompt, list[int]]]  # prompts with their chat-templated token ids
@@ -93,7 +111,9 @@ def read_jsonl_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
             break
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UserError(f"{path}:{line_no} has no string field 'prompt'")
-        prompts.append(Prompt(f"{source}:{row.get('id', line_no - 1)}", source, row["prompt"]))
+        text = row["prompt"]
+        prompts.append(Prompt(f"{source}:{row.get('id', line_no - 1)}", source, text,
+                              category=prompt_category(text, source)))
     return prompts
 
 
@@ -162,7 +182,8 @@ def read_sharegpt(limit: int, stream: IO[bytes] | None = None) -> list[Prompt]:
                 break
             text = first_user_turn(conversation)
             reason = None if text is not None else "conversation does not open with a user turn"
-            prompts.append(Prompt(f"sharegpt:{conversation.get('id', index)}", "sharegpt", text or "", reason))
+            prompts.append(Prompt(f"sharegpt:{conversation.get('id', index)}", "sharegpt", text or "", reason,
+                                  prompt_category(text or "", "sharegpt")))
     if len(prompts) < limit:
         print(f"[dflash] ShareGPT holds only {len(prompts)} complete conversations; using all", file=sys.stderr)
     return prompts
@@ -211,155 +232,58 @@ def collect_prompts(inputs: list[str], sharegpt: int) -> list[Prompt]:
 
 
 # ---- regeneration -----------------------------------------------------------------------------------------------
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding puts every row's last prompt token in the last column, so one forward step serves all rows."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids.to(device), mask.to(device)
+class RowFailure(Exception):
+    """Failures a single row may cause that a later run may not: the machine ran out of memory."""
 
 
-def pick_next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = (logits.float() / temperature).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+def out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        s in str(exc) for s in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
-@torch.inference_mode()
-def regenerate(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_ids: list[int],
-    temperature: float = 0.0,
-    pad_id: int = 0,
-    generator: torch.Generator | None = None,
-) -> list[list[int]]:
-    """Responses to `prompts` from a HF causal LM, one forward per step for the whole batch. A row stops at its
-    first EOS (kept in the response) and then leaves the batch, so finished rows cost nothing."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)
-    # positions count real tokens only, so a padded row sees exactly the positions it would see alone
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
-    rows = torch.arange(len(prompts), device=device)  # original index of each row still in the batch
-    next_pos = positions[:, -1] + 1
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    responses: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        tokens = pick_next(out.logits[:, -1], temperature, generator)
-        for row, token in zip(rows.tolist(), tokens.tolist()):
-            responses[row].append(token)
-        alive = ~torch.isin(tokens, eos)
-        if step == max_new_tokens - 1 or not alive.any():
-            break
-        if not alive.all():
-            keep = alive.nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            rows, mask, tokens, next_pos = rows[keep], mask[keep], tokens[keep], next_pos[keep]
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
-        out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True)
-        next_pos = next_pos + 1
-    return responses
+def row_seed(seed: int, key: str) -> int:
+    """A sampling seed per row from the run's seed and the row's id: a row's sample does not depend on its batch."""
+    return zlib.crc32(f"{seed}:{key}".encode())
 
 
-# ---- the output folder ------------------------------------------------------------------------------------------
-def read_jsonl_tolerant(path: Path) -> list[dict]:
-    """Complete lines of a file we append to; a torn last line (killed mid-write) is cut off the file for good,
-    so the next append starts on a fresh line."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(complete))
-    return [json.loads(line) for line in complete.decode("utf-8").splitlines() if line.strip()]
+def regenerate(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+               batch_size: int = 16, keys: list[str] | None = None) -> Iterator[tuple[int, list[int] | None, str | None]]:
+    """(index, response, error) for every prompt, in the order they finish. A response ends with EOS when the
+    target produced one. An out-of-memory failure ends every row in flight with a retryable error (the rest go on
+    in a fresh batch); any other exception is a bug and propagates."""
+    from .engine import Engine, GenerationConfig
+    from .methods.base import Proposer
+    from .sampling import SamplingConfig
 
+    keys = keys or [str(i) for i in range(len(prompts))]
+    todo = iter(range(len(prompts)))
+    engine, index_of = Engine(target, Proposer(), max_batch=batch_size), {}
 
-def append_lines(path: Path, rows: list[dict]) -> None:
-    """One write per batch, then fsync: after a crash either a batch's lines are on disk or the tail is torn."""
-    if not rows:
-        return
-    with path.open("a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        f.flush()
-        os.fsync(f.fileno())
+    def feed() -> None:  # submit lazily: the queue holds a batch, not the whole corpus
+        while len(engine.waiting) < batch_size:
+            i = next(todo, None)
+            if i is None:
+                return
+            sampling = SamplingConfig(temperature, seed=row_seed(seed, keys[i]) if temperature > 0 else None)
+            index_of[engine.submit(prompts[i], GenerationConfig(max_new_tokens, sampling))] = i
 
-
-def write_json_atomic(path: Path, payload) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-class OutputDir:
-    """Sharded records plus errors/skipped/manifest; knows which ids are done so a rerun resumes."""
-
-    def __init__(self, path: Path, shard_size: int):
-        self.path = path
-        self.shard_size = shard_size
-        self.errors_path = path / "errors.jsonl"
-        self.skipped_path = path / "skipped.jsonl"
-        self.manifest_path = path / "manifest.json"
-        path.mkdir(parents=True, exist_ok=True)
-        self.ok_ids: set[str] = set()
-        self.response_tokens = 0
-        shards, records = self.shards(), []
-        for shard in shards:
-            records = read_jsonl_tolerant(shard)
-            self.ok_ids.update(r["id"] for r in records)
-            self.response_tokens += sum(len(r["input_ids"]) - r["loss_start"] for r in records)
-        self.error_ids = {e["id"] for e in read_jsonl_tolerant(self.errors_path)}
-        self.shard_index = max(len(shards) - 1, 0)
-        self.shard_fill = len(records)  # of the last shard, which later appends go on filling
-
-    def shards(self) -> list[Path]:
-        return sorted(self.path.glob("shard-*.jsonl"))
-
-    @property
-    def done_ids(self) -> set[str]:
-        return self.ok_ids | self.error_ids
-
-    def check_settings(self, settings: dict) -> None:
-        if not self.manifest_path.exists():
-            return
-        previous = json.loads(self.manifest_path.read_text(encoding="utf-8")).get("settings")
-        if previous != settings:
-            changed = sorted(k for k in settings.keys() | (previous or {}).keys()
-                             if settings.get(k) != (previous or {}).get(k))
-            raise UserError(f"{self.path} was built with other settings ({', '.join(changed)}); "
-                            "re-run the same command to resume, or choose a new --out")
-
-    def add_records(self, records: list[dict]) -> None:
-        while records:
-            if self.shard_fill >= self.shard_size:
-                self.shard_index, self.shard_fill = self.shard_index + 1, 0
-            room = self.shard_size - self.shard_fill
-            append_lines(self.path / f"shard-{self.shard_index:05d}.jsonl", records[:room])
-            self.shard_fill += len(records[:room])
-            self.ok_ids.update(r["id"] for r in records[:room])
-            self.response_tokens += sum(len(r["input_ids"]) - r["loss_start"] for r in records[:room])
-            records = records[room:]
-
-    def add_errors(self, errors: list[dict]) -> None:
-        append_lines(self.errors_path, errors)
-        self.error_ids.update(e["id"] for e in errors)
-
-    def write_skipped(self, skipped: list[dict]) -> None:
-        # derived from the inputs alone, so each run rewrites it whole instead of appending
-        tmp = self.skipped_path.with_name("skipped.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in skipped), encoding="utf-8")
-        os.replace(tmp, self.skipped_path)
+    feed()
+    while engine.busy:
+        try:
+            finished = engine.step()
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is a row failure; the rest re-raise
+            if not out_of_memory(exc):
+                raise
+            for seq in engine.running + list(engine.waiting):
+                yield index_of.pop(seq), None, f"{type(exc).__name__}: {exc}"[:500]
+            engine = Engine(target, Proposer(), max_batch=max(1, batch_size // 2))
+            feed()
+            continue
+        for seq in finished:
+            yield index_of.pop(seq), seq.result.tokens, None
+        feed()
 
 
 # ---- the command ------------------------------------------------------------------------------------------------
@@ -390,9 +314,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer chat-templated prompts are skipped")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--shard-size", type=int, default=10000, help="records per shard file")
     p.add_argument("--seed", type=int, default=0, help="seed of the mix shuffle and of sampling at T > 0")
+    p.add_argument("--pack", metavar="CORPUS", default=None,
+                   help="instead of regenerating: pack the records of --out into a compact corpus folder that "
+                        "`dflash train --data` reads (LZMA-compressed token shards; see corpus.py)")
 
 
 def validate(args) -> None:
@@ -407,7 +334,7 @@ def validate(args) -> None:
 
 def encode_todo(target, todo: list[Prompt], max_prompt_tokens: int) -> tuple[Encoded, list[dict]]:
     """Chat-template the prompts still to do; too-long ones are skipped (the response must fit in the context too)."""
-    limit = min(max_prompt_tokens, target.max_context - 1)
+    limit = min(max_prompt_tokens, target.max_context - 2)
     encoded, skipped = [], []
     for p in todo:
         ids = target.encode_prompt(p.text, chat=True)
@@ -418,55 +345,31 @@ def encode_todo(target, todo: list[Prompt], max_prompt_tokens: int) -> tuple[Enc
     return encoded, skipped
 
 
-def respond(target, batch: Encoded, args, generator) -> list[list[int]]:
-    """The target's responses to one batch, each cut to what still fits in the target's context."""
-    budgets = [min(args.max_new_tokens, target.max_context - len(ids)) for _, ids in batch]
-    pad_id = target.tokenizer.pad_token_id
-    if pad_id is None:  # any id works: padded positions are masked out
-        pad_id = (target.eos_token_ids or [0])[0]
-    responses = regenerate(target.model, [ids for _, ids in batch], max(budgets), target.eos_token_ids,
-                           args.temperature, pad_id, generator)
-    return [r[:budget] for r, budget in zip(responses, budgets)]
-
-
-def regenerate_rows(target, batch: Encoded, args, generator) -> tuple[list[dict], list[dict]]:
-    """Records and errors for one batch. When the batched call fails (out of memory, one odd row), each row is
-    retried alone so a single bad row cannot take its neighbours down."""
-    try:
-        outcomes = [(response, None) for response in respond(target, batch, args, generator)]
-    except Exception as exc:  # noqa: BLE001 - whatever failed, the row gets a retry or an error record
-        if len(batch) > 1:
-            alone = [regenerate_rows(target, [row], args, generator) for row in batch]
-            return [r for rs, _ in alone for r in rs], [e for _, es in alone for e in es]
-        outcomes = [(None, f"{type(exc).__name__}: {exc}")]
-    return split_outcomes(batch, outcomes, target.eos_token_ids)
-
-
-def split_outcomes(batch: Encoded, outcomes: list[tuple[list[int] | None, str | None]],
-                   eos_ids: list[int]) -> tuple[list[dict], list[dict]]:
-    records, errors = [], []
-    for (p, ids), (response, error) in zip(batch, outcomes):
-        if error is None and not [t for t in response if t not in eos_ids]:
-            error = "empty response: the target stopped at once"
-        if error is not None:
-            errors.append({"id": p.id, "error": error})
-        else:
-            records.append({"id": p.id, "source": p.source, "prompt": p.text, "input_ids": ids + response,
-                            "loss_start": len(ids)})
-    return records, errors
+def outcome_rows(prompt: Prompt, ids: list[int], response: list[int] | None, error: str | None,
+                 eos_ids: list[int]) -> tuple[list[dict], list[dict]]:
+    """([record], []) or ([], [error]) for one finished row. An empty response is a final error (the target stopped
+    at once, and will again); a failure (out of memory) is retryable."""
+    if error is not None:
+        return [], [{"id": prompt.id, "error": error, "retryable": True}]
+    if not [t for t in response if t not in eos_ids]:
+        return [], [{"id": prompt.id, "error": "empty response: the target stopped at once", "retryable": False}]
+    return [{"id": prompt.id, "source": prompt.source, "category": prompt.category, "prompt": prompt.text,
+             "input_ids": ids + response, "loss_start": len(ids)}], []
 
 
 def write_manifest(out: OutputDir, settings: DataSettings, prompts: list[Prompt], skipped: list[dict],
                    tokens_per_s: float | None) -> dict:
     ids = {p.id for p in prompts}
-    counts = {"inputs": len(prompts), "ok": len(out.ok_ids & ids), "error": len(out.error_ids & ids),
-              "skipped": len(skipped)}
-    counts["pending"] = counts["inputs"] - counts["ok"] - counts["error"] - counts["skipped"]
+    counts = {"inputs": len(prompts), "ok": len(set(out.ok) & ids), "error": len(out.final_error_ids & ids),
+              "retry": len(out.retry_ids & ids), "skipped": len(skipped)}
+    counts["pending"] = counts["inputs"] - counts["ok"] - counts["error"] - counts["retry"] - counts["skipped"]
     manifest = {
         "settings": asdict(settings),
         "counts": counts,
-        "complete": counts["pending"] == 0,
+        "complete": counts["pending"] == 0 and counts["retry"] == 0,
         "inputs_by_source": dict(Counter(p.source for p in prompts)),
+        "inputs_by_category": dict(Counter(p.category for p in prompts)),
+        "mix": out.mix(ids),
         "skipped_by_reason": dict(Counter(s["reason"] for s in skipped)),
         "response_tokens": out.response_tokens,
         "last_run_tokens_per_s": tokens_per_s,
@@ -476,30 +379,73 @@ def write_manifest(out: OutputDir, settings: DataSettings, prompts: list[Prompt]
     return manifest
 
 
-def regenerate_all(target, todo: Encoded, args, out: OutputDir, on_batch) -> float | None:
-    """Regenerate `todo` batch by batch, saving each batch before the next starts; returns response tokens/s."""
+def regenerate_all(target, todo: Encoded, args, out: OutputDir, on_flush) -> float | None:
+    """Regenerate `todo`, appending finished rows in groups of --batch-size; returns response tokens/s."""
     from tqdm import tqdm
 
-    generator = torch.Generator(device=target.device).manual_seed(args.seed) if args.temperature > 0 else None
+    eos_ids = target.eos_token_ids
+    records, errors = [], []
     new_tokens, start, tokens_per_s = 0, time.perf_counter(), None
+
+    def flush() -> None:  # the lists are emptied first: a write interrupted midway is never repeated
+        done, failed = records[:], errors[:]
+        records.clear()
+        errors.clear()
+        out.add_records(done)
+        out.add_errors(failed)
+        on_flush(tokens_per_s)
+
+    rows = regenerate(target, [ids for _, ids in todo], args.max_new_tokens, args.temperature, args.seed,
+                      args.batch_size, keys=[p.id for p, _ in todo])
     with tqdm(total=len(todo), unit="prompt", dynamic_ncols=True, file=sys.stderr) as bar:
-        for i in range(0, len(todo), args.batch_size):
-            batch = todo[i: i + args.batch_size]
-            records, errors = regenerate_rows(target, batch, args, generator)
-            out.add_records(records)
-            out.add_errors(errors)
-            new_tokens += sum(len(r["input_ids"]) - r["loss_start"] for r in records)
-            tokens_per_s = new_tokens / (time.perf_counter() - start)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{tokens_per_s:.1f}", errors=len(out.error_ids))
-            on_batch(tokens_per_s)
+        try:
+            for index, response, error in rows:
+                prompt, ids = todo[index]
+                done, failed = outcome_rows(prompt, ids, response, error, eos_ids)
+                records += done
+                errors += failed
+                new_tokens += sum(len(r["input_ids"]) - r["loss_start"] for r in done)
+                tokens_per_s = new_tokens / (time.perf_counter() - start)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{tokens_per_s:.1f}", errors=len(out.errors) + len(errors))
+                if len(records) + len(errors) >= args.batch_size:
+                    flush()
+        finally:  # interrupted too: what finished is kept
+            flush()
     return tokens_per_s
 
 
+def pack_folder(args) -> int:
+    """`dflash data --out DIR --pack CORPUS`: the records of a regeneration folder as a packed corpus."""
+    from .corpus import pack, read_records
+
+    source = Path(args.out)
+    manifest_path = source / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"{source} is not a `dflash data` folder (no manifest.json)")
+    manifest = json.loads(manifest_path.read_text())
+    records = sorted(read_records(source), key=lambda r: r["id"])  # a stable order, whatever order they finished in
+    for r in records:
+        r.pop("prompt", None)
+    target_vocab = max((max(r["input_ids"]) for r in records), default=0) + 1
+    info = {"settings": manifest.get("settings"), "mix": manifest.get("mix"), "counts": manifest.get("counts")}
+    written = pack(records, Path(args.pack), info, target_vocab)
+    size = sum((Path(args.pack) / s["file"]).stat().st_size for s in written["shards"])
+    print(f"[dflash] packed {written['records']} records ({written['response_tokens']} response tokens) into "
+          f"{args.pack}: {size / 1e6:.1f} MB", file=sys.stderr)
+    return 0
+
+
 def run(args) -> int:
+    import signal
+
     from .loading import load_target_cached
 
     validate(args)
+    # `kill` (SIGTERM) stops a background run like Ctrl-C: the rows finished so far are flushed first
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.pack:
+        return pack_folder(args)
     inputs = args.input or ([] if args.sharegpt else list(DEFAULT_INPUTS))
     settings = DataSettings(args.target, args.dtype, inputs, args.sharegpt, args.seed, args.max_new_tokens,
                             args.max_prompt_tokens, args.temperature)
@@ -515,9 +461,14 @@ def run(args) -> int:
     save(None)
     print(f"[dflash] {len(prompts)} prompts: {len(mix) - len(todo) - len(too_long)} already done, "
           f"{len(skipped)} skipped, {len(todo)} to regenerate -> {out.path}", file=sys.stderr)
-    tokens_per_s = regenerate_all(target, todo, args, out, on_batch=save)
-    c = save(tokens_per_s)["counts"]
+    try:
+        tokens_per_s = regenerate_all(target, todo, args, out, on_flush=save)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    manifest = save(tokens_per_s)
+    c = manifest["counts"]
     rate = f", {tokens_per_s:.1f} response tok/s" if tokens_per_s else ""
-    print(f"[dflash] ok {c['ok']}, error {c['error']}, skipped {c['skipped']} of {c['inputs']} inputs{rate}",
+    print(f"[dflash] ok {c['ok']}, error {c['error']}, retry {c['retry']}, skipped {c['skipped']} of {c['inputs']} "
+          f"inputs{rate}; mix: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in manifest["mix"].items()),
           file=sys.stderr)
     return 0

@@ -1,22 +1,31 @@
-"""The one speculative decoding loop shared by every proposer (ar, ngram, dflash, eagle3).
+"""The one speculative decoding loop shared by every proposer (ar, ngram, dflash, eagle3), for one sequence or many.
 
 prefill -> [propose -> verify the block in one target pass -> accept -> roll back the cache -> feed features back]*
 
-Round bookkeeping: the sequence always ends with the pending *bonus* token (emitted, not yet in the target's cache).
+Round bookkeeping: a sequence always ends with the pending *bonus* token (emitted, not yet in the target's cache).
 A round verifies [bonus, d_1..d_k]; the target picks t_0..t_k; `a` drafts are accepted; d_1..d_a and t_a are emitted
 (a + 1 tokens: the round's tau), the cache keeps bonus and d_1..d_a, and t_a becomes the next bonus.
+
+Batching (`Engine`): the sequences of a batch occupy the first rows of one KV cache, each at its own length. A round
+verifies every row in ONE target pass, each row's block padded to the widest (padding is rolled back with the
+rejected drafts), and each row accepts on its own. New sequences join at round boundaries (prefilled alone into a
+free row); a finished one leaves and the last row moves into its place, so the batch stays packed.
+`SpeculativeDecoder` is the same loop with one row.
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
+from .control import CostModel, DraftController
 from .errors import UserError
-from .methods.base import Proposer
+from .methods.base import Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
 
 
@@ -40,7 +49,8 @@ class GenerationStats:
     new_tokens: int = 0
     block_size: int = 1
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus included)
-    draft_lengths: list[int] = field(default_factory=list)  # tokens proposed per round (ngram may propose fewer)
+    draft_lengths: list[int] = field(default_factory=list)  # drafts verified per round (the controller's choice)
+    skipped_drafting: int = 0  # rounds the controller ran without drafting (drafting did not pay)
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -67,6 +77,14 @@ class GenerationStats:
         return hist
 
     @property
+    def draft_length_histogram(self) -> list[int]:
+        """Counts of rounds by drafts verified: index k counts rounds that verified k drafts."""
+        hist = [0] * self.block_size
+        for k in self.draft_lengths:
+            hist[min(k, self.block_size - 1)] += 1
+        return hist
+
+    @property
     def tpot_ms(self) -> float:
         """Time per output token after the first."""
         return 1000 * (self.total_s - self.ttft_s) / max(1, self.new_tokens - 1)
@@ -77,7 +95,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("num_rounds", "tau", "per_position_acceptance", "tau_histogram", "tpot_ms", "tokens_per_s"):
+        for name in ("num_rounds", "tau", "per_position_acceptance", "tau_histogram", "draft_length_histogram",
+                     "tpot_ms", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
 
@@ -90,60 +109,77 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class SpeculativeDecoder:
-    """Runs `proposer` against `target`; lossless for every proposer (the target decides every token)."""
+@dataclass(eq=False)
+class Sequence:
+    """One request in flight: its prompt, settings, proposer state, output so far and statistics."""
 
-    def __init__(self, target, proposer: Proposer | None = None):
+    prompt_ids: list[int]
+    config: GenerationConfig
+    on_tokens: Callable[[list[int]], bool | None] | None
+    proposer: Proposer
+    controller: DraftController
+    max_new: int
+    stop_ids: set[int]
+    stats: GenerationStats
+    started: float = 0.0
+    sequence: list[int] = field(default_factory=list)  # prompt + emitted tokens (the last one: the pending bonus)
+    output: list[int] = field(default_factory=list)
+    finish: str | None = None
+    result: GenerationResult | None = None
+
+
+class Engine:
+    """Continuous batching over up to `max_batch` sequences; `step()` admits waiting sequences into free rows and
+    runs one round for all of them. Not thread-safe: one thread drives it (the server's worker).
+
+    `adaptive` (the default) lets each sequence's DraftController choose how many drafts to verify, and whether to
+    draft at all, from this machine's measured costs (control.py); `adaptive=False` verifies every draft of every
+    round (the paper's setting). `timer` is injectable for deterministic tests."""
+
+    def __init__(self, target, proposer: Proposer | None = None, max_batch: int = 1, adaptive: bool = True,
+                 timer: Callable[[], float] = time.perf_counter):
+        if max_batch < 1:
+            raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.target = target
-        self.proposer = proposer or Proposer()
+        self.proposer = proposer or Proposer()  # a template: each sequence drafts with its own copy
+        self.max_batch = max_batch
+        self.adaptive, self.timer = adaptive, timer
+        self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # row i of the cache holds running[i]
+        self.cache = None
+        self.batched = max_batch > 1 or target.backend != "transformers"
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        config: GenerationConfig | None = None,
-        on_tokens: Callable[[list[int]], bool | None] | None = None,
-    ) -> GenerationResult:
-        """Generate after `prompt_ids`. `on_tokens(new_ids)` is called as tokens are committed; returning False
-        cancels the generation (a streaming client went away)."""
+    # ---- requests ------------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], config: GenerationConfig | None = None,
+               on_tokens: Callable[[list[int]], bool | None] | None = None) -> Sequence:
+        """Queue a generation; `on_tokens(new_ids)` is called as tokens are committed, and returning False cancels
+        it (a streaming client went away). Bad settings raise UserError here, before anything is queued."""
         config = config or GenerationConfig()
         config.validate()
         if not prompt_ids:
             raise UserError("the prompt is empty")
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
-        generator = None
-        if config.sampling.seed is not None:
-            generator = torch.Generator(device=self.target.device).manual_seed(config.sampling.seed)
-
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
-        t0 = time.perf_counter()
-        cache = self.target.new_cache(capacity=len(prompt_ids) + max_new + self.proposer.max_draft + 1)
-        device = self.target.device
-        out = self.target.forward(torch.tensor([prompt_ids], device=device), cache, self.proposer.feature_layers,
-                                  logits_at="last")
-        first = pick_tokens(out.logits[0, -1:], config.sampling, generator).tolist()
-        self.proposer.start(list(prompt_ids), out.features)
-        stats.ttft_s = time.perf_counter() - t0
+        controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
+                                     timer=self.timer)
+        seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
+                       stats, started=time.perf_counter())
+        self.waiting.append(seq)
+        return seq
 
-        sequence = list(prompt_ids) + first
-        output: list[int] = []
-        finish = None
-        new_tokens = first
-        while True:
-            new_tokens, finish = self._check_stops(output, new_tokens, stop_ids, max_new, config.stop_strings)
-            output += new_tokens
-            if on_tokens is not None and new_tokens and on_tokens(new_tokens) is False:
-                finish = finish or "cancelled"
-            if finish:
-                break
-            new_tokens = self._round(sequence, cache, config.sampling, generator, stats)
-            sequence += new_tokens
-        stats.total_s = time.perf_counter() - t0
-        stats.new_tokens = len(output)
-        ends_with_stop_id = finish == "stop" and output[-1] in stop_ids
-        text = self.target.decode(output[:-1] if ends_with_stop_id else output)
-        text = _cut_at_stop_string(text, config.stop_strings)
-        return GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats)
+    def _fresh_proposer(self) -> Proposer:
+        # one sequence at a time may use the template itself; a batch needs one drafting state per row
+        return self.proposer if self.max_batch == 1 else copy.copy(self.proposer)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence at the next round boundary (or drop it if it has not started)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self._finish(seq, "cancelled")
+        elif seq.finish is None:
+            seq.finish = "cancelled"
 
     def budget(self, prompt_ids: list[int]) -> int:
         """How many tokens may follow `prompt_ids` (a verify block must still fit the context); UserError if none."""
@@ -156,22 +192,145 @@ class SpeculativeDecoder:
             )
         return budget
 
-    def _round(self, sequence, cache, sampling, generator, stats) -> list[int]:
-        """One propose/verify/accept round; returns the emitted tokens (accepted drafts + the new bonus)."""
-        drafts = self.proposer.propose(sequence).tokens[: self.proposer.max_draft]
-        block = [sequence[-1]] + drafts
-        start = len(sequence) - 1
-        out = self.target.forward(
-            torch.tensor([block], device=self.target.device), cache, self.proposer.feature_layers
-        )
-        chosen = pick_tokens(out.logits[0], sampling, generator).tolist()
-        accepted = accept_length(drafts, chosen)
-        cache.truncate(start + accepted + 1)
-        features = out.features[:, : accepted + 1] if out.features is not None else None
-        self.proposer.commit(block[: accepted + 1], features)
-        stats.accept_lengths.append(accepted + 1)
-        stats.draft_lengths.append(len(drafts))
-        return drafts[:accepted] + [chosen[accepted]]
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Admit waiting sequences into free rows, then run one round for every running one. Returns the sequences
+        that finished during this step (their `.result` is set)."""
+        while self.waiting and len(self.running) < self.max_batch:
+            self._prefill(self.waiting.popleft())
+        finished = self._retire()  # done at their first token, or cancelled
+        if self.running:
+            self._round()
+        return finished + self._retire()
+
+    def _retire(self) -> list[Sequence]:
+        done = [seq for seq in self.running if seq.finish is not None]
+        for seq in done:
+            self._leave(seq)
+            self._finish(seq, seq.finish)
+        return done
+
+    def _prefill(self, seq: Sequence) -> None:
+        """The prompt into the next free row; samples the first token (TTFT)."""
+        row = len(self.running)
+        cache = self._row_cache(row, len(seq.prompt_ids) + 1)
+        out = self.target.forward(torch.tensor([seq.prompt_ids], device=self.target.device), cache,
+                                  seq.proposer.feature_layers, logits_at="last")
+        self._release_row_cache(cache, row)
+        first = pick_tokens(out.logits[0, -1:], seq.config.sampling, len(seq.prompt_ids)).tolist()
+        seq.proposer.start(list(seq.prompt_ids), out.features)
+        seq.stats.ttft_s = time.perf_counter() - seq.started
+        seq.sequence = list(seq.prompt_ids) + first
+        self.running.append(seq)
+        self._emit(seq, first)
+
+    def _row_cache(self, row: int, room: int):
+        """A cache for prefilling `row`: a view of the batch cache, or (transformers fallback) a fresh one."""
+        if not self.batched:
+            self.cache = self.target.new_cache(capacity=room)
+            return self.cache
+        if self.cache is None:
+            self.cache = self.target.new_cache(batch=self.max_batch, capacity=max(256, room))
+        self.cache.reserve(room)
+        self.cache.lengths[row] = 0
+        return self.cache.view(row, row + 1)
+
+    def _release_row_cache(self, cache, row: int) -> None:
+        if self.batched:
+            self.cache.take_lengths(cache, row)
+
+    def _draft(self, seq: Sequence) -> tuple[Draft, int, bool, float]:
+        """(draft, drafts to verify, whether the drafter ran, seconds it took) for one sequence."""
+        started = self.timer()
+        if not seq.controller.should_draft():
+            seq.proposer.skip()
+            seq.stats.skipped_drafting += 1
+            return Draft([]), 0, False, self.timer() - started
+        draft = seq.proposer.propose(seq.sequence, keep_going=seq.controller.keep_going)
+        seconds = self.timer() - started
+        available = min(len(draft.tokens), seq.proposer.max_draft)
+        return draft, seq.controller.choose(draft.confidence, available), True, seconds
+
+    def _round(self) -> None:
+        """One propose / verify / accept round over every running sequence, in one target pass."""
+        rows = self.running
+        for seq in rows:
+            seq.controller.rows = len(rows)
+        planned = [self._draft(seq) for seq in rows]
+        drafts = [draft.tokens[:k] for draft, k, _, _ in planned]
+        blocks = [[seq.sequence[-1]] + d for seq, d in zip(rows, drafts)]
+        width = max(len(b) for b in blocks)
+        padded = [b + [b[-1]] * (width - len(b)) for b in blocks]  # padding is verified and rolled back
+        starts = [len(seq.sequence) - 1 for seq in rows]
+        layers = rows[0].proposer.feature_layers
+        cache = self.cache
+        if self.batched:
+            self.cache.reserve(max(starts) + width)
+            cache = self.cache.view(0, len(rows))
+        started = self.timer()
+        out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers)
+        chosen = self._choose(out.logits, rows, [len(b) for b in blocks])  # the host sync: the pass has run
+        verify_seconds = self.timer() - started
+        lengths = []
+        for i, seq in enumerate(rows):
+            accepted = accept_length(drafts[i], chosen[i])
+            lengths.append(starts[i] + accepted + 1)
+            features = out.features[i: i + 1, : accepted + 1] if out.features is not None else None
+            seq.proposer.commit(blocks[i][: accepted + 1], features)
+            draft, k, drafted, draft_seconds = planned[i]
+            seq.controller.record(drafted, draft.confidence, k, accepted, draft_seconds, verify_seconds,
+                                  width=len(rows) * width)
+            seq.stats.accept_lengths.append(accepted + 1)
+            seq.stats.draft_lengths.append(len(drafts[i]))
+            new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]
+            seq.sequence += new_tokens
+            self._emit(seq, new_tokens)
+        cache.set_lengths(lengths)
+        if self.batched:
+            self.cache.take_lengths(cache, 0)
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, rows: list[Sequence], widths: list[int]) -> list[list[int]]:
+        """The target's token at every verified position of every row, with one host sync when all are greedy."""
+        if all(seq.config.sampling.greedy for seq in rows):
+            picked = logits.argmax(-1).tolist()
+            return [p[:w] for p, w in zip(picked, widths)]
+        return [pick_tokens(logits[i, :w], seq.config.sampling, len(seq.sequence)).tolist()
+                for i, (seq, w) in enumerate(zip(rows, widths))]
+
+    def _emit(self, seq: Sequence, new_tokens: list[int]) -> None:
+        """Commit emitted tokens to the output, cut at stops; tell the listener."""
+        new_tokens, finish = self._check_stops(seq.output, new_tokens, seq.stop_ids, seq.max_new,
+                                               seq.config.stop_strings)
+        seq.output += new_tokens
+        if seq.on_tokens is not None and new_tokens and seq.on_tokens(new_tokens) is False:
+            finish = finish or "cancelled"
+        if finish and seq.finish is None:
+            seq.finish = finish
+
+    def _leave(self, seq: Sequence) -> None:
+        """Free the sequence's row: the last row moves into it, so rows stay packed."""
+        row, last = self.running.index(seq), len(self.running) - 1
+        if self.batched and row != last:
+            self.cache.move_row(last, row)
+        self.running[row] = self.running[last]
+        self.running.pop()
+
+    def _finish(self, seq: Sequence, finish: str) -> Sequence:
+        seq.finish = finish
+        stats = seq.stats
+        stats.total_s = time.perf_counter() - seq.started
+        stats.new_tokens = len(seq.output)
+        output = seq.output
+        ends_with_stop_id = finish == "stop" and output and output[-1] in seq.stop_ids
+        text = self.target.decode(output[:-1] if ends_with_stop_id else output)
+        text = _cut_at_stop_string(text, seq.config.stop_strings)
+        seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats)
+        return seq
 
     def _check_stops(self, output, new_tokens, stop_ids, max_new, stop_strings):
         """Cut `new_tokens` at the first stop id, the length limit or a completed stop string."""
@@ -186,6 +345,39 @@ class SpeculativeDecoder:
                 if _has_stop_string(text, stop_strings):
                     return new_tokens[: i + 1], "stop"
         return new_tokens, None
+
+    def run(self) -> list[Sequence]:
+        """Step until every submitted sequence has finished; returns them in the order they finished."""
+        done = []
+        while self.busy:
+            done += self.step()
+        return done
+
+
+class SpeculativeDecoder:
+    """One sequence at a time through the engine's loop; lossless for every proposer (the target decides every
+    token)."""
+
+    def __init__(self, target, proposer: Proposer | None = None, adaptive: bool = True,
+                 timer: Callable[[], float] = time.perf_counter):
+        self.target = target
+        self.proposer = proposer or Proposer()
+        self.engine = Engine(target, self.proposer, max_batch=1, adaptive=adaptive, timer=timer)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
+    ) -> GenerationResult:
+        """Generate after `prompt_ids`. `on_tokens(new_ids)` is called as tokens are committed; returning False
+        cancels the generation (a streaming client went away)."""
+        seq = self.engine.submit(prompt_ids, config, on_tokens)
+        self.engine.run()
+        return seq.result
+
+    def budget(self, prompt_ids: list[int]) -> int:
+        return self.engine.budget(prompt_ids)
 
 
 def _has_stop_string(text: str, stop_strings) -> bool:

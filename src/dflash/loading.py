@@ -27,6 +27,7 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         target = tiny_target(arch, logit_scale=4.0)
+        target.measure = False
         target.model.to(DTYPES[dtype])
         choose_kernels(target, "packed" if kernels == "auto" else kernels)
         return target

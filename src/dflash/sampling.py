@@ -5,6 +5,11 @@ a sample from its processed distribution at T>0); draft token k is accepted iff 
 position before it, up to the first mismatch. With deterministic (one-hot) drafts this is exactly speculative
 rejection sampling, so the output has the target's distribution. Top-k / top-p are applied to the target's
 distribution the same way in every method.
+
+Seeded sampling draws the token at sequence position p by inverting the target's distribution at a uniform number
+that depends only on (seed, p). So a seeded generation is the same whatever drafts were proposed and however many
+were verified: speculative decoding with any method, adaptive or not, batched or not, gives exactly the tokens plain
+sampling gives with that seed.
 """
 
 from __future__ import annotations
@@ -52,12 +57,32 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def pick_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """The target's choice at each position of `logits` [seq, vocab] -> [seq]."""
+def pick_tokens(logits: torch.Tensor, cfg: SamplingConfig, first_position: int = 0) -> torch.Tensor:
+    """The target's choice at each position of `logits` [seq, vocab] -> [seq]; row i picks the token at sequence
+    position first_position + i (which fixes its random number when the sampling is seeded)."""
     if cfg.greedy:
         return logits.argmax(-1)
     probs = target_probs(logits, cfg)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if cfg.seed is None:
+        uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+    else:
+        uniform = torch.tensor([position_uniform(cfg.seed, first_position + i) for i in range(probs.shape[0])],
+                               dtype=torch.float64, device=probs.device)
+    cdf = probs.double().cumsum(-1)
+    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(-1)
+    return picked.clamp(max=probs.shape[-1] - 1)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform number in (0, 1) fixed by (seed, position): SplitMix64 of the pair, 53 bits."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) / (1 << 53)
 
 
 def accept_length(draft_tokens: list[int], target_tokens: list[int]) -> int:

@@ -176,37 +176,22 @@ class Example:
     loss_start: int  # index of the first response token
 
 
-def data_files(path: str | Path) -> list[Path]:
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise UserError(f"training data not found: {path}")
-    files = sorted(path.glob("shard-*.jsonl")) or sorted(path.glob("*.jsonl"))
-    if not files:
-        raise UserError(f"no shard-*.jsonl files in {path}")
-    return files
-
-
 def load_examples(path: str | Path) -> list[Example]:
-    """Records {"id", "input_ids", "loss_start", ...} from a JSONL file or a folder of shard-*.jsonl files."""
-    examples = []
-    for file in data_files(path):
-        with open(file, encoding="utf-8") as handle:
-            for line_no, line in enumerate(handle, 1):
-                if line.strip():
-                    examples.append(_parse_record(line, f"{file}:{line_no}"))
+    """Training records from a packed corpus, a `dflash data` folder or one JSONL file (see corpus.py)."""
+    from .corpus import read_records
+
+    examples = [example_of(record) for record in read_records(path)]
     if not examples:
         raise UserError(f"no training records in {path}")
     return examples
 
 
-def _parse_record(line: str, where: str) -> Example:
+def example_of(record: dict) -> Example:
+    where = record.get("_where", "a record")
     try:
-        record = json.loads(line)
         ids, start = record["input_ids"], record["loss_start"]
         example = Example(str(record.get("id", where)), torch.tensor(ids, dtype=torch.int32), int(start))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise UserError(f"{where}: not a training record ({exc.__class__.__name__}: {exc})") from exc
     if example.input_ids.dim() != 1 or not 0 <= example.loss_start <= len(example.input_ids):
         raise UserError(f"{where}: loss_start {example.loss_start} outside a sequence of {len(example.input_ids)}")

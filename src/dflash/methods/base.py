@@ -33,12 +33,15 @@ class Proposer:
     name = "ar"
     feature_layers: tuple[int, ...] = ()
     max_draft = 0
+    report: dict = {}  # how it was set up (e.g. the measured draft dtype), for --json and bench
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         """Called once after the target's prefill with the prompt's target features."""
 
-    def propose(self, sequence: list[int], limit: int | None = None) -> Draft:
-        """Up to min(limit, max_draft) drafts to follow `sequence`."""
+    def propose(self, sequence: list[int], limit: int | None = None,
+                keep_going: Callable[[list[float]], bool] | None = None) -> Draft:
+        """Up to min(limit, max_draft) drafts to follow `sequence`. A drafter that drafts one token at a time
+        (EAGLE-3) asks `keep_going(confidences so far)` before each further draft."""
         return Draft([])
 
     def skip(self) -> None:
@@ -54,8 +57,7 @@ class MethodOptions:
 
     drafter: str | None = None  # a drafter folder; None: the one shipped for the target, else an untrained one
     block_size: int | None = None  # tokens verified per round at most: the bonus + block_size - 1 drafts
-    draft_dtype: str | None = None  # the drafter's dtype; None: the target's
-    min_confidence: float | None = None  # dflash: trim blocks where the drafter's belief drops below this
+    draft_dtype: str | None = None  # the drafter's dtype; None: the target's; "auto": the faster one, measured
 
 
 class TrainingRecipe(Protocol):
@@ -100,5 +102,23 @@ def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
     if name is None:
         return default
     if name not in DTYPES:
-        raise UserError(f"unknown draft dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise UserError(f"unknown draft dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def measured_draft_dtype(target, key: str, seconds_in: Callable[[torch.dtype], float]) -> tuple[torch.dtype, dict]:
+    """The faster of the target's dtype and bfloat16 for a drafter on this machine: `seconds_in(dtype)` times a
+    drafting pass in each (best of a few), once per machine (cached with the kernel plans). bf16 drafting halves the
+    bytes but is slow on CPUs without bf16 instructions: measured, never assumed. Drafts never change the output."""
+    from ..models.kernels import cached_measurement
+
+    candidates = [target.dtype] + ([torch.bfloat16] if target.dtype != torch.bfloat16 else [])
+    if target.device.type != "cpu" or len(candidates) == 1 or not target.measure:
+        return target.dtype, {"draft_dtype": str(target.dtype).removeprefix("torch."), "measured": False}
+
+    def measure() -> dict:
+        return {str(d).removeprefix("torch."): round(1000 * seconds_in(d), 3) for d in candidates}
+
+    timings, measured = cached_measurement(f"{key}:draft-dtype", measure)
+    name = min(timings, key=timings.get)
+    return getattr(torch, name), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}

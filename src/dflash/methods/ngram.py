@@ -16,7 +16,7 @@ class NgramProposer(Proposer):
     def __init__(self, max_draft: int = DEFAULT_BLOCK_SIZE - 1, max_ngram: int = 3, min_ngram: int = 1):
         self.max_draft, self.max_ngram, self.min_ngram = max_draft, max_ngram, min_ngram
 
-    def propose(self, sequence: list[int], limit: int | None = None) -> Draft:
+    def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
         count = self.max_draft if limit is None else min(limit, self.max_draft)
         if count <= 0:
             return Draft([])

@@ -100,18 +100,23 @@ class KVCache:
         self.lengths = list(lengths)
 
     # ---- rows ------------------------------------------------------------------------------------------------------
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only `rows`, in this order (finished sequences leave a batch)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
-        self.keys = self.keys.index_select(1, index)
-        self.values = self.values.index_select(1, index)
-        self.lengths = [self.lengths[r] for r in rows]
+    def view(self, start: int, stop: int) -> "KVCache":
+        """Rows start..stop-1 as a cache sharing this one's storage (writes land here). A view cannot grow: reserve
+        room on this cache first. Its lengths are its own list; copy them back with `take_lengths`."""
+        view = KVCache.__new__(KVCache)
+        view.shape = self.shape
+        view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
+        view.lengths = self.lengths[start:stop]
+        view.max_capacity = self.capacity
+        return view
 
-    def append_rows(self, other: "KVCache") -> None:
-        """Add the rows of `other` (a new sequence's prefilled cache) after this cache's rows."""
-        end = max(self.capacity, other.capacity)
-        self.reserve(end)
-        other.reserve(end)
-        self.keys = torch.cat([self.keys, other.keys], dim=1)
-        self.values = torch.cat([self.values, other.values], dim=1)
-        self.lengths = self.lengths + other.lengths
+    def take_lengths(self, view: "KVCache", start: int) -> None:
+        """Adopt the lengths a view of rows start.. ended with."""
+        self.lengths[start: start + view.batch] = view.lengths
+
+    def move_row(self, source: int, dest: int) -> None:
+        """Copy row `source` (up to its length) into row `dest`: a batch stays packed when a sequence leaves."""
+        length = self.lengths[source]
+        self.keys[:, dest, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, dest, :, :length] = self.values[:, source, :, :length]
+        self.lengths[dest] = length

@@ -237,22 +237,32 @@ def plan_cache_file() -> Path:
     return cache_dir() / "kernel_plans.json"
 
 
-def kernel_plan_for(model_key: str, linears: list[FrozenLinear], fingerprint: str | None = None,
-                    cache_file: Path | None = None, timer: Timer = time.perf_counter) -> tuple[KernelPlan, bool]:
-    """(plan, measured_now): the cached plan of `model_key` on this machine, else a fresh measurement (then cached).
-    A plan measured on another CPU, torch build or thread count is never reused."""
+def cached_measurement(key: str, measure: Callable[[], dict], fingerprint: str | None = None,
+                       cache_file: Path | None = None) -> tuple[dict, bool]:
+    """(result, measured_now): what `measure()` returned for `key` on this machine, from the per-machine cache, or
+    measured now (and cached). A result measured on another CPU, torch build or thread count is never reused."""
     fingerprint = fingerprint or machine_fingerprint()
     cache_file = cache_file or plan_cache_file()
-    key = f"{fingerprint}/{model_key}"
+    full_key = f"{fingerprint}/{key}"
     stored = _read_json(cache_file)
-    if key in stored:
-        entry = stored[key]
-        return KernelPlan(entry["choices"], entry["default"], entry.get("timings_ms", {})), False
-    plan = measure_plan(linears, timer=timer)
+    if full_key in stored:
+        return stored[full_key], False
+    result = measure()
     stored = _read_json(cache_file)  # re-read: another process may have written meanwhile
-    stored[key] = {"choices": plan.choices, "default": plan.default, "timings_ms": plan.timings_ms}
+    stored[full_key] = result
     _write_json(cache_file, stored)
-    return plan, True
+    return result, True
+
+
+def kernel_plan_for(model_key: str, linears: list[FrozenLinear], fingerprint: str | None = None,
+                    cache_file: Path | None = None, timer: Timer = time.perf_counter) -> tuple[KernelPlan, bool]:
+    """(plan, measured_now): the cached plan of `model_key` on this machine, else a fresh measurement (cached)."""
+    def measure() -> dict:
+        plan = measure_plan(linears, timer=timer)
+        return {"choices": plan.choices, "default": plan.default, "timings_ms": plan.timings_ms}
+
+    entry, measured = cached_measurement(model_key, measure, fingerprint, cache_file)
+    return KernelPlan(entry["choices"], entry["default"], entry.get("timings_ms", {})), measured
 
 
 def _read_json(path: Path) -> dict:

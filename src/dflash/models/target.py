@@ -38,6 +38,7 @@ class TargetModel:
     kernel_plan: KernelPlan = field(default_factory=lambda: PACKED)
     kernel_report: dict = field(default_factory=dict)  # how the kernels were chosen (for --json and bench)
     prefer_transformers: bool = False  # run through transformers even where our forward exists
+    measure: bool = True  # choose kernels and draft dtypes by timing them (off for the tiny test targets)
     _engine: object = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -8,21 +8,18 @@ import torch
 
 from ...errors import UserError
 from ...models.kernels import FrozenLinear
-from ..base import Draft, MethodOptions, Proposer, shipped_drafter, torch_dtype
+from ..base import Draft, MethodOptions, Proposer, measured_draft_dtype, shipped_drafter, torch_dtype
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 
 
 class DFlashProposer(Proposer):
     name = "dflash"
 
-    def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None, min_confidence: float = 0.0):
+    def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None):
         trained = drafter.config.block_size
         self.block_size = block_size or trained
         if not 2 <= self.block_size <= trained:
             raise UserError(f"block size must be in [2, {trained}] for this drafter (trained with {trained})")
-        if not 0.0 <= min_confidence <= 1.0:
-            raise UserError(f"min confidence must be in [0, 1], got {min_confidence}")
-        self.min_confidence = min_confidence
         drafter.check_fits(target)
         self.drafter, self.target = drafter, target
         self.feature_layers = tuple(drafter.config.target_layer_ids)
@@ -43,7 +40,7 @@ class DFlashProposer(Proposer):
         self.pending.append(features)
 
     @torch.inference_mode()
-    def propose(self, sequence: list[int], limit: int | None = None) -> Draft:
+    def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
         start = len(sequence) - 1  # position of the bonus token
         device = self.drafter.fc.weight.device
         pending = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
@@ -64,19 +61,7 @@ class DFlashProposer(Proposer):
         logits = self.lm_head(hidden[0, 1:]).float()
         confidence, drafts = logits.softmax(-1).max(-1)  # softmax keeps the order: the same drafts as argmax
         keep = self.max_draft if limit is None else min(limit, self.max_draft)
-        if self.min_confidence > 0:
-            keep = min(keep, int((confidence.cumprod(0) >= self.min_confidence).sum()))
         return Draft(drafts[:keep].tolist(), confidence[:keep].tolist())
-
-
-def confident_drafts(logits: torch.Tensor, min_confidence: float) -> torch.Tensor:
-    """The argmax drafts of float32 `logits` [k, vocab], cut before the first draft j at which the drafter's own
-    belief that drafts 1..j are all right (the product of its top probabilities) falls below `min_confidence`.
-    A draft after a wrong one is never accepted, and on a CPU every verified token costs time."""
-    if min_confidence <= 0:
-        return logits.argmax(-1)
-    top_probability, drafts = logits.softmax(-1).max(-1)
-    return drafts[: int((top_probability.cumprod(0) >= min_confidence).sum())]
 
 
 def untrained_drafter(target, num_layers: int = 3, block_size: int = 16, seed: int = 0) -> DFlashDrafter:
@@ -105,16 +90,32 @@ def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = No
     return drafter.freeze(target.kernel_plan), note
 
 
-def default_min_confidence(device: torch.device) -> float:
-    """On CPU a float32 verify pass is compute-bound (about 0.8 ms more per verified token for SmolLM2 on 2 cores), so
-    drafts the drafter itself doubts cost more than they bring: on GSM8K, block 16 went from 1.00x to 1.25x of `ar`
-    with 0.05 (docs/RESULTS.md). On GPUs verifying 16 tokens costs about what 1 does, so whole blocks are kept."""
-    return 0.05 if device.type == "cpu" else 0.0
-
-
 def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
-    drafter, note = load_drafter(options.drafter, target, torch_dtype(options.draft_dtype, target.dtype))
-    min_confidence = options.min_confidence
-    if min_confidence is None:
-        min_confidence = default_min_confidence(target.device)
-    return DFlashProposer(drafter, target, options.block_size, min_confidence), note
+    report = {}
+    if options.draft_dtype == "auto":
+        key = f"{target.name}:dflash:{options.drafter or 'shipped'}:{options.block_size}"
+        dtype, report = measured_draft_dtype(target, key, lambda d: seconds_to_draft(target, options, d))
+    else:
+        dtype = torch_dtype(options.draft_dtype, target.dtype)
+    drafter, note = load_drafter(options.drafter, target, dtype)
+    proposer = DFlashProposer(drafter, target, options.block_size)
+    proposer.report = report
+    return proposer, note
+
+
+def seconds_to_draft(target, options: MethodOptions, dtype: torch.dtype, context: int = 64) -> float:
+    """Best of three drafting passes (block + LM head) after a 64-token context, with the drafter in `dtype`."""
+    import time
+
+    drafter, _ = load_drafter(options.drafter, target, dtype)
+    proposer = DFlashProposer(drafter, target, options.block_size)
+    width = len(proposer.feature_layers) * target.hidden_size
+    features = torch.randn(1, context, width, generator=torch.Generator().manual_seed(0)).to(target.dtype)
+    sequence = [5 + i % (target.vocab_size - 5) for i in range(context + 1)]
+    best = float("inf")
+    for _ in range(4):  # the first is a warm-up
+        proposer.start(sequence[:context], features)
+        start = time.perf_counter()
+        proposer.propose(sequence)
+        best = min(best, time.perf_counter() - start)
+    return best

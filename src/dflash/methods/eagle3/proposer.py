@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ...errors import UserError
-from ..base import Draft, MethodOptions, Proposer, shipped_drafter, torch_dtype
+from ..base import Draft, MethodOptions, Proposer, measured_draft_dtype, shipped_drafter, torch_dtype
 from .head import Eagle3Head
 
 
@@ -34,7 +34,7 @@ class Eagle3Proposer(Proposer):
         return self.target.embed_tokens(token_ids)
 
     @torch.inference_mode()
-    def propose(self, sequence: list[int], limit: int | None = None) -> Draft:
+    def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
         last = len(sequence) - 1  # position of the pending bonus token
         done = self.cache.lengths[0]
         pending = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending, dim=1)
@@ -51,19 +51,47 @@ class Eagle3Proposer(Proposer):
         for k in range(depth):
             logits = self.head.logits(hidden).float()  # float32: a bf16 argmax is several times slower on CPU
             confidence, index = logits.softmax(-1).max(-1)
-            token = self.head.draft_to_target(index)  # [1, 1], stays on the device
-            drafts.append(token)
-            confidences.append(confidence)
-            if k + 1 < depth:  # speculative pair at position last+k: written past the committed length
-                hidden = self.head.step(self._embed(token), hidden, last + k, self.cache)
-        if not drafts:
-            return Draft([], [])
-        return Draft(torch.cat(drafts, dim=1)[0].tolist(), torch.cat(confidences, dim=1)[0].tolist())
+            drafts.append(int(self.head.draft_to_target(index)))
+            confidences.append(float(confidence))
+            if k + 1 == depth or (keep_going is not None and not keep_going(confidences)):
+                break
+            # the next speculative pair, at position last+k: written past the committed length
+            token = torch.tensor([[drafts[-1]]], device=device)
+            hidden = self.head.step(self._embed(token), hidden, last + k, self.cache)
+        return Draft(drafts, confidences)
 
 
 def build(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
     """The head at `options.drafter`, else the shipped one for this target, else an UNTRAINED head (with a note);
-    `options.block_size` B drafts chains of B - 1."""
+    `options.block_size` B drafts chains of B - 1; draft dtype "auto": the faster one, measured."""
+    report = {}
+    if options.draft_dtype == "auto":
+        key = f"{target.name}:eagle3:{options.drafter or 'shipped'}:{options.block_size}"
+        dtype, report = measured_draft_dtype(target, key, lambda d: seconds_to_draft(target, options, d))
+        options = MethodOptions(options.drafter, options.block_size, str(dtype).removeprefix("torch."))
+    proposer, note = load(target, options)
+    proposer.report = report
+    return proposer, note
+
+
+def seconds_to_draft(target, options: MethodOptions, dtype: torch.dtype, context: int = 64) -> float:
+    """Best of three whole chains after a 64-token context, with the head in `dtype`."""
+    import time
+
+    proposer, _ = load(target, MethodOptions(options.drafter, options.block_size, str(dtype).removeprefix("torch.")))
+    features = torch.randn(1, context, 3 * target.hidden_size, generator=torch.Generator().manual_seed(0))
+    features = features.to(target.dtype)
+    sequence = [5 + i % (target.vocab_size - 5) for i in range(context + 1)]
+    best = float("inf")
+    for _ in range(4):  # the first is a warm-up
+        proposer.start(sequence[:context], features)
+        start = time.perf_counter()
+        proposer.propose(sequence)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def load(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
     path, note = options.drafter, None
     if path is None:
         path = shipped_drafter(target.name, "eagle3")

@@ -1,0 +1,201 @@
+"""How many drafts to verify each round: the choice that maximises tokens per second on THIS machine.
+
+Per round, with R the sequence's recent throughput (tokens/s) and T(w) the measured time of a target pass of w
+tokens per row, verifying k drafts is worth
+
+    E_k - R * (T(k + 1) - T(1)),    E_k = sum_{j<=k} P(drafts 1..j all accepted)
+
+tokens over a plain decode step: its expected accepted drafts minus what the extra verify time would have produced
+at the current rate (the reward-rate rule: a choice pays when it beats the rate it runs at). P comes from the
+drafter's own confidence in each draft, calibrated online against what the target accepted (`Calibration`); T from
+timing the passes (`CostModel`). k = 0 is a plain decode step. Drafting itself costs time too: when the value the
+chosen drafts were expected to bring in recent rounds (an average, so one unlucky round does not decide) no longer
+covers R * (drafting time), the drafter is skipped, and tried again after a growing number of rounds in case the
+text turned predictable. Lossless whatever it chooses: the target decides
+every token.
+
+Every time comes from an injectable `timer`, so tests are deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+CONFIDENCE_BINS = 10
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the drafter's own confidence before the calibration learns
+SMOOTHING = 0.15  # EMA weight of a new observation (rate, gain, draft time)
+PROBE_FIRST, PROBE_MAX = 4, 64  # rounds without drafting before the next probe, doubling while it does not pay
+
+
+class Calibration:
+    """P(draft accepted | every draft before it was) by the drafter's confidence (binned), or by draft position
+    for drafters without one (ngram). Starts from the confidence itself (or 0.5) and learns from every round."""
+
+    def __init__(self, positions: int):
+        self.tried = [0.0] * CONFIDENCE_BINS
+        self.accepted = [0.0] * CONFIDENCE_BINS
+        self.position_tried = [0.0] * positions
+        self.position_accepted = [0.0] * positions
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(CONFIDENCE_BINS - 1, max(0, int(confidence * CONFIDENCE_BINS)))
+
+    def probability(self, position: int, confidence: float | None) -> float:
+        if confidence is None:
+            tried, accepted = self.position_tried[position], self.position_accepted[position]
+            return (accepted + 0.5 * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+        b = self._bin(confidence)
+        return (self.accepted[b] + confidence * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT)
+
+    def observe(self, confidences: list[float] | None, verified: int, accepted: int) -> None:
+        """`verified` drafts went to the target and the first `accepted` of them were accepted: each draft up to
+        the first rejection counts as a trial (later ones were never reached)."""
+        for j in range(min(verified, accepted + 1)):
+            hit = 1.0 if j < accepted else 0.0
+            if confidences is None:
+                self.position_tried[j] += 1
+                self.position_accepted[j] += hit
+            else:
+                b = self._bin(confidences[j])
+                self.tried[b] += 1
+                self.accepted[b] += hit
+
+
+class CostModel:
+    """Seconds a target pass takes by the tokens it verifies (rows x width), learned from the passes themselves
+    (an EMA per token count, linear between measured counts, the nearest slope beyond them)."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, width: int, seconds: float) -> None:
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    @property
+    def known(self) -> bool:
+        return bool(self.seconds)
+
+    def cost(self, width: int) -> float:
+        widths = sorted(self.seconds)
+        if not widths:
+            return 0.0
+        if width in self.seconds:
+            return self.seconds[width]
+        lower = [w for w in widths if w < width]
+        upper = [w for w in widths if w > width]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (width - a) / (b - a)
+        if len(widths) == 1:  # one width seen: assume what a CPU verify costs per extra token, 5% of a step
+            return self.seconds[widths[0]] * (1 + 0.05 * (width - widths[0]))
+        a, b = (widths[-2], widths[-1]) if upper == [] else (widths[0], widths[1])
+        slope = max(0.0, (self.seconds[b] - self.seconds[a]) / (b - a))
+        edge = widths[-1] if not upper else widths[0]
+        return max(0.0, self.seconds[edge] + slope * (width - edge))
+
+
+@dataclass
+class ControllerStats:
+    chosen: dict[int, int] = field(default_factory=dict)  # drafts verified -> rounds
+    skipped_drafting: int = 0  # rounds that did not run the drafter at all
+
+    def histogram(self, max_draft: int) -> list[int]:
+        return [self.chosen.get(k, 0) for k in range(max_draft + 1)]
+
+
+class DraftController:
+    """Chooses, per round, whether to draft and how many drafts to verify (see the module docstring). One per
+    sequence; `whole_blocks` always drafts and verifies every draft (the paper's setting)."""
+
+    def __init__(self, max_draft: int, costs: CostModel, whole_blocks: bool = False,
+                 timer: Callable[[], float] = time.perf_counter):
+        self.max_draft, self.costs, self.whole_blocks, self.timer = max_draft, costs, whole_blocks, timer
+        self.calibration = Calibration(max(1, max_draft))
+        self.rate: float | None = None  # tokens/s of this sequence's recent rounds
+        self.gain: float | None = None  # expected tokens drafted rounds bring beyond plain steps, net of verify time
+        self.chosen_value: float | None = None  # the expected value of this round's choice (None: not modelled)
+        self.draft_seconds: float | None = None
+        self.skips_left, self.probe_gap, self.probe_due = 0, PROBE_FIRST, False
+        self.rows = 1  # sequences in the current batch: each extra draft widens a pass of that many rows
+        self.stats = ControllerStats()
+
+    def _extra_cost(self, width: int) -> float:
+        """Seconds a pass `width` tokens wide per row costs beyond a plain step (width 1), at the current batch."""
+        return self.costs.cost(self.rows * width) - self.costs.cost(self.rows)
+
+    # ---- before drafting ----------------------------------------------------------------------------------------
+    def should_draft(self) -> bool:
+        """Draft unless recent drafted rounds did not pay for the drafting (then skip, and probe now and then)."""
+        if self.whole_blocks or self.max_draft == 0:
+            return self.max_draft > 0
+        if self.skips_left > 0:
+            self.skips_left -= 1
+            self.stats.skipped_drafting += 1
+            self.probe_due = self.skips_left == 0
+            return False
+        if self.probe_due or self.gain is None or self.rate is None or self.draft_seconds is None:
+            self.probe_due = False  # a probe: one drafted round refreshes `gain`
+            return True
+        if self.gain > self.rate * self.draft_seconds:
+            self.probe_gap = PROBE_FIRST
+            return True
+        # not paying: skip a while, then probe again (a probe refreshes `gain` with one drafted round)
+        self.skips_left, self.probe_gap = self.probe_gap - 1, min(PROBE_MAX, 2 * self.probe_gap)
+        self.stats.skipped_drafting += 1
+        return False
+
+    # ---- after drafting -----------------------------------------------------------------------------------------
+    def choose(self, confidences: list[float] | None, available: int) -> int:
+        """How many of the `available` drafts to verify."""
+        self.chosen_value = None
+        if self.whole_blocks or not self.costs.known or self.rate is None:
+            return available
+        best_k, best_value, expected, all_right = 0, 0.0, 0.0, 1.0
+        for k in range(1, available + 1):
+            all_right *= self.calibration.probability(k - 1, confidences[k - 1] if confidences else None)
+            expected += all_right
+            value = expected - self.rate * self._extra_cost(k + 1)
+            if value > best_value:
+                best_k, best_value = k, value
+        self.chosen_value = best_value
+        return best_k
+
+    def keep_going(self, confidences: list[float]) -> bool:
+        """For chain drafters (EAGLE-3), after each draft: is one more worth its drafting step? Only if even a
+        certain next draft (probability 1 times the chain so far) beats the time of drafting and verifying it."""
+        if self.whole_blocks or self.rate is None or not self.costs.known or self.draft_seconds is None:
+            return True
+        k = len(confidences)
+        chain = 1.0
+        for j, c in enumerate(confidences):
+            chain *= self.calibration.probability(j, c)
+        step = self.draft_seconds / max(1, self.max_draft)
+        return chain > self.rate * (step + self._extra_cost(k + 2) - self._extra_cost(k + 1))
+
+    # ---- after verifying ----------------------------------------------------------------------------------------
+    def record(self, drafted: bool, confidences: list[float] | None, verified: int, accepted: int,
+               draft_seconds: float, verify_seconds: float, width: int | None = None) -> None:
+        """One round's outcome: `verified` drafts checked, `accepted` of them taken; the pass verified `width`
+        tokens in all (rows x its widest block; default: this row's block alone)."""
+        self.stats.chosen[verified] = self.stats.chosen.get(verified, 0) + 1
+        self.costs.observe(width or verified + 1, verify_seconds)
+        seconds = draft_seconds + verify_seconds
+        if seconds > 0:
+            rate = (accepted + 1) / seconds
+            self.rate = rate if self.rate is None else self.rate + SMOOTHING * (rate - self.rate)
+        if not drafted:
+            return
+        self.draft_seconds = _ema(self.draft_seconds, draft_seconds)
+        self.calibration.observe(confidences, verified, accepted)
+        if self.chosen_value is not None:  # the model's expectation: far steadier than one round's luck
+            self.gain = _ema(self.gain, self.chosen_value)
+        elif self.rate is not None:
+            self.gain = _ema(self.gain, accepted - self.rate * self._extra_cost(verified + 1))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + SMOOTHING * (new - old)

@@ -1,0 +1,111 @@
+"""Continuous batching in the engine: every row of a batch decodes exactly what it would alone, rows join and leave
+at round boundaries, and one row's stop, cancellation or bad settings never touch the others."""
+
+import pytest
+
+from conftest import ARCHS, OracleProposer, RandomProposer
+from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.methods.ngram import NgramProposer
+from dflash.sampling import SamplingConfig
+from test_engine import make_drafter
+
+PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3", "w5", "w11 w12 w11 w12 w11", "w40 w41"]
+LENGTHS = [30, 12, 41, 7, 25, 18]  # rows leave at different rounds, so waiting ones join mid-batch
+
+
+def solo(target, ids, max_new):
+    return SpeculativeDecoder(target).generate(ids, GenerationConfig(max_new_tokens=max_new, ignore_eos=True)).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("max_batch", [2, 4])
+def test_batched_rows_equal_their_solo_outputs(tiny_targets, arch, max_batch):
+    target = tiny_targets[arch]
+    prompts = [target.encode_prompt(p) for p in PROMPTS]
+    expected = [solo(target, ids, n) for ids, n in zip(prompts, LENGTHS)]
+    proposers = {"ar": None, "ngram": NgramProposer(max_draft=5), "dflash": make_drafter_proposer(target),
+                 "random": RandomProposer(target.vocab_size, 4)}
+    for name, proposer in proposers.items():
+        engine = Engine(target, proposer, max_batch=max_batch)
+        seqs = [engine.submit(ids, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+                for ids, n in zip(prompts, LENGTHS)]
+        widest = 0
+        while engine.busy:
+            engine.step()
+            widest = max(widest, len(engine.running))
+        assert widest == max_batch  # the batch really filled up
+        for seq, reference in zip(seqs, expected):
+            assert seq.result.tokens == reference, f"{name}: a batched row differs from its solo output"
+            assert seq.result.finish_reason == "length"
+
+
+def make_drafter_proposer(target):
+    from dflash.methods.dflash.proposer import DFlashProposer
+
+    return DFlashProposer(make_drafter(target, 8), target)
+
+
+def test_oracle_rows_accept_whole_blocks_side_by_side(tiny_targets):
+    target = tiny_targets["qwen3"]
+    prompts = [target.encode_prompt(p) for p in PROMPTS[:3]]
+    references = [solo(target, ids, 40) for ids in prompts]
+    engine = Engine(target, None, max_batch=3, adaptive=False)  # whole blocks: every round verifies 7 drafts
+    seqs = []
+    for ids, ref in zip(prompts, references):
+        engine.proposer = OracleProposer(ref, len(ids), 7)  # each row its own oracle (the template is copied)
+        seqs.append(engine.submit(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)))
+    engine.run()
+    for seq, ref in zip(seqs, references):
+        assert seq.result.tokens == ref
+        assert seq.stats.accept_lengths[:-1] == [8] * (len(seq.stats.accept_lengths) - 1)
+
+
+def test_stop_cancel_and_bad_requests_stay_in_their_row(tiny_targets):
+    target = tiny_targets["llama"]
+    ids = [target.encode_prompt(p) for p in PROMPTS[:3]]
+    reference = solo(target, ids[0], 40)
+    engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)
+    stopped = engine.submit(ids[0], GenerationConfig(max_new_tokens=40, ignore_eos=True,
+                                                     stop_token_ids=(reference[9],)))
+    seen = []
+    cancelled = engine.submit(ids[1], GenerationConfig(max_new_tokens=40, ignore_eos=True),
+                              on_tokens=lambda new: seen.extend(new) or len(seen) < 6)
+    with pytest.raises(UserError):
+        engine.submit(ids[2], GenerationConfig(max_new_tokens=0))
+    plain = engine.submit(ids[2], GenerationConfig(max_new_tokens=33, ignore_eos=True))
+    engine.run()
+    first = reference.index(reference[9])
+    assert stopped.result.tokens == reference[: first + 1] and stopped.result.finish_reason == "stop"
+    assert cancelled.result.finish_reason == "cancelled" and 6 <= len(cancelled.result.tokens) < 40
+    assert plain.result.tokens == solo(target, ids[2], 33)
+
+
+def test_cancel_before_start_and_while_running(tiny_targets):
+    target = tiny_targets["gemma3"]
+    ids = [target.encode_prompt(p) for p in PROMPTS[:3]]
+    engine = Engine(target, None, max_batch=1)
+    running = engine.submit(ids[0], GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    queued = engine.submit(ids[1], GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.cancel(queued)  # never started: dropped at once
+    assert queued.result.finish_reason == "cancelled" and queued.result.tokens == []
+    engine.cancel(running)
+    engine.run()
+    assert running.result.finish_reason == "cancelled" and 0 < len(running.result.tokens) < 30
+    assert not engine.busy
+
+
+def test_seeded_sampling_in_a_batch_is_reproducible(tiny_targets):
+    target = tiny_targets["qwen3"]
+    ids = [target.encode_prompt(p) for p in PROMPTS[:4]]
+
+    def sample_all():
+        engine = Engine(target, NgramProposer(max_draft=3), max_batch=4)
+        seqs = [engine.submit(i, GenerationConfig(max_new_tokens=20, ignore_eos=True,
+                                                  sampling=SamplingConfig(temperature=1.0, seed=k)))
+                for k, i in enumerate(ids)]
+        engine.run()
+        return [s.result.tokens for s in seqs]
+
+    assert sample_all() == sample_all()

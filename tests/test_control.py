@@ -1,0 +1,173 @@
+"""The adaptive draft controller: lossless at every length it may choose, deterministic under a fixed clock, and
+choosing what the measured costs and the calibrated confidences say."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import ARCHS, OracleProposer, RandomProposer
+from dflash.control import Calibration, CostModel, DraftController
+from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
+from dflash.methods.base import Draft, Proposer
+from dflash.methods.dflash.proposer import DFlashProposer
+from dflash.methods.ngram import NgramProposer
+from test_engine import make_drafter
+
+PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3"]
+CONFIG = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+
+
+class FakeClock:
+    """Time that moves only when the engine works: a target pass costs base + per_token * tokens, a draft
+    `draft` seconds. The same run twice reads the same times."""
+
+    def __init__(self, base=0.030, per_token=0.002, draft=0.005):
+        self.now, self.base, self.per_token, self.draft = 0.0, base, per_token, draft
+
+    def __call__(self) -> float:
+        return self.now
+
+    def install(self, monkeypatch, target, proposer):
+        forward, propose = target.forward, proposer.propose
+
+        def timed_forward(input_ids, *args, **kwargs):
+            self.now += self.base + self.per_token * input_ids.numel()
+            return forward(input_ids, *args, **kwargs)
+
+        def timed_propose(*args, **kwargs):
+            self.now += self.draft
+            return propose(*args, **kwargs)
+
+        monkeypatch.setattr(target, "forward", timed_forward)
+        monkeypatch.setattr(proposer, "propose", timed_propose)
+
+
+def ar_tokens(target, ids):
+    return SpeculativeDecoder(target).generate(ids, CONFIG).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_at_every_chosen_length(tiny_targets, arch, monkeypatch):
+    """Forced 0 (plain steps), forced block - 1 (whole blocks) and random lengths all give ar's tokens."""
+    target = tiny_targets[arch]
+    rng = random.Random(0)
+    forced = {"zero": lambda self, conf, available: 0, "all": lambda self, conf, available: available,
+              "random": lambda self, conf, available: rng.randint(0, available)}
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        reference = ar_tokens(target, ids)
+        proposers = [DFlashProposer(make_drafter(target, 8), target), NgramProposer(max_draft=7),
+                     RandomProposer(target.vocab_size, 7), OracleProposer(reference, len(ids), 7)]
+        for name, choose in forced.items():
+            monkeypatch.setattr(DraftController, "choose", choose)
+            for proposer in proposers:
+                result = SpeculativeDecoder(target, proposer).generate(ids, CONFIG)
+                assert result.tokens == reference, f"{name} / {proposer.name}"
+                lengths = set(result.stats.draft_lengths)
+                if name == "zero":
+                    assert lengths == {0}
+        monkeypatch.undo()
+
+
+def test_deterministic_under_a_fixed_clock(tiny_targets, monkeypatch):
+    target = tiny_targets["qwen3"]
+    ids = target.encode_prompt(PROMPTS[2])
+    reference = ar_tokens(target, ids)
+
+    def run():
+        proposer = OracleProposer(reference, len(ids), 7)
+        clock = FakeClock()
+        with monkeypatch.context() as m:
+            clock.install(m, target, proposer)
+            result = SpeculativeDecoder(target, proposer, timer=clock).generate(ids, CONFIG)
+        return result.stats.draft_lengths, result.stats.accept_lengths
+
+    first, second = run(), run()
+    assert first == second
+
+
+def draft_lengths_under(target, ids, proposer, clock, monkeypatch) -> list[int]:
+    with monkeypatch.context() as m:
+        clock.install(m, target, proposer)
+        return SpeculativeDecoder(target, proposer, timer=clock).generate(ids, CONFIG).stats.draft_lengths
+
+
+def test_costly_verify_means_shorter_drafts(tiny_targets, monkeypatch):
+    """An always-right drafter that is only 60% sure: cheap verify tokens -> long blocks, dear ones -> short."""
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[0])
+    reference = ar_tokens(target, ids)
+
+    class Unsure(OracleProposer):
+        def propose(self, sequence, limit=None, keep_going=None):
+            draft = super().propose(sequence, limit)
+            return Draft(draft.tokens, [0.6] * len(draft.tokens))
+
+    cheap = draft_lengths_under(target, ids, Unsure(reference, len(ids), 7), FakeClock(per_token=0.0001),
+                                monkeypatch)
+    dear = draft_lengths_under(target, ids, Unsure(reference, len(ids), 7), FakeClock(per_token=0.02), monkeypatch)
+    assert sum(cheap[2:]) / len(cheap[2:]) > sum(dear[2:]) / len(dear[2:])
+    assert max(dear[2:]) < 7
+
+
+def test_useless_drafter_is_skipped_and_probed_again(tiny_targets, monkeypatch):
+    """Random drafts are never accepted and drafting costs a lot: the controller stops drafting most rounds, but
+    keeps probing (it never stops for good), and the output is still ar's."""
+    target = tiny_targets["gemma3"]
+    ids = target.encode_prompt(PROMPTS[1])
+    proposer = RandomProposer(target.vocab_size, 7)
+    clock = FakeClock(draft=0.05)
+    with monkeypatch.context() as m:
+        clock.install(m, target, proposer)
+        result = SpeculativeDecoder(target, proposer, timer=clock).generate(
+            ids, GenerationConfig(max_new_tokens=120, ignore_eos=True))
+    assert result.tokens == SpeculativeDecoder(target).generate(
+        ids, GenerationConfig(max_new_tokens=120, ignore_eos=True)).tokens
+    stats = result.stats
+    assert stats.skipped_drafting > stats.num_rounds / 2
+    drafted_rounds = stats.num_rounds - stats.skipped_drafting
+    assert drafted_rounds >= 4  # the first rounds, then probes
+
+
+def test_whole_blocks_verifies_every_draft(tiny_targets):
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[0])
+    result = SpeculativeDecoder(target, NgramProposer(max_draft=5), adaptive=False).generate(ids, CONFIG)
+    drafted = [k for k in result.stats.draft_lengths if k]
+    assert result.stats.skipped_drafting == 0 and result.tokens == ar_tokens(target, ids)
+    hist = result.stats.draft_length_histogram
+    assert len(hist) == 6 and sum(hist) == result.stats.num_rounds and drafted
+
+
+def test_calibration_learns_the_drafters_real_acceptance():
+    calibration = Calibration(positions=4)
+    assert calibration.probability(0, 0.9) == pytest.approx(0.9)  # the prior: the drafter's own confidence
+    for _ in range(200):  # a drafter that says 0.9 but is right half the time
+        calibration.observe([0.9, 0.9], verified=2, accepted=0)
+        calibration.observe([0.9, 0.9], verified=2, accepted=2)
+    assert calibration.probability(0, 0.92) == pytest.approx(2 / 3, abs=0.01)  # 2 hits in every 3 trials
+    assert calibration.probability(0, 0.2) == pytest.approx(0.2)  # other bins keep their prior
+    assert calibration.probability(1, None) == pytest.approx(0.5)  # no confidence: by position, prior 0.5
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    costs = CostModel()
+    assert not costs.known
+    costs.observe(1, 0.030)
+    assert costs.cost(5) == pytest.approx(0.030 * 1.2)  # one width seen: 5% a token
+    costs.observe(9, 0.046)
+    assert costs.cost(5) == pytest.approx(0.038)
+    assert costs.cost(17) == pytest.approx(0.062)
+    costs.observe(1, 0.040)  # an EMA, not the last reading
+    assert 0.030 < costs.cost(1) < 0.040
+
+
+def test_batched_rows_share_the_cost_model(tiny_targets):
+    target = tiny_targets["qwen3"]
+    engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)
+    seqs = [engine.submit(target.encode_prompt(p), CONFIG) for p in PROMPTS]
+    engine.run()
+    assert all(s.controller.costs is engine.costs for s in seqs) and engine.costs.known
+    for seq, prompt in zip(seqs, PROMPTS):
+        assert seq.result.tokens == ar_tokens(target, target.encode_prompt(prompt))
