@@ -4,12 +4,11 @@ choosing what the measured costs and the calibrated confidences say."""
 import random
 
 import pytest
-import torch
 
 from conftest import ARCHS, OracleProposer, RandomProposer
 from dflash.control import Calibration, CostModel, DraftController
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
-from dflash.methods.base import Draft, Proposer
+from dflash.methods.base import Draft
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from test_engine import make_drafter
