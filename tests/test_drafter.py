@@ -128,3 +128,16 @@ def test_block_is_bidirectional_and_context_matters(tiny_targets):
     ctx_changed = feats.clone()
     ctx_changed[0, 3] += 1.0
     assert not torch.allclose(base, run_block(drafter, target, [7, 2, 2, 2], 12, ctx_changed))
+
+
+def test_draft_vocabulary_file(tiny_targets, tmp_path):
+    drafter = tiny_drafter(tiny_targets["llama"])
+    drafter.draft_vocab = [9, 5, 7]
+    drafter.save(tmp_path / "d")
+    assert DFlashDrafter.load(tmp_path / "d").draft_vocab == [5, 7, 9]
+    (tmp_path / "d" / "draft_vocab.json").write_text('{"token_ids": [1, 999]}')
+    with pytest.raises(UserError, match="token ids"):
+        DFlashDrafter.load(tmp_path / "d")
+    (tmp_path / "d" / "draft_vocab.json").write_text("[1, 2")
+    with pytest.raises(UserError, match="draft vocabulary"):
+        DFlashDrafter.load(tmp_path / "d")

@@ -13,7 +13,8 @@ from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.methods.base import MethodOptions
 from dflash.methods.eagle3.head import Eagle3Head, default_feature_layers
-from dflash.methods.eagle3.objective import Eagle3Objective, eagle3_loss, frequent_tokens, unroll
+from dflash.corpus import frequent_tokens
+from dflash.methods.eagle3.objective import Eagle3Objective, eagle3_loss, unroll
 from dflash.methods.eagle3.proposer import Eagle3Proposer
 from dflash.methods.eagle3.proposer import build as build_eagle3
 from dflash.testing import tiny_target

@@ -374,7 +374,7 @@ def eagle3_runs(tmp_path_factory):
 
 
 def test_eagle3_resume_continues_exactly(eagle3_runs):
-    from dflash.methods.eagle3.objective import frequent_tokens
+    from dflash.corpus import frequent_tokens
 
     root, data = eagle3_runs
     straight, split = checkpoint_weights(root / "straight", 8), checkpoint_weights(root / "split", 8)
@@ -442,8 +442,33 @@ def test_eagle3_method_mistakes_are_user_errors(eagle3_runs, resume_runs, tmp_pa
     assert "was trained with --method eagle3" in error(as_dflash)
     for method in ("ar", "ngram"):
         assert "needs no training" in error(eagle3_argv(data, tmp_path / "c", "--method", method))
-    assert "--draft-vocab applies to --method eagle3" in error(
-        train_argv(data, tmp_path / "d", "--draft-vocab", "10"))
     assert "--gamma applies to --method dflash" in error(eagle3_argv(data, tmp_path / "e", "--gamma", "3"))
     assert "has 1 layer" in error(eagle3_argv(data, tmp_path / "f", "--num-layers", "2"))
     assert "not an EAGLE-3 head" in error(eagle3_argv(data, tmp_path / "g", "--init-from", str(dflash_ckpt)))
+
+
+def test_dflash_run_writes_its_draft_vocabulary(resume_runs, tmp_path):
+    """A new DFlash drafter proposes among the N most frequent response tokens of its training data; the file goes
+    with every checkpoint and the export, and drafting scores only those rows of the LM head (still lossless)."""
+    from dflash.corpus import frequent_tokens
+    from dflash.engine import GenerationConfig, SpeculativeDecoder
+    from dflash.methods.dflash.proposer import DFlashProposer
+
+    _, data = resume_runs
+    out = tmp_path / "vocab"
+    assert trainer.run(train_args(data, out, "--draft-vocab", "12", "--max-steps", "2")) == 0
+    train, _ = trainer.split_heldout(trainer.load_examples(data), 0.2)
+    expected = frequent_tokens([e.input_ids[e.loss_start:] for e in train], 64, 12)
+    for folder in (out / "final", trainer.checkpoint_dirs(out)[-1]):
+        assert json.loads((folder / "draft_vocab.json").read_text())["token_ids"] == expected
+    drafter = DFlashDrafter.load(out / "final")
+    assert drafter.draft_vocab == expected
+    target = tiny_target("llama", logit_scale=4.0)
+    proposer = DFlashProposer(drafter.freeze(), target)
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    for prompt in ([3, 9, 10, 11, 12], [3, 40, 7, 41, 42, 43]):
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt, config)
+        assert result.tokens == SpeculativeDecoder(target).generate(prompt, config).tokens
+        features = target.forward(torch.tensor([prompt[:-1]]), None, proposer.feature_layers).features
+        proposer.start(prompt[:-1], features)
+        assert set(proposer.propose(prompt).tokens) <= set(expected)

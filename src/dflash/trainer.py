@@ -64,8 +64,8 @@ class TrainConfig:
     num_layers: int = option(3, "draft layers of a new drafter (dflash 3; an EAGLE-3 head has 1)")
     block_size: int = option(16, "tokens per block: dflash's block, EAGLE-3's chain steps + 1 (dflash 16, eagle3 8)")
     num_features: int = option(5, "target layers fused as features (dflash 5; an EAGLE-3 head fuses 3)")
-    draft_vocab: int | None = option(None, "eagle3: draft vocabulary = the N most frequent response tokens of the "
-                                           "training data (8192, capped at the target vocabulary)")
+    draft_vocab: int | None = option(None, "draft vocabulary = the N most frequent response tokens of the training "
+                                           "data (8192, capped at the target's): the tokens a new drafter proposes")
     # data
     max_length: int = option(3072, "truncate sequences to this many tokens")
     anchors_per_seq: int = option(512, "dflash: blocks per sequence, re-sampled each epoch")

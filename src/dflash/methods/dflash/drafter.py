@@ -10,11 +10,14 @@ context at the committed length and the block's own keys right after it, attends
 the context only, so the block's keys are overwritten next time.
 
 The module and weight names follow the public checkpoint format (DFLASH_SPEC.md section 6) so that `state_dict()` is
-exactly what vLLM / SGLang load.
+exactly what vLLM / SGLang load. A folder may also hold `draft_vocab.json` ({"token_ids": [...]}, our addition, which
+other loaders ignore): the target tokens the drafter may propose, the most frequent ones of its training responses.
+Drafting then scores only those rows of the LM head, on a CPU most of a drafting pass's time.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from torch import nn
 from ...checkpoint import load_weights, read_folder, write_folder
 from ...errors import UserError
 from ...models.cache import KVCache
+from ...models.kernels import FrozenLinear
 from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, rope_theta
 
 
@@ -191,10 +195,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
+        self.draft_vocab: list[int] | None = None  # target ids it may propose; None: the whole vocabulary
         n_features = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_features * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -215,6 +223,7 @@ class DFlashDrafter(nn.Module):
 
     def freeze(self, plan=None) -> "DFlashDrafter":
         """Fused products for inference (after the last change of weights, device or dtype)."""
+        self.fast_fc = FrozenLinear.of(self.fc, plan)
         for layer in self.layers:
             layer.self_attn.freeze(plan, context=True)
             layer.mlp.freeze(plan)
@@ -242,7 +251,8 @@ class DFlashDrafter(nn.Module):
         attend; a BlockLayout (training: many blocks over one context); None = attend to everything.
         """
         dtype = self.fc.weight.dtype
-        ctx = self.hidden_norm(self.fc(context_features.to(dtype)))
+        fc = self.fast_fc if getattr(self, "fast_fc", None) is not None else self.fc
+        ctx = self.hidden_norm(fc(context_features.to(dtype)))
         rope_ctx = self.rotary(context_positions, dtype)
         rope_block = self.rotary(block_positions, dtype)
         x = block_embeds.to(dtype)
@@ -258,12 +268,15 @@ class DFlashDrafter(nn.Module):
     # ---- checkpoint ---------------------------------------------------------------------------------------------
     def save(self, folder: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
         write_folder(folder, self.state_dict(), self.config.to_hf_dict(), dtype)
+        if self.draft_vocab is not None:
+            (Path(folder) / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": self.draft_vocab}) + "\n")
 
     @classmethod
     def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "DFlashDrafter":
         config, state = read_folder(folder, "drafter")
         drafter = cls(DFlashConfig.from_hf_dict(config))
         load_weights(drafter, state, "drafter", folder)
+        drafter.draft_vocab = read_draft_vocab(Path(folder), drafter.config.vocab_size)
         return drafter.to(device=device, dtype=dtype).eval()
 
     def check_fits(self, target) -> None:
@@ -278,6 +291,20 @@ class DFlashDrafter(nn.Module):
             raise UserError(f"drafter feature layers {bad} are out of range for a {target.num_layers}-layer target")
         if not 0 <= cfg.mask_token_id < target.vocab_size:
             raise UserError(f"drafter mask token id {cfg.mask_token_id} is outside the target vocab ({target.vocab_size})")
+
+
+def read_draft_vocab(folder: Path, vocab_size: int) -> list[int] | None:
+    path = folder / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+        ids = sorted({int(i) for i in ids})
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path} is not a draft vocabulary ({{\"token_ids\": [...]}}): {exc}") from exc
+    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise UserError(f"{path}: token ids must lie in [0, {vocab_size})")
+    return ids
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:

@@ -20,6 +20,7 @@ from ...errors import UserError
 from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, default_mask_token_id
 
 IGNORE = -100
+DEFAULT_DRAFT_VOCAB = 8192
 GAMMA_BY_BLOCK_SIZE = ((8, 4.0), (10, 5.0), (16, 7.0))  # the paper's loss decay per block size
 
 
@@ -301,4 +302,11 @@ class DFlashTraining:
         return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length)
 
     def prepare_new(self, objective, train_examples, config) -> None:
-        """Nothing to fit from the data before a new DFlash run."""
+        """A new drafter drafts among the most frequent response tokens of the training sequences (its draft
+        vocabulary, saved beside its weights): the LM head rows a drafting pass scores."""
+        from ...corpus import frequent_tokens
+
+        drafter = objective.model
+        size = min(config.draft_vocab or DEFAULT_DRAFT_VOCAB, drafter.config.vocab_size)
+        responses = (e.input_ids[e.loss_start: objective.max_length] for e in train_examples)
+        drafter.draft_vocab = frequent_tokens(responses, drafter.config.vocab_size, size)

@@ -8,12 +8,12 @@ j-k+i for i = 1..k (its own chain), exactly what the speculative step sees at in
 
 from __future__ import annotations
 
-from typing import Iterable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...corpus import frequent_tokens
 from .head import DEFAULT_DEPTH, IGNORE, Eagle3Head
 
 
@@ -69,37 +69,6 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 
 
 # ---- draft vocabulary from data ------------------------------------------------------------------------------------
-def frequent_tokens(sequences: Iterable[Iterable[int]], vocab_size: int, size: int) -> list[int]:
-    """The `size` most frequent target ids in `sequences` (ties: lower id first), topped up with the lowest unseen ids
-    so the head always has exactly min(size, vocab_size) entries. Ids outside [0, vocab_size) are not counted.
-    Counts with numpy in chunks: a training set has hundreds of millions of tokens."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    chunk: list[np.ndarray] = []
-    pending = 0
-
-    def flush() -> None:
-        ids = np.concatenate(chunk)
-        ids = ids[(ids >= 0) & (ids < vocab_size)]
-        counts[:] += np.bincount(ids, minlength=vocab_size)
-        chunk.clear()
-
-    for seq in sequences:
-        if isinstance(seq, torch.Tensor):
-            seq = seq.cpu().numpy()
-        elif not isinstance(seq, (list, tuple, np.ndarray)):
-            seq = list(seq)
-        ids = np.asarray(seq, dtype=np.int64).reshape(-1)
-        chunk.append(ids)
-        pending += ids.size
-        if pending >= 1 << 24:
-            flush()
-            pending = 0
-    if chunk:
-        flush()
-    ranked = np.lexsort((np.arange(vocab_size), -counts))[: min(size, vocab_size)]  # count desc, then id asc
-    return sorted(int(t) for t in ranked)
-
-
 # ---- training loss ---------------------------------------------------------------------------------------------
 def _label_mask(input_ids: torch.Tensor, loss_start) -> torch.Tensor:
     """Bool [b, s]: positions whose token is a training label. `loss_start` is an int, a [b] tensor of first
@@ -216,7 +185,7 @@ class Eagle3Training:
     fixed_shape = ("num_layers", "num_features")
     fixed_shape_note = "an EAGLE-3 head has 1 layer and fuses 3 target layers"
     free_on_init = ("block_size",)  # the chain depth is no weight shape: a head may be trained on for longer chains
-    own_options = ("draft_vocab",)
+    own_options: tuple[str, ...] = ()
 
     def new_model(self, target, config) -> Eagle3Head:
         # its draft vocabulary is fitted to the training data by prepare_new
