@@ -1,11 +1,14 @@
-"""Load test for `dflash serve`: requests/s and p50/p95 latency per method, on loopback only.
+"""Load test for `dflash serve`: aggregate tokens/s, p50/p95 latency, errors and tau per method and concurrency,
+on loopback only, with the `openai`-style chat endpoint.
 
-Bounded by --requests and by --time-limit (seconds for the whole run); nothing leaves 127.0.0.1.
+Each concurrency level sends level x --requests-per-stream requests, at most `level` at a time, bounded by
+--time-limit (seconds per level); nothing leaves 127.0.0.1.
 
-    # start one in-process server per method and compare them
-    python scripts/load_test.py --target tiny-qwen3 --methods ar,dflash --requests 32 --concurrency 4 --out load.json
+    # one in-process server per method (continuous batching up to --max-batch-size), levels side by side
+    python scripts/load_test.py --target smollm2-135m --methods ar,ngram,dflash --concurrency 1,4,8,16,64 \
+        --max-tokens 64 --out load.json
     # or load a server that is already running (`dflash serve ...`) on this machine
-    python scripts/load_test.py --url http://127.0.0.1:8000 --requests 32
+    python scripts/load_test.py --url http://127.0.0.1:8000 --concurrency 1,8
 
 Requests are greedy chat completions with ignore_eos, so every method generates exactly --max-tokens tokens and the
 methods do the same work.
@@ -27,6 +30,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @dataclass
 class LoadResult:
     method: str
+    concurrency: int
     requests: int
     completed: int
     errors: int
@@ -76,11 +80,13 @@ async def one_request(http, model: str, prompt: str, max_tokens: int, deadline: 
     }
 
 
-async def run_load(url: str, model: str, method: str, args, deadline: float) -> LoadResult:
+async def run_load(url: str, model: str, method: str, args, concurrency: int) -> LoadResult:
     import httpx
 
-    prompts = prompts_for(model, args.requests)
-    gate = asyncio.Semaphore(args.concurrency)
+    deadline = time.monotonic() + args.time_limit
+    requests = concurrency * args.requests_per_stream
+    prompts = prompts_for(model, requests)
+    gate = asyncio.Semaphore(concurrency)
 
     async def gated(http, prompt: str) -> dict | None:
         async with gate:
@@ -100,7 +106,7 @@ async def run_load(url: str, model: str, method: str, args, deadline: float) -> 
     latencies = [o["latency_s"] for o in done]
     rounds = sum(o["rounds"] for o in done)
     return LoadResult(
-        method=method, requests=args.requests, completed=len(done), errors=len(failed),
+        method=method, concurrency=concurrency, requests=requests, completed=len(done), errors=len(failed),
         skipped=outcomes.count(None), wall_s=wall, requests_per_s=len(done) / wall,
         latency_p50_s=percentile(latencies, 50), latency_p95_s=percentile(latencies, 95),
         tokens_per_s=sum(o["tokens"] for o in done) / wall,
@@ -108,13 +114,13 @@ async def run_load(url: str, model: str, method: str, args, deadline: float) -> 
     )
 
 
-def in_process(args, deadline: float) -> list[LoadResult]:
+def in_process(args) -> list[LoadResult]:
     """One server per method on 127.0.0.1, all sharing one loaded target."""
     import torch
 
     from dflash.loading import build_proposer, load_target_cached
     from dflash.methods.base import MethodOptions
-    from dflash.server import BackgroundServer, create_app
+    from dflash.serving import BackgroundServer, create_app
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -122,15 +128,19 @@ def in_process(args, deadline: float) -> list[LoadResult]:
     results = []
     for method in args.methods.split(","):
         drafter = args.drafter if method == "dflash" else None
-        proposer, note = build_proposer(method, target, MethodOptions(drafter=drafter, block_size=args.block_size))
+        options = MethodOptions(drafter=drafter, block_size=args.block_size, draft_dtype="auto")
+        proposer, note = build_proposer(method, target, options)
         if note:
             print(f"[load_test] {method}: {note}", file=sys.stderr)
-        with BackgroundServer(create_app(target, proposer, args.target)) as url:
-            results.append(asyncio.run(run_load(url, args.target, method, args, deadline)))
+        app = create_app(target, proposer, args.target, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+        with BackgroundServer(app) as url:
+            for level in args.levels:
+                results.append(asyncio.run(run_load(url, args.target, method, args, level)))
+                print_row(results[-1], results)
     return results
 
 
-def against_url(args, deadline: float) -> list[LoadResult]:
+def against_url(args) -> list[LoadResult]:
     import httpx
 
     host = urlparse(args.url).hostname
@@ -138,14 +148,25 @@ def against_url(args, deadline: float) -> list[LoadResult]:
         raise SystemExit(f"load_test: only loopback servers may be loaded ({', '.join(LOOPBACK)}), got {host!r}")
     card = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]
     method = card.get("dflash", {}).get("method", "unknown")
-    return [asyncio.run(run_load(args.url, card["id"], method, args, deadline))]
+    return [asyncio.run(run_load(args.url, card["id"], method, args, level)) for level in args.levels]
+
+
+HEADER = (f"{'method':<8} {'streams':>7} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} "
+          f"{'x 1 stream':>10} {'tau':>5}")
+
+
+def print_row(r: LoadResult, results: list[LoadResult]) -> None:
+    single = next((x for x in results if x.method == r.method and x.concurrency == 1), None)
+    ratio = f"{r.tokens_per_s / single.tokens_per_s:.2f}x" if single and single.tokens_per_s else "-"
+    print(f"{r.method:<8} {r.concurrency:>7} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} "
+          f"{r.latency_p50_s:>7.3f} {r.latency_p95_s:>7.3f} {r.tokens_per_s:>8.1f} {ratio:>10} {r.mean_tau:>5.2f}",
+          flush=True)
 
 
 def print_table(results: list[LoadResult]) -> None:
-    print(f"{'method':<8} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} {'tau':>5}")
+    print(HEADER)
     for r in results:
-        print(f"{r.method:<8} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} {r.latency_p50_s:>7.3f} "
-              f"{r.latency_p95_s:>7.3f} {r.tokens_per_s:>8.1f} {r.mean_tau:>5.2f}")
+        print_row(r, results)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,22 +178,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--methods", default="ar,dflash", help="comma-separated, for in-process servers")
-    p.add_argument("--requests", type=int, default=32, help="requests per method")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream (default 2)")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts (default 1,4,8)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="in-process servers: rows decoded together")
+    p.add_argument("--max-queue", type=int, default=256, help="in-process servers: requests accepted in all")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--time-limit", type=float, default=50, help="seconds for the whole run; later requests are skipped")
+    p.add_argument("--time-limit", type=float, default=300, help="seconds per concurrency level; later requests "
+                   "are skipped")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--out", default="load_test.json")
     args = p.parse_args(argv)
-    if min(args.requests, args.concurrency, args.max_tokens) < 1 or args.time_limit <= 0:
-        p.error("--requests, --concurrency, --max-tokens and --time-limit must be positive")
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
+    if min([args.requests_per_stream, args.max_tokens, *args.levels]) < 1 or args.time_limit <= 0:
+        p.error("--requests-per-stream, --concurrency, --max-tokens and --time-limit must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    deadline = time.monotonic() + args.time_limit
-    results = against_url(args, deadline) if args.url else in_process(args, deadline)
+    print(HEADER, flush=True)
+    results = against_url(args) if args.url else in_process(args)
+    print()
     print_table(results)
     report = {"command": " ".join(["python", *sys.argv]), "config": vars(args), "results": [asdict(r) for r in results]}
     with open(args.out, "w") as f:

@@ -20,9 +20,8 @@ from dflash.engine import GenerationConfig, GenerationResult, GenerationStats, S
 from dflash.methods.base import Proposer  # noqa: E402
 from dflash.methods.dflash.proposer import DFlashProposer, untrained_drafter  # noqa: E402
 from dflash.sampling import SamplingConfig  # noqa: E402
-from dflash.server import (  # noqa: E402
-    BackgroundServer, GenerationWorker, Job, Metrics, ServerBusy, TextDeltas, cancel, create_app,
-)
+from dflash.serving import BackgroundServer, create_app  # noqa: E402
+from dflash.serving.streaming import TextDeltas  # noqa: E402
 
 MODEL = "tiny-qwen3"  # qwen3's tiny random model gives varied text (tiny llama repeats one word)
 MAX_TOKENS = 16
@@ -173,31 +172,28 @@ def test_concurrent_requests_are_all_correct(client, chat_refs, url):
     assert httpx.get(f"{url}/health").json()["queued"] == 0
 
 
-def test_worker_is_fifo_bounded_and_drops_cancelled_jobs():
-    order = []
+def test_requests_share_the_batch(target, proposer, chat_refs):
+    """With room for 4, concurrent requests decode together (the batch-size histogram saw rows of 4) and each
+    answer is still its own solo output."""
+    app = create_app(target, proposer, MODEL, max_batch_size=4)
+    with BackgroundServer(app) as base:
+        local = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: chat(local, p).choices[0].message.content, PROMPTS[:8]))
+        samples = metrics(base)
+    assert answers == [chat_refs[p].text for p in PROMPTS[:8]]
+    assert samples['dflash_batch_size_bucket{le="2.0"}'] < samples["dflash_batch_size_count"]  # wider passes ran
+    assert samples['dflash_batch_size_bucket{le="4.0"}'] == samples["dflash_batch_size_count"]  # never over 4
 
-    class RecordingDecoder:
-        proposer = Proposer()
 
-        def generate(self, prompt_ids, config, on_tokens):
-            order.append(prompt_ids[0])
-            time.sleep(0.01)
-            return GenerationResult([1], "w1", "length", GenerationStats(new_tokens=1))
-
-    async def submit_all():
-        metrics = Metrics(block_size=1)
-        worker = GenerationWorker(RecordingDecoder(), metrics, max_queue=6)
-        jobs = [Job([i], GenerationConfig()) for i in range(6)]
-        futures = [worker.submit(job) for job in jobs]
-        with pytest.raises(ServerBusy):
-            worker.submit(Job([6], GenerationConfig()))
-        cancel(jobs[3], futures[3], metrics)  # its client left while it waited
-        await asyncio.gather(*futures, return_exceptions=True)
-        worker.close()
-        return metrics.cancelled
-
-    assert asyncio.run(submit_all()) == 1
-    assert order == [0, 1, 2, 4, 5]
+def test_a_full_server_answers_503_not_a_hang(target, proposer):
+    app = create_app(target, SlowProposer(), MODEL, max_batch_size=1, max_queue=2)
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 200, "ignore_eos": True}
+    with BackgroundServer(app) as base, httpx.Client(timeout=60) as http:
+        with open_stream(http, base) as first, httpx.Client(timeout=60) as other, open_stream(other, base) as second:
+            assert first.status_code == second.status_code == 200
+            busy = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+            assert busy.status_code == 503 and "busy" in busy.json()["error"]["message"]
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
@@ -251,7 +247,8 @@ def test_disconnected_clients_free_their_slot(target):
     """A client that leaves mid-stream stops its generation, one that leaves while queued is never run, and one
     that gives up on a plain request stops it too. Otherwise the next request would wait >= 480 x 25 ms for each
     abandoned generation."""
-    with BackgroundServer(create_app(target, SlowProposer(), MODEL)) as base, httpx.Client(timeout=60) as http:
+    app = create_app(target, SlowProposer(), MODEL, max_batch_size=1)  # one row: the second request waits
+    with BackgroundServer(app) as base, httpx.Client(timeout=60) as http:
         with open_stream(http, base) as running:
             lines = running.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))  # the first piece of text came

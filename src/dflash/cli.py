@@ -26,7 +26,7 @@ SUBCOMMANDS = {
     "data": ("dflash.data", "build a prompt mix and regenerate responses with the target"),
     "train": ("dflash.trainer", "train a DFlash (or EAGLE-3) drafter"),
     "bench": ("dflash.bench", "benchmark methods side by side (tau, speedup, tokens/s)"),
-    "serve": ("dflash.server", "OpenAI-compatible HTTP server"),
+    "serve": ("dflash.serving.app", "OpenAI-compatible HTTP server"),
     "fetch": ("dflash.hub", "download and convert registry target models into the cache"),
 }
 

@@ -1,0 +1,324 @@
+"""`dflash serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the batched engine.
+
+Request handlers stay on the event loop: they validate, tokenize, hand a job to the engine thread (worker.py) and
+wait for it while watching for a client that went away. Up to --max-batch-size requests decode together; new ones
+join the running batch at round boundaries. Streaming sends decoded text deltas that never contain a stop string,
+not even the beginning of one (streaming.py).
+
+fastapi, uvicorn and pydantic are imported lazily: `dflash --help` must work without the [serve] extra.
+No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations, and those refer to classes
+built inside functions, which string annotations could not resolve.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UserError
+from .metrics import Metrics, MetricsMiddleware
+from .schemas import Exchange, check_fits, completion_prompt_ids, generation_config, openai_error, schemas, sse
+from .streaming import TextDeltas
+from .worker import (
+    DISCONNECT_POLL_S,
+    END_OF_STREAM,
+    BatchWorker,
+    Job,
+    ServerBusy,
+    cancel,
+    wait_for_result,
+)
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+
+log = logging.getLogger("dflash.server")
+
+DEFAULT_MAX_TOKENS = 256  # when a request sets none: one client must not hold a row for a whole context
+DEFAULT_MAX_BATCH = 8
+
+
+class ModelNotFound(Exception):
+    """The request names a model this server does not serve (HTTP 404, as OpenAI answers)."""
+
+
+# ---- the app ----------------------------------------------------------------------------------------------------
+@dataclass
+class Service:
+    """Everything a request handler needs: the model, the worker and the counters."""
+
+    target: Any
+    worker: BatchWorker
+    metrics: Metrics
+    model_name: str
+    default_max_tokens: int
+
+    @property
+    def proposer(self):
+        return self.worker.engine.proposer
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.model_name!r}")
+
+    async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool):
+        config = generation_config(body, self.default_max_tokens)
+        check_fits(prompt_ids, self.worker.engine)
+        exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids))
+        if body.stream:
+            return self.stream(request, body, prompt_ids, config, exchange)
+        job = Job(prompt_ids, config)
+        result = await wait_for_result(job, self.worker.submit(job), request, self.metrics)
+        if result is None:  # nobody is listening any more; a status for the logs only
+            from fastapi.responses import Response
+
+            return Response(status_code=499)
+        return exchange.response(job.queue_s, result)
+
+    def stream(self, request: "Request", body, prompt_ids, config, exchange: Exchange):
+        from fastapi.responses import StreamingResponse
+
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        stop_ids = set() if config.ignore_eos else set(self.target.eos_token_ids)
+        deltas = TextDeltas(self.target.decode, config.stop_strings, stop_ids)
+        job = Job(prompt_ids, config, deltas, emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
+        future = self.worker.submit(job)  # queued now, so a busy server answers 503 before the stream starts
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = self.stream_events(request, job, future, pieces, exchange, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def stream_events(self, request, job, future, pieces, exchange: Exchange, include_usage: bool):
+        try:
+            if exchange.chat:  # OpenAI opens a chat stream with the role
+                yield exchange.chunk(None, delta={"role": "assistant", "content": ""})
+            while (piece := await next_piece(pieces, request)) is not END_OF_STREAM:
+                if piece is None:
+                    return  # the client went away; `finally` cancels the job
+                yield exchange.chunk(piece)
+            try:
+                result = await future
+            except Exception as exc:  # the status line is long gone: report it the way OpenAI streams errors
+                if not isinstance(exc, UserError):
+                    log.exception("streamed generation failed")
+                kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
+                yield sse({"error": {"message": str(exc), "type": kind}})
+                return
+            yield exchange.chunk(None, result.finish_reason, dflash=exchange.extension(job.queue_s, result))
+            if include_usage:
+                yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": exchange.usage(result)})
+            yield sse("[DONE]")
+        finally:
+            cancel(job, future, self.metrics)  # a no-op when the generation finished
+
+
+async def next_piece(pieces: asyncio.Queue, request: "Request"):
+    """The next text piece (or END_OF_STREAM); None once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(pieces.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+def create_app(target, proposer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True) -> "FastAPI":
+    """The ASGI app serving `target` with `proposer` under the name `model_name`: up to `max_batch_size` requests
+    decode together (continuous batching), up to `max_queue` are accepted in all before answering 503."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+
+    from ..engine import Engine
+
+    if target.backend == "transformers" and max_batch_size > 1:
+        log.warning("%s runs through transformers: one request at a time", target.name)
+        max_batch_size = 1
+    engine = Engine(target, proposer, max_batch=max_batch_size, adaptive=adaptive)
+    holder: dict = {}
+    metrics = Metrics(proposer.max_draft + 1, queued=lambda: holder["worker"].queued,
+                      running=lambda: holder["worker"].running)
+    worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
+    service = Service(target, worker, metrics, model_name, default_max_tokens)
+    body_types = schemas()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()
+
+    app = FastAPI(title="dflash", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    add_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: body_types.ChatRequest, request: Request):
+        service.check_model(body.model)
+        prompt_ids = target.encode_messages([m.as_dict() for m in body.messages])
+        return await service.complete(request, body, prompt_ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: body_types.CompletionRequest, request: Request):
+        service.check_model(body.model)
+        prompt_ids = completion_prompt_ids(target, body.prompt)
+        return await service.complete(request, body, prompt_ids, chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(service)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        service.check_model(model_id)
+        return model_card(service)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "method": proposer.name, "queued": worker.queued,
+                "running": worker.running, "max_batch_size": engine.max_batch}
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def model_card(service: Service) -> dict:
+    return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "dflash",
+            "dflash": {"method": service.proposer.name, "block_size": service.proposer.max_draft + 1,
+                       "max_context": service.target.max_context, "max_batch_size": service.worker.engine.max_batch}}
+
+
+def add_error_handlers(app) -> None:
+    """OpenAI-style error bodies. Unparsable JSON is a 400 (as OpenAI answers); wrong field types stay pydantic's
+    422, with its details kept next to the OpenAI `error` object."""
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.exceptions import RequestValidationError
+
+    @app.exception_handler(UserError)
+    async def user_error(request, exc: UserError):
+        return openai_error(400, str(exc))
+
+    @app.exception_handler(ModelNotFound)
+    async def model_not_found(request, exc: ModelNotFound):
+        return openai_error(404, str(exc))
+
+    @app.exception_handler(ServerBusy)
+    async def busy(request, exc: ServerBusy):
+        return openai_error(503, str(exc), kind="server_busy")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return openai_error(400, "the request body is not valid JSON")
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors)
+        return openai_error(422, f"invalid request: {where}", detail=jsonable_encoder(errors))
+
+    @app.exception_handler(Exception)
+    async def crashed(request, exc: Exception):
+        log.exception("request failed")
+        return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}", kind="server_error")
+
+
+# ---- running it -------------------------------------------------------------------------------------------------
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, or a one-line UserError (port taken, bad host) instead of uvicorn's exit."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"port must be in [0, 65535], got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise UserError(f"cannot listen on {host}:{port}: {reason}") from exc
+
+
+def uvicorn_server(app, log_level: str = "info"):
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+class BackgroundServer:
+    """Serves `app` on a background thread, for tests and the load test: `with BackgroundServer(app) as url:`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.sock = listen(host, port)
+        self.server = uvicorn_server(app, log_level)
+        bound = self.sock.getsockname()
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import add_method_arguments, add_target_arguments
+
+    add_target_arguments(p)
+    add_method_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens for requests that set none")
+    p.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"requests decoded together in one target pass (continuous batching; default "
+                        f"{DEFAULT_MAX_BATCH}); more takes more memory for the KV cache")
+    p.add_argument("--max-queue", type=int, default=256, help="requests queued or running before answering 503")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise UserError(f"`dflash serve` needs {exc.name}: pip install 'dflash[serve]'") from exc
+    from ..cli import method_options
+    from ..engine import GenerationConfig, SpeculativeDecoder
+    from ..loading import build_proposer, load_target_cached
+
+    if args.default_max_tokens < 1 or args.max_queue < 1 or args.max_batch_size < 1:
+        raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
+    options = method_options(args, args.method)
+    sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    proposer, note = build_proposer(args.method, target, options)
+    if note:
+        print(f"[dflash] {note}", file=sys.stderr)
+    warm_up = GenerationConfig(max_new_tokens=4)
+    SpeculativeDecoder(target, proposer).generate(target.encode_prompt("Hello", chat=True), warm_up)
+    name = args.served_model_name or args.target
+    app = create_app(target, proposer, name, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
+                     max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks)
+    port = sock.getsockname()[1]
+    print(f"[dflash] serving {name!r} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
+    uvicorn_server(app, args.log_level).run(sockets=[sock])
+    return 0

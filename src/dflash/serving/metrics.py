@@ -1,0 +1,115 @@
+"""What GET /metrics shows, in the Prometheus text format (prometheus-client), one registry per app.
+
+Updated from the event loop (requests) and from the engine thread (rounds, generations); prometheus-client's
+metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ..engine import GenerationStats
+
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+GENERATION_ENDPOINTS = ENDPOINTS[:2]
+
+
+class Metrics:
+    def __init__(self, block_size: int, queued: Callable[[], int], running: Callable[[], int]):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
+
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("dflash_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
+                                registry=registry)
+        self.cancelled = Counter("dflash_cancelled_requests", "Generations dropped because the client disconnected.",
+                                 registry=registry)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed.", registry=registry)
+        self.generated_tokens = Counter("dflash_generated_tokens", "Tokens generated.", registry=registry)
+        self.rounds = Counter("dflash_verify_rounds", "Verify rounds, one per sequence per target pass.",
+                              registry=registry)
+        self.draft_tokens = Counter("dflash_draft_tokens", "Draft tokens verified.", registry=registry)
+        self.accepted_tokens = Counter("dflash_accepted_tokens", "Draft tokens accepted by the target.",
+                                       registry=registry)
+        self.round_tokens = Histogram("dflash_tokens_per_round", "Tokens emitted per verify round (tau per round).",
+                                      buckets=tuple(range(1, block_size + 1)), registry=registry)
+        self.batch_size = Histogram("dflash_batch_size", "Sequences verified together per target pass.",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        Gauge("dflash_mean_tau", "Mean tokens emitted per verify round, over all rounds.", registry=registry
+              ).set_function(self.mean_tau)
+        self.position_accepted = [0] * (block_size - 1)
+        self.total_rounds = self.total_round_tokens = 0  # plain sums behind the gauges above and below
+        position = Gauge("dflash_position_acceptance", "Fraction of verify rounds in which draft position k was "
+                         "accepted.", ["position"], registry=registry)
+        for k in range(block_size - 1):
+            position.labels(str(k + 1)).set_function(lambda k=k: self.position_accepted[k] / self._rounds())
+        Gauge("dflash_queue_depth", "Requests waiting to join the batch.", registry=registry).set_function(queued)
+        Gauge("dflash_running_requests", "Requests in the running batch.", registry=registry).set_function(running)
+        self.latency = Histogram("dflash_request_latency_seconds", "Completion request latency, queueing and "
+                                 "streaming included.", buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.ttft = Summary("dflash_time_to_first_token_seconds", "Prefill time of each generation.",
+                            registry=registry)
+
+    def _rounds(self) -> float:
+        return max(1, self.total_rounds)
+
+    def mean_tau(self) -> float:
+        return self.total_round_tokens / self._rounds()
+
+    def observe_request(self, path: str, status: int, seconds: float) -> None:
+        endpoint = path if path in ENDPOINTS else "other"  # bounded label values, whatever clients send
+        self.requests.labels(endpoint, str(status)).inc()
+        if endpoint in GENERATION_ENDPOINTS:
+            self.latency.observe(seconds)
+
+    def observe_pass(self, rows: int) -> None:
+        self.batch_size.observe(rows)
+
+    def observe_generation(self, stats: "GenerationStats") -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generated_tokens.inc(stats.new_tokens)
+        self.ttft.observe(stats.ttft_s)
+        self.rounds.inc(stats.num_rounds)
+        self.total_rounds += stats.num_rounds
+        self.total_round_tokens += sum(stats.accept_lengths)
+        self.draft_tokens.inc(sum(stats.draft_lengths))
+        for emitted in stats.accept_lengths:
+            self.round_tokens.observe(emitted)
+            accepted = emitted - 1
+            self.accepted_tokens.inc(accepted)
+            for k in range(min(accepted, len(self.position_accepted))):
+                self.position_accepted[k] += 1
+
+    def observe_cancel(self) -> None:
+        self.cancelled.inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every request by endpoint and status (validation failures included) and times completions until
+    their last byte, which for a stream is well after the handler returned."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.observe_request(scope["path"], status, time.perf_counter() - start)

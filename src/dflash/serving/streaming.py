@@ -1,0 +1,48 @@
+"""Streaming text: the pieces of a growing generation that are safe to send."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class TextDeltas:
+    """Turns a growing list of generated tokens into text pieces that are safe to send.
+
+    Held back until more tokens decide: a completed stop string and everything after it, a tail that could still
+    grow into a stop string, and a trailing partial UTF-8 character. A trailing stop token (EOS) is not text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], stop_ids: set[int]):
+        self.decode, self.stop_strings, self.stop_ids = decode, tuple(s for s in stop_strings if s), stop_ids
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
+        text = self.decode(ids)
+        cut = min((text.find(s) for s in self.stop_strings if s in text), default=-1)
+        text = text[:cut] if cut >= 0 else text[: len(text) - self._unsettled_tail(text)]
+        return self._advance(text)
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the engine's final text (which is already cut at stop strings)."""
+        return self._advance(final_text)
+
+    def _unsettled_tail(self, text: str) -> int:
+        tail = len(text) - len(text.rstrip("\ufffd"))  # a character whose bytes are not all generated yet
+        for stop in self.stop_strings:
+            for k in range(min(len(stop) - 1, len(text)), tail, -1):
+                if text.endswith(stop[:k]):
+                    tail = k
+                    break
+        return tail
+
+    def _advance(self, text: str) -> str:
+        # Decoding more tokens can rewrite earlier text (a tokenizer's space clean-up); what was sent cannot be
+        # taken back, so wait until the text extends what was sent again.
+        if not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+

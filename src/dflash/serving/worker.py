@@ -1,0 +1,214 @@
+"""The engine thread: continuous batching behind the HTTP handlers.
+
+One thread owns the engine (engine.py). Handlers on the event loop validate a request, then hand a `Job` over; at
+the next round boundary the thread admits waiting jobs into the running batch (up to --max-batch-size rows), runs a
+round for the whole batch, streams each job's new text, and resolves a job's future when it finishes. A job whose
+client went away is dropped if it has not started, or stopped at the next round if it has. Nothing one job does
+(a bad setting, a stop, a disconnect) touches the others in its batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from ..engine import Engine, GenerationConfig, GenerationResult, Sequence
+    from .metrics import Metrics
+    from .streaming import TextDeltas
+
+log = logging.getLogger("dflash.server")
+DISCONNECT_POLL_S = 0.2  # how often a waiting handler checks whether its client is still there
+IDLE_WAIT_S = 0.05
+END_OF_STREAM = object()  # what the worker puts on a stream's queue after the last text piece
+
+
+class ServerBusy(Exception):
+    """The queue is full; the client should retry later (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Job:
+    prompt_ids: list[int]
+    config: "GenerationConfig"
+    deltas: "TextDeltas | None" = None  # set for streaming requests
+    emit: Callable[[object], None] | None = None  # thread-safe sink for text pieces and END_OF_STREAM
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    future: asyncio.Future | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    sequence: "Sequence | None" = None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started_at or self.queued_at) - self.queued_at
+
+    def on_tokens(self, new_ids: list[int]) -> bool:
+        """Called by the engine on its thread; returning False stops the generation."""
+        if self.emit is not None:
+            piece = self.deltas.push(new_ids)
+            if piece:
+                self.emit(piece)
+        return not self.cancelled.is_set()
+
+    def resolve(self, result: "GenerationResult | None" = None, error: BaseException | None = None) -> None:
+        """Hand the outcome to the waiting handler (from the engine thread); a stream also gets its end marker."""
+        if self.emit is not None:
+            if result is not None and error is None:
+                tail = self.deltas.finish(result.text)
+                if tail:
+                    self.emit(tail)
+            self.emit(END_OF_STREAM)
+
+        def settle() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+class BatchWorker:
+    """Runs the engine on its own thread; `submit` from the event loop, at most `max_queue` jobs in the server."""
+
+    def __init__(self, engine: "Engine", metrics: "Metrics", max_queue: int):
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self._incoming: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._jobs: dict[object, Job] = {}  # engine sequence -> job (engine thread only)
+        self._queued = 0  # waiting here or in the engine
+        self._running = 0
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def submit(self, job: Job) -> asyncio.Future:
+        with self._lock:
+            if self._queued + self._running >= self.max_queue:
+                raise ServerBusy(f"the server is busy ({self._queued + self._running} requests queued or running); "
+                                 "retry later")
+            job.loop = asyncio.get_running_loop()
+            job.future = job.loop.create_future()
+            self._incoming.append(job)
+            self._queued += 1
+        self._wake.set()
+        return job.future
+
+    # ---- the engine thread ---------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._closing:
+            self._admit()
+            if not self.engine.busy:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            self._cancel_abandoned()
+            try:
+                rows = len(self.engine.running)
+                finished = self.engine.step()
+                self.metrics.observe_pass(max(rows, len(self.engine.running)))
+            except Exception as exc:  # noqa: BLE001 - a failed pass fails its batch, not the server
+                log.exception("a batch failed")
+                self._fail_all(exc)
+                continue
+            self._update_counts()
+            for seq in finished:
+                self.metrics.observe_generation(seq.result.stats)
+                self._jobs.pop(seq).resolve(seq.result)
+
+    def _admit(self) -> None:
+        """Move waiting jobs into the engine while it has free rows (the rest wait here, where a job whose client
+        leaves is dropped without ever running)."""
+        free = self.engine.max_batch - len(self.engine.running) - len(self.engine.waiting)
+        with self._lock:
+            incoming = [self._incoming.popleft() for _ in range(min(free, len(self._incoming)))]
+        for job in incoming:
+            if job.cancelled.is_set():  # its client left while it waited
+                with self._lock:
+                    self._queued -= 1
+                job.resolve(None)
+                continue
+            try:
+                job.sequence = self.engine.submit(job.prompt_ids, job.config, job.on_tokens)
+            except Exception as exc:  # noqa: BLE001 - checked by the handler already; if not, only this job fails
+                with self._lock:
+                    self._queued -= 1
+                job.resolve(None, exc)
+                continue
+            self._jobs[job.sequence] = job
+        self._update_counts()
+
+    def _cancel_abandoned(self) -> None:
+        for seq, job in list(self._jobs.items()):
+            if job.cancelled.is_set():
+                self.engine.cancel(seq)  # stops at this round's end; step() then hands it back as finished
+
+    def _update_counts(self) -> None:
+        running = len(self.engine.running)
+        for seq in self.engine.running:
+            job = self._jobs.get(seq)
+            if job is not None and job.started_at is None:
+                job.started_at = time.perf_counter()
+        with self._lock:
+            self._running = running
+            self._queued = len(self._incoming) + len(self.engine.waiting)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        from ..engine import Engine
+
+        for job in self._jobs.values():
+            job.resolve(None, exc)
+        self._jobs.clear()
+        old = self.engine
+        self.engine = Engine(old.target, old.proposer, old.max_batch, old.adaptive, old.timer)
+        self._update_counts()
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        for job in list(self._jobs.values()) + list(self._incoming):
+            job.cancelled.set()
+            if job.future is not None:
+                job.resolve(None)
+
+
+def cancel(job: Job, future: asyncio.Future, metrics: "Metrics") -> None:
+    """The client went away: the engine thread drops the job if it is still queued, stops it after this round if
+    it runs."""
+    if not future.done():
+        job.cancelled.set()
+        metrics.observe_cancel()
+
+
+async def wait_for_result(job: Job, future: asyncio.Future, request: "Request", metrics: "Metrics"):
+    """The job's result, or None when the client disconnected first (the job is then cancelled)."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return future.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        cancel(job, future, metrics)  # a no-op once the result is in
