@@ -90,6 +90,80 @@ class Method:
     block_size_help: str = field(default="tokens verified per round at most (drafts + 1)")
 
 
+def in_draft_dtype(method: str, target, options: MethodOptions,
+                   make: Callable[[torch.dtype], tuple[Proposer, str | None]]) -> tuple[Proposer, str | None]:
+    """`make(dtype)` in the dtype `options.draft_dtype` names; "auto" first times a drafting pass of `make(d)` in
+    each candidate dtype (once per machine) and keeps the faster. The choice goes into `proposer.report`."""
+    report = {}
+    if options.draft_dtype == "auto":
+        key = f"{target.name}:{method}:{options.drafter or 'shipped'}:{options.block_size}"
+        dtype, report = measured_draft_dtype(target, key, lambda d: best_drafting_seconds(make(d)[0], target))
+    else:
+        dtype = torch_dtype(options.draft_dtype, target.dtype)
+    proposer, note = make(dtype)
+    proposer.report = report
+    return proposer, note
+
+
+def best_drafting_seconds(proposer: Proposer, target, context: int = 64, runs: int = 3) -> float:
+    """Best of `runs` drafting passes (after a warm-up) of a fresh `proposer` after a `context`-token context of
+    random target features: what one round's drafting costs, whatever the drafts."""
+    import time
+
+    width = len(proposer.feature_layers) * target.hidden_size
+    features = torch.randn(1, context, width, generator=torch.Generator().manual_seed(0)).to(target.dtype)
+    sequence = [5 + i % (target.vocab_size - 5) for i in range(context + 1)]
+    best = float("inf")
+    for run in range(runs + 1):
+        proposer.start(sequence[:context], features)
+        start = time.perf_counter()
+        proposer.propose(sequence)
+        if run:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def target_shape(target_config) -> dict:
+    """The widths a drafter copies from its target: hidden and MLP size, heads, KV heads, head size, norm eps, the
+    full-attention RoPE base and the context length."""
+    from ..models.layers import rope_theta
+
+    heads = target_config.num_attention_heads
+    return {
+        "hidden_size": target_config.hidden_size,
+        "intermediate_size": target_config.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+        "rope_theta": rope_theta(target_config),
+        "max_position_embeddings": getattr(target_config, "max_position_embeddings", 8192),
+    }
+
+
+def check_fits(kind: str, hidden_size: int, vocab_size: int, feature_layers, target) -> None:
+    """Raise a UserError naming the first way a drafter of `kind` does not fit `target`."""
+    from ..errors import UserError
+
+    if hidden_size != target.hidden_size:
+        raise UserError(f"{kind} hidden size {hidden_size} != target hidden size {target.hidden_size}")
+    if vocab_size != target.vocab_size:
+        raise UserError(f"{kind} vocab size {vocab_size} != target vocab size {target.vocab_size}")
+    bad = [i for i in feature_layers if not 0 <= i < target.num_layers]
+    if bad:
+        raise UserError(f"{kind} feature layers {bad} are out of range for a {target.num_layers}-layer target")
+
+
+def init_untrained(model: nn.Module, seed: int) -> None:
+    """N(0, 0.02) weights for every linear of a new drafter, from a local generator: the global RNG (and so the
+    caller's unseeded sampling) is left alone."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, 0.02, generator=generator)
+
+
 def shipped_drafter(target_name: str, method: str) -> Path | None:
     folder = SHIPPED_DRAFTERS / f"{target_name}-{method}"
     return folder if (folder / "config.json").is_file() else None

@@ -254,15 +254,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def init_linear_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Normal(0, std) weights and zero biases for every nn.Linear of a new (untrained) model."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-
 def causal_mask(query_positions: torch.Tensor, key_count: int, window: int | None = None) -> torch.Tensor:
     """Bool [b, 1, s, key_count]: key j is visible to a query at position p iff j <= p (and p - j < window)."""
     keys = torch.arange(key_count, device=query_positions.device)

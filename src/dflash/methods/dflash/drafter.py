@@ -28,7 +28,7 @@ from ...checkpoint import load_weights, read_folder, write_folder
 from ...errors import UserError
 from ...models.cache import KVCache
 from ...models.kernels import FrozenLinear
-from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, rope_theta
+from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -69,23 +69,17 @@ class DFlashConfig:
         target_layer_ids: list[int] | None = None,
     ) -> "DFlashConfig":
         """A drafter shaped like the target (same width, heads and RoPE base) with `num_layers` layers."""
+        from ..base import target_shape
+
         n_target = target_config.num_hidden_layers
-        heads = target_config.num_attention_heads
         return cls(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            **target_shape(target_config),
             num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
             vocab_size=vocab_size,
             num_target_layers=n_target,
             target_layer_ids=list(target_layer_ids or default_target_layer_ids(n_target, min(num_features, n_target))),
             mask_token_id=mask_token_id,
             block_size=block_size,
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=rope_theta(target_config),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
         )
 
     # ---- public format (a Qwen3 config.json plus the DFlash keys) ----------------------------------------------
@@ -213,12 +207,10 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def untrained(cls, cfg: DFlashConfig, seed: int = 0) -> "DFlashDrafter":
         """A new drafter with N(0, 0.02) linear weights from a local generator (the global RNG is left alone)."""
+        from ..base import init_untrained
+
         drafter = cls(cfg)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for module in drafter.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, 0.02, generator=generator)
+        init_untrained(drafter, seed)
         return drafter
 
     def freeze(self, plan=None) -> "DFlashDrafter":
@@ -281,14 +273,10 @@ class DFlashDrafter(nn.Module):
 
     def check_fits(self, target) -> None:
         """Raise a UserError naming the first way this drafter does not fit `target`."""
+        from ..base import check_fits
+
         cfg = self.config
-        if cfg.hidden_size != target.hidden_size:
-            raise UserError(f"drafter hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}")
-        if cfg.vocab_size != target.vocab_size:
-            raise UserError(f"drafter vocab size {cfg.vocab_size} != target vocab size {target.vocab_size}")
-        bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
-        if bad:
-            raise UserError(f"drafter feature layers {bad} are out of range for a {target.num_layers}-layer target")
+        check_fits("drafter", cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target)
         if not 0 <= cfg.mask_token_id < target.vocab_size:
             raise UserError(f"drafter mask token id {cfg.mask_token_id} is outside the target vocab ({target.vocab_size})")
 

@@ -8,7 +8,7 @@ import torch
 
 from ...errors import UserError
 from ...models.kernels import FrozenLinear
-from ..base import Draft, MethodOptions, Proposer, measured_draft_dtype, shipped_drafter, torch_dtype
+from ..base import Draft, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 
 
@@ -97,31 +97,8 @@ def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = No
 
 
 def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
-    report = {}
-    if options.draft_dtype == "auto":
-        key = f"{target.name}:dflash:{options.drafter or 'shipped'}:{options.block_size}"
-        dtype, report = measured_draft_dtype(target, key, lambda d: seconds_to_draft(target, options, d))
-    else:
-        dtype = torch_dtype(options.draft_dtype, target.dtype)
-    drafter, note = load_drafter(options.drafter, target, dtype)
-    proposer = DFlashProposer(drafter, target, options.block_size)
-    proposer.report = report
-    return proposer, note
+    def make(dtype: torch.dtype) -> tuple[DFlashProposer, str | None]:
+        drafter, note = load_drafter(options.drafter, target, dtype)
+        return DFlashProposer(drafter, target, options.block_size), note
 
-
-def seconds_to_draft(target, options: MethodOptions, dtype: torch.dtype, context: int = 64) -> float:
-    """Best of three drafting passes (block + LM head) after a 64-token context, with the drafter in `dtype`."""
-    import time
-
-    drafter, _ = load_drafter(options.drafter, target, dtype)
-    proposer = DFlashProposer(drafter, target, options.block_size)
-    width = len(proposer.feature_layers) * target.hidden_size
-    features = torch.randn(1, context, width, generator=torch.Generator().manual_seed(0)).to(target.dtype)
-    sequence = [5 + i % (target.vocab_size - 5) for i in range(context + 1)]
-    best = float("inf")
-    for _ in range(4):  # the first is a warm-up
-        proposer.start(sequence[:context], features)
-        start = time.perf_counter()
-        proposer.propose(sequence)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return in_draft_dtype("dflash", target, options, make)

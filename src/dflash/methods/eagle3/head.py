@@ -36,7 +36,7 @@ from ...checkpoint import load_weights, read_folder, write_folder
 from ...errors import UserError
 from ...models.cache import KVCache
 from ...models.kernels import FrozenLinear
-from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, rope_theta
+from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask
 
 IGNORE = -100
 DEFAULT_DEPTH = 7
@@ -70,21 +70,15 @@ class Eagle3Config:
     def for_target(cls, target_config, vocab_size: int, draft_vocab_size: int | None = None,
                    depth: int = DEFAULT_DEPTH) -> "Eagle3Config":
         """A head as wide as the target, with its heads, MLP width and (full-attention) RoPE base."""
-        heads = target_config.num_attention_heads
+        from ..base import target_shape
+
         return cls(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            **target_shape(target_config),
             vocab_size=vocab_size,
             draft_vocab_size=min(draft_vocab_size or vocab_size, vocab_size),
             num_target_layers=target_config.num_hidden_layers,
             target_layer_ids=default_feature_layers(target_config.num_hidden_layers),
             depth=depth,
-            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
-            rope_theta=rope_theta(target_config),
-            max_position_embeddings=getattr(target_config, "max_position_embeddings", 8192),
         )
 
     def to_json_dict(self) -> dict:
@@ -149,12 +143,10 @@ class Eagle3Head(nn.Module):
         alone); `draft_vocab` = target ids the head may draft (default: the whole vocabulary)."""
         ids = sorted(set(draft_vocab)) if draft_vocab is not None else None
         cfg = Eagle3Config.for_target(target.config, target.vocab_size, len(ids) if ids else None, depth)
+        from ..base import init_untrained
+
         head = cls(cfg)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for module in head.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, 0.02, generator=generator)
+        init_untrained(head, seed)
         if ids:
             head.set_draft_vocab(ids)
         return head.to(target.device)
@@ -234,11 +226,7 @@ class Eagle3Head(nn.Module):
         return head.to(dtype=dtype).eval()  # casts float tensors only; d2t/t2d keep their types
 
     def check_fits(self, target) -> None:
+        from ..base import check_fits
+
         cfg = self.config
-        if cfg.hidden_size != target.hidden_size:
-            raise UserError(f"EAGLE-3 head hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}")
-        if cfg.vocab_size != target.vocab_size:
-            raise UserError(f"EAGLE-3 head vocab size {cfg.vocab_size} != target vocab size {target.vocab_size}")
-        bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
-        if bad:
-            raise UserError(f"EAGLE-3 feature layers {bad} are out of range for a {target.num_layers}-layer target")
+        check_fits("EAGLE-3 head", cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ...errors import UserError
-from ..base import Draft, MethodOptions, Proposer, measured_draft_dtype, shipped_drafter, torch_dtype
+from ..base import Draft, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
 from .head import Eagle3Head
 
 
@@ -63,35 +63,11 @@ class Eagle3Proposer(Proposer):
 
 def build(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
     """The head at `options.drafter`, else the shipped one for this target, else an UNTRAINED head (with a note);
-    `options.block_size` B drafts chains of B - 1; draft dtype "auto": the faster one, measured."""
-    report = {}
-    if options.draft_dtype == "auto":
-        key = f"{target.name}:eagle3:{options.drafter or 'shipped'}:{options.block_size}"
-        dtype, report = measured_draft_dtype(target, key, lambda d: seconds_to_draft(target, options, d))
-        options = MethodOptions(options.drafter, options.block_size, str(dtype).removeprefix("torch."))
-    proposer, note = load(target, options)
-    proposer.report = report
-    return proposer, note
+    `options.block_size` B drafts chains of B - 1."""
+    return in_draft_dtype("eagle3", target, options, lambda dtype: load(target, options, dtype))
 
 
-def seconds_to_draft(target, options: MethodOptions, dtype: torch.dtype, context: int = 64) -> float:
-    """Best of three whole chains after a 64-token context, with the head in `dtype`."""
-    import time
-
-    proposer, _ = load(target, MethodOptions(options.drafter, options.block_size, str(dtype).removeprefix("torch.")))
-    features = torch.randn(1, context, 3 * target.hidden_size, generator=torch.Generator().manual_seed(0))
-    features = features.to(target.dtype)
-    sequence = [5 + i % (target.vocab_size - 5) for i in range(context + 1)]
-    best = float("inf")
-    for _ in range(4):  # the first is a warm-up
-        proposer.start(sequence[:context], features)
-        start = time.perf_counter()
-        proposer.propose(sequence)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def load(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
+def load(target, options: MethodOptions, dtype: torch.dtype) -> tuple[Eagle3Proposer, str | None]:
     path, note = options.drafter, None
     if path is None:
         path = shipped_drafter(target.name, "eagle3")
@@ -103,6 +79,6 @@ def load(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
     else:
         head = Eagle3Head.load(path, device=str(target.device))
     # run in the target's dtype (or the chosen draft dtype), like the DFlash drafter, so both pay alike
-    head = head.to(device=target.device, dtype=torch_dtype(options.draft_dtype, target.dtype)).freeze(target.kernel_plan)
+    head = head.to(device=target.device, dtype=dtype).freeze(target.kernel_plan)
     depth = options.block_size - 1 if options.block_size else None
     return Eagle3Proposer(head, target, depth), note
