@@ -182,6 +182,30 @@ def test_block_sparse_attention_equals_dense_mask(kv_heads):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("rows", [3, 700])
+def test_distillation_loss_is_kl_to_the_target_and_matches_autograd(rows):
+    """Self-distillation: the loss is KL(target || drafter) at each row's own position, weighted; exact gradient."""
+    torch.manual_seed(rows)
+    hidden = torch.randn(rows, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(50, 16, dtype=torch.float64)
+    teacher_logits = torch.randn(9, 50, dtype=torch.float64) * 3
+    teacher_rows = torch.randint(0, 9, (rows,))
+    labels, weights = torch.randint(0, 50, (rows,)), torch.rand(rows, dtype=torch.float64)
+    loss, _ = linear_cross_entropy(hidden, head, labels, weights, teacher_logits, teacher_rows)
+    loss.backward()
+    reference = hidden.detach().clone().requires_grad_(True)
+    drafter_log = (reference @ head.t()).log_softmax(-1)
+    teacher_log = teacher_logits[teacher_rows].log_softmax(-1)
+    kl = (teacher_log.exp() * (teacher_log - drafter_log)).sum(-1)
+    expected = (kl * weights).sum() / weights.sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-6, atol=1e-8)
+    self_taught = linear_cross_entropy(hidden, head, labels, weights, (hidden @ head.t()).detach(),
+                                       torch.arange(rows))[0]
+    assert abs(self_taught.item()) < 1e-6  # a drafter already equal to its teacher has nothing left to learn
+
+
 # ---- the drafter pass ------------------------------------------------------------------------------------------------
 def test_training_pass_equals_inference_per_block(target):
     """Every block of the one sparse-mask pass gives the hidden states the drafter computes at inference time
@@ -191,7 +215,7 @@ def test_training_pass_equals_inference_per_block(target):
     input_ids = torch.tensor(counting_records(1)[0]["input_ids"])
     anchors = torch.tensor([4, 9, 10, 20])
     batch = build_block_batch(input_ids, anchors, 4, MASK_ID)
-    features = objective.target_features(input_ids)
+    features = objective.target_pass(input_ids)[0]
     with torch.no_grad():
         embeds = target.embed_tokens(batch.block_ids.reshape(1, -1))
         together = drafter(embeds, batch.positions.reshape(1, -1), features,
@@ -472,3 +496,24 @@ def test_dflash_run_writes_its_draft_vocabulary(resume_runs, tmp_path):
         features = target.forward(torch.tensor([prompt[:-1]]), None, proposer.feature_layers).features
         proposer.start(prompt[:-1], features)
         assert set(proposer.propose(prompt).tokens) <= set(expected)
+
+
+def test_distilled_and_target_initialised_runs_and_a_fixed_schedule(resume_runs, tmp_path):
+    """--loss kl trains (the loss falls), --init target starts from the target's last layers, and --schedule-steps
+    fixes the cosine horizon in steps, whatever the epochs."""
+    _, data = resume_runs
+    out = tmp_path / "kl"
+    assert trainer.run(train_args(data, out, "--loss", "kl", "--init", "target", "--schedule-steps", "6",
+                                  "--max-steps", "6", "--save-every", "6")) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 6 and sum(losses[3:]) < sum(losses[:3])
+    assert [r["lr"] for r in log if "lr" in r][-1] < 0.15 * 3e-3  # the cosine nearly ended by step 6 of 6
+    config = trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE)
+    assert (config.loss, config.init, config.schedule_steps) == ("kl", "target", 6)
+    target = tiny_target("llama")
+    fresh = trainer.recipe_of(config).new_model(target, config)
+    last = target.model.get_decoder().layers[-1]
+    assert torch.equal(fresh.layers[-1].mlp.down_proj.weight, last.mlp.down_proj.weight)
+    with pytest.raises(UserError, match="loss must be ce or kl"):
+        trainer.TrainConfig(loss="mse").validate()

@@ -79,6 +79,12 @@ class TrainConfig:
     grad_accum: int = option(1, "sequences per optimizer step")
     gamma: float | None = option(None, "dflash: loss decay over block positions (7 for B=16, 5 for B=10, 4 for B=8, "
                                        "interpolated)")
+    loss: str = option("ce", "dflash: ce (cross-entropy on the target's regenerated tokens) or kl (self-distillation: "
+                             "KL to the target's own distribution at every block position)")
+    init: str = option("random", "dflash: a new drafter's layers: random, or target (copied from the target's last "
+                                 "layers, same width)")
+    schedule_steps: int | None = option(None, "length of the warmup + cosine schedule in optimizer steps (default: "
+                                              "all epochs); with max_steps, a run of fixed compute")
     seed: int = option(0, "seed of the data order, anchors, held-out split and a new drafter's weights")
     # bookkeeping
     log_every: int = option(10, "steps between log records")
@@ -114,6 +120,12 @@ class TrainConfig:
             raise UserError("weight_decay and keep_checkpoints must be >= 0 and grad_clip > 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise UserError(f"schedule_steps must be >= 1, got {self.schedule_steps}")
+        if self.loss not in ("ce", "kl"):
+            raise UserError(f"loss must be ce or kl, got {self.loss!r}")
+        if self.init not in ("random", "target"):
+            raise UserError(f"init must be random or target, got {self.init!r}")
         return self
 
     def to_json(self) -> str:
@@ -319,7 +331,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.steps_per_epoch = math.ceil(len(train) / config.grad_accum)
-        self.total_steps = config.epochs * self.steps_per_epoch
+        self.total_steps = config.schedule_steps or config.epochs * self.steps_per_epoch
         warmup = max(1, round(config.warmup_ratio * self.total_steps)) if config.warmup_ratio > 0 else 0
         total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -542,7 +554,8 @@ def add_arguments(p) -> None:
     for f in fields(TrainConfig):
         if f.name == "method":
             continue
-        kind = float if "float" in str(hints[f.name]) else int
+        hint = str(hints[f.name])
+        kind = str if hint == str(str) else float if "float" in hint else int
         default = "none" if f.default is None else f.default
         options.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
                              help=f"{f.metadata['help']} (default: {default})")

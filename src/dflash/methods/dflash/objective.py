@@ -119,15 +119,19 @@ class BlockResult:
 
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ head.T, label_i) / sum_i w_i, and the argmax of each row, computed in row chunks.
+    With `teacher_logits` [S, vocab] and `teacher_rows` [N] the target of row i is the teacher's distribution
+    softmax(teacher_logits[teacher_rows[i]]) instead of the one-hot label: the loss is then KL(teacher || drafter)
+    (self-distillation); the teacher's rows are gathered chunk by chunk too.
 
     The [N, vocab] logits are the largest tensor of a training step (at 512 anchors x 16 positions x 49K words they
     are 1.6 GB in float32) and their log-softmax passes dominated the CPU step time. The head is frozen, so the
-    gradient w.r.t. hidden, (softmax - onehot) * w / sum(w) @ head, is formed chunk by chunk during the forward pass
+    gradient w.r.t. hidden, (softmax - target) * w / sum(w) @ head, is formed chunk by chunk during the forward pass
     and no logits are kept. Softmax statistics are float32 whatever the matmul dtype.
     """
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk_rows: int = 512):
+    def forward(ctx, hidden, head_weight, labels, weights, teacher_logits=None, teacher_rows=None,
+                chunk_rows: int = 512):
         values = hidden.detach()
         weight_sum = weights.sum().clamp_min(1e-12)
         need_grad = hidden.requires_grad
@@ -138,12 +142,21 @@ class LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_rows)
             logits = (values[rows].to(head_weight.dtype) @ head_weight.t()).float()
             log_norm = logits.logsumexp(-1)
-            picked = logits.gather(1, labels[rows, None])[:, 0]
-            loss += ((log_norm - picked) * weights[rows]).sum()
             predictions[rows] = logits.argmax(-1)
+            if teacher_logits is None:
+                picked = logits.gather(1, labels[rows, None])[:, 0]
+                loss += ((log_norm - picked) * weights[rows]).sum()
+            else:  # KL(p || q) = sum p log p - sum p * logits + log_norm
+                teacher_log = teacher_logits[teacher_rows[rows]].float().log_softmax(-1)
+                teacher = teacher_log.exp()
+                row_loss = log_norm - (teacher * logits).sum(-1) + (teacher * teacher_log).sum(-1)
+                loss += (row_loss * weights[rows]).sum()
             if need_grad:
                 probs = logits.sub_(log_norm[:, None]).exp_()
-                probs[torch.arange(probs.shape[0], device=probs.device), labels[rows]] -= 1.0
+                if teacher_logits is None:
+                    probs[torch.arange(probs.shape[0], device=probs.device), labels[rows]] -= 1.0
+                else:
+                    probs.sub_(teacher)
                 probs.mul_((weights[rows] / weight_sum)[:, None])
                 grad[rows] = (probs.to(head_weight.dtype) @ head_weight).to(grad.dtype)
         ctx.save_for_backward(grad)
@@ -153,23 +166,31 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_predictions):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden, head_weight, labels, weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted mean cross-entropy, argmax predictions) of the logits hidden @ head_weight.T; see LinearCrossEntropy.
-    hidden [N, D], head_weight [V, D] (frozen), labels [N], weights [N]."""
-    return LinearCrossEntropy.apply(hidden, head_weight.detach(), labels, weights.to(torch.float32))
+def linear_cross_entropy(hidden, head_weight, labels, weights, teacher_logits=None,
+                         teacher_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted mean loss, argmax predictions) of the logits hidden @ head_weight.T; see LinearCrossEntropy.
+    hidden [N, D], head_weight [V, D] (frozen), labels [N], weights [N]; teacher_logits [S, V] and teacher_rows [N]
+    for self-distillation."""
+    return LinearCrossEntropy.apply(hidden, head_weight.detach(), labels, weights.to(torch.float32), teacher_logits,
+                                    teacher_rows)
 
 
-def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: torch.Tensor) -> BlockResult:
-    """Loss and accuracy of drafter hidden states [nblocks, B, D] against `labels` [nblocks, B].
+def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: torch.Tensor,
+               teacher_logits: torch.Tensor | None = None, teacher_rows: torch.Tensor | None = None) -> BlockResult:
+    """Loss and accuracy of drafter hidden states [nblocks, B, D] against `labels` [nblocks, B] (or, with the
+    sequence's `teacher_logits` [S, V] and `teacher_rows` [nblocks, B], the row of each block position's
+    distribution, against the target's own distributions).
 
     The LM head runs only on positions with a label: the vocabulary projection is the largest tensor in a step.
     """
     valid = labels != IGNORE
     valid_weights = weights.to(hidden.device).expand_as(labels)[valid]
-    loss, predictions = linear_cross_entropy(hidden[valid], lm_head.weight, labels[valid], valid_weights)
+    rows = teacher_rows[valid] if teacher_rows is not None else None
+    loss, predictions = linear_cross_entropy(hidden[valid], lm_head.weight, labels[valid], valid_weights,
+                                             teacher_logits, rows)
     correct = torch.zeros_like(valid)
     correct[valid] = predictions == labels[valid]
     return BlockResult(loss, correct[:, 1:], valid[:, 1:], valid_weights.sum())
@@ -197,9 +218,11 @@ class DFlashObjective:
 
     name = "dflash"
 
-    def __init__(self, drafter, target, anchors_per_seq: int, gamma: float | None = None, max_length: int = 3072):
+    def __init__(self, drafter, target, anchors_per_seq: int, gamma: float | None = None, max_length: int = 3072,
+                 distill: bool = False):
         self.model = drafter
         self.target = target
+        self.distill = distill  # soft labels: the target's own distribution at each block position (KL)
         self.block_size = drafter.config.block_size
         self.anchors_per_seq = anchors_per_seq
         self.max_length = min(max_length, target.max_context)
@@ -210,15 +233,17 @@ class DFlashObjective:
     def sequence(self, input_ids: torch.Tensor) -> torch.Tensor:
         return input_ids[: self.max_length].to(self.target.device, torch.long)
 
-    def target_features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        features = self.target.forward(input_ids[None], None, self.feature_layers, logits_at="none").features
+    def target_pass(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(features, logits or None): one clean target forward of the sequence."""
+        out = self.target.forward(input_ids[None], None, self.feature_layers,
+                                  logits_at="all" if self.distill else "none")
         # target.forward runs in inference mode; autograd may not save inference tensors, so copy out of it
-        return features.clone()
+        return out.features.clone(), (out.logits[0].clone() if out.logits is not None else None)
 
     def blocks_result(self, input_ids: torch.Tensor, anchors: torch.Tensor) -> BlockResult:
         """Run every block anchored at `anchors` through the drafter in one pass."""
         batch = build_block_batch(input_ids, anchors, self.block_size, self.model.config.mask_token_id)
-        features = self.target_features(input_ids)
+        features, logits = self.target_pass(input_ids)
         nblocks = batch.block_ids.shape[0]
         with torch.no_grad():
             embeds = self.target.embed_tokens(batch.block_ids.reshape(1, -1))
@@ -229,7 +254,10 @@ class DFlashObjective:
             torch.arange(input_ids.shape[0], device=input_ids.device)[None],
             mask=batch.layout,
         )
-        return block_loss(hidden.view(nblocks, self.block_size, -1), batch.labels, self.target.lm_head, self.weights)
+        # the label at block position k is the token at a+k, which the target predicted at position a+k-1
+        rows = (batch.positions - 1).clamp(0, input_ids.shape[0] - 1) if logits is not None else None
+        return block_loss(hidden.view(nblocks, self.block_size, -1), batch.labels, self.target.lm_head, self.weights,
+                          logits, rows)
 
     def usable(self, example) -> bool:
         """False for sequences whose (truncated) response leaves no anchor to train on."""
@@ -276,14 +304,17 @@ class DFlashTraining:
     fixed_shape: tuple[str, ...] = ()
     fixed_shape_note = ""
     free_on_init: tuple[str, ...] = ()
-    own_options = ("anchors_per_seq", "gamma")
+    own_options = ("anchors_per_seq", "gamma", "loss", "init")
 
     def new_model(self, target, config) -> DFlashDrafter:
         cfg = DFlashConfig.for_target(
             target.config, target.vocab_size, default_mask_token_id(target.tokenizer, target.vocab_size),
             num_layers=config.num_layers, block_size=config.block_size, num_features=config.num_features,
         )
-        return DFlashDrafter.untrained(cfg, seed=config.seed).to(target.device)  # the seed fixes the initial weights
+        drafter = DFlashDrafter.untrained(cfg, seed=config.seed)  # the seed fixes the initial weights
+        if config.init == "target":
+            copy_target_layers(drafter, target)
+        return drafter.to(target.device)
 
     def load_model(self, folder, target) -> DFlashDrafter:
         try:
@@ -299,7 +330,8 @@ class DFlashTraining:
                 "num_features": len(cfg.target_layer_ids)}
 
     def objective(self, drafter: DFlashDrafter, target, config) -> DFlashObjective:
-        return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length)
+        return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length,
+                               distill=config.loss == "kl")
 
     def prepare_new(self, objective, train_examples, config) -> None:
         """A new drafter drafts among the most frequent response tokens of the training sequences (its draft
@@ -310,3 +342,25 @@ class DFlashTraining:
         size = min(config.draft_vocab or DEFAULT_DRAFT_VOCAB, drafter.config.vocab_size)
         responses = (e.input_ids[e.loss_start: objective.max_length] for e in train_examples)
         drafter.draft_vocab = frequent_tokens(responses, drafter.config.vocab_size, size)
+
+
+def copy_target_layers(drafter: DFlashDrafter, target) -> None:
+    """Start each drafter layer from one of the target's last layers (same width): attention and MLP projections and
+    the two norms. The drafter's per-head q/k norms stay at 1 where the target has none (Llama); the fusion `fc` stays
+    random. Gemma-style norms (an offset from 1) are converted to plain scales."""
+    layers = target.model.get_decoder().layers
+    chosen = layers[len(layers) - len(drafter.layers):]
+    unit_offset = target.config.model_type.startswith("gemma")
+    with torch.no_grad():
+        for ours, theirs in zip(drafter.layers, chosen):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(ours.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(ours.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                weight = getattr(theirs, name).weight
+                getattr(ours, name).weight.copy_(weight + 1 if unit_offset else weight)
+            for name in ("q_norm", "k_norm"):
+                if getattr(theirs.self_attn, name, None) is not None:
+                    weight = getattr(theirs.self_attn, name).weight
+                    getattr(ours.self_attn, name).weight.copy_(weight + 1 if unit_offset else weight)
