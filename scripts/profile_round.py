@@ -1,8 +1,15 @@
-"""Cost of the pieces of one speculative round on the default target (median of 10 runs, milliseconds).
+"""What one speculative round costs on this machine, against the weight-bandwidth bound (milliseconds).
 
-Usage: .venv/bin/python scripts/profile_round.py [float32|bfloat16] [THREADS]
+Usage: .venv/bin/python scripts/profile_round.py [float32|bfloat16] [THREADS] [--json FILE]
+
+The bound: a decode step must read every weight once, so it cannot beat weight bytes / memory bandwidth. The
+bandwidth is measured in the same run, two ways: a read-only pass over a buffer the size of the model (`sum`), and
+the best kernel's matrix-vector product over a matrix of that size. Reported: our forward (dflash's engine) and
+transformers' forward for a 1-token step and verify passes of 2-16 tokens (with features), drafting a block, and
+each step's ratio to the bound. Medians of 10 runs each; the engine is warmed up first.
 """
 
+import json
 import sys
 import time
 
@@ -10,6 +17,8 @@ import torch
 
 from dflash.loading import build_proposer, load_target_cached
 from dflash.methods.base import MethodOptions
+from dflash.models.kernels import FrozenLinear
+from dflash.models.target import TargetModel
 
 
 def median_ms(fn, runs: int = 10) -> float:
@@ -22,36 +31,69 @@ def median_ms(fn, runs: int = 10) -> float:
     return 1000 * sorted(times)[runs // 2]
 
 
-def main() -> None:
-    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
-    target = load_target_cached("smollm2-135m", dtype)
-    proposer, _ = build_proposer("dflash", target, MethodOptions(draft_dtype="bfloat16"))
+def bandwidth_gb_s(weight_bytes: int, dtype: torch.dtype) -> dict:
+    """GB/s of a read-only pass over `weight_bytes` and of the best matvec over a [N, 576] matrix of that size."""
+    element = torch.empty((), dtype=dtype).element_size()
+    buffer = torch.ones(weight_bytes // element, dtype=dtype)
+    read_ms = median_ms(lambda: buffer.sum(), runs=5)
+    matrix = buffer.view(-1, 576)[: (weight_bytes // element) // 576]
+    frozen = FrozenLinear(matrix)
+    x = torch.randn(1, 576, dtype=dtype)
+    with torch.inference_mode():
+        matvec_ms = min(median_ms(lambda k=k: frozen.run(x, k), runs=5) for k in ("plain", "packed"))
+    return {"read": weight_bytes / read_ms / 1e6, "matvec": matrix.numel() * element / matvec_ms / 1e6}
+
+
+def profile(target: TargetModel, layers: tuple[int, ...], widths=(1, 2, 4, 8, 16)) -> dict[int, float]:
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How much does she make every day?")
-    cache = target.new_cache()
+    cache = target.new_cache(capacity=512)
     target.forward(torch.tensor([prompt]), cache)
     length = len(cache)
 
-    def verify(n, layers=()):
+    def verify(n):
         def run():
-            target.forward(torch.tensor([[5] * n]), cache, layers)
+            target.forward(torch.tensor([[5] * n]), cache, layers if n > 1 else ())
             cache.truncate(length)
         return run
 
+    return {n: median_ms(verify(n)) for n in widths}
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    dtype = args[0] if args else "float32"
+    torch.set_num_threads(int(args[1]) if len(args) > 1 else 2)
+    out_file = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    target = load_target_cached("smollm2-135m", dtype)
+    proposer, _ = build_proposer("dflash", target, MethodOptions(draft_dtype="auto"))
     layers = proposer.feature_layers
-    print(f"target {dtype}, drafter bfloat16, {torch.get_num_threads()} threads")
-    print(f"target forward, 1 token (ar step): {median_ms(verify(1)):7.1f} ms")
-    for n in (2, 3, 4, 8, 16):  # a verify pass costs what the kernels for its width cost, not n times a step
-        print(f"target verify, {n:2d} tokens + features: {median_ms(verify(n, layers)):7.1f} ms")
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    hf = TargetModel(target.model, target.tokenizer, target.name, prefer_transformers=True)
+    ours, theirs = profile(target, layers), profile(hf, layers)
+    bandwidth = bandwidth_gb_s(weight_bytes, target.dtype)
+    bound_ms = {k: weight_bytes / (v * 1e6) for k, v in bandwidth.items()}
+    prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How much does she make every day?")
     features = target.forward(torch.tensor([prompt]), None, layers).features
 
     def draft():
         proposer.start(prompt, features)
         proposer.propose(prompt + [5])
-    print(f"drafter propose (block 16, LM head over 15): {median_ms(draft):7.1f} ms")
-    hidden = torch.randn(15, target.hidden_size, dtype=proposer.lm_head.weight.dtype)
-    with torch.inference_mode():
-        print(f"  of which the LM head: {median_ms(lambda: proposer.lm_head(hidden)):7.1f} ms")
+
+    draft_ms = median_ms(draft)
+    report = {"dtype": dtype, "threads": torch.get_num_threads(), "weight_mb": weight_bytes / 1e6,
+              "bandwidth_gb_s": bandwidth, "bound_ms": bound_ms, "ours_ms": ours, "transformers_ms": theirs,
+              "draft_ms": draft_ms, "draft_dtype": proposer.report.get("draft_dtype"), "kernels": target.kernel_report}
+    print(f"target {dtype}, {torch.get_num_threads()} threads, {weight_bytes / 1e6:.0f} MB of weights; bandwidth "
+          f"{bandwidth['read']:.1f} GB/s (read) / {bandwidth['matvec']:.1f} GB/s (best matvec) -> a step cannot beat "
+          f"{bound_ms['read']:.1f} / {bound_ms['matvec']:.1f} ms")
+    print(f"{'tokens':>6} {'ours ms':>9} {'x bound':>8} {'transformers ms':>16} {'ours vs transformers':>21}")
+    for n in ours:
+        print(f"{n:>6} {ours[n]:>9.1f} {ours[n] / bound_ms['read']:>7.2f}x {theirs[n]:>16.1f} "
+              f"{theirs[n] / ours[n]:>20.2f}x")
+    print(f"verify-16 / step: {ours[16] / ours[1]:.2f}x; drafting a block ({report['draft_dtype']}): {draft_ms:.1f} ms")
+    if out_file:
+        with open(out_file, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ TEMPLATES = {
     "\n\n```python\n{prompt}```",
 }
 HF_METHOD = "hf"  # transformers' own generate, beside the engine's methods
+LLAMACPP_METHOD = "llamacpp"  # llama.cpp (llama-cpp-python) on a GGUF file: the engine a CPU user would pick instead
+BASELINES = (HF_METHOD, LLAMACPP_METHOD)  # other engines: timed, but not ours to compare token by token
 WARMUP_TOKENS = 8
 
 
@@ -124,7 +126,7 @@ class MethodSpec:
 def known_methods() -> list[str]:
     from .methods import registry
 
-    return registry.names() + [HF_METHOD]
+    return registry.names() + list(BASELINES)
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -135,7 +137,7 @@ def parse_method(text: str) -> MethodSpec:
                         "(optionally NAME@B, NAME@B:whole)")
     if colon and mode != "whole":
         raise UserError(f"bad method setting {text!r}: the only mode is ':whole' (e.g. dflash@16:whole)")
-    if (size_text or colon) and name in ("ar", HF_METHOD):
+    if (size_text or colon) and name in ("ar", *BASELINES):
         raise UserError(f"{name} takes no setting (got {text!r})")
     size = None
     if size_text:
@@ -249,16 +251,73 @@ class HFRunner:
         return Run(tokens, target.decode(shown), ttft, total)
 
 
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python (the optional extra `dflash[llamacpp]`) on a GGUF file of the target:
+    greedy (or sampled) decoding of the same prompt ids, timed the same way. By default the GGUF file the registry
+    ships (for smollm2-135m: Q4_1-quantised, so its outputs differ from the float32 target's and are not compared)."""
+
+    method, block_size = LLAMACPP_METHOD, 1
+
+    def __init__(self, target, gguf: str | None, sampling):
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise UserError("the llamacpp baseline needs llama-cpp-python: pip install 'dflash[llamacpp]' "
+                            "(it compiles llama.cpp: 5-20 minutes on 2 cores)") from exc
+        path = Path(gguf) if gguf else registry_gguf(target.name)
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        self.path, self.sampling, self.eos = path, sampling, set(target.eos_token_ids)
+        self.llm = Llama(model_path=str(path), n_ctx=min(target.max_context, 4096), n_threads=torch.get_num_threads(),
+                         n_batch=512, verbose=False, seed=sampling.seed or 0)
+        self.quantization = quantization_of(path)
+        self.decode = target.decode
+
+    def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
+        self.llm.reset()
+        tokens, first_at = [], None
+        start = time.perf_counter()
+        temperature = self.sampling.temperature
+        for token in self.llm.generate(prompt_ids, temp=temperature, top_k=1 if temperature == 0 else 40,
+                                       top_p=self.sampling.top_p, reset=True):
+            first_at = first_at or time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) >= max_new or (token in self.eos and not ignore_eos):
+                break
+        total = time.perf_counter() - start
+        shown = tokens[:-1] if tokens and tokens[-1] in self.eos and not ignore_eos else tokens
+        return Run(tokens, self.decode(shown), (first_at or time.perf_counter()) - start, total)
+
+
+def registry_gguf(name: str) -> Path:
+    from .hub import REGISTRY, fetch_gguf
+
+    if name not in REGISTRY:
+        raise UserError(f"--llamacpp-gguf is needed for target {name!r} (only registry targets ship a GGUF file)")
+    return fetch_gguf(name)
+
+
+def quantization_of(path: Path) -> str:
+    """The GGUF file's weight type as its name says it (e.g. Q4_1, F32, BF16), else "unknown"."""
+    import re
+
+    match = re.search(r"(BF16|F16|F32|Q\d_K(?:_[SML])?|Q\d_\d|Q\d_0|IQ\d\w*)", path.name, re.IGNORECASE)
+    return match.group(1).upper() if match else "unknown"
+
+
 def build_runners(methods: list[str], target, args, sampling) -> dict:
     from .cli import drafter_paths, method_options
     from .loading import build_proposer
 
     specs = {method: parse_method(method) for method in methods}
-    drafter_paths(args.drafter, [spec.name for spec in specs.values() if spec.name != HF_METHOD])  # checks them
+    drafter_paths(args.drafter, [spec.name for spec in specs.values() if spec.name not in BASELINES])  # checks them
     runners = {}
     for method, spec in specs.items():
         if spec.name == HF_METHOD:
             runners[method] = HFRunner(target, sampling)
+            continue
+        if spec.name == LLAMACPP_METHOD:
+            runners[method] = LlamaCppRunner(target, args.llamacpp_gguf, sampling)
             continue
         options = method_options(args, spec.name, spec.size)
         proposer, note = build_proposer(spec.name, target, options)
@@ -363,6 +422,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "adaptive choice, side by side with the others, e.g. dflash,dflash@8,dflash@16:whole,eagle3@4 "
                         "(default: ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
+    p.add_argument("--llamacpp-gguf", default=None, metavar="FILE",
+                   help="GGUF file for the llamacpp baseline (default: the registry's file for the target)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
@@ -392,7 +453,7 @@ def run(args) -> int:
     prompts = read_prompts(path, template, args.limit)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
 
@@ -412,7 +473,8 @@ def run(args) -> int:
                 totals[method].add(r)
                 reference = runs["ar"][turn].tokens
                 same = r.tokens == reference
-                if sampling.greedy and not same:
+                # llama.cpp runs other (often quantised) weights: its tokens are not the target's to compare
+                if sampling.greedy and not same and method != LLAMACPP_METHOD:
                     mismatches.append({"id": prompt.id, "turn": turn, "method": method,
                                        "first_difference": first_difference(r.tokens, reference)})
                 rows.append(_row(prompt.id, turn, method, r, same))
@@ -442,6 +504,8 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "dtype": str(target.dtype).removeprefix("torch."),
         "draft_dtype": args.draft_dtype,
         "drafters": {m: r.report for m, r in runners.items() if getattr(r, "report", None)},
+        "llamacpp": {m: {"gguf": str(r.path), "quantization": r.quantization} for m, r in runners.items()
+                     if isinstance(r, LlamaCppRunner)},
         "dataset": args.dataset,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -508,8 +572,11 @@ def markdown_table(results: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for method, s in results["methods"].items():
         tau = f"{s['tau']:.2f}" if "tau" in s else ("1.00" if method == "ar" else "-")
+        name = method
+        if method in results.get("llamacpp", {}):  # its weights are not the target's: say which they are
+            name = f"{method} ({results['llamacpp'][method]['quantization']} GGUF)"
         lines.append(
-            f"| {method} | {tau} | {_times(s.get('speedup', 1.0))} | {_times(s.get('e2e_speedup', 1.0))} "
+            f"| {name} | {tau} | {_times(s.get('speedup', 1.0))} | {_times(s.get('e2e_speedup', 1.0))} "
             f"| {s['tokens_per_s']:.1f} | {s['tpot_ms']:.2f} | {s['ttft_ms']:.1f} |"
         )
     return "\n".join(lines)

@@ -49,6 +49,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
     group.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads (default: torch's choice, one per core)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
+                            "did not beat the packed eager kernels, see docs/RESULTS.md)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                        help="CPU matmul kernels: auto = the faster of packed oneDNN and plain PyTorch per weight "
                             "shape, measured once per machine and cached (default: auto)")
@@ -156,7 +159,7 @@ def run(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
     config.validate()
     options = method_options(args, args.method)
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)

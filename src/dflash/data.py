@@ -22,7 +22,7 @@ import time
 import zipfile
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import IO, Iterator
@@ -232,10 +232,6 @@ def collect_prompts(inputs: list[str], sharegpt: int) -> list[Prompt]:
 
 
 # ---- regeneration -----------------------------------------------------------------------------------------------
-class RowFailure(Exception):
-    """Failures a single row may cause that a later run may not: the machine ran out of memory."""
-
-
 def out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
@@ -299,6 +295,14 @@ class DataSettings:
     max_new_tokens: int
     max_prompt_tokens: int
     temperature: float
+    samples: int = 1
+
+    def as_dict(self) -> dict:
+        """The settings a manifest records (samples only when > 1, so folders made before it existed resume)."""
+        values = asdict(self)
+        if self.samples == 1:
+            del values["samples"]
+        return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -317,6 +321,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded together (default 16)")
     p.add_argument("--shard-size", type=int, default=10000, help="records per shard file")
     p.add_argument("--seed", type=int, default=0, help="seed of the mix shuffle and of sampling at T > 0")
+    p.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="responses per prompt, sampled at --temperature > 0 (more sequences from the same prompts)")
     p.add_argument("--pack", metavar="CORPUS", default=None,
                    help="instead of regenerating: pack the records of --out into a compact corpus folder that "
                         "`dflash train --data` reads (LZMA-compressed token shards; see corpus.py)")
@@ -330,6 +336,8 @@ def validate(args) -> None:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if args.sharegpt < 0:
         raise UserError(f"--sharegpt must be >= 0, got {args.sharegpt}")
+    if args.samples < 1 or (args.samples > 1 and args.temperature == 0):
+        raise UserError("--samples must be >= 1, and more than one needs --temperature > 0 (greedy repeats itself)")
 
 
 def encode_todo(target, todo: list[Prompt], max_prompt_tokens: int) -> tuple[Encoded, list[dict]]:
@@ -357,6 +365,11 @@ def outcome_rows(prompt: Prompt, ids: list[int], response: list[int] | None, err
              "input_ids": ids + response, "loss_start": len(ids)}], []
 
 
+def with_samples(prompts: list[Prompt], samples: int) -> list[Prompt]:
+    """Each prompt `samples` times: the copies are ids `ID#k`, each its own (seeded) sample."""
+    return [p if k == 0 else replace(p, id=f"{p.id}#{k}") for p in prompts for k in range(samples)]
+
+
 def write_manifest(out: OutputDir, settings: DataSettings, prompts: list[Prompt], skipped: list[dict],
                    tokens_per_s: float | None) -> dict:
     ids = {p.id for p in prompts}
@@ -364,7 +377,7 @@ def write_manifest(out: OutputDir, settings: DataSettings, prompts: list[Prompt]
               "retry": len(out.retry_ids & ids), "skipped": len(skipped)}
     counts["pending"] = counts["inputs"] - counts["ok"] - counts["error"] - counts["retry"] - counts["skipped"]
     manifest = {
-        "settings": asdict(settings),
+        "settings": settings.as_dict(),
         "counts": counts,
         "complete": counts["pending"] == 0 and counts["retry"] == 0,
         "inputs_by_source": dict(Counter(p.source for p in prompts)),
@@ -448,12 +461,15 @@ def run(args) -> int:
         return pack_folder(args)
     inputs = args.input or ([] if args.sharegpt else list(DEFAULT_INPUTS))
     settings = DataSettings(args.target, args.dtype, inputs, args.sharegpt, args.seed, args.max_new_tokens,
-                            args.max_prompt_tokens, args.temperature)
-    prompts = collect_prompts(inputs, args.sharegpt)
-    mix, skipped = build_mix(prompts, args.seed)
+                            args.max_prompt_tokens, args.temperature, args.samples)
+    unique = collect_prompts(inputs, args.sharegpt)
+    mix, skipped = build_mix(unique, args.seed)
+    # --samples: every prompt (kept or skipped) stands for that many inputs
+    prompts, mix = with_samples(unique, args.samples), with_samples(mix, args.samples)
+    skipped = [dict(s, id=f"{s['id']}#{k}" if k else s["id"]) for s in skipped for k in range(args.samples)]
     out = OutputDir(Path(args.out), args.shard_size)
-    out.check_settings(asdict(settings))
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    out.check_settings(settings.as_dict())
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     todo, too_long = encode_todo(target, [p for p in mix if p.id not in out.done_ids], args.max_prompt_tokens)
     skipped += too_long
     out.write_skipped(skipped)

@@ -10,12 +10,13 @@ import torch
 from .errors import UserError
 from .methods import registry
 from .methods.base import MethodOptions, Proposer
-from .models.target import DTYPES, TargetModel, choose_kernels, load_target
+from .models.target import DTYPES, TargetModel, choose_kernels, compile_target, load_target
 
 TINY_ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
 
 
-def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", kernels: str = "auto") -> TargetModel:
+def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", kernels: str = "auto",
+                       compile: bool = False) -> TargetModel:
     """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (packed kernels, nothing
     measured); anything else goes to load_target."""
     if spec.startswith("tiny-"):
@@ -30,8 +31,11 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         target.measure = False
         target.model.to(DTYPES[dtype])
         choose_kernels(target, "packed" if kernels == "auto" else kernels)
-        return target
-    return load_target(spec, dtype, device, kernels)
+    else:
+        target = load_target(spec, dtype, device, kernels)
+    if compile:
+        compile_target(target)
+    return target
 
 
 def build_proposer(method: str, target: TargetModel, options: MethodOptions | None = None

@@ -90,6 +90,7 @@ class TrainConfig:
     log_every: int = option(10, "steps between log records")
     eval_every: int = option(500, "steps between held-out evaluations")
     save_every: int = option(1000, "steps between checkpoints")
+    save_minutes: float | None = option(None, "also checkpoint when this many minutes passed since the last one")
     keep_checkpoints: int = option(3, "keep only the newest N checkpoints, 0 = all")
     max_steps: int | None = option(None, "stop after this global step; the schedule still spans all epochs "
                                          "(for chunked runs)")
@@ -120,6 +121,8 @@ class TrainConfig:
             raise UserError("weight_decay and keep_checkpoints must be >= 0 and grad_clip > 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.save_minutes is not None and not self.save_minutes > 0:
+            raise UserError(f"save_minutes must be > 0, got {self.save_minutes}")
         if self.schedule_steps is not None and self.schedule_steps < 1:
             raise UserError(f"schedule_steps must be >= 1, got {self.schedule_steps}")
         if self.loss not in ("ce", "kl"):
@@ -159,7 +162,7 @@ def read_config_values(path: str | Path) -> dict:
 
 
 # Options a resumed run may change: they do not affect the weights it computes.
-RESUMABLE = ("log_every", "eval_every", "save_every", "keep_checkpoints", "max_steps")
+RESUMABLE = ("log_every", "eval_every", "save_every", "save_minutes", "keep_checkpoints", "max_steps")
 
 
 
@@ -399,6 +402,7 @@ class Trainer:
         window: list[dict[str, torch.Tensor]] = []
         window_seconds = 0.0  # training time only: evaluations and checkpoints would distort steps/s
         order, order_epoch = None, None
+        last_save = time.monotonic()
         while self.state.step < stop:
             if order_epoch != self.state.epoch:
                 order, order_epoch = self.epoch_order(self.state.epoch), self.state.epoch
@@ -417,8 +421,10 @@ class Trainer:
                 window_seconds += time.perf_counter() - started
             if self.heldout and (step % self.config.eval_every == 0 or step == stop):
                 self.evaluate()
-            if step % self.config.save_every == 0 or step == stop:
+            overdue = self.config.save_minutes and time.monotonic() - last_save >= 60 * self.config.save_minutes
+            if step % self.config.save_every == 0 or step == stop or overdue:
                 self.save_checkpoint()
+                last_save = time.monotonic()
         bar.close()
         self.export_final()
         return self.state
@@ -647,7 +653,7 @@ def build_run(args, overrides: dict, out: Path):
         config = base.replace(overrides)
         explicit = set(values) | set(overrides)
         config = method_config(config, explicit)
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     recipe = recipe_of(config)
     if resume_from is not None:
         model = recipe.load_model(resume_from, target)

@@ -106,6 +106,13 @@ class Transformer(nn.Module):
         head = self.lm_head if isinstance(self.lm_head, nn.Linear) else None
         self.head = FrozenLinear.of(head, plan) if head is not None else FrozenLinear(self.lm_head.weight, None, plan)
 
+    def compile(self) -> None:
+        """torch.compile every decoder layer (inductor on CPU; dynamic shapes, since cache lengths grow). It fuses the
+        small ops between the matmuls; whether that pays is measured (`dflash generate --compile --json` reports
+        the compile time and scripts/profile_round.py the step), so it is off unless asked for."""
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+
     def use_plan(self, plan: KernelPlan) -> None:
         for linear in self.frozen_linears():
             linear.use_plan(plan)

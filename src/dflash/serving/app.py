@@ -309,7 +309,7 @@ def run(args) -> int:
         raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels)
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)

@@ -1,0 +1,37 @@
+"""scripts/train_gpu.sh, run on the CPU at tiny scale: data (with several samples per prompt), packing, training
+with time-based checkpoints, and a second run that resumes instead of starting over."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_gpu.sh"
+
+
+def run_script(tmp_path: Path, out: Path) -> subprocess.CompletedProcess:
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(6)))
+    env = dict(os.environ, DFLASH_DATA_DIR=str(tmp_path), DEVICE="cpu", DTYPE="float32", PY=sys.executable,
+               INPUTS="mine.jsonl", SHAREGPT="0", SAMPLES="2", MAX_NEW="8", BATCH="4", LAYERS="1", EPOCHS="1",
+               ANCHORS="8", GRAD_ACCUM="2", SAVE_MINUTES="0.001", LOSS="kl")
+    return subprocess.run(["bash", str(SCRIPT), "tiny-qwen3", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_gpu_script_runs_end_to_end_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    first = run_script(tmp_path, out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["counts"]["inputs"] == 12  # 6 prompts x 2 samples
+    assert manifest["settings"]["samples"] == 2
+    assert json.loads((out / "corpus" / "corpus.json").read_text())["records"] == manifest["counts"]["ok"]
+    assert (out / "train" / "final" / "model.safetensors").is_file()
+    assert (out / "train" / "final" / "draft_vocab.json").is_file()
+    config = json.loads((out / "train" / "train_config.json").read_text())
+    assert (config["num_layers"], config["loss"], config["save_minutes"]) == (1, "kl", 0.001)
+    second = run_script(tmp_path, out)  # everything done: data skips every row, training resumes at its end
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" in second.stderr and "0 to regenerate" in second.stderr
