@@ -109,3 +109,44 @@ def test_seeded_sampling_in_a_batch_is_reproducible(tiny_targets):
         return [s.result.tokens for s in seqs]
 
     assert sample_all() == sample_all()
+
+
+def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets):
+    """propose_batch gives each row the drafts and confidences it gets alone, over rounds in which the rows'
+    contexts grow by different amounts."""
+    import copy
+
+    import torch
+
+    from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
+    from dflash.methods.dflash.proposer import DFlashProposer
+
+    target = tiny_targets["gemma3"]
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, 2, num_layers=2, block_size=6, num_features=2)
+    drafter = DFlashDrafter.untrained(cfg, seed=1)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.mul_(20)  # a sharper random drafter: distinct argmaxes make the comparison meaningful
+    template = DFlashProposer(drafter.freeze(), target)
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(5, 60, (n,), generator=gen).tolist() for n in (9, 17, 12)]
+    features = [target.forward(torch.tensor([s[:-1]]), None, template.feature_layers).features for s in sequences]
+    alone, together = [copy.copy(template) for _ in sequences], [copy.copy(template) for _ in sequences]
+    for p, q, s, f in zip(alone, together, sequences, features):
+        p.start(s[:-1], f)
+        q.start(s[:-1], f)
+    for grow in ((0, 0, 0), (3, 1, 2), (1, 5, 1)):
+        for i, n in enumerate(grow):  # commit n more tokens (their features) before the next round
+            if n:
+                more = torch.randint(5, 60, (n,), generator=gen).tolist()
+                feats = target.forward(torch.tensor([sequences[i] + more]), None, template.feature_layers).features
+                new = feats[:, len(sequences[i]) - 1: len(sequences[i]) - 1 + n]
+                for p in (alone[i], together[i]):
+                    p.commit(sequences[i][-1:] + more[:-1], new)
+                sequences[i] = sequences[i] + more
+        solo = [p.propose(s) for p, s in zip(alone, sequences)]
+        batch = DFlashProposer.propose_batch(together, sequences, [None] * len(sequences))
+        for a, b in zip(solo, batch):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(torch.tensor(a.confidence), torch.tensor(b.confidence), atol=1e-5, rtol=1e-4)
+        assert len(set(tuple(d.tokens) for d in solo)) > 1

@@ -243,24 +243,39 @@ class Engine:
         if self.batched:
             self.cache.take_lengths(cache, row)
 
-    def _draft(self, seq: Sequence) -> tuple[Draft, int, bool, float]:
-        """(draft, drafts to verify, whether the drafter ran, seconds it took) for one sequence."""
-        started = self.timer()
-        if not seq.controller.should_draft():
-            seq.proposer.skip()
-            seq.stats.skipped_drafting += 1
-            return Draft([]), 0, False, self.timer() - started
-        draft = seq.proposer.propose(seq.sequence, keep_going=seq.controller.keep_going)
-        seconds = self.timer() - started
-        available = min(len(draft.tokens), seq.proposer.max_draft)
-        return draft, seq.controller.choose(draft.confidence, available), True, seconds
+    def _draft_all(self, rows: list[Sequence]) -> list[tuple[Draft, int, bool, float]]:
+        """(draft, drafts to verify, whether the drafter ran, seconds of drafting it costs) per sequence: the ones
+        whose controller says drafting pays draft together, in one pass where the drafter can."""
+        drafting = []
+        for seq in rows:
+            seq.controller.rows = len(rows)
+            if seq.controller.should_draft():
+                drafting.append(seq)
+            else:
+                seq.proposer.skip()
+                seq.stats.skipped_drafting += 1
+        drafts = {}
+        if drafting:
+            started = self.timer()
+            made = type(drafting[0].proposer).propose_batch(
+                [s.proposer for s in drafting], [s.sequence for s in drafting],
+                [s.controller.keep_going for s in drafting])
+            share = (self.timer() - started) / len(drafting)  # what each sequence's drafting adds to the round
+            drafts = {id(s): (d, share) for s, d in zip(drafting, made)}
+        planned = []
+        for seq in rows:
+            if id(seq) not in drafts:
+                planned.append((Draft([]), 0, False, 0.0))
+                continue
+            draft, seconds = drafts[id(seq)]
+            available = min(len(draft.tokens), seq.proposer.max_draft)
+            planned.append((draft, seq.controller.choose(draft.confidence, available), True, seconds))
+        return planned
 
     def _round(self) -> None:
         """One propose / verify / accept round over every running sequence, in one target pass."""
         rows = self.running
-        for seq in rows:
-            seq.controller.rows = len(rows)
-        planned = [self._draft(seq) for seq in rows]
+        planned = self._draft_all(rows)
         drafts = [draft.tokens[:k] for draft, k, _, _ in planned]
         blocks = [[seq.sequence[-1]] + d for seq, d in zip(rows, drafts)]
         width = max(len(b) for b in blocks)

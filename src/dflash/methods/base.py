@@ -47,6 +47,13 @@ class Proposer:
     def skip(self) -> None:
         """This round verifies the bonus alone without drafting (the controller found drafting does not pay)."""
 
+    @staticmethod
+    def propose_batch(proposers: list["Proposer"], sequences: list[list[int]],
+                      keep_goings: list[Callable[[list[float]], bool] | None]) -> list[Draft]:
+        """Drafts for several sequences of a batch, each with its own proposer (copies of one template). A drafter
+        that can draft them in one pass overrides this; by default each drafts alone."""
+        return [p.propose(s, keep_going=k) for p, s, k in zip(proposers, sequences, keep_goings)]
+
     def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None:
         """`token_ids` entered the target's cache (the old bonus and the accepted drafts)."""
 

@@ -257,6 +257,49 @@ class DFlashDrafter(nn.Module):
             cache.advance(ctx.shape[1])
         return self.norm(x)
 
+    def forward_rows(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                     contexts: list[torch.Tensor], caches: list[KVCache]) -> torch.Tensor:
+        """Inference for several sequences in one pass, each with its own context cache: row r's block
+        (block_embeds [b, B, D] at block_positions [b, B]) attends to its cache plus its new context features
+        contexts[r] [1, n_r, n*hidden] (written into caches[r] at its length) and to its own block. Returns the final
+        hidden states [b, B, D]; each row computes what `forward` with its cache computes alone."""
+        dtype = self.fc.weight.dtype
+        rows, width = block_positions.shape
+        counts = [c.shape[1] for c in contexts]
+        ends = [cache.lengths[0] + n for cache, n in zip(caches, counts)]  # where each row's block starts
+        for cache, end in zip(caches, ends):
+            cache.reserve(end)
+        fc = self.fast_fc if getattr(self, "fast_fc", None) is not None else self.fc
+        ctx = self.hidden_norm(fc(torch.cat(contexts, dim=1).to(dtype))) if sum(counts) else None
+        ctx_positions = torch.cat([torch.arange(cache.lengths[0], end, device=block_positions.device)
+                                   for cache, end in zip(caches, ends)])[None]
+        rope_ctx = self.rotary(ctx_positions, dtype) if ctx is not None else None
+        rope_block = self.rotary(block_positions, dtype)
+        key_count = max(ends) + width
+        keys_visible = torch.arange(key_count, device=block_positions.device)
+        # row r sees its context (< ends[r]) and its block, which goes at ends[r] .. ends[r] + width - 1 below
+        mask = (keys_visible < torch.tensor(ends, device=keys_visible.device)[:, None] + width)[:, None, None]
+        x = block_embeds.to(dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if ctx is not None:
+                ctx_k, ctx_v = attn.context_kv(ctx, rope_ctx)
+                for cache, k, v in zip(caches, ctx_k.split(counts, dim=2), ctx_v.split(counts, dim=2)):
+                    if k.shape[2]:
+                        cache.write(i, k, v)
+            q, k, v = attn.project(layer.input_layernorm(x), rope_block)
+            keys = k.new_zeros(rows, attn.kv_heads, key_count, attn.head_dim)
+            values = torch.zeros_like(keys)
+            for r, (cache, end) in enumerate(zip(caches, ends)):
+                cached_k, cached_v = cache.read(i, end)
+                keys[r, :, :end], values[r, :, :end] = cached_k[0], cached_v[0]
+                keys[r, :, end: end + width], values[r, :, end: end + width] = k[r], v[r]
+            x = x + attn.output(attn.attend(q, keys, values, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for cache, n in zip(caches, counts):
+            cache.advance(n)
+        return self.norm(x)
+
     # ---- checkpoint ---------------------------------------------------------------------------------------------
     def save(self, folder: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
         write_folder(folder, self.state_dict(), self.config.to_hf_dict(), dtype)
