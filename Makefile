@@ -21,7 +21,7 @@ model: $(STAMP)
 	$(VENV)/bin/dflash fetch smollm2-135m
 
 run: model
-	$(VENV)/bin/dflash generate --compare-ar --draft-dtype bfloat16 --block-size 8 --max-new-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/dflash generate --compare-ar --max-new-tokens 128 "$(PROMPT)"
 
 test: model
 	$(PY) -m pytest -q -p no:cacheprovider

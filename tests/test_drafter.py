@@ -141,3 +141,20 @@ def test_draft_vocabulary_file(tiny_targets, tmp_path):
     (tmp_path / "d" / "draft_vocab.json").write_text("[1, 2")
     with pytest.raises(UserError, match="draft vocabulary"):
         DFlashDrafter.load(tmp_path / "d")
+
+
+def test_drafting_vocabulary_takes_in_the_prompts_tokens(tiny_targets):
+    """A drafter with a draft vocabulary scores those LM-head rows plus the tokens of the prompt at hand."""
+    from dflash.methods.dflash.proposer import DFlashProposer
+
+    target = tiny_targets["qwen3"]
+    drafter = tiny_drafter(target)
+    drafter.draft_vocab = [5, 6, 7]
+    proposer = DFlashProposer(drafter.freeze(), target)
+    assert proposer.vocab_ids.tolist() == [5, 6, 7]
+    prompt = [3, 40, 41, 7]
+    features = target.forward(torch.tensor([prompt]), None, proposer.feature_layers).features
+    proposer.start(prompt, features)
+    assert proposer.vocab_ids.tolist() == [3, 5, 6, 7, 40, 41]
+    draft = proposer.propose(prompt + [9])
+    assert set(draft.tokens) <= {3, 5, 6, 7, 40, 41} and len(draft.tokens) == drafter.config.block_size - 1

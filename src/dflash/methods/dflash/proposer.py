@@ -25,20 +25,29 @@ class DFlashProposer(Proposer):
         self.feature_layers = tuple(drafter.config.target_layer_ids)
         self.max_draft = self.block_size - 1
         self.mask_token_id = drafter.config.mask_token_id
-        weight = drafter.fc.weight
         # Drafts never change the output, only how many are accepted, so the drafter may run in a cheaper dtype
-        # than the target, and may score only its draft vocabulary's rows of the frozen LM head.
+        # than the target, and may score only some rows of the frozen LM head: its draft vocabulary, plus the
+        # tokens of the prompt at hand (a drafter copies names and identifiers from it, however rare they are).
         head = target.lm_head.weight.detach()
-        self.vocab_ids = None
-        if drafter.draft_vocab is not None:
-            self.vocab_ids = torch.tensor(drafter.draft_vocab, device=head.device)
-            head = head[self.vocab_ids]
-        self.lm_head = FrozenLinear(head if head.dtype == weight.dtype else head.to(weight.dtype),
-                                    plan=target.kernel_plan)
+        self.full_head = head if head.dtype == drafter.fc.weight.dtype else head.to(drafter.fc.weight.dtype)
+        self.base_vocab = drafter.draft_vocab
+        self.vocab_ids, self.lm_head = self._head_for(set())
+
+    def _head_for(self, extra: set[int]) -> tuple[torch.Tensor | None, FrozenLinear]:
+        """(vocabulary ids or None for all, the LM head over them) with `extra` tokens added to the draft vocabulary."""
+        plan = self.target.kernel_plan
+        if self.base_vocab is None:
+            return None, FrozenLinear(self.full_head, plan=plan)
+        ids = torch.tensor(sorted(set(self.base_vocab) | extra), device=self.full_head.device)
+        return ids, FrozenLinear(self.full_head[ids], plan=plan)
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.drafter.new_cache(capacity=len(prompt_ids) + 256)
         self.pending = [features]
+        if self.base_vocab is not None:
+            extra = set(prompt_ids) - set(self.base_vocab)
+            if extra or len(self.vocab_ids) != len(self.base_vocab):
+                self.vocab_ids, self.lm_head = self._head_for(extra)
 
     def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None:
         self.pending.append(features)
@@ -95,8 +104,14 @@ class DFlashProposer(Proposer):
         positions = starts[:, None] + torch.arange(first.block_size, device=device)
         hidden = first.drafter.forward_rows(first.target.embed_tokens(blocks), positions, contexts,
                                             [p.cache for p in proposers])
-        drafts, confidence = first.read_drafts(hidden[:, 1:])
-        return [Draft(d, c) for d, c in zip(drafts.tolist(), confidence.tolist())]
+        if first.base_vocab is None:  # one head for every row
+            drafts, confidence = first.read_drafts(hidden[:, 1:])
+            return [Draft(d, c) for d, c in zip(drafts.tolist(), confidence.tolist())]
+        made = []
+        for r, p in enumerate(proposers):  # each row's own draft vocabulary (its prompt's tokens added)
+            drafts, confidence = p.read_drafts(hidden[r: r + 1, 1:])
+            made.append(Draft(drafts[0].tolist(), confidence[0].tolist()))
+        return made
 
 
 def untrained_drafter(target, num_layers: int = 3, block_size: int = 16, seed: int = 0) -> DFlashDrafter:
