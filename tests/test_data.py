@@ -301,3 +301,25 @@ def test_pack_round_trips_and_trains(tmp_path):
     (tmp_path / "corpus" / corpus["shards"][0]["file"]).write_bytes(b"junk")
     with pytest.raises(UserError, match="corrupt"):
         trainer.load_examples(tmp_path / "corpus")
+
+
+def test_a_new_machine_continues_from_a_packed_corpus(tmp_path):
+    """Pack part of a run, then on a "new machine" (a fresh folder) continue from the pack: only the rest is
+    regenerated, and the result equals a run that was never interrupted."""
+    texts = random_prompts(10, seed=4)
+    inputs = str(write_jsonl(tmp_path / "p.jsonl", texts))
+    assert run_data(tmp_path / "whole", inputs) == 0
+    whole, *_ = read_out(tmp_path / "whole")
+    assert run_data(tmp_path / "part", inputs) == 0
+    for shard in sorted((tmp_path / "part").glob("shard-*.jsonl"))[1:]:  # as if killed after the first shard
+        shard.unlink()
+    assert main(["data", "--target", "tiny-qwen3", "--out", str(tmp_path / "part"), "--pack",
+                 str(tmp_path / "pack")]) == 0
+    packed = json.loads((tmp_path / "pack" / "corpus.json").read_text())["records"]
+    assert 0 < packed < 10
+    assert run_data(tmp_path / "new", inputs, extra=("--continue-from", str(tmp_path / "pack"))) == 0
+    resumed, errors, skipped, manifest = read_out(tmp_path / "new")
+    assert manifest["complete"] and manifest["counts"]["ok"] == 10
+    assert {r["id"]: r["input_ids"] for r in resumed} == {r["id"]: r["input_ids"] for r in whole}
+    assert run_data(tmp_path / "other", inputs, extra=("--continue-from", str(tmp_path / "pack"),
+                                                       "--max-new-tokens", "3")) == 2  # other settings: refused

@@ -326,6 +326,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack", metavar="CORPUS", default=None,
                    help="instead of regenerating: pack the records of --out into a compact corpus folder that "
                         "`dflash train --data` reads (LZMA-compressed token shards; see corpus.py)")
+    p.add_argument("--continue-from", metavar="CORPUS", default=None,
+                   help="start a new --out folder from a packed corpus made with the same settings (e.g. one "
+                        "committed by an earlier session on another machine): its records count as done")
 
 
 def validate(args) -> None:
@@ -428,6 +431,26 @@ def regenerate_all(target, todo: Encoded, args, out: OutputDir, on_flush) -> flo
     return tokens_per_s
 
 
+def seed_from_pack(out: OutputDir, corpus: Path, settings: dict) -> None:
+    """Fill an empty regeneration folder with a packed corpus's records, so this run regenerates only the rest."""
+    from .corpus import read_packed
+
+    if out.shards():
+        if out.manifest_path.exists():
+            return  # already seeded (or a run of its own): resume it as it is
+        raise UserError(f"{out.path} already holds shards; --continue-from starts a new folder")
+    manifest = json.loads((corpus / "corpus.json").read_text()) if (corpus / "corpus.json").is_file() else {}
+    if manifest.get("settings") != settings:
+        raise UserError(f"{corpus} was made with other settings ({manifest.get('settings')}); give the same "
+                        "--input/--sharegpt/--max-new-tokens/... as the run that made it")
+    records = read_packed(corpus)
+    for r in records:
+        r.pop("_where", None)
+    out.add_records(records)
+    write_json_atomic(out.manifest_path, {"settings": settings, "continued_from": str(corpus)})
+    print(f"[dflash] {len(records)} records from {corpus} count as done", file=sys.stderr)
+
+
 def pack_folder(args) -> int:
     """`dflash data --out DIR --pack CORPUS`: the records of a regeneration folder as a packed corpus."""
     from .corpus import pack, read_records
@@ -468,6 +491,8 @@ def run(args) -> int:
     prompts, mix = with_samples(unique, args.samples), with_samples(mix, args.samples)
     skipped = [dict(s, id=f"{s['id']}#{k}" if k else s["id"]) for s in skipped for k in range(args.samples)]
     out = OutputDir(Path(args.out), args.shard_size)
+    if args.continue_from:
+        seed_from_pack(out, Path(args.continue_from), settings.as_dict())
     out.check_settings(settings.as_dict())
     target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     todo, too_long = encode_todo(target, [p for p in mix if p.id not in out.done_ids], args.max_prompt_tokens)
