@@ -11,7 +11,9 @@
 # TEMPERATURE 0.7, so ~19K prompts give ~57K sequences), BATCH (256 sequences decoded together), MAX_NEW (512),
 # LAYERS (5), EPOCHS (6), ANCHORS (512), GRAD_ACCUM (8 sequences per step), SAVE_MINUTES (4), PY (python),
 # SHAREGPT (17671 conversations), GSM8K (7473 rows), MAX_STEPS (unset: all epochs; set it to stop a chunk early),
-# LOSS (kl: self-distillation), INIT (random). CPU smoke test: DEVICE=cpu DTYPE=float32 with a tiny target (tests).
+# LOSS (kl: self-distillation), INIT (random), NPROC (1; N > 1 runs data and training in N processes under torchrun,
+# one GPU each: the prompts are split between them, and GRAD_ACCUM stays the global batch).
+# CPU smoke test: DEVICE=cpu DTYPE=float32 with a tiny target (tests).
 set -euo pipefail
 TARGET=${1:?usage: train_gpu.sh TARGET OUT}
 OUT=${2:?usage: train_gpu.sh TARGET OUT}
@@ -32,7 +34,13 @@ GRAD_ACCUM=${GRAD_ACCUM:-8}
 SAVE_MINUTES=${SAVE_MINUTES:-4}
 LOSS=${LOSS:-kl}
 INIT=${INIT:-random}
+NPROC=${NPROC:-1}
 mkdir -p "$OUT"
+if [ "$NPROC" -gt 1 ]; then
+  DFLASH=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m dflash)
+else
+  DFLASH=("$PY" -m dflash)
+fi
 
 input_flags=()
 for spec in $INPUTS; do input_flags+=(--input "$spec"); done
@@ -41,19 +49,19 @@ sharegpt_flags=()
 
 echo "[train_gpu] $(date -u +%FT%TZ) data -> $OUT/data" >&2
 # resumable: a second run skips the rows already regenerated
-"$PY" -m dflash.cli data --target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" "${input_flags[@]}" \
+"${DFLASH[@]}" data --target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" "${input_flags[@]}" \
   "${sharegpt_flags[@]}" --samples "$SAMPLES" --temperature "$TEMPERATURE" --max-new-tokens "$MAX_NEW" \
   --batch-size "$BATCH" --out "$OUT/data"
-"$PY" -m dflash.cli data --out "$OUT/data" --pack "$OUT/corpus"
+"$PY" -m dflash data --out "$OUT/data" --pack "$OUT/corpus"
 
 echo "[train_gpu] $(date -u +%FT%TZ) train -> $OUT/train" >&2
 train_flags=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" --data "$OUT/corpus" --out "$OUT/train"
   --no-progress --save-minutes "$SAVE_MINUTES" --save-every 100000 --eval-every 500 --log-every 20)
 [ -n "${MAX_STEPS:-}" ] && train_flags+=(--max-steps "$MAX_STEPS")
 if compgen -G "$OUT/train/checkpoints/step-*" > /dev/null; then
-  "$PY" -m dflash.cli train "${train_flags[@]}" --resume
+  "${DFLASH[@]}" train "${train_flags[@]}" --resume
 else
-  "$PY" -m dflash.cli train "${train_flags[@]}" --num-layers "$LAYERS" --block-size 16 --anchors-per-seq "$ANCHORS" \
+  "${DFLASH[@]}" train "${train_flags[@]}" --num-layers "$LAYERS" --block-size 16 --anchors-per-seq "$ANCHORS" \
     --epochs "$EPOCHS" --grad-accum "$GRAD_ACCUM" --loss "$LOSS" --init "$INIT"
 fi
 echo "[train_gpu] $(date -u +%FT%TZ) done: $OUT/train/final" >&2

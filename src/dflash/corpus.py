@@ -24,6 +24,7 @@ import io
 import json
 import lzma
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
@@ -68,29 +69,40 @@ def write_json_atomic(path: Path, payload) -> None:
 
 
 class OutputDir:
-    """A regeneration folder: sharded records plus errors/skipped/manifest; knows which ids are done."""
+    """A regeneration folder: sharded records plus errors/skipped/manifest; knows which ids are done.
 
-    def __init__(self, path: Path, shard_size: int):
+    `writer` names this process's files when several processes fill one folder (`torchrun ... dflash data`):
+    each appends only to its own shards (shard-r1-00000.jsonl) and errors (errors-r1.jsonl) and reads everyone's."""
+
+    def __init__(self, path: Path, shard_size: int, writer: str = ""):
         self.path = path
         self.shard_size = shard_size
-        self.errors_path = path / "errors.jsonl"
+        self.prefix = f"shard-{writer}-" if writer else "shard-"
+        self.errors_path = path / (f"errors-{writer}.jsonl" if writer else "errors.jsonl")
         self.skipped_path = path / "skipped.jsonl"
         self.manifest_path = path / "manifest.json"
         path.mkdir(parents=True, exist_ok=True)
         self.ok: dict[str, tuple[str, int]] = {}  # id -> (category, response tokens)
-        shards, records = self.shards(), []
-        for shard in shards:
+        own, records, fill = self.own_shards(), [], 0
+        for shard in self.shards():
             records = read_jsonl_tolerant(shard)
             for r in records:
                 self.ok[r["id"]] = (r.get("category", "chat"), len(r["input_ids"]) - r["loss_start"])
+            if own and shard == own[-1]:
+                fill = len(records)
         self.errors: dict[str, dict] = {}  # id -> its latest error record
-        for e in read_jsonl_tolerant(self.errors_path):
-            self.errors[e["id"]] = e
-        self.shard_index = max(len(shards) - 1, 0)
-        self.shard_fill = len(records)  # of the last shard, which later appends go on filling
+        for errors in sorted(path.glob("errors*.jsonl")):
+            for e in read_jsonl_tolerant(errors):
+                self.errors[e["id"]] = e
+        self.shard_index = max(len(own) - 1, 0)
+        self.shard_fill = fill  # of this writer's last shard, which later appends go on filling
 
     def shards(self) -> list[Path]:
         return sorted(self.path.glob("shard-*.jsonl"))
+
+    def own_shards(self) -> list[Path]:
+        """The shards this writer appends to: shard-NNNNN.jsonl, or shard-WRITER-NNNNN.jsonl."""
+        return [s for s in self.shards() if re.fullmatch(re.escape(self.prefix) + r"\d{5}\.jsonl", s.name)]
 
     @property
     def final_error_ids(self) -> set[str]:
@@ -124,7 +136,7 @@ class OutputDir:
             if self.shard_fill >= self.shard_size:
                 self.shard_index, self.shard_fill = self.shard_index + 1, 0
             room = self.shard_size - self.shard_fill
-            append_lines(self.path / f"shard-{self.shard_index:05d}.jsonl", records[:room])
+            append_lines(self.path / f"{self.prefix}{self.shard_index:05d}.jsonl", records[:room])
             self.shard_fill += len(records[:room])
             for r in records[:room]:
                 self.ok[r["id"]] = (r.get("category", "chat"), len(r["input_ids"]) - r["loss_start"])

@@ -395,7 +395,7 @@ def write_manifest(out: OutputDir, settings: DataSettings, prompts: list[Prompt]
     return manifest
 
 
-def regenerate_all(target, todo: Encoded, args, out: OutputDir, on_flush) -> float | None:
+def regenerate_all(target, todo: Encoded, args, out: OutputDir, on_flush, progress: bool = True) -> float | None:
     """Regenerate `todo`, appending finished rows in groups of --batch-size; returns response tokens/s."""
     from tqdm import tqdm
 
@@ -413,7 +413,7 @@ def regenerate_all(target, todo: Encoded, args, out: OutputDir, on_flush) -> flo
 
     rows = regenerate(target, [ids for _, ids in todo], args.max_new_tokens, args.temperature, args.seed,
                       args.batch_size, keys=[p.id for p, _ in todo])
-    with tqdm(total=len(todo), unit="prompt", dynamic_ncols=True, file=sys.stderr) as bar:
+    with tqdm(total=len(todo), unit="prompt", dynamic_ncols=True, file=sys.stderr, disable=not progress) as bar:
         try:
             for index, response, error in rows:
                 prompt, ids = todo[index]
@@ -475,13 +475,29 @@ def pack_folder(args) -> int:
 def run(args) -> int:
     import signal
 
-    from .loading import load_target_cached
+    from .distributed import init_world
 
     validate(args)
     # `kill` (SIGTERM) stops a background run like Ctrl-C: the rows finished so far are flushed first
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if args.pack:
-        return pack_folder(args)
+    try:
+        if args.pack:
+            return pack_folder(args)
+        world = init_world(args.device)
+        try:
+            return regenerate_folder(args, world)
+        finally:
+            world.close()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def regenerate_folder(args, world) -> int:
+    """Regenerate what the folder lacks. Under torchrun every process takes its share of the prompts still to do
+    and writes its own shards; process 0 writes the manifest, and the last one once everyone has finished."""
+    from .loading import load_target_cached
+
+    say = (lambda text: print(text, file=sys.stderr)) if world.main else (lambda text: None)
     inputs = args.input or ([] if args.sharegpt else list(DEFAULT_INPUTS))
     settings = DataSettings(args.target, args.dtype, inputs, args.sharegpt, args.seed, args.max_new_tokens,
                             args.max_prompt_tokens, args.temperature, args.samples)
@@ -490,26 +506,36 @@ def run(args) -> int:
     # --samples: every prompt (kept or skipped) stands for that many inputs
     prompts, mix = with_samples(unique, args.samples), with_samples(mix, args.samples)
     skipped = [dict(s, id=f"{s['id']}#{k}" if k else s["id"]) for s in skipped for k in range(args.samples)]
-    out = OutputDir(Path(args.out), args.shard_size)
-    if args.continue_from:
-        seed_from_pack(out, Path(args.continue_from), settings.as_dict())
+    writer = f"r{world.rank}" if world.size > 1 else ""
+    if world.main and args.continue_from:
+        seed_from_pack(OutputDir(Path(args.out), args.shard_size), Path(args.continue_from), settings.as_dict())
+    world.barrier()  # the folder as it stands before anyone writes: every process derives the same to-do list
+    out = OutputDir(Path(args.out), args.shard_size, writer)
     out.check_settings(settings.as_dict())
     target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
     todo, too_long = encode_todo(target, [p for p in mix if p.id not in out.done_ids], args.max_prompt_tokens)
     skipped += too_long
-    out.write_skipped(skipped)
     save = partial(write_manifest, out, settings, prompts, skipped)  # called with the run's tokens/s so far
-    save(None)
-    print(f"[dflash] {len(prompts)} prompts: {len(mix) - len(todo) - len(too_long)} already done, "
-          f"{len(skipped)} skipped, {len(todo)} to regenerate -> {out.path}", file=sys.stderr)
-    try:
-        tokens_per_s = regenerate_all(target, todo, args, out, on_flush=save)
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if world.main:
+        out.write_skipped(skipped)
+        save(None)
+    world.barrier()
+    mine, before, started = world.share(todo), out.response_tokens, time.perf_counter()
+    processes = f" by {world.size} processes" if world.size > 1 else ""
+    say(f"[dflash] {len(prompts)} prompts: {len(mix) - len(todo) - len(too_long)} already done, "
+        f"{len(skipped)} skipped, {len(todo)} to regenerate{processes} -> {out.path}")
+    tokens_per_s = regenerate_all(target, mine, args, out, on_flush=save if world.main else lambda rate: None,
+                                  progress=world.main)
+    world.barrier()
+    if not world.main:
+        return 0
+    if world.size > 1:  # everyone's rows, for the final counts and the rate of all processes together
+        out = OutputDir(Path(args.out), args.shard_size, writer)
+        save = partial(write_manifest, out, settings, prompts, skipped)
+        tokens_per_s = (out.response_tokens - before) / (time.perf_counter() - started) if todo else None
     manifest = save(tokens_per_s)
     c = manifest["counts"]
     rate = f", {tokens_per_s:.1f} response tok/s" if tokens_per_s else ""
-    print(f"[dflash] ok {c['ok']}, error {c['error']}, retry {c['retry']}, skipped {c['skipped']} of {c['inputs']} "
-          f"inputs{rate}; mix: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in manifest["mix"].items()),
-          file=sys.stderr)
+    say(f"[dflash] ok {c['ok']}, error {c['error']}, retry {c['retry']}, skipped {c['skipped']} of {c['inputs']} "
+        f"inputs{rate}; mix: " + ", ".join(f"{k} {v['share']:.0%}" for k, v in manifest["mix"].items()))
     return 0

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .distributed import SINGLE, World, init_world
 from .errors import UserError
 
 ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random streams
@@ -325,11 +326,14 @@ def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int) -> float:
 
 class Trainer:
     def __init__(self, objective: Objective, config: TrainConfig, out: str | Path, train: list[Example],
-                 heldout: list[Example], progress: bool = True):
+                 heldout: list[Example], progress: bool = True, world: World = SINGLE):
         if not train:
             raise UserError("no training sequences left (all too short or held out)")
+        if config.grad_accum < world.size:
+            raise UserError(f"--grad-accum {config.grad_accum} is smaller than the {world.size} processes: every "
+                            "process needs at least one sequence per step (--grad-accum is the global batch)")
         self.objective, self.config, self.out = objective, config, Path(out)
-        self.train, self.heldout, self.progress = train, heldout, progress
+        self.train, self.heldout, self.progress, self.world = train, heldout, progress and world.main, world
         self.model = objective.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
@@ -368,7 +372,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
-        for index in indices:
+        for index in self.world.share(indices):  # the step's sequences, split between the processes
             rng = np.random.default_rng([self.config.seed, ANCHOR_STREAM, self.state.epoch, index])
             with self.autocast():
                 loss, metrics = self.objective.loss(self.train[index], rng)
@@ -376,6 +380,11 @@ class Trainer:
             (loss / len(indices)).backward()
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0) + value.detach().float() / len(indices)
+        if self.world.size > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.world.sum_([p.grad for p in self.params] + [totals[name] for name in sorted(totals)])
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
         totals["lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
@@ -396,6 +405,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         self.out.mkdir(parents=True, exist_ok=True)
+        self.world.broadcast_(self.params)
         stop = self.stop_step()
         bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step", disable=not self.progress,
                    dynamic_ncols=True)
@@ -419,15 +429,25 @@ class Trainer:
                 window, window_seconds = [], 0.0
             else:
                 window_seconds += time.perf_counter() - started
-            if self.heldout and (step % self.config.eval_every == 0 or step == stop):
+            if self.heldout and self.world.main and (step % self.config.eval_every == 0 or step == stop):
                 self.evaluate()
             overdue = self.config.save_minutes and time.monotonic() - last_save >= 60 * self.config.save_minutes
+            if self.world.size > 1:  # process 0's clock decides, or the processes would save at different steps
+                overdue = bool(self.world_flag(bool(overdue)))
             if step % self.config.save_every == 0 or step == stop or overdue:
-                self.save_checkpoint()
+                if self.world.main:
+                    self.save_checkpoint()
                 last_save = time.monotonic()
         bar.close()
-        self.export_final()
+        if self.world.main:
+            self.export_final()
+        self.world.barrier()  # nobody leaves before the final drafter is written
         return self.state
+
+    def world_flag(self, value: bool) -> float:
+        flag = torch.tensor([float(value) if self.world.main else 0.0], device=self.params[0].device)
+        self.world.sum_([flag])
+        return flag.item()
 
     # ---- logging and evaluation --------------------------------------------------------------------------------------
     def log_window(self, window: list[dict[str, torch.Tensor]], seconds: float) -> dict:
@@ -448,12 +468,14 @@ class Trainer:
         return record
 
     def append_log(self, record: dict) -> None:
+        if not self.world.main:
+            return
         with open(self.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
     def truncate_log(self, step: int) -> None:
         """Drop log records written after `step` by a run that stopped before its next checkpoint."""
-        if not self.log_path.is_file():
+        if not self.world.main or not self.log_path.is_file():
             return
         keep = [line for line in self.log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         self.log_path.write_text("".join(line + "\n" for line in keep))
@@ -681,28 +703,39 @@ def run(args) -> int:
         overrides["method"] = args.method
     out = Path(args.out)
     examples = load_examples(args.data)
+    world = init_world(args.device)
+    try:
+        return train_in(world, args, overrides, out, examples)
+    finally:
+        world.close()
+
+
+def train_in(world: World, args, overrides: dict, out: Path, examples: list[Example]) -> int:
+    """One process's part of `dflash train` (the only one without torchrun)."""
+    say = (lambda text: print(text, file=sys.stderr)) if world.main else (lambda text: None)
     objective, config, resume_from = build_run(args, overrides, out)
     usable = [e for e in examples if objective.usable(e)]
     if len(usable) < len(examples):
-        print(f"[dflash] skipping {len(examples) - len(usable)} sequences with no response token to train on",
-              file=sys.stderr)
+        say(f"[dflash] skipping {len(examples) - len(usable)} sequences with no response token to train on")
     train, heldout = split_heldout(usable, config.eval_fraction)
     if resume_from is None and not args.init_from:
         recipe_of(config).prepare_new(objective, train, config)
-    trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress)
+    trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress, world=world)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
-        print(f"[dflash] resumed from {resume_from} at step {trainer.state.step}", file=sys.stderr)
-    else:
+        say(f"[dflash] resumed from {resume_from} at step {trainer.state.step}")
+    elif world.main:
         start_fresh(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(config.to_json())
-    print(f"[dflash] {config.method}: {len(train)} training / {len(heldout)} held-out sequences, "
-          f"{trainer.total_steps} steps ({config.epochs} epochs), drafter "
-          f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M params", file=sys.stderr)
+    world.barrier()  # process 0 has checked and cleared OUT before anyone trains
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(config.to_json())
+    processes = f", {world.size} processes" if world.size > 1 else ""
+    say(f"[dflash] {config.method}: {len(train)} training / {len(heldout)} held-out sequences, "
+        f"{trainer.total_steps} steps ({config.epochs} epochs{processes}), drafter "
+        f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M params")
     trainer.fit()
-    if args.plot:
+    if args.plot and world.main:
         write_plot(trainer.log_path, out / "curves.png")
-    print(f"[dflash] step {trainer.state.step}/{trainer.total_steps}; drafter saved to {out / 'final'}",
-          file=sys.stderr)
+    say(f"[dflash] step {trainer.state.step}/{trainer.total_steps}; drafter saved to {out / 'final'}")
     return 0

@@ -1,0 +1,81 @@
+"""Data parallelism across the processes `torchrun` starts: `torchrun --nproc-per-node N -m dflash train ...`.
+
+Each process holds the target and the whole drafter, takes its share of every step's sequences, and the gradients
+are summed across processes before the optimizer step, so every process applies the same update and N processes
+follow the curve one process follows with the same global batch (`--grad-accum`). gloo on CPU, nccl on CUDA (one GPU
+per process, `LOCAL_RANK`). Process 0 alone writes logs, evaluations, checkpoints and the final drafter.
+
+Gradients are summed by hand (one flat all-reduce per step) instead of wrapping the model in
+DistributedDataParallel: the objectives call the drafter in several places per example (context cache, block pass,
+chunked LM head), and a plain sum after the step's backward passes is the same arithmetic with none of DDP's hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, items: list) -> list:
+        """This process's part of `items`: every size-th one, starting at its rank."""
+        return items[self.rank :: self.size]
+
+    def sum_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum `tensors` across processes, in place, in one collective."""
+        if self.size == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Process 0's values everywhere (a new drafter's random init may differ between processes)."""
+        if self.size == 1:
+            return
+        for t in tensors:
+            torch.distributed.broadcast(t.data, src=0)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+SINGLE = World()
+
+
+def init_world(device: str | None = None) -> World:
+    """The world torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK), or a single process."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return SINGLE
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+    if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs: start at most "
+                            "one process per GPU (--nproc-per-node)")
+        torch.cuda.set_device(local_rank)  # "cuda" now means this process's GPU
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return World(rank, size, local_rank)
