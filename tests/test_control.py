@@ -162,6 +162,22 @@ def test_cost_model_interpolates_and_extrapolates():
     assert 0.030 < costs.cost(1) < 0.040
 
 
+def test_a_busy_moment_does_not_make_wide_passes_look_free():
+    """A plain step timed while the machine was busy, then only 16-wide passes on a quiet machine: the plain
+    step's cost must follow the machine back down, or the controller would keep choosing whole blocks (as a
+    per-width EMA did in a benchmark that another job disturbed for a minute)."""
+    costs = CostModel()
+    for _ in range(20):  # quiet: a step 30 ms, a 16-wide pass 54 ms
+        costs.observe(1, 0.030)
+        costs.observe(16, 0.054)
+    for _ in range(3):
+        costs.observe(1, 0.090)  # busy: another job took the cores
+    for _ in range(40):
+        costs.observe(16, 0.054)  # quiet again, and only wide passes were chosen
+    assert costs.cost(16) - costs.cost(1) == pytest.approx(0.024, rel=0.3)
+    assert costs.cost(1) == pytest.approx(0.030, rel=0.3)
+
+
 def test_batched_rows_share_the_cost_model(tiny_targets):
     target = tiny_targets["qwen3"]
     engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)

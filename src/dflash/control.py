@@ -25,7 +25,8 @@ from typing import Callable
 
 CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the drafter's own confidence before the calibration learns
-SMOOTHING = 0.15  # EMA weight of a new observation (rate, gain, draft time)
+SMOOTHING = 0.15  # EMA weight of a new observation (rate, gain, draft time, the machine's speed)
+SHAPE_SMOOTHING = 0.02  # how fast a pass width's cost relative to the machine's speed moves
 PROBE_FIRST, PROBE_MAX = 4, 64  # rounds without drafting before the next probe, doubling while it does not pay
 
 
@@ -65,37 +66,56 @@ class Calibration:
 
 
 class CostModel:
-    """Seconds a target pass takes by the tokens it verifies (rows x width), learned from the passes themselves
-    (an EMA per token count, linear between measured counts, the nearest slope beyond them)."""
+    """Seconds a target pass takes by the tokens it verifies (rows x width), learned from the passes themselves.
+
+    Two parts, so that a reading taken while the machine was busy cannot freeze a wrong comparison: `level`, how
+    slow the machine is right now, which every pass updates, and per token count the pass's cost relative to that
+    level, which only passes of that count update, and slowly. A count that has not been chosen for a while (a
+    plain step while whole blocks pay, or the reverse) follows the machine's level instead of keeping the absolute
+    time of the busy moment it was last measured in; with one absolute EMA per count a single slow plain step could
+    make every wide pass look free, for good. Linear between measured counts, the nearest slope beyond them."""
 
     def __init__(self):
-        self.seconds: dict[int, float] = {}
+        self.level: float | None = None  # seconds of a pass of relative cost 1
+        self.relative: dict[int, float] = {}
 
     def observe(self, width: int, seconds: float) -> None:
-        old = self.seconds.get(width)
-        self.seconds[width] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        if self.level is None:
+            self.level, self.relative[width] = seconds, 1.0
+            return
+        if width not in self.relative:
+            self.relative[width] = seconds / self.level
+            return
+        # clipped: one reading from a moment when another job held the cores moves the estimates a bounded step
+        surprise = min(1.0, max(-0.5, seconds / max(self.cost(width), 1e-12) - 1))
+        self.level *= 1 + SMOOTHING * surprise
+        self.relative[width] *= 1 + SHAPE_SMOOTHING * surprise
 
     @property
     def known(self) -> bool:
-        return bool(self.seconds)
+        return self.level is not None
 
     def cost(self, width: int) -> float:
-        widths = sorted(self.seconds)
-        if not widths:
+        if self.level is None:
             return 0.0
-        if width in self.seconds:
-            return self.seconds[width]
+        return self.level * self._relative(width)
+
+    def _relative(self, width: int) -> float:
+        rel = self.relative
+        widths = sorted(rel)
+        if width in rel:
+            return rel[width]
         lower = [w for w in widths if w < width]
         upper = [w for w in widths if w > width]
         if lower and upper:
             a, b = lower[-1], upper[0]
-            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (width - a) / (b - a)
+            return rel[a] + (rel[b] - rel[a]) * (width - a) / (b - a)
         if len(widths) == 1:  # one width seen: assume what a CPU verify costs per extra token, 5% of a step
-            return self.seconds[widths[0]] * (1 + 0.05 * (width - widths[0]))
+            return rel[widths[0]] * (1 + 0.05 * (width - widths[0]))
         a, b = (widths[-2], widths[-1]) if upper == [] else (widths[0], widths[1])
-        slope = max(0.0, (self.seconds[b] - self.seconds[a]) / (b - a))
+        slope = max(0.0, (rel[b] - rel[a]) / (b - a))
         edge = widths[-1] if not upper else widths[0]
-        return max(0.0, self.seconds[edge] + slope * (width - edge))
+        return max(0.0, rel[edge] + slope * (width - edge))
 
 
 @dataclass
