@@ -129,6 +129,26 @@ def test_useless_drafter_is_skipped_and_probed_again(tiny_targets, monkeypatch):
     assert drafted_rounds >= 4  # the first rounds, then probes
 
 
+def test_a_new_sequence_starts_from_the_engines_measured_costs(tiny_targets, monkeypatch):
+    """The first sequence of an engine knows no costs and verifies its first block whole; the next ones start from
+    the measured costs and the drafter's confidence, so a drafter that is 5% sure is not verified whole."""
+    target = tiny_targets["qwen3"]
+    ids = target.encode_prompt(PROMPTS[2])
+
+    class Doubtful(RandomProposer):
+        def propose(self, sequence, limit=None, keep_going=None):
+            draft = super().propose(sequence, limit)
+            return Draft(draft.tokens, [0.05] * len(draft.tokens))
+
+    proposer = Doubtful(target.vocab_size, 7)
+    clock = FakeClock(per_token=0.01)
+    with monkeypatch.context() as m:
+        clock.install(m, target, proposer)
+        decoder = SpeculativeDecoder(target, proposer, timer=clock)
+        first, second = (decoder.generate(ids, CONFIG).stats.draft_lengths for _ in range(2))
+    assert first[0] == 7 and second[0] < 7
+
+
 def test_whole_blocks_verifies_every_draft(tiny_targets):
     target = tiny_targets["llama"]
     ids = target.encode_prompt(PROMPTS[0])

@@ -172,8 +172,10 @@ class DraftController:
     def choose(self, confidences: list[float] | None, available: int) -> int:
         """How many of the `available` drafts to verify."""
         self.chosen_value = None
-        if self.whole_blocks or not self.costs.known or self.rate is None:
+        if self.whole_blocks or not self.costs.known:
             return available
+        if self.rate is None:  # a new sequence: until its own rounds say otherwise, the rate of plain steps
+            self.rate = 1 / max(self.costs.cost(self.rows), 1e-9)
         best_k, best_value, expected, all_right = 0, 0.0, 0.0, 1.0
         for k in range(1, available + 1):
             all_right *= self.calibration.probability(k - 1, confidences[k - 1] if confidences else None)
