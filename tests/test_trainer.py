@@ -425,7 +425,7 @@ def test_eagle3_resume_continues_exactly(eagle3_runs):
 
 
 def test_eagle3_final_loads_everywhere_and_is_lossless(eagle3_runs, capsys):
-    """OUT/final is an EAGLE-3 head folder: build_eagle3_proposer (bench --eagle3, generate --method eagle3
+    """OUT/final is an EAGLE-3 head folder: build_eagle3_proposer (bench --drafter eagle3=DIR, generate --method eagle3
     --drafter) loads it, and greedy output equals ar token for token."""
     from dflash.cli import main
     from dflash.methods.base import MethodOptions

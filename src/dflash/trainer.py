@@ -16,7 +16,7 @@ Output folder:
   OUT/checkpoints/step-XXXXXX/       drafter (float32, public format) + trainer_state.pt + train_config.json
   OUT/final/                         the drafter in bfloat16, ready for `dflash generate --drafter OUT/final`
                                      (eagle3: `dflash generate --method eagle3 --drafter OUT/final`,
-                                     `dflash bench --methods eagle3 --eagle3 OUT/final`)
+                                     `dflash bench --methods eagle3 --drafter eagle3=OUT/final`)
   OUT/curves.png                     with --plot
 """
 
