@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -52,23 +53,41 @@ def steps_per_second(variant: str, data: str, root: Path) -> float:
 
 
 def run_variant(variant: str, data: str, root: Path, minutes: float) -> dict:
-    rate = steps_per_second(variant, data, root)
-    steps = max(10, int(minutes * 60 * rate))
     out = root / variant
+    done = out / "result.json"
+    if done.exists():  # a re-run after an interruption keeps the variants that finished
+        return json.loads(done.read_text())
+    plan = root / f"plan-{variant}.json"
+    if plan.exists():  # interrupted mid-training: keep the step budget measured before, resume its checkpoint
+        rate, steps = json.loads(plan.read_text())
+    else:
+        rate = steps_per_second(variant, data, root)
+        steps = max(10, int(minutes * 60 * rate))
+        plan.write_text(json.dumps([rate, steps]))
+    checkpoints = list((out / "checkpoints").glob("step-*"))
+    if not checkpoints:
+        shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
+    # --schedule-steps fixes the schedule, so a variant cut short resumes from its checkpoint on the same curve
     train(variant, data, out, ["--schedule-steps", str(steps), "--max-steps", str(steps), "--log-every", "20",
-                               "--eval-every", str(max(1, steps // 2)), "--save-every", str(steps)])
+                               "--eval-every", str(max(1, steps // 2)), "--save-every", str(max(1, steps // 6))]
+          + (["--resume"] if checkpoints else []))
     evals = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     last = [r for r in evals if "eval_tau" in r][-1]
-    return {"variant": variant, "flags": " ".join(BASE + VARIANTS[variant]), "probe_steps_per_s": rate,
-            "steps": steps, "train_minutes": round((time.perf_counter() - started) / 60, 1),
-            "heldout_tau": last["eval_tau"], "heldout_loss": last["eval_loss"]}
+    result = {"variant": variant, "flags": " ".join(BASE + VARIANTS[variant]), "probe_steps_per_s": rate,
+              "steps": steps, "train_minutes": round((time.perf_counter() - started) / 60, 1),
+              "heldout_tau": last["eval_tau"], "heldout_loss": last["eval_loss"]}
+    done.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def bench_tau(result: dict, root: Path) -> dict:
     final = root / result["variant"] / "final"
     for dataset, limit in (("gsm8k", 5), ("mt_bench", 3)):
         out = root / f"bench-{result['variant']}-{dataset}"
+        if (out / "results.json").exists():
+            result[f"{dataset}_tau"] = json.loads((out / "results.json").read_text())["methods"]["dflash:whole"]["tau"]
+            continue
         subprocess.run(DFLASH + ["bench", "--dataset", dataset, "--limit", str(limit), "--methods", "ar,dflash:whole",
                                  "--drafter", f"dflash={final}", "--max-new-tokens", "128", "--threads", "1",
                                  "--no-progress", "--out", str(out)], check=True, capture_output=True)
