@@ -432,7 +432,7 @@ class Trainer:
             if self.heldout and self.world.main and (step % self.config.eval_every == 0 or step == stop):
                 self.evaluate()
             overdue = self.config.save_minutes and time.monotonic() - last_save >= 60 * self.config.save_minutes
-            if self.world.size > 1:  # process 0's clock decides, or the processes would save at different steps
+            if self.world.size > 1 and self.config.save_minutes:  # process 0's clock decides for everyone
                 overdue = bool(self.world_flag(bool(overdue)))
             if step % self.config.save_every == 0 or step == stop or overdue:
                 if self.world.main:
