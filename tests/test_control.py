@@ -1,6 +1,7 @@
 """The adaptive draft controller: lossless at every length it may choose, deterministic under a fixed clock, and
 choosing what the measured costs and the calibrated confidences say."""
 
+import math
 import random
 
 import pytest
@@ -147,6 +148,61 @@ def test_a_new_sequence_starts_from_the_engines_measured_costs(tiny_targets, mon
         decoder = SpeculativeDecoder(target, proposer, timer=clock)
         first, second = (decoder.generate(ids, CONFIG).stats.draft_lengths for _ in range(2))
     assert first[0] == 7 and second[0] < 7
+
+
+def test_reading_a_prompt_is_not_taken_for_the_cost_of_drafting(tiny_targets, monkeypatch):
+    """A drafter's first pass of a sequence also reads the whole prompt (on CPU ~20x a steady round). Counted as
+    drafting cost it once kept a good drafter switched off for most of a GSM8K answer; it must not count."""
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(" ".join(f"w{i % 50}" for i in range(60)))  # a backlog above CATCH_UP_TOKENS
+    reference = ar_tokens(target, ids)
+    clock = FakeClock(draft=0.004)
+
+    class Reading(OracleProposer):  # right 60% of the time at most, and dear on the prompt
+        backlog = len(ids)
+
+        def context_backlog(self):
+            return self.backlog
+
+        def propose(self, sequence, limit=None, keep_going=None):
+            clock.now += 1.0 if self.backlog > 1 else 0.0
+            self.backlog = 1
+            draft = super().propose(sequence, limit)
+            return Draft(draft.tokens, [0.6] * len(draft.tokens))
+
+    proposer = Reading(reference, len(ids), 7)
+    with monkeypatch.context() as m:
+        clock.install(m, target, proposer)
+        decoder = SpeculativeDecoder(target, proposer, timer=clock)
+        result = decoder.generate(ids, CONFIG)
+    assert result.tokens == reference
+    assert decoder.engine.costs.drafting == pytest.approx(0.004)
+    assert result.stats.skipped_drafting == 0
+
+
+def test_probes_come_as_often_as_a_budget_of_time_allows():
+    """While drafting does not pay, the gap between probes doubles, but only up to where probing costs
+    PROBE_BUDGET of the time: a drafter costing a tenth of a step is probed every few rounds, a dear one rarely."""
+    from dflash.control import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX
+
+    def widest_gap(draft_seconds: float) -> int:
+        costs = CostModel()
+        costs.observe(1, 0.050)
+        costs.observe_drafting(draft_seconds)
+        controller = DraftController(7, costs)
+        controller.rate, controller.gain = 20.0, 0.0  # a drafter that never pays
+        gaps, since = [], 0
+        for _ in range(2000):
+            if controller.should_draft():
+                gaps.append(since)  # rounds skipped before this probe
+                since = 0
+            else:
+                since += 1
+        return max(gaps)
+
+    assert widest_gap(0.005) == max(PROBE_FIRST, math.ceil(0.005 / (PROBE_BUDGET * 0.050)))
+    assert widest_gap(0.200) == PROBE_MAX  # a drafter dearer than a step: probes as rare as ever
+    assert widest_gap(0.005) < widest_gap(0.020) < widest_gap(0.200)
 
 
 def test_whole_blocks_verifies_every_draft(tiny_targets):

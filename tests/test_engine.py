@@ -57,15 +57,27 @@ def test_greedy_lossless_every_proposer(tiny_targets, arch, block_size):
         assert oracle.stats.accept_lengths[:-1] == [block_size] * (oracle.stats.num_rounds - 1)
 
 
-def test_bf16_drafter_beside_float32_target(tiny_targets):
-    """The drafter may run in a cheaper dtype: outputs stay those of the float32 target."""
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_cheaper_drafter_beside_float32_target(tiny_targets, precision):
+    """The drafter may run in a cheaper precision (bf16, or int8 weights): outputs stay those of the float32
+    target."""
     from dflash.loading import build_proposer
+    from dflash.models.kernels import FrozenLinear, int8_supported
 
+    if precision == "int8" and not int8_supported(torch.randn(1)):
+        pytest.skip("no fbgemm int8 kernel in this PyTorch build")
     target = tiny_targets["qwen3"]
     for method in ("dflash", "eagle3"):
-        proposer, _ = build_proposer(method, target, MethodOptions(block_size=8, draft_dtype="bfloat16"))
+        proposer, _ = build_proposer(method, target, MethodOptions(block_size=8, draft_dtype=precision))
+        assert proposer.report["draft_dtype"] == precision
         model = proposer.drafter if method == "dflash" else proposer.head
-        assert next(model.parameters()).dtype == torch.bfloat16
+        assert next(model.parameters()).dtype == (torch.bfloat16 if precision == "bfloat16" else torch.float32)
+        if precision == "int8":  # every product of the drafter (its LM head too) runs on int8 weights ...
+            frozen = [m for m in model.modules() if isinstance(m, FrozenLinear) and m is not model.fast_fc]
+            frozen += [proposer.lm_head] if method == "dflash" else []
+            assert frozen and all(f.int8() is not None and f.plan.default == "int8" for f in frozen)
+            # ... but the one reading the target's raw features, whose huge channels would swamp an int8 scale
+            assert model.fast_fc.plan is target.kernel_plan
         for prompt in PROMPTS:
             ids = target.encode_prompt(prompt)
             config = GenerationConfig(max_new_tokens=32, ignore_eos=True)

@@ -12,10 +12,12 @@ from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.models.kernels import (
+    INT8,
     PACKED,
     PLAIN,
     FrozenLinear,
     KernelPlan,
+    int8_supported,
     kernel_plan_for,
     measure_plan,
     packing_supported,
@@ -193,3 +195,38 @@ def test_plan_summary_and_defaults():
     assert plan.summary() == {"plain": 1, "packed": 0}
     assert plan.kernel(8, 8, torch.float32, 1) == "packed" and plan.kernel(4, 4, torch.float32, 1) == "plain"
     assert packing_supported(torch.randn(2, 2)) in (True, False)
+
+
+needs_int8 = pytest.mark.skipif(not int8_supported(torch.randn(1)) or FrozenLinear(torch.randn(8, 8)).int8() is None,
+                                reason="this PyTorch build or CPU has no fbgemm int8 kernel")
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_int8_product_is_close_to_f_linear(rows):
+    """Drafters only: int8 weights per output channel, so the product is near F.linear, not equal to it."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 96), torch.randn(300)
+    frozen = FrozenLinear(weight, bias, INT8)
+    x3 = torch.randn(2, rows, 96)
+    got, expected = frozen(x3), F.linear(x3, weight, bias)
+    assert got.shape == expected.shape == (2, rows, 300)
+    relative = (got - expected).abs().max() / expected.abs().max()
+    assert 0 < relative < 0.03  # inexact (it is really int8), but within ~1% of the output's scale
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@needs_int8
+def test_int8_copy_follows_writes_and_other_dtypes_fall_back():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32)
+    frozen = FrozenLinear(weight.clone(), None, INT8)
+    x = torch.randn(3, 32)
+    frozen(x)
+    with torch.no_grad():
+        frozen.weight.mul_(-2)  # an in-place write: the int8 copy must be remade
+    expected = F.linear(x, -2 * weight)
+    assert (frozen(x) - expected).abs().max() < 0.05 * expected.abs().max()  # a stale copy would be off by 3x
+    frozen.to(torch.bfloat16)  # no int8 kernel for bf16 weights: F.linear, exactly
+    xb = x.bfloat16()
+    assert torch.equal(frozen(xb), F.linear(xb, frozen.weight))

@@ -100,3 +100,33 @@ def test_shipped_drafters_compute_what_they_did_before_the_refactor(target):
         assert head_logits.argmax(-1)[-5:].tolist() == reference["eagle3"]["fuse_logits_argmax"]
         torch.testing.assert_close(head_logits.max(-1).values[-5:], torch.tensor(reference["eagle3"]["fuse_logits_max"]),
                                    atol=1e-3, rtol=0)
+
+
+def test_int8_drafters_draft_what_float32_ones_do(target):
+    """int8 drafting (weights per channel, activations per call) must keep the drafts: on the real model's features,
+    whose few huge channels once swamped the int8 scale of the feature projection and cut acceptance from 33% to 3%,
+    the int8 drafters' first drafts equal the float32 ones' in >= 85% of rounds and they accept >= 85% as many."""
+    from dflash.methods.base import MethodOptions
+    from dflash.models.kernels import int8_supported
+
+    if not int8_supported(torch.randn(1)):
+        pytest.skip("no fbgemm int8 kernel in this PyTorch build")
+    prompt = target.encode_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+                                  "clips in May. How many clips did Natalia sell altogether in April and May?")
+    seq = prompt + SpeculativeDecoder(target).generate(prompt, GenerationConfig(max_new_tokens=64,
+                                                                                ignore_eos=True)).tokens
+    for method in ("dflash", "eagle3"):
+        first, accepted = {}, {}
+        for precision in ("float32", "int8"):
+            proposer, _ = build_proposer(method, target, MethodOptions(draft_dtype=precision))
+            feats = target.forward(torch.tensor([seq]), None, proposer.feature_layers).features
+            first[precision], accepted[precision] = [], 0
+            for cut in range(len(prompt), len(seq) - 16, 2):
+                proposer.start(seq[:cut], feats[:, :cut])
+                drafts = proposer.propose(seq[: cut + 1]).tokens
+                first[precision].append(drafts[0])
+                truth = seq[cut + 1: cut + 1 + len(drafts)]
+                accepted[precision] += next((k for k, (d, t) in enumerate(zip(drafts, truth)) if d != t), len(drafts))
+        same = sum(a == b for a, b in zip(first["float32"], first["int8"])) / len(first["float32"])
+        assert same >= 0.85, f"{method}: int8 first drafts agree with float32 ones in only {same:.0%} of rounds"
+        assert accepted["int8"] >= 0.85 * accepted["float32"], f"{method}: {accepted}"

@@ -60,7 +60,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> None:
     """--method (or --methods for bench) and how the methods draft."""
     from .methods import registry
-    from .methods.base import MethodOptions
+    from .methods.base import DRAFT_PRECISIONS, MethodOptions
 
     group = p.add_argument_group("drafting method")
     if not several:
@@ -73,9 +73,10 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                        help="tokens verified per round at most, the bonus included: dflash's block size, EAGLE-3's "
                             "chain depth + 1, ngram's copied drafts + 1 (default: what the drafter was trained with; "
                             "ngram 8)")
-    group.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="the drafter's dtype; auto = the faster of the target's dtype and bfloat16, timed once "
-                            "per machine (default: auto). Drafts never change the output")
+    group.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_PRECISIONS],
+                       help="the drafter's precision; int8: int8 weights, float32 activations (CPU, fbgemm); auto = "
+                            "the fastest of the target's dtype, bfloat16 and int8, timed once per machine (default: "
+                            "auto). Drafts never change the output")
     group.add_argument("--whole-blocks", action="store_true",
                        help="draft and verify every draft of every round (the paper's setting). Default: each round "
                             "verifies the number of drafts that maximises tokens/s on this machine, from the drafter's "

@@ -19,6 +19,7 @@ Every time comes from an injectable `timer`, so tests are deterministic.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +28,9 @@ CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the drafter's own confidence before the calibration learns
 SMOOTHING = 0.15  # EMA weight of a new observation (rate, gain, draft time, the machine's speed)
 SHAPE_SMOOTHING = 0.02  # how fast a pass width's cost relative to the machine's speed moves
-PROBE_FIRST, PROBE_MAX = 4, 64  # rounds without drafting before the next probe, doubling while it does not pay
+GAIN_SMOOTHING = 0.3  # the value of drafting moves with the text: a probe that finds a predictable stretch counts
+PROBE_FIRST, PROBE_MAX = 4, 64  # rounds without drafting before the next probe, doubling while it does not pay ...
+PROBE_BUDGET = 0.03  # ... but never so far apart that a cheap drafter's probes would cost more than this much time
 
 
 class Calibration:
@@ -78,6 +81,13 @@ class CostModel:
     def __init__(self):
         self.level: float | None = None  # seconds of a pass of relative cost 1
         self.relative: dict[int, float] = {}
+        self.drafting: float | None = None  # seconds one sequence's drafting adds to a round, in steady state
+
+    def observe_drafting(self, seconds: float) -> None:
+        """One round's drafting time per sequence. Only rounds whose drafter caught up on a few context tokens count:
+        the first round of a sequence also reads its whole prompt (100+ ms on CPU, 20x a steady round), and
+        an estimate that remembered it would keep the drafter switched off for dozens of rounds."""
+        self.drafting = _ema(self.drafting, seconds)
 
     def observe(self, width: int, seconds: float) -> None:
         if self.level is None:
@@ -138,7 +148,6 @@ class DraftController:
         self.rate: float | None = None  # tokens/s of this sequence's recent rounds
         self.gain: float | None = None  # expected tokens drafted rounds bring beyond plain steps, net of verify time
         self.chosen_value: float | None = None  # the expected value of this round's choice (None: not modelled)
-        self.draft_seconds: float | None = None
         self.skips_left, self.probe_gap, self.probe_due = 0, PROBE_FIRST, False
         self.rows = 1  # sequences in the current batch: each extra draft widens a pass of that many rows
         self.stats = ControllerStats()
@@ -157,16 +166,25 @@ class DraftController:
             self.stats.skipped_drafting += 1
             self.probe_due = self.skips_left == 0
             return False
-        if self.probe_due or self.gain is None or self.rate is None or self.draft_seconds is None:
+        draft_seconds = self.costs.drafting
+        if self.probe_due or self.gain is None or self.rate is None or draft_seconds is None:
             self.probe_due = False  # a probe: one drafted round refreshes `gain`
             return True
-        if self.gain > self.rate * self.draft_seconds:
+        if self.gain > self.rate * draft_seconds:
             self.probe_gap = PROBE_FIRST
             return True
         # not paying: skip a while, then probe again (a probe refreshes `gain` with one drafted round)
-        self.skips_left, self.probe_gap = self.probe_gap - 1, min(PROBE_MAX, 2 * self.probe_gap)
+        self.skips_left, self.probe_gap = self.probe_gap - 1, min(self._widest_probe_gap(), 2 * self.probe_gap)
         self.stats.skipped_drafting += 1
         return False
+
+    def _widest_probe_gap(self) -> int:
+        """Rounds between probes at which probing costs PROBE_BUDGET of the time: a probe that costs a tenth of a
+        step may come every few rounds (it finds predictable stretches early), one that costs a whole step rarely."""
+        step = self.costs.cost(self.rows)
+        if step <= 0 or self.costs.drafting is None:
+            return PROBE_MAX
+        return max(PROBE_FIRST, min(PROBE_MAX, math.ceil(self.costs.drafting / (PROBE_BUDGET * step))))
 
     # ---- after drafting -----------------------------------------------------------------------------------------
     def choose(self, confidences: list[float] | None, available: int) -> int:
@@ -189,20 +207,22 @@ class DraftController:
     def keep_going(self, confidences: list[float]) -> bool:
         """For chain drafters (EAGLE-3), after each draft: is one more worth its drafting step? Only if even a
         certain next draft (probability 1 times the chain so far) beats the time of drafting and verifying it."""
-        if self.whole_blocks or self.rate is None or not self.costs.known or self.draft_seconds is None:
+        if self.whole_blocks or self.rate is None or not self.costs.known or self.costs.drafting is None:
             return True
         k = len(confidences)
         chain = 1.0
         for j, c in enumerate(confidences):
             chain *= self.calibration.probability(j, c)
-        step = self.draft_seconds / max(1, self.max_draft)
+        step = self.costs.drafting / max(1, self.max_draft)
         return chain > self.rate * (step + self._extra_cost(k + 2) - self._extra_cost(k + 1))
 
     # ---- after verifying ----------------------------------------------------------------------------------------
     def record(self, drafted: bool, confidences: list[float] | None, verified: int, accepted: int,
-               draft_seconds: float, verify_seconds: float, width: int | None = None) -> None:
+               draft_seconds: float, verify_seconds: float, width: int | None = None,
+               catching_up: bool = False) -> None:
         """One round's outcome: `verified` drafts checked, `accepted` of them taken; the pass verified `width`
-        tokens in all (rows x its widest block; default: this row's block alone)."""
+        tokens in all (rows x its widest block; default: this row's block alone). `catching_up`: the drafting
+        also read a long backlog of context (a prompt), so its time says nothing about a steady round's."""
         self.stats.chosen[verified] = self.stats.chosen.get(verified, 0) + 1
         self.costs.observe(width or verified + 1, verify_seconds)
         seconds = draft_seconds + verify_seconds
@@ -211,13 +231,13 @@ class DraftController:
             self.rate = rate if self.rate is None else self.rate + SMOOTHING * (rate - self.rate)
         if not drafted:
             return
-        self.draft_seconds = _ema(self.draft_seconds, draft_seconds)
+        if not catching_up:
+            self.costs.observe_drafting(draft_seconds)
         self.calibration.observe(confidences, verified, accepted)
-        if self.chosen_value is not None:  # the model's expectation: far steadier than one round's luck
-            self.gain = _ema(self.gain, self.chosen_value)
-        elif self.rate is not None:
-            self.gain = _ema(self.gain, accepted - self.rate * self._extra_cost(verified + 1))
+        if self.chosen_value is not None:  # the model's expectation: far steadier than one round's luck (rounds
+            # before the costs were known verified whole blocks unmodelled: they say nothing about the value)
+            self.gain = _ema(self.gain, self.chosen_value, GAIN_SMOOTHING)
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + SMOOTHING * (new - old)
+def _ema(old: float | None, new: float, weight: float = SMOOTHING) -> float:
+    return new if old is None else old + weight * (new - old)

@@ -28,6 +28,10 @@ from .errors import UserError
 from .methods.base import Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
 
+# A drafting pass that reads more committed context than this (a new sequence's prompt, or the backlog of many
+# skipped rounds) does not time a steady round's drafting; the cost model ignores it.
+CATCH_UP_TOKENS = 32
+
 
 @dataclass
 class GenerationConfig:
@@ -243,9 +247,10 @@ class Engine:
         if self.batched:
             self.cache.take_lengths(cache, row)
 
-    def _draft_all(self, rows: list[Sequence]) -> list[tuple[Draft, int, bool, float]]:
+    def _draft_all(self, rows: list[Sequence]) -> tuple[list[tuple[Draft, int, bool, float]], bool]:
         """(draft, drafts to verify, whether the drafter ran, seconds of drafting it costs) per sequence: the ones
-        whose controller says drafting pays draft together, in one pass where the drafter can."""
+        whose controller says drafting pays draft together, in one pass where the drafter can; and whether that
+        pass also read a long context backlog."""
         drafting = []
         for seq in rows:
             seq.controller.rows = len(rows)
@@ -254,8 +259,10 @@ class Engine:
             else:
                 seq.proposer.skip()
                 seq.stats.skipped_drafting += 1
-        drafts = {}
+        drafts, catching_up = {}, False
         if drafting:
+            # a row still reading a long context backlog (its prompt) makes this pass no measure of a steady round
+            catching_up = max(s.proposer.context_backlog() for s in drafting) > CATCH_UP_TOKENS
             started = self.timer()
             made = type(drafting[0].proposer).propose_batch(
                 [s.proposer for s in drafting], [s.sequence for s in drafting],
@@ -270,12 +277,12 @@ class Engine:
             draft, seconds = drafts[id(seq)]
             available = min(len(draft.tokens), seq.proposer.max_draft)
             planned.append((draft, seq.controller.choose(draft.confidence, available), True, seconds))
-        return planned
+        return planned, catching_up
 
     def _round(self) -> None:
         """One propose / verify / accept round over every running sequence, in one target pass."""
         rows = self.running
-        planned = self._draft_all(rows)
+        planned, catching_up = self._draft_all(rows)
         drafts = [draft.tokens[:k] for draft, k, _, _ in planned]
         blocks = [[seq.sequence[-1]] + d for seq, d in zip(rows, drafts)]
         width = max(len(b) for b in blocks)
@@ -298,7 +305,7 @@ class Engine:
             seq.proposer.commit(blocks[i][: accepted + 1], features)
             draft, k, drafted, draft_seconds = planned[i]
             seq.controller.record(drafted, draft.confidence, k, accepted, draft_seconds, verify_seconds,
-                                  width=len(rows) * width)
+                                  width=len(rows) * width, catching_up=catching_up)
             seq.stats.accept_lengths.append(accepted + 1)
             seq.stats.draft_lengths.append(len(drafts[i]))
             new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]

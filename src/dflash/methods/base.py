@@ -57,6 +57,19 @@ class Proposer:
     def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None:
         """`token_ids` entered the target's cache (the old bonus and the accepted drafts)."""
 
+    def context_backlog(self) -> int:
+        """Committed tokens the drafter has not read yet (it reads them in its next drafting pass)."""
+        return 0
+
+
+class FeatureBacklog:
+    """For proposers that read target features: those committed since the last drafting pass, in order."""
+
+    pending: list[torch.Tensor | None]
+
+    def context_backlog(self) -> int:
+        return sum(f.shape[1] for f in self.pending if f is not None)
+
 
 @dataclass
 class MethodOptions:
@@ -97,17 +110,54 @@ class Method:
     block_size_help: str = field(default="tokens verified per round at most (drafts + 1)")
 
 
+DRAFT_PRECISIONS = ("float32", "bfloat16", "float16", "int8")
+
+
+@dataclass(frozen=True)
+class DraftPrecision:
+    """How a drafter runs: its weights' and activations' dtype, and the kernels of its products (None: the
+    target's plan). "int8" keeps float32 activations and runs the drafter's products (its LM head included) on int8
+    weights, all but the one reading the target's raw features: drafts may be inexact, the output cannot be, since
+    the target verifies every token."""
+
+    name: str
+    dtype: torch.dtype
+    plan: object | None = None  # a KernelPlan
+
+    def plan_for(self, target):
+        return self.plan if self.plan is not None else target.kernel_plan
+
+
+def draft_precision(name: str | None, target) -> DraftPrecision:
+    from ..errors import UserError
+    from ..models.kernels import int8_plan, int8_supported
+    from ..models.target import DTYPES
+
+    if name is None:
+        return DraftPrecision(str(target.dtype).removeprefix("torch."), target.dtype)
+    if name == "int8":
+        if not int8_supported(torch.empty(0, device=target.device)):
+            raise UserError("int8 drafting needs a CPU target and a PyTorch build with fbgemm (x86)")
+        return DraftPrecision("int8", torch.float32, int8_plan(target.kernel_plan))
+    if name not in DTYPES:
+        raise UserError(f"unknown draft dtype {name!r}; choose one of auto, {', '.join(DRAFT_PRECISIONS)}")
+    return DraftPrecision(name, DTYPES[name])
+
+
 def in_draft_dtype(method: str, target, options: MethodOptions,
-                   make: Callable[[torch.dtype], tuple[Proposer, str | None]]) -> tuple[Proposer, str | None]:
-    """`make(dtype)` in the dtype `options.draft_dtype` names; "auto" first times a drafting pass of `make(d)` in
-    each candidate dtype (once per machine) and keeps the faster. The choice goes into `proposer.report`."""
+                   make: Callable[[DraftPrecision], tuple[Proposer, str | None]]) -> tuple[Proposer, str | None]:
+    """`make(precision)` in the precision `options.draft_dtype` names; "auto" first times a drafting pass of
+    `make(p)` in each candidate precision (once per machine) and keeps the fastest. The choice goes into
+    `proposer.report`."""
     report = {}
     if options.draft_dtype == "auto":
         key = f"{target.name}:{method}:{options.drafter or 'shipped'}:{options.block_size}"
-        dtype, report = measured_draft_dtype(target, key, lambda d: best_drafting_seconds(make(d)[0], target))
+        precision, report = measured_draft_precision(
+            target, key, lambda p: best_drafting_seconds(make(p)[0], target))
     else:
-        dtype = torch_dtype(options.draft_dtype, target.dtype)
-    proposer, note = make(dtype)
+        precision = draft_precision(options.draft_dtype, target)
+        report = {"draft_dtype": precision.name, "measured": False}
+    proposer, note = make(precision)
     proposer.report = report
     return proposer, note
 
@@ -176,30 +226,24 @@ def shipped_drafter(target_name: str, method: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
-    from ..errors import UserError
-    from ..models.target import DTYPES
+def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecision], float]
+                             ) -> tuple[DraftPrecision, dict]:
+    """The fastest drafting precision on this machine among the target's dtype, bfloat16 and int8 (where the CPU
+    has a kernel for it): `seconds_in(p)` times a drafting pass in each (best of a few), once per machine (cached
+    with the kernel plans). bf16 halves the bytes but is slow on CPUs without bf16 instructions, int8 quarters them
+    at some loss of draft accuracy: measured, never assumed (the acceptance side shows in bench's tau)."""
+    from ..models.kernels import cached_measurement, int8_supported
 
-    if name is None:
-        return default
-    if name not in DTYPES:
-        raise UserError(f"unknown draft dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def measured_draft_dtype(target, key: str, seconds_in: Callable[[torch.dtype], float]) -> tuple[torch.dtype, dict]:
-    """The faster of the target's dtype and bfloat16 for a drafter on this machine: `seconds_in(dtype)` times a
-    drafting pass in each (best of a few), once per machine (cached with the kernel plans). bf16 drafting halves the
-    bytes but is slow on CPUs without bf16 instructions: measured, never assumed. Drafts never change the output."""
-    from ..models.kernels import cached_measurement
-
-    candidates = [target.dtype] + ([torch.bfloat16] if target.dtype != torch.bfloat16 else [])
-    if target.device.type != "cpu" or len(candidates) == 1 or not target.measure:
-        return target.dtype, {"draft_dtype": str(target.dtype).removeprefix("torch."), "measured": False}
+    own = draft_precision(None, target)
+    if target.device.type != "cpu" or not target.measure:
+        return own, {"draft_dtype": own.name, "measured": False}
+    names = [own.name] + [n for n in ("bfloat16", "int8") if n != own.name]
+    if not int8_supported(torch.empty(0)):
+        names.remove("int8")
 
     def measure() -> dict:
-        return {str(d).removeprefix("torch."): round(1000 * seconds_in(d), 3) for d in candidates}
+        return {name: round(1000 * seconds_in(draft_precision(name, target)), 3) for name in names}
 
-    timings, measured = cached_measurement(f"{key}:draft-dtype", measure)
+    timings, measured = cached_measurement(f"{key}:draft-precision", measure)
     name = min(timings, key=timings.get)
-    return getattr(torch, name), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}
+    return draft_precision(name, target), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}

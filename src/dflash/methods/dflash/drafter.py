@@ -215,7 +215,8 @@ class DFlashDrafter(nn.Module):
 
     def freeze(self, plan=None) -> "DFlashDrafter":
         """Fused products for inference (after the last change of weights, device or dtype)."""
-        self.fast_fc = FrozenLinear.of(self.fc, plan)
+        # the target's raw features carry a few huge channels: an int8 plan keeps this product in float
+        self.fast_fc = FrozenLinear.of(self.fc, plan.in_float() if plan is not None else None)
         for layer in self.layers:
             layer.self_attn.freeze(plan, context=True)
             layer.mlp.freeze(plan)

@@ -8,20 +8,21 @@ import torch
 
 from ...errors import UserError
 from ...models.kernels import FrozenLinear
-from ..base import Draft, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
+from ..base import Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(FeatureBacklog, Proposer):
     name = "dflash"
 
-    def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None):
+    def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None, plan=None):
         trained = drafter.config.block_size
         self.block_size = block_size or trained
         if not 2 <= self.block_size <= trained:
             raise UserError(f"block size must be in [2, {trained}] for this drafter (trained with {trained})")
         drafter.check_fits(target)
         self.drafter, self.target = drafter, target
+        self.plan = plan or target.kernel_plan  # the drafter's kernels: int8 ones, or the target's
         self.feature_layers = tuple(drafter.config.target_layer_ids)
         self.max_draft = self.block_size - 1
         self.mask_token_id = drafter.config.mask_token_id
@@ -35,7 +36,7 @@ class DFlashProposer(Proposer):
 
     def _head_for(self, extra: set[int]) -> tuple[torch.Tensor | None, FrozenLinear]:
         """(vocabulary ids or None for all, the LM head over them) with `extra` tokens added to the draft vocabulary."""
-        plan = self.target.kernel_plan
+        plan = self.plan
         if self.base_vocab is None:
             return None, FrozenLinear(self.full_head, plan=plan)
         ids = torch.tensor(sorted(set(self.base_vocab) | extra), device=self.full_head.device)
@@ -122,9 +123,10 @@ def untrained_drafter(target, num_layers: int = 3, block_size: int = 16, seed: i
     return DFlashDrafter.untrained(cfg, seed).to(device=target.device, dtype=target.dtype)
 
 
-def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, str | None]:
+def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = None,
+                 plan=None) -> tuple[DFlashDrafter, str | None]:
     """The drafter at `path`, else the shipped one for this target, else an untrained one (with a note saying so),
-    frozen for inference in `dtype` (default: the target's)."""
+    frozen for inference in `dtype` (default: the target's) with `plan`'s kernels (default: the target's)."""
     dtype = dtype or target.dtype
     note = None
     if path is None:
@@ -137,12 +139,13 @@ def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = No
     else:
         drafter = DFlashDrafter.load(path, dtype=dtype, device=str(target.device))
         drafter.check_fits(target)
-    return drafter.freeze(target.kernel_plan), note
+    return drafter.freeze(plan or target.kernel_plan), note
 
 
 def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
-    def make(dtype: torch.dtype) -> tuple[DFlashProposer, str | None]:
-        drafter, note = load_drafter(options.drafter, target, dtype)
-        return DFlashProposer(drafter, target, options.block_size), note
+    def make(precision: DraftPrecision) -> tuple[DFlashProposer, str | None]:
+        plan = precision.plan_for(target)
+        drafter, note = load_drafter(options.drafter, target, precision.dtype, plan)
+        return DFlashProposer(drafter, target, options.block_size, plan), note
 
     return in_draft_dtype("dflash", target, options, make)

@@ -159,7 +159,9 @@ class Eagle3Head(nn.Module):
         """Fused products for inference (after the last change of weights, device or dtype)."""
         self.midlayer.self_attn.freeze(plan)
         self.midlayer.mlp.freeze(plan)
-        self.fast_fc, self.fast_head = FrozenLinear.of(self.fc, plan), FrozenLinear.of(self.lm_head, plan)
+        # the target's raw features carry a few huge channels: an int8 plan keeps their product in float
+        self.fast_fc = FrozenLinear.of(self.fc, plan.in_float() if plan is not None else None)
+        self.fast_head = FrozenLinear.of(self.lm_head, plan)
         return self.eval()
 
     def new_cache(self, capacity: int = 256) -> KVCache:

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 from ...errors import UserError
-from ..base import Draft, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
+from ..base import Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
 from .head import Eagle3Head
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(FeatureBacklog, Proposer):
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, target, depth: int | None = None):
@@ -64,10 +64,10 @@ class Eagle3Proposer(Proposer):
 def build(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
     """The head at `options.drafter`, else the shipped one for this target, else an UNTRAINED head (with a note);
     `options.block_size` B drafts chains of B - 1."""
-    return in_draft_dtype("eagle3", target, options, lambda dtype: load(target, options, dtype))
+    return in_draft_dtype("eagle3", target, options, lambda precision: load(target, options, precision))
 
 
-def load(target, options: MethodOptions, dtype: torch.dtype) -> tuple[Eagle3Proposer, str | None]:
+def load(target, options: MethodOptions, precision: DraftPrecision) -> tuple[Eagle3Proposer, str | None]:
     path, note = options.drafter, None
     if path is None:
         path = shipped_drafter(target.name, "eagle3")
@@ -79,6 +79,6 @@ def load(target, options: MethodOptions, dtype: torch.dtype) -> tuple[Eagle3Prop
     else:
         head = Eagle3Head.load(path, device=str(target.device))
     # run in the target's dtype (or the chosen draft dtype), like the DFlash drafter, so both pay alike
-    head = head.to(device=target.device, dtype=dtype).freeze(target.kernel_plan)
+    head = head.to(device=target.device, dtype=precision.dtype).freeze(precision.plan_for(target))
     depth = options.block_size - 1 if options.block_size else None
     return Eagle3Proposer(head, target, depth), note
