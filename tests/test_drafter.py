@@ -155,6 +155,6 @@ def test_drafting_vocabulary_takes_in_the_prompts_tokens(tiny_targets):
     prompt = [3, 40, 41, 7]
     features = target.forward(torch.tensor([prompt]), None, proposer.feature_layers).features
     proposer.start(prompt, features)
-    assert proposer.vocab_ids.tolist() == [3, 5, 6, 7, 40, 41]
+    assert proposer.vocab_ids.tolist() == [5, 6, 7, 3, 40, 41]  # the base head's rows, then the prompt's
     draft = proposer.propose(prompt + [9])
     assert set(draft.tokens) <= {3, 5, 6, 7, 40, 41} and len(draft.tokens) == drafter.config.block_size - 1

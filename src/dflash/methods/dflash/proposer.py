@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ...errors import UserError
 from ...models.kernels import FrozenLinear
@@ -29,26 +30,27 @@ class DFlashProposer(FeatureBacklog, Proposer):
         # Drafts never change the output, only how many are accepted, so the drafter may run in a cheaper dtype
         # than the target, and may score only some rows of the frozen LM head: its draft vocabulary, plus the
         # tokens of the prompt at hand (a drafter copies names and identifiers from it, however rare they are).
+        # The base head (the draft vocabulary's rows, or all) is laid out for its kernel once, at load; the prompt's
+        # other tokens form a small second head, made per prompt: re-making the whole head per prompt cost 35 ms,
+        # and packing it (oneDNN or int8) another 20-80 ms at the first draft.
         head = target.lm_head.weight.detach()
         self.full_head = head if head.dtype == drafter.fc.weight.dtype else head.to(drafter.fc.weight.dtype)
         self.base_vocab = drafter.draft_vocab
-        self.vocab_ids, self.lm_head = self._head_for(set())
-
-    def _head_for(self, extra: set[int]) -> tuple[torch.Tensor | None, FrozenLinear]:
-        """(vocabulary ids or None for all, the LM head over them) with `extra` tokens added to the draft vocabulary."""
-        plan = self.plan
-        if self.base_vocab is None:
-            return None, FrozenLinear(self.full_head, plan=plan)
-        ids = torch.tensor(sorted(set(self.base_vocab) | extra), device=self.full_head.device)
-        return ids, FrozenLinear(self.full_head[ids], plan=plan)
+        self.base_ids = None if self.base_vocab is None else torch.tensor(sorted(self.base_vocab),
+                                                                          device=head.device)
+        rows = self.full_head if self.base_ids is None else self.full_head[self.base_ids]
+        self.lm_head = FrozenLinear(rows, plan=self.plan)
+        self.vocab_ids = self.base_ids  # what the heads' columns are, in order (None: the whole vocabulary)
+        self.prompt_rows: torch.Tensor | None = None
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.drafter.new_cache(capacity=len(prompt_ids) + 256)
         self.pending = [features]
-        if self.base_vocab is not None:
-            extra = set(prompt_ids) - set(self.base_vocab)
-            if extra or len(self.vocab_ids) != len(self.base_vocab):
-                self.vocab_ids, self.lm_head = self._head_for(extra)
+        if self.base_vocab is not None:  # a drafter copies names and numbers from its prompt, however rare
+            extra = torch.tensor(sorted(set(prompt_ids) - set(self.base_vocab)), dtype=torch.long,
+                                 device=self.base_ids.device)
+            self.prompt_rows = self.full_head[extra] if len(extra) else None
+            self.vocab_ids = torch.cat([self.base_ids, extra])
 
     def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None:
         self.pending.append(features)
@@ -79,7 +81,10 @@ class DFlashProposer(FeatureBacklog, Proposer):
         rows, positions, width = hidden.shape
         # 2-D on purpose: a 3-D bf16 input took a slow path of the head (44 ms instead of 3 ms); argmax in float32:
         # over bf16 logits it took 2.5 ms for 15 rows, converting first 0.5 ms (same indices)
-        logits = self.lm_head(hidden.reshape(-1, width)).float()
+        flat = hidden.reshape(-1, width)
+        logits = self.lm_head(flat).float()
+        if self.prompt_rows is not None:
+            logits = torch.cat([logits, F.linear(flat, self.prompt_rows).float()], dim=-1)
         confidence, drafts = logits.softmax(-1).max(-1)  # softmax keeps the order: the same drafts as argmax
         if self.vocab_ids is not None:
             drafts = self.vocab_ids[drafts]
