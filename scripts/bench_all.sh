@@ -15,6 +15,13 @@ $DF bench --dataset gsm8k     --limit 10 --methods $METHODS "${COMMON[@]}" --out
 $DF bench --dataset humaneval --limit 4  --methods $SHORT "${COMMON[@]}" --out "$OUT/humaneval"
 $DF bench --dataset math500   --limit 4  --methods $SHORT "${COMMON[@]}" --out "$OUT/math500"
 $DF bench --dataset mt_bench  --limit 4  --methods $SHORT "${COMMON[@]}" --out "$OUT/mt_bench"
+# llama.cpp, where the optional extra is installed (pip install -e ".[llamacpp]"): on an F32 copy of the registry's
+# GGUF (the float32 target's own weights: same numbers, same arithmetic) and on the registry's Q4_1 file itself.
+if .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  $DF bench --dataset gsm8k --limit 10 --methods ar,llamacpp,dflash,eagle3 --llamacpp-gguf f32 "${COMMON[@]}" \
+    --out "$OUT/gsm8k_llamacpp_f32"
+  $DF bench --dataset gsm8k --limit 10 --methods ar,llamacpp,dflash,eagle3 "${COMMON[@]}" --out "$OUT/gsm8k_llamacpp_q4"
+fi
 if [ "${FAST_MODE:-0}" = 1 ]; then
   $DF bench --dataset gsm8k --limit 5 --methods ar,hf,eagle3,dflash --dtype bfloat16 --max-new-tokens 128 \
     --out "$OUT/gsm8k_bf16" || true   # exits 1 when bf16 numerics make outputs drift

@@ -138,3 +138,33 @@ def test_bad_input_exits_2(tmp_path, capsys, case):
     assert err.startswith("dflash: error:") and "Traceback" not in err
     if case == "bad_json":
         assert "set.jsonl:2" in err
+
+
+def test_gguf_weight_type_comes_from_the_last_name_suffix():
+    from pathlib import Path
+
+    from dflash.bench import quantization_of
+
+    assert quantization_of(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "Q4_1"
+    assert quantization_of(Path("SmolLM2-135M-Instruct.Q4_1.F32.gguf")) == "F32"  # our F32 copy of it
+    assert quantization_of(Path("gemma-3-270m-q4_k_m.gguf")) == "Q4_K_M"
+    assert quantization_of(Path("model.gguf")) == "unknown"
+
+
+@pytest.mark.real_model
+def test_float32_copy_of_the_registry_gguf(tmp_path):
+    """`--llamacpp-gguf f32`: llama.cpp's converter writes the F32 copy once, with the float32 target's weights."""
+    pytest.importorskip("llama_cpp")
+    import shutil
+
+    import gguf
+
+    from dflash.bench import float32_gguf
+    from dflash.hub import fetch_gguf
+
+    source = tmp_path / fetch_gguf("smollm2-135m").name
+    shutil.copy(fetch_gguf("smollm2-135m"), source)
+    copy = float32_gguf(source)
+    assert copy.name.endswith(".F32.gguf") and float32_gguf(source) == copy  # made once
+    tensors = {t.name: t for t in gguf.GGUFReader(copy).tensors}
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.F32

@@ -264,7 +264,8 @@ class LlamaCppRunner:
         except ImportError as exc:
             raise UserError("the llamacpp baseline needs llama-cpp-python: pip install 'dflash[llamacpp]' "
                             "(it compiles llama.cpp: 5-20 minutes on 2 cores)") from exc
-        path = Path(gguf) if gguf else registry_gguf(target.name)
+        path = float32_gguf(registry_gguf(target.name)) if gguf == "f32" else Path(gguf) if gguf else registry_gguf(
+            target.name)
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
         self.path, self.sampling, self.eos = path, sampling, set(target.eos_token_ids)
@@ -289,6 +290,26 @@ class LlamaCppRunner:
         return Run(tokens, self.decode(shown), (first_at or time.perf_counter()) - start, total)
 
 
+def float32_gguf(source: Path) -> Path:
+    """An F32 copy of a GGUF file, made once by llama.cpp's own converter beside the original. The registry's
+    SmolLM2 file is Q4_1 and the float32 target is that file dequantised, so the copy holds the very weights the
+    target runs: llama.cpp and dflash then do the same arithmetic on the same numbers."""
+    import ctypes
+
+    import llama_cpp
+
+    out = source.with_name(source.stem + ".F32.gguf")
+    if out.is_file():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_ALL_F32, True, 0
+    partial = out.with_name(out.name + ".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        raise UserError(f"llama.cpp could not convert {source} to F32")
+    partial.replace(out)
+    return out
+
+
 def registry_gguf(name: str) -> Path:
     from .hub import REGISTRY, fetch_gguf
 
@@ -301,8 +322,9 @@ def quantization_of(path: Path) -> str:
     """The GGUF file's weight type as its name says it (e.g. Q4_1, F32, BF16), else "unknown"."""
     import re
 
-    match = re.search(r"(BF16|F16|F32|Q\d_K(?:_[SML])?|Q\d_\d|Q\d_0|IQ\d\w*)", path.name, re.IGNORECASE)
-    return match.group(1).upper() if match else "unknown"
+    # the last one named: a converted copy ("model.Q4_1.F32.gguf") is what its last suffix says
+    found = re.findall(r"(BF16|F16|F32|Q\d_K(?:_[SML])?|Q\d_\d|Q\d_0|IQ\d\w*)", path.name, re.IGNORECASE)
+    return found[-1].upper() if found else "unknown"
 
 
 def build_runners(methods: list[str], target, args, sampling) -> dict:
@@ -423,7 +445,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
     p.add_argument("--llamacpp-gguf", default=None, metavar="FILE",
-                   help="GGUF file for the llamacpp baseline (default: the registry's file for the target)")
+                   help="GGUF file for the llamacpp baseline (default: the registry's file for the target); f32: "
+                        "an F32 copy of the registry's file, made once by llama.cpp (the float32 target's weights)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
