@@ -254,6 +254,20 @@ def test_a_busy_moment_does_not_make_wide_passes_look_free():
     assert costs.cost(1) == pytest.approx(0.030, rel=0.3)
 
 
+def test_wider_passes_never_look_cheaper_and_measured_costs_seed_the_model():
+    """A width once read cheaper than a plain step (noise) must not make extra drafts look free; relative costs
+    measured at load set the shape, the first reading only the machine's level."""
+    costs = CostModel()
+    costs.observe(1, 0.050)
+    costs.observe(3, 0.045)  # a quiet moment
+    assert costs.cost(3) >= costs.cost(1) and costs.cost(2) >= costs.cost(1)
+    seeded = CostModel()
+    seeded.seed({1: 1.0, 2: 1.05, 4: 1.2, 8: 1.4, 16: 1.9})
+    seeded.observe(8, 0.070)  # level = 0.070 / 1.4
+    assert seeded.cost(1) == pytest.approx(0.050) and seeded.cost(16) == pytest.approx(0.095)
+    assert seeded.cost(6) == pytest.approx(0.050 * 1.3)
+
+
 def test_batched_rows_share_the_cost_model(tiny_targets):
     target = tiny_targets["qwen3"]
     engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)

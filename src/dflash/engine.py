@@ -149,6 +149,8 @@ class Engine:
         self.max_batch = max_batch
         self.adaptive, self.timer = adaptive, timer
         self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
+        if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
+            self.costs.seed(measured_pass_costs(target))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # row i of the cache holds running[i]
         self.cache = None
@@ -374,6 +376,36 @@ class Engine:
         while self.busy:
             done += self.step()
         return done
+
+
+PASS_WIDTHS = (1, 2, 4, 8, 16)
+
+
+def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: int = 64) -> dict[int, float]:
+    """The cost of a target pass of each width relative to a 1-token pass, timed at load (widths interleaved, the
+    median of `repeats`, after a `context`-token prompt) and cached per machine, model and kernel choice: about a
+    second, once. The controller's online estimates start from these instead of from their first readings."""
+    from .models.kernels import cached_measurement
+
+    def measure() -> dict:
+        cache = target.new_cache(capacity=context + max(widths) + 1)
+        target.forward(torch.tensor([[5 + i % 50 for i in range(context)]], device=target.device), cache)
+        times: dict[int, list[float]] = {w: [] for w in widths}
+        for run in range(repeats + 1):
+            for w in widths:
+                started = time.perf_counter()
+                out = target.forward(torch.tensor([[7] * w], device=target.device), cache)
+                out.logits.argmax(-1).tolist()  # the host sync a round has
+                if run:
+                    times[w].append(time.perf_counter() - started)
+                cache.truncate(context)
+        median = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
+        return {str(w): round(median[w] / median[widths[0]], 4) for w in widths}
+
+    kernels = (getattr(target, "kernel_report", None) or {}).get("choices")
+    key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:pass-costs"
+    relative, _ = cached_measurement(key, measure)
+    return {int(w): r for w, r in relative.items()}
 
 
 class SpeculativeDecoder:
