@@ -406,7 +406,7 @@ class Totals:
         # no decode phase at all (one-token outputs) leaves the TPOT ratio undefined
         out["speedup"] = ar.tpot_ms / self.tpot_ms if self.decode_tokens and ar.decode_tokens else None
         out["e2e_speedup"] = self.tokens_per_s / max(1e-9, ar.tokens_per_s)
-        if method != "hf":
+        if parse_method(method).name not in BASELINES:  # hf and llama.cpp run no verify rounds
             out.update(acceptance_stats(self.accept_lengths, self.draft_lengths, self.block_size))
             out["skipped_drafting"] = self.skipped_drafting
         return out

@@ -138,7 +138,7 @@ def _quantize(weight: torch.Tensor, bias: torch.Tensor | None):
             if not error <= INT8_PROBE_TOLERANCE * expected.abs().max():
                 return None
         return packed
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, AttributeError):  # AttributeError: a torch without these ops
         return None
 
 
