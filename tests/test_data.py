@@ -323,3 +323,17 @@ def test_a_new_machine_continues_from_a_packed_corpus(tmp_path):
     assert {r["id"]: r["input_ids"] for r in resumed} == {r["id"]: r["input_ids"] for r in whole}
     assert run_data(tmp_path / "other", inputs, extra=("--continue-from", str(tmp_path / "pack"),
                                                        "--max-new-tokens", "3")) == 2  # other settings: refused
+
+
+def test_appended_records_with_unicode_line_separators_read_back(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 / U+2029 / U+0085 raw inside strings (ShareGPT text has them);
+    reading a shard back must split records at "\\n" only. It once crashed the resume of a real regeneration."""
+    from dflash.corpus import append_lines, read_jsonl_tolerant
+
+    rows = [{"prompt": "first\u2028line", "response": "a\u2029b\x85c\x0bd"}, {"prompt": "plain", "response": "x"}]
+    path = tmp_path / "shard.jsonl"
+    append_lines(path, rows)
+    with path.open("ab") as f:
+        f.write(b'{"prompt": "torn')  # a write cut by a crash
+    assert read_jsonl_tolerant(path) == rows
+    assert read_jsonl_tolerant(path) == rows  # the torn tail was cut for good

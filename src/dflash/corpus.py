@@ -49,7 +49,9 @@ def read_jsonl_tolerant(path: Path) -> list[dict]:
     if len(complete) != len(data):
         with path.open("r+b") as f:
             f.truncate(len(complete))
-    return [json.loads(line) for line in complete.decode("utf-8").splitlines() if line.strip()]
+    # split on "\n" only: str.splitlines() also breaks at U+2028 and friends, which json.dumps leaves raw inside
+    # strings (ShareGPT text has them), and a record cut there no longer parses
+    return [json.loads(line) for line in complete.decode("utf-8").split("\n") if line.strip()]
 
 
 def append_lines(path: Path, rows: list[dict]) -> None:
