@@ -266,6 +266,10 @@ def test_wider_passes_never_look_cheaper_and_measured_costs_seed_the_model():
     seeded.observe(8, 0.070)  # level = 0.070 / 1.4
     assert seeded.cost(1) == pytest.approx(0.050) and seeded.cost(16) == pytest.approx(0.095)
     assert seeded.cost(6) == pytest.approx(0.050 * 1.3)
+    batched = CostModel()  # the first reading may be of a width never measured (4 rows x 8 tokens)
+    batched.seed({1: 1.0, 8: 1.4, 16: 1.9})
+    batched.observe(32, 0.150)
+    assert batched.cost(32) == pytest.approx(0.150) and batched.cost(1) < batched.cost(8) < batched.cost(32)
 
 
 def test_batched_rows_share_the_cost_model(tiny_targets):

@@ -96,8 +96,10 @@ class CostModel:
         self.relative = dict(relative)
 
     def observe(self, width: int, seconds: float) -> None:
-        if self.level is None:
-            self.level = seconds / self.relative.setdefault(width, 1.0)
+        if self.level is None:  # the first reading sets the machine's level; seeded shapes stay as measured
+            if not self.relative:
+                self.relative[width] = 1.0
+            self.level = seconds / max(self._relative(width), 1e-12)
             return
         if width not in self.relative:
             self.relative[width] = seconds / self.level
