@@ -40,7 +40,7 @@ def bandwidth_gb_s(weight_bytes: int, dtype: torch.dtype) -> dict:
     frozen = FrozenLinear(matrix)
     x = torch.randn(1, 576, dtype=dtype)
     with torch.inference_mode():
-        matvec_ms = min(median_ms(lambda k=k: frozen.run(x, k), runs=5) for k in ("plain", "packed"))
+        matvec_ms = min(median_ms(lambda k=k: frozen.run(x, k), runs=5) for k in frozen.kernels())
     return {"read": weight_bytes / read_ms / 1e6, "matvec": matrix.numel() * element / matvec_ms / 1e6}
 
 

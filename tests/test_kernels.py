@@ -172,10 +172,11 @@ def test_machine_fingerprint_changes_with_the_thread_count():
 
 
 @needs_packing
+@pytest.mark.parametrize("kernels", ["packed", "native"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_kernel_choice_never_changes_greedy_output(arch):
+def test_kernel_choice_never_changes_greedy_output(arch, kernels):
     packed, plain = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
-    choose_kernels(packed, "packed")
+    choose_kernels(packed, kernels)
     choose_kernels(plain, "plain")
     ids = packed.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
     got = packed.forward(torch.tensor([ids])).logits
@@ -192,7 +193,7 @@ def test_kernel_choice_never_changes_greedy_output(arch):
 
 def test_plan_summary_and_defaults():
     plan = KernelPlan({shape_key(4, 4, torch.float32, 1): "plain"}, default="packed")
-    assert plan.summary() == {"plain": 1, "packed": 0}
+    assert plan.summary() == {"plain": 1, "packed": 0, "native": 0}
     assert plan.kernel(8, 8, torch.float32, 1) == "packed" and plan.kernel(4, 4, torch.float32, 1) == "plain"
     assert packing_supported(torch.randn(2, 2)) in (True, False)
 

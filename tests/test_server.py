@@ -231,11 +231,17 @@ def test_too_long_prompt_and_broken_json_then_still_serving(client, url, chat_re
 
 # ---- disconnects ------------------------------------------------------------------------------------------------
 class SlowProposer(Proposer):
-    """Plain decoding that sleeps every round, so an uncancelled long request would hold the worker for seconds."""
+    """Plain decoding that sleeps every round, so an uncancelled long request would hold the worker for seconds.
+    With no drafts the engine never asks it to propose, only to skip: both sleep (the target alone may be fast
+    enough to finish 480 tokens within the client's timeout)."""
 
     def propose(self, sequence, limit=None, keep_going=None):
         time.sleep(0.025)
         return super().propose(sequence, limit)
+
+    def skip(self):
+        time.sleep(0.025)
+        super().skip()
 
 
 def open_stream(http: httpx.Client, base: str):

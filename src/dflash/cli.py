@@ -53,8 +53,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                        help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
                             "did not beat the packed eager kernels, see docs/RESULTS.md)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
-                       help="CPU matmul kernels: auto = the faster of packed oneDNN and plain PyTorch per weight "
-                            "shape, measured once per machine and cached (default: auto)")
+                       help="CPU matmul kernels: auto = the fastest of packed oneDNN, plain PyTorch and our AVX2 "
+                            "kernel per weight shape and row count, measured once per machine and cached "
+                            "(default: auto)")
 
 
 def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> None:

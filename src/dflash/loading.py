@@ -17,8 +17,8 @@ TINY_ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
 
 def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", kernels: str = "auto",
                        compile: bool = False) -> TargetModel:
-    """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (packed kernels, nothing
-    measured); anything else goes to load_target."""
+    """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (our native kernels where
+    they build, nothing measured); anything else goes to load_target."""
     if spec.startswith("tiny-"):
         from .testing import tiny_target
 
@@ -30,7 +30,7 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         target = tiny_target(arch, logit_scale=4.0)
         target.measure = False
         target.model.to(DTYPES[dtype])
-        choose_kernels(target, "packed" if kernels == "auto" else kernels)
+        choose_kernels(target, "native" if kernels == "auto" else kernels)
     else:
         target = load_target(spec, dtype, device, kernels)
     if compile:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .models.kernels import NATIVE
 from .models.target import TargetModel
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<mask>", "<user>", "<assistant>"]
@@ -68,5 +69,8 @@ def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, 
             else:
                 head.weight.mul_(logit_scale)
     model.eval()
-    # nothing timed: a test's costs come from its injected clock, never from this machine's speed
-    return TargetModel(model=model, tokenizer=tiny_tokenizer(vocab_size), name=f"tiny-{arch}", measure=False)
+    # nothing timed: a test's costs come from its injected clock, never from this machine's speed. Our own kernels
+    # (the one-token layer step and products, native.py) where this machine builds them, so every test runs
+    # through them as a real model does; torch's F.linear where it does not.
+    return TargetModel(model=model, tokenizer=tiny_tokenizer(vocab_size), name=f"tiny-{arch}", measure=False,
+                       kernel_plan=NATIVE)

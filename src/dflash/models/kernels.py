@@ -6,6 +6,9 @@ the packed path was 20% slower for the same step (shared/MEASURED.md). So the ch
 per number of rows by timing both kernels on the weights themselves (`measure_plan`), and cached per machine
 (`kernel_plan_for`), never assumed.
 
+A third kernel is our own (native.py, AVX2 C compiled on first use): for the few rows of a decode step or a verify
+pass it reads the weight near the memory bandwidth, where oneDNN and MKL reached little more than half of it.
+
 `FrozenLinear` is for weights that no longer change (a frozen target, a loaded drafter). It keeps its weight as a
 buffer, so `.to()` moves it, and re-packs whenever the weight it packed was moved, cast or written in place: a packed
 copy can never go stale. Autograd, other devices and dtypes without a packed kernel take `F.linear`.
@@ -27,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("plain", "packed")
+from . import native
+
+KERNELS = ("plain", "packed", "native")
 # Row buckets by their largest row count: 1 (a decode step), 2-16 (verify passes), more (prefill, batches); each is
 # measured at a typical count of its own (MEASURED_ROWS).
 ROW_BUCKETS = (1, 16, 1 << 30)
@@ -70,6 +75,7 @@ class KernelPlan:
 
 PLAIN = KernelPlan(default="plain")  # what a PyTorch user gets: F.linear everywhere
 PACKED = KernelPlan(default="packed")
+NATIVE = KernelPlan(default="native")  # our AVX2 kernel (native.py) everywhere
 
 
 def int8_plan(float_plan: KernelPlan) -> KernelPlan:
@@ -159,6 +165,8 @@ class FrozenLinear(nn.Module):
         self._packed_for: tuple | None = None
         self._int8 = None
         self._int8_for: tuple | None = None
+        self._tiles: torch.Tensor | None = None
+        self._tiles_for: tuple | None = None
         self.use_plan(plan or PACKED)
 
     def use_plan(self, plan: KernelPlan) -> None:
@@ -167,6 +175,11 @@ class FrozenLinear(nn.Module):
         out_f, in_f = self.weight.shape
         self._kernel_by_bucket = tuple(plan.kernel(out_f, in_f, self.weight.dtype, b) for b in ROW_BUCKETS)
         self._planned_dtype = self.weight.dtype
+        # a laid-out copy is as large as the weight: keep only those the plan uses (others are re-made on demand)
+        if "native" not in self._kernel_by_bucket:
+            self._tiles, self._tiles_for = None, None
+        if "packed" not in self._kernel_by_bucket:
+            self._packed, self._packed_for = None, None
 
     @classmethod
     def of(cls, linear: nn.Linear, plan: KernelPlan | None = None) -> "FrozenLinear":
@@ -209,6 +222,14 @@ class FrozenLinear(nn.Module):
             self._packed, self._packed_for = _pack(self.weight, self.bias), signature
         return self._packed
 
+    def native_tiles(self) -> torch.Tensor | None:
+        """Our kernel's layout of the CURRENT weight (native.py), or None where that kernel is not available."""
+        signature = self._signature()
+        if self._tiles_for != signature:
+            self._tiles = native.tiles(self.weight) if native.supports(self.weight) else None
+            self._tiles_for = signature
+        return self._tiles
+
     def int8(self):
         """fbgemm's int8 form of the CURRENT weight, or None where there is none (then the float kernels run)."""
         signature = self._signature()
@@ -226,17 +247,31 @@ class FrozenLinear(nn.Module):
         bucket = 0 if rows <= 1 else 1 if rows <= 16 else 2  # the index of row_bucket(rows) in ROW_BUCKETS
         return self.run(x, self._kernel_by_bucket[bucket])
 
+    def kernel_for_rows(self, rows: int) -> str:
+        return self._kernel_by_bucket[0 if rows <= 1 else 1 if rows <= 16 else 2]
+
     def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """The product through one named kernel (F.linear where that kernel has no form for this weight)."""
         if kernel == "packed":
             packed = self.packed()
             if packed is not None:
                 return _packed_product(x, packed, self.bias)
+        elif kernel == "native":
+            tiles = self.native_tiles()
+            if tiles is not None:
+                y = native.linear(x, tiles, self.weight.shape[0], self.bias)
+                if y is not None:
+                    return y
         elif kernel == "int8":
             quantized = self.int8()
             if quantized is not None:
                 return _int8_product(x, quantized)
         return F.linear(x, self.weight, self.bias)
+
+    def kernels(self) -> tuple[str, ...]:
+        """The kernels that have a form for this weight as it is now (`plain` always)."""
+        return tuple(k for k in KERNELS if k == "plain" or (k == "packed" and self.packed() is not None)
+                     or (k == "native" and native.supports(self.weight)))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -253,23 +288,25 @@ def measure_plan(linears: Iterable[FrozenLinear], rows: Iterable[int] = MEASURED
 
     A narrow product streams its weight from memory, so weights of one shape (e.g. the 30 fused q/k/v projections)
     are timed in one pass over all of them, as a forward pass streams them, never hot in cache; a wide one reuses
-    each weight many times, so two of them tell. Only shapes whose packed layout exists are timed; a kernel must
+    each weight many times, so two of them tell. Only shapes with more than one kernel are timed; a kernel must
     beat `prefer` by MIN_GAIN to be chosen. `timer` is injectable for deterministic tests. About half a second for
     SmolLM2-135M on 2 cores."""
     groups: dict[tuple, list[FrozenLinear]] = {}
     for lin in linears:
-        if lin.weight.device.type == "cpu" and lin.packed() is not None:
-            groups.setdefault((lin.out_features, lin.in_features, lin.weight.dtype), []).append(lin)
+        available = lin.kernels()
+        if len(available) > 1:
+            groups.setdefault((lin.out_features, lin.in_features, lin.weight.dtype, available), []).append(lin)
     plan = KernelPlan(default=prefer)
-    other = next(k for k in KERNELS if k != prefer)
     with torch.inference_mode():
-        for (out_f, in_f, dtype), members in groups.items():
+        for (out_f, in_f, dtype, available), members in groups.items():
             for n in rows:
                 timed = members if n <= 16 else members[:2]
                 x = torch.randn(n, in_f, dtype=dtype)
-                ms = {k: _time_kernel(timed, x, k, timer, repeats) for k in KERNELS}
+                ms = {k: _time_kernel(timed, x, k, timer, repeats) for k in available}
                 key = shape_key(out_f, in_f, dtype, row_bucket(n))
-                plan.choices[key] = other if ms[other] < (1 - MIN_GAIN) * ms[prefer] else prefer
+                best = min(ms, key=ms.get)
+                baseline = ms.get(prefer, ms["plain"])
+                plan.choices[key] = best if ms[best] < (1 - MIN_GAIN) * baseline else prefer
                 plan.timings_ms[key] = {k: round(v, 4) for k, v in ms.items()}
     return plan
 
@@ -286,7 +323,7 @@ def _time_kernel(linears: list[FrozenLinear], x: torch.Tensor, kernel: str, time
 
 
 def machine_fingerprint() -> str:
-    """What a kernel choice depends on: CPU model and features, torch version, thread count."""
+    """What a kernel choice depends on: CPU model and features, torch version, thread count, the kernels we have."""
     cpu = platform.processor() or platform.machine()
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -294,7 +331,8 @@ def machine_fingerprint() -> str:
         cpu = "\n".join(dict.fromkeys(lines))
     except OSError:
         pass
-    text = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    kernels = f"{KERNELS} native={native.build_id()}"  # a new or changed kernel makes old choices stale
+    text = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|{kernels}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

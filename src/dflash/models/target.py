@@ -17,11 +17,11 @@ from torch import nn
 from ..errors import UserError
 from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
 from .hf import HFEngine
-from .kernels import PACKED, PLAIN, KernelPlan, kernel_plan_for
+from .kernels import NATIVE, PACKED, PLAIN, KernelPlan, kernel_plan_for
 from .transformer import Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNEL_CHOICES = ("auto", "packed", "plain")
+KERNEL_CHOICES = ("auto", "packed", "plain", "native")
 
 
 @dataclass
@@ -158,11 +158,11 @@ class TargetModel:
 
 def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
     """Set the target's matmul kernels: `auto` measures them on this machine (cached per machine and model),
-    `packed` / `plain` force one kernel everywhere."""
+    `packed` / `plain` / `native` force one kernel everywhere (where a weight has no native form: torch's)."""
     if kernels not in KERNEL_CHOICES:
         raise UserError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNEL_CHOICES)}")
     if kernels != "auto" or not isinstance(target.engine, Transformer) or target.device.type != "cpu":
-        plan = PLAIN if kernels == "plain" else PACKED
+        plan = {"plain": PLAIN, "native": NATIVE}.get(kernels, PACKED)
         target.use_kernels(plan, {"kernels": kernels, "measured": False})
         return
     engine = target.engine

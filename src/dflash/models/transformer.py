@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from . import native
 from .kernels import FrozenLinear, KernelPlan
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask
 
@@ -43,6 +44,10 @@ class DecoderLayer(nn.Module):
         self.window, self.layer_type, self.softcap = window, layer_type, softcap
 
     def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None) -> torch.Tensor:
+        if h.shape[0] == 1 and h.shape[1] == 1 and mask is None:  # a decode step: the whole layer in one C call
+            out = self.native_step(h, rope, cache, index)
+            if out is not None:
+                return out
         attn = self.self_attn
         q, k, v = attn.project(self.input_layernorm(h), rope)
         keys, values = cache.write(index, k, v)
@@ -52,6 +57,60 @@ class DecoderLayer(nn.Module):
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int) -> torch.Tensor | None:
+        """This layer for one token through native.decode_layer, or None where it cannot run there (Gemma's layers,
+        biased MLPs, kernels the plan did not pick for one row, mixed dtypes, another device)."""
+        constants = self._native_constants(h.dtype)
+        keys, values = cache.keys[index, 0], cache.values[index, 0]
+        cos, sin = rope
+        if (constants is None or h.device.type != "cpu" or not (keys.is_contiguous() and h.is_contiguous())
+                or cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous())):
+            return None
+        return native.decode_layer(h, constants, rope, keys, values, cache.lengths[0])
+
+    def _native_constants(self, dtype: torch.dtype) -> tuple | None:
+        """The layer's constant arguments for native.decode_layer, made once per weight state (key: the products'
+        signatures, so a moved, cast or rewritten weight re-makes them, as FrozenLinear re-lays its copies out)."""
+        attn, mlp = self.self_attn, self.mlp
+        products = (attn.qkv, attn.o_fast, mlp.gate_up, mlp.down_fast)
+        if any(lin is None for lin in products):
+            return None
+        key = (dtype, tuple(lin._kernel_by_bucket[0] for lin in products), tuple(lin._signature() for lin in products))
+        cached = self.__dict__.get("_native_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        weights = self._native_weights(dtype)
+        constants = None
+        if weights is not None:
+            shape = {"eps": self.input_layernorm.eps, "qk_eps": attn.q_norm.eps if attn.q_norm is not None else 0.0,
+                     "hidden": attn.o_fast.out_features, "heads": attn.heads, "kv_heads": attn.kv_heads,
+                     "head_dim": attn.head_dim, "intermediate": mlp.down_fast.in_features, "scale": attn.scale}
+            constants = native.layer_constants(weights, shape, dtype)
+        self.__dict__["_native_cache"] = (key, constants, weights)  # weights: keeps what the pointers point to
+        return constants
+
+    def _native_weights(self, dtype: torch.dtype) -> dict | None:
+        attn, mlp = self.self_attn, self.mlp
+        if (self.sandwich or self.window is not None or self.softcap is not None
+                or mlp.activation not in ("silu", "swish") or mlp.gate_up.bias is not None
+                or mlp.down_fast.bias is not None or self.input_layernorm.eps != self.post_attention_layernorm.eps):
+            return None
+        products = {"qkv": attn.qkv, "o": attn.o_fast, "gate_up": mlp.gate_up, "down": mlp.down_fast}
+        if any(lin.kernel_for_rows(1) != "native" for lin in products.values()):
+            return None
+        weights = {name: lin.native_tiles() for name, lin in products.items()}
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+        weights.update(norm1=norms[0].weight, norm2=norms[1].weight, qkv_bias=attn.qkv.bias, o_bias=attn.o_fast.bias,
+                       q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+                       k_norm=attn.k_norm.weight if attn.k_norm is not None else None)
+        if any(n.unit_offset for n in norms) or any(
+                w is None or w.dtype != dtype or not w.is_contiguous()
+                for name, w in weights.items() if w is not None or name in products):
+            return None
+        return weights
 
 
 class Transformer(nn.Module):

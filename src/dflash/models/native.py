@@ -1,0 +1,150 @@
+"""Our own matrix-vector kernel (native_linear.c), compiled on first use with the machine's C compiler.
+
+The products of a decode step are bound by reading each weight once; torch's CPU kernels read 1-7 MB matrices well
+below the memory bandwidth (docs/RESULTS.md), this one close to it. It is one more candidate for kernels.py, chosen
+per shape only where it measures faster. Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
+(`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
+The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_linear.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+_library: ctypes.CDLL | None = None
+_tried = False
+why_not = ""  # why the kernel is unavailable, for reports
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _build(compiler: str) -> Path:
+    from ..hub import cache_dir
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    target = cache_dir() / "native" / f"dflash_linear_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                text=True, timeout=120)
+        if result.returncode != 0:
+            raise OSError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "compiler failed")
+        os.replace(built, target)  # atomic: a concurrent process sees the old state or the whole file
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
+    global _library, _tried, why_not
+    if _tried:
+        return _library
+    _tried = True
+    if os.environ.get("DFLASH_NATIVE", "1") == "0":
+        why_not = "DFLASH_NATIVE=0"
+    elif platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        why_not = f"not built for {platform.system()} {platform.machine()}"
+    elif not _cpu_has_avx2_fma():
+        why_not = "this CPU lacks AVX2/FMA"
+    elif not (compiler := shutil.which(os.environ.get("CC", "cc"))):
+        why_not = "no C compiler"
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+            for name in ("dflash_linear_f32", "dflash_linear_bf16"):
+                fn = getattr(lib, name)
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                fn.restype = ctypes.c_int
+            step = lib.dflash_decode_layer
+            step.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+                             + [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_float]
+                             + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float])
+            step.restype = ctypes.c_int
+            _library = lib
+        except (OSError, subprocess.SubprocessError) as exc:
+            why_not = f"build failed: {exc}"
+    return _library
+
+
+def build_id() -> str:
+    """Which build of the kernel runs here ("none" where none does): its file name carries the source hash."""
+    lib = library()
+    return Path(lib._name).stem if lib is not None else "none"
+
+
+def supports(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and library() is not None)
+
+
+def tiles(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of `weight` [n, k] (see native_linear.c): zero-padded to 4-row, 8-column multiples, then
+    each 4-row block as consecutive 4 x 8 tiles, so that a block is one sequential stream."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % 4))
+    return padded.view(padded.shape[0] // 4, 4, padded.shape[1] // 8, 8).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + b, W given as `tiles(W)` with `out_features` rows; None where the kernel does not apply (the caller
+    then uses torch's)."""
+    lib = _library
+    if lib is None or x.dtype != weight_tiles.dtype or (bias is not None and not bias.is_contiguous()):
+        return None
+    x = x.contiguous()
+    k = x.shape[-1]
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    fn = lib.dflash_linear_f32 if x.dtype == torch.float32 else lib.dflash_linear_bf16
+    status = fn(weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                x.numel() // k, out_features, k, torch.get_num_threads())
+    return y if status == 0 else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
+    """The arguments of a decoder layer that do not change between calls (see native_linear.c), made once: `weights`
+    holds its norms and biases (tensors in the model dtype, or None) and its products' tiles, `shape` its sizes and
+    constants. The tensors must outlive the tuple (the caller keeps them)."""
+    return (int(dtype == torch.bfloat16), _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
+            _ptr(weights["qkv"]), _ptr(weights["qkv_bias"]), _ptr(weights["q_norm"]), _ptr(weights["k_norm"]),
+            shape["qk_eps"], _ptr(weights["o"]), _ptr(weights["o_bias"]), _ptr(weights["gate_up"]),
+            _ptr(weights["down"]), shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"],
+            shape["intermediate"], shape["scale"])
+
+
+def decode_layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                 values: torch.Tensor, position: int) -> torch.Tensor | None:
+    """One Llama/Qwen decoder layer for ONE token (native_linear.c): h [1, 1, hidden] -> a new [1, 1, hidden]; the
+    token's key and value are written at `position` of `keys` / `values` [kv_heads, capacity, head_dim]. None where
+    the kernel is not available (the caller runs its torch forward)."""
+    lib = _library
+    if lib is None:
+        return None
+    out = torch.empty_like(h)
+    status = lib.dflash_decode_layer(h.data_ptr(), out.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(),
+                                     keys.data_ptr(), values.data_ptr(), position, keys.shape[1],
+                                     torch.get_num_threads(), *constants)
+    return out if status == 0 else None

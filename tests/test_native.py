@@ -1,0 +1,201 @@
+"""Our AVX2 kernel (models/native.py, native_linear.c): the same products as F.linear for every shape the tiling
+pads (rows not a multiple of 4, columns not a multiple of 8), 1-16 input rows (the one-row and three-row paths),
+float32 and bfloat16, with and without bias; a layout that follows in-place writes; plans that pick it when it is
+faster; greedy output unchanged through it; and the fallback where it cannot be built."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.models import native
+from dflash.models.kernels import NATIVE, FrozenLinear, measure_plan, shape_key
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"no native kernel here: {native.why_not}")
+
+
+def reference(x, weight, bias):
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (7, 13), (64, 40), (96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_product_matches_f_linear(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    weight, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    got = FrozenLinear(weight, bias, NATIVE)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-4, atol=1e-4)  # float32 sums, any order
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):
+    g = torch.Generator().manual_seed(m)
+    weight, x = torch.randn(37, 70, generator=g).bfloat16(), torch.randn(2, m, 70, generator=g).bfloat16()
+    bias = torch.randn(37, generator=g).bfloat16() if with_bias else None
+    got = FrozenLinear(weight, bias, NATIVE)(x)
+    assert got.shape == (2, m, 37) and got.dtype == torch.bfloat16
+    exact = reference(x, weight, bias)
+    # only the order of float32 additions differs from the exact sum: the result is its bf16 rounding, give or
+    # take one unit in the last place where the sum sits near a rounding boundary
+    ulp = exact.abs().clamp_min(1e-3) * 2.0**-7
+    assert ((got.float() - exact).abs() <= ulp).all()
+
+
+@needs_native
+def test_bfloat16_rounding_is_to_nearest_even():
+    # x = 1 and a single weight: the product is the weight itself, exactly representable; bias pushes the float32
+    # sum to exact halfway points between bf16 neighbours
+    weight = torch.ones(4, 1, dtype=torch.bfloat16)
+    bias = torch.tensor([0.0, 2.0**-8, 3 * 2.0**-8, -(2.0**-8)], dtype=torch.float32)
+    # bias is bf16 too: these offsets are exactly representable there
+    got = native.linear(torch.ones(1, 1, dtype=torch.bfloat16), native.tiles(weight), 4, bias.bfloat16())
+    # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1); 1 + 3 * 2^-8 ties up to 1 + 2^-6 (even)
+    assert got.float().tolist() == [[1.0, 1.0, 1.0 + 2.0**-6, 1.0 - 2.0**-8]]
+
+
+@needs_native
+def test_layout_follows_in_place_writes():
+    lin = FrozenLinear(torch.randn(8, 16), None, NATIVE)
+    x = torch.randn(1, 16)
+    lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+
+
+@needs_native
+def test_tiles_are_four_row_blocks_of_eight_column_tiles():
+    weight = torch.arange(5 * 9, dtype=torch.float32).view(5, 9)
+    tiles = native.tiles(weight)
+    assert tiles.shape == (2, 2, 4, 8)  # 5 -> 8 rows (2 blocks), 9 -> 16 columns (2 tiles)
+    assert tiles[0, 1, 2].tolist() == [weight[2, 8].item()] + [0.0] * 7  # block 0, tile 1, row 2: column 8, padding
+    assert tiles[1, 0, 1].tolist() == [0.0] * 8  # row 5 does not exist: zeros
+
+
+@needs_native
+def test_plan_picks_native_when_it_measures_faster(monkeypatch):
+    clock = [0.0]
+
+    def fake_run(self, x, kernel):
+        clock[0] += {"native": 1.0, "packed": 2.0, "plain": 3.0}[kernel] if x.shape[0] == 1 else 1.0
+        return x
+
+    monkeypatch.setattr(FrozenLinear, "run", fake_run)
+    linears = [FrozenLinear(torch.randn(64, 32)) for _ in range(2)]
+    plan = measure_plan(linears, rows=(1, 8), timer=lambda: clock[0])
+    assert plan.choices[shape_key(64, 32, torch.float32, 1)] == "native"
+    assert plan.choices[shape_key(64, 32, torch.float32, 16)] == "packed"  # a tie keeps the default
+    assert set(plan.timings_ms[shape_key(64, 32, torch.float32, 1)]) == {"plain", "packed", "native"}
+
+
+def test_without_the_library_native_falls_back_to_torch(monkeypatch):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", True)
+    lin = FrozenLinear(torch.randn(6, 10), torch.randn(6), NATIVE)
+    assert "native" not in lin.kernels() and lin.native_tiles() is None
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("DFLASH_NATIVE", "0")
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is None and native.why_not == "DFLASH_NATIVE=0"
+
+
+# ---- the one-token decoder layer ------------------------------------------------------------------------------------
+from conftest import ARCHS  # noqa: E402
+from dflash.models.target import choose_kernels  # noqa: E402
+from dflash.testing import tiny_target  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # of the largest logit: bf16 keeps 8 bits
+
+
+def count_layer_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    real = native.decode_layer
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(native, "decode_layer", counting)
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_token_layers_match_the_torch_forward(arch, dtype, monkeypatch):
+    """Decode steps through the C layer (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms) give the logits and
+    the cached keys/values of the torch forward; Gemma3's layers (sandwich norms, windows) never take it."""
+    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    for target, kernels in ((ours, "native"), (theirs, "plain")):
+        target.model.to(dtype)
+        choose_kernels(target, kernels)
+    calls = count_layer_calls(monkeypatch)
+    ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
+    caches = ours.new_cache(), theirs.new_cache()
+    ours.forward(torch.tensor([ids]), caches[0])
+    theirs.forward(torch.tensor([ids]), caches[1])
+    steps = [5, 9, 33, 2, 17, 40, 8, 11]
+    for token in steps:
+        got = ours.forward(torch.tensor([[token]]), caches[0]).logits
+        expected = theirs.forward(torch.tensor([[token]]), caches[1]).logits
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() <= TOLERANCE[dtype] * scale, f"after token {token}"
+    end = len(caches[0])
+    for name in ("keys", "values"):
+        a, b = getattr(caches[0], name)[:, :, :, :end].float(), getattr(caches[1], name)[:, :, :, :end].float()
+        assert (a - b).abs().max().item() <= TOLERANCE[dtype] * max(b.abs().max().item(), 1.0)
+    expected_calls = 0 if arch == "gemma3" else len(steps) * ours.num_layers
+    assert calls[0] == expected_calls
+
+
+@needs_native
+def test_one_token_layers_roll_back_like_the_cache(monkeypatch):
+    """A step after a rollback overwrites the stale position: the same token at the same position gives the same
+    logits as the first time."""
+    target = tiny_target("llama", logit_scale=4.0)
+    calls = count_layer_calls(monkeypatch)
+    ids = target.encode_prompt("w20 w31 w9")
+    cache = target.new_cache()
+    target.forward(torch.tensor([ids]), cache)
+    first = target.forward(torch.tensor([[7]]), cache).logits
+    target.forward(torch.tensor([[8]]), cache)
+    cache.truncate(len(ids))
+    target.forward(torch.tensor([[9]]), cache)  # writes position len(ids) with another token
+    cache.truncate(len(ids))
+    torch.testing.assert_close(target.forward(torch.tensor([[7]]), cache).logits, first, rtol=0, atol=0)
+    assert calls[0] == 4 * target.num_layers
+
+
+@needs_native
+def test_wider_passes_and_batches_take_the_torch_layers(monkeypatch):
+    target = tiny_target("llama", logit_scale=4.0)
+    calls = count_layer_calls(monkeypatch)
+    cache = target.new_cache(batch=2)
+    target.forward(torch.tensor([[5, 6, 7], [8, 9, 10]]), cache)
+    target.forward(torch.tensor([[5], [6]]), cache)  # one token, but two rows
+    single = target.new_cache()
+    target.forward(torch.tensor([[5, 6, 7]]), single)  # three tokens
+    assert calls[0] == 0
+    target.forward(torch.tensor([[5]]), single)
+    assert calls[0] == target.num_layers
+
+
+@needs_native
+def test_a_plan_without_native_for_one_row_keeps_the_torch_layers(monkeypatch):
+    target = tiny_target("qwen3", logit_scale=4.0)
+    choose_kernels(target, "packed")
+    calls = count_layer_calls(monkeypatch)
+    cache = target.new_cache()
+    target.forward(torch.tensor([[5, 6, 7]]), cache)
+    target.forward(torch.tensor([[5]]), cache)
+    assert calls[0] == 0
