@@ -199,3 +199,30 @@ def test_a_plan_without_native_for_one_row_keeps_the_torch_layers(monkeypatch):
     target.forward(torch.tensor([[5, 6, 7]]), cache)
     target.forward(torch.tensor([[5]]), cache)
     assert calls[0] == 0
+
+
+@needs_native
+@pytest.mark.parametrize("layer_in_c_wins", [True, False])
+def test_the_one_token_step_is_timed_whole(monkeypatch, layer_in_c_wins):
+    """A plan whose per-product timings chose oneDNN for one shape would lose the one-call layer; the step is timed
+    both ways (clock injected: a layer costs 1 or 10 units in C or in torch) and the faster plan kept."""
+    from dflash.models.kernels import KernelPlan
+    from dflash.models.target import settle_one_token_step
+    from dflash.models.transformer import DecoderLayer
+
+    clock = [0.0]
+    real_step = DecoderLayer.native_step
+
+    def timed_step(self, *args):
+        out = real_step(self, *args)
+        clock[0] += (1 if layer_in_c_wins else 10) if out is not None else (10 if layer_in_c_wins else 1)
+        return out
+
+    monkeypatch.setattr(DecoderLayer, "native_step", timed_step)
+    target = tiny_target("llama", logit_scale=4.0)
+    hidden, inter = target.hidden_size, target.config.intermediate_size
+    plan = KernelPlan({shape_key(2 * inter, hidden, torch.float32, 1): "packed"}, default="native")
+    chosen = settle_one_token_step(target, plan, timer=lambda: clock[0])
+    assert chosen.kernel(2 * inter, hidden, torch.float32, 1) == ("native" if layer_in_c_wins else "packed")
+    assert set(chosen.timings_ms["one-token step"]) == {"measured", "fused"}
+    assert target.engine.layers[0].mlp.gate_up.kernel_for_rows(1) == chosen.kernel(2 * inter, hidden, torch.float32, 1)

@@ -280,6 +280,7 @@ class FrozenLinear(nn.Module):
 # ---- choosing kernels by measurement ----------------------------------------------------------------------------
 Timer = Callable[[], float]
 MIN_GAIN = 0.05  # the other kernel must be this much faster to displace the default (timings are noisy)
+CHOICE_VERSION = 2  # 2: the one-token step is timed whole (target.py), not only product by product
 
 
 def measure_plan(linears: Iterable[FrozenLinear], rows: Iterable[int] = MEASURED_ROWS, timer: Timer = time.perf_counter,
@@ -331,7 +332,8 @@ def machine_fingerprint() -> str:
         cpu = "\n".join(dict.fromkeys(lines))
     except OSError:
         pass
-    kernels = f"{KERNELS} native={native.build_id()}"  # a new or changed kernel makes old choices stale
+    # a new or changed kernel, or a new way of choosing, makes old choices stale
+    kernels = f"{KERNELS} native={native.build_id()} choice={CHOICE_VERSION}"
     text = f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|{kernels}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -360,10 +362,14 @@ def cached_measurement(key: str, measure: Callable[[], dict], fingerprint: str |
 
 
 def kernel_plan_for(model_key: str, linears: list[FrozenLinear], fingerprint: str | None = None,
-                    cache_file: Path | None = None, timer: Timer = time.perf_counter) -> tuple[KernelPlan, bool]:
-    """(plan, measured_now): the cached plan of `model_key` on this machine, else a fresh measurement (cached)."""
+                    cache_file: Path | None = None, timer: Timer = time.perf_counter,
+                    refine: Callable[[KernelPlan], KernelPlan] | None = None) -> tuple[KernelPlan, bool]:
+    """(plan, measured_now): the cached plan of `model_key` on this machine, else a fresh measurement (cached).
+    `refine` may revise a fresh plan by measuring more than single products (e.g. a whole step)."""
     def measure() -> dict:
         plan = measure_plan(linears, timer=timer)
+        if refine is not None:
+            plan = refine(plan)
         return {"choices": plan.choices, "default": plan.default, "timings_ms": plan.timings_ms}
 
     entry, measured = cached_measurement(model_key, measure, fingerprint, cache_file)
