@@ -4,7 +4,8 @@ Usage: .venv/bin/python scripts/profile_round.py [float32|bfloat16] [THREADS] [-
 
 The bound: a decode step must read every weight once, so it cannot beat weight bytes / memory bandwidth. The
 bandwidth is measured in the same run, two ways: a read-only pass over a buffer the size of the model (`sum`), and
-the best kernel's matrix-vector product over a matrix of that size. Reported: our forward (dflash's engine) and
+the best kernel's matrix-vector product over a matrix of that size, each the median of readings before, between and
+after the passes. Reported: our forward (dflash's engine) and
 transformers' forward for a 1-token step and verify passes of 2-16 tokens (with features), drafting a block, and
 each step's ratio to the bound. Medians of 10 runs each; the engine is warmed up first.
 """
@@ -34,8 +35,12 @@ def median_ms(fn, runs: int = 10) -> float:
 def bandwidth_gb_s(weight_bytes: int, dtype: torch.dtype) -> dict:
     """GB/s of a read-only pass over `weight_bytes` and of the best matvec over a [N, 576] matrix of that size."""
     element = torch.empty((), dtype=dtype).element_size()
+    # the read pass sums float32 whatever the model's dtype: a bf16 sum is bound by its conversions on CPUs without
+    # native bf16 arithmetic (14 against 22 GB/s on AVX2), which would flatter every bf16 ratio
+    read_buffer = torch.ones(weight_bytes // 4, dtype=torch.float32)
+    read_ms = median_ms(lambda: read_buffer.sum(), runs=5)
+    del read_buffer
     buffer = torch.ones(weight_bytes // element, dtype=dtype)
-    read_ms = median_ms(lambda: buffer.sum(), runs=5)
     matrix = buffer.view(-1, 576)[: (weight_bytes // element) // 576]
     frozen = FrozenLinear(matrix)
     x = torch.randn(1, 576, dtype=dtype)
@@ -69,8 +74,13 @@ def main() -> None:
     layers = proposer.feature_layers
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     hf = TargetModel(target.model, target.tokenizer, target.name, prefer_transformers=True)
-    ours, theirs = profile(target, layers), profile(hf, layers)
-    bandwidth = bandwidth_gb_s(weight_bytes, target.dtype)
+    # the bandwidth of this shared machine moves: measured before, between and after the passes, median of the three
+    readings = [bandwidth_gb_s(weight_bytes, target.dtype)]
+    ours = profile(target, layers)
+    readings.append(bandwidth_gb_s(weight_bytes, target.dtype))
+    theirs = profile(hf, layers)
+    readings.append(bandwidth_gb_s(weight_bytes, target.dtype))
+    bandwidth = {k: sorted(r[k] for r in readings)[1] for k in readings[0]}
     bound_ms = {k: weight_bytes / (v * 1e6) for k, v in bandwidth.items()}
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How much does she make every day?")
     features = target.forward(torch.tensor([prompt]), None, layers).features

@@ -119,13 +119,13 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # of the largest logit:
 
 def count_layer_calls(monkeypatch) -> list[int]:
     calls = [0]
-    real = native.decode_layer
+    real = native.layer
 
     def counting(*args):
         calls[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(native, "decode_layer", counting)
+    monkeypatch.setattr(native, "layer", counting)
     return calls
 
 
@@ -154,7 +154,8 @@ def test_one_token_layers_match_the_torch_forward(arch, dtype, monkeypatch):
     for name in ("keys", "values"):
         a, b = getattr(caches[0], name)[:, :, :, :end].float(), getattr(caches[1], name)[:, :, :, :end].float()
         assert (a - b).abs().max().item() <= TOLERANCE[dtype] * max(b.abs().max().item(), 1.0)
-    expected_calls = 0 if arch == "gemma3" else len(steps) * ours.num_layers
+    passes = len(steps) + (len(ids) <= 16)  # a prompt of up to 16 tokens runs through the C layers too
+    expected_calls = 0 if arch == "gemma3" else passes * ours.num_layers
     assert calls[0] == expected_calls
 
 
@@ -173,21 +174,49 @@ def test_one_token_layers_roll_back_like_the_cache(monkeypatch):
     target.forward(torch.tensor([[9]]), cache)  # writes position len(ids) with another token
     cache.truncate(len(ids))
     torch.testing.assert_close(target.forward(torch.tensor([[7]]), cache).logits, first, rtol=0, atol=0)
-    assert calls[0] == 4 * target.num_layers
+    assert calls[0] == 5 * target.num_layers  # the prompt and four steps
 
 
 @needs_native
-def test_wider_passes_and_batches_take_the_torch_layers(monkeypatch):
+def test_batches_and_long_passes_take_the_torch_layers(monkeypatch):
     target = tiny_target("llama", logit_scale=4.0)
     calls = count_layer_calls(monkeypatch)
     cache = target.new_cache(batch=2)
     target.forward(torch.tensor([[5, 6, 7], [8, 9, 10]]), cache)
     target.forward(torch.tensor([[5], [6]]), cache)  # one token, but two rows
     single = target.new_cache()
-    target.forward(torch.tensor([[5, 6, 7]]), single)  # three tokens
+    target.forward(torch.tensor([list(range(5, 22))]), single)  # 17 tokens: a prefill, wider than any verify pass
     assert calls[0] == 0
     target.forward(torch.tensor([[5]]), single)
-    assert calls[0] == target.num_layers
+    target.forward(torch.tensor([[5, 6, 7]]), single)
+    assert calls[0] == 2 * target.num_layers
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
+    """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features: logits, features and
+    cache as the torch forward's."""
+    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    for target, kernels in ((ours, "native"), (theirs, "plain")):
+        target.model.to(dtype)
+        choose_kernels(target, kernels)
+    calls = count_layer_calls(monkeypatch)
+    ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
+    caches = ours.new_cache(), theirs.new_cache()
+    for width in (2, 5, 16, 3):
+        block = torch.tensor([[(7 * width + i) % 50 + 5 for i in range(width)]])
+        if width == 2:
+            block = torch.tensor([ids])[:, :width]
+        got = ours.forward(block, caches[0], (0, 2))
+        expected = theirs.forward(block, caches[1], (0, 2))
+        for a, b in ((got.logits, expected.logits), (got.features, expected.features)):
+            assert (a.float() - b.float()).abs().max().item() <= TOLERANCE[dtype] * b.float().abs().max().item()
+    assert calls[0] == 4 * ours.num_layers
+    end = len(caches[0])
+    a, b = caches[0].keys[:, :, :, :end].float(), caches[1].keys[:, :, :, :end].float()
+    assert (a - b).abs().max().item() <= TOLERANCE[dtype] * max(b.abs().max().item(), 1.0)
 
 
 @needs_native
@@ -203,11 +232,12 @@ def test_a_plan_without_native_for_one_row_keeps_the_torch_layers(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("layer_in_c_wins", [True, False])
-def test_the_one_token_step_is_timed_whole(monkeypatch, layer_in_c_wins):
-    """A plan whose per-product timings chose oneDNN for one shape would lose the one-call layer; the step is timed
-    both ways (clock injected: a layer costs 1 or 10 units in C or in torch) and the faster plan kept."""
+def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
+    """A plan whose per-product timings chose oneDNN for one shape would lose the one-call layer; 1-token and
+    8-token passes are timed both ways (clock injected: a layer costs 1 or 10 units in C or in torch) and the
+    faster plan kept for each."""
     from dflash.models.kernels import KernelPlan
-    from dflash.models.target import settle_one_token_step
+    from dflash.models.target import settle_layer_kernels
     from dflash.models.transformer import DecoderLayer
 
     clock = [0.0]
@@ -221,8 +251,11 @@ def test_the_one_token_step_is_timed_whole(monkeypatch, layer_in_c_wins):
     monkeypatch.setattr(DecoderLayer, "native_step", timed_step)
     target = tiny_target("llama", logit_scale=4.0)
     hidden, inter = target.hidden_size, target.config.intermediate_size
-    plan = KernelPlan({shape_key(2 * inter, hidden, torch.float32, 1): "packed"}, default="native")
-    chosen = settle_one_token_step(target, plan, timer=lambda: clock[0])
-    assert chosen.kernel(2 * inter, hidden, torch.float32, 1) == ("native" if layer_in_c_wins else "packed")
-    assert set(chosen.timings_ms["one-token step"]) == {"measured", "fused"}
-    assert target.engine.layers[0].mlp.gate_up.kernel_for_rows(1) == chosen.kernel(2 * inter, hidden, torch.float32, 1)
+    plan = KernelPlan({shape_key(2 * inter, hidden, torch.float32, bucket): "packed" for bucket in (1, 16)},
+                      default="native")
+    chosen = settle_layer_kernels(target, plan, timer=lambda: clock[0])
+    for rows, bucket in ((1, 1), (8, 16)):
+        assert chosen.kernel(2 * inter, hidden, torch.float32, rows) == ("native" if layer_in_c_wins else "packed")
+        assert set(chosen.timings_ms[f"{rows}-token pass"]) == {"measured", "fused"}
+        assert target.engine.layers[0].mlp.gate_up.kernel_for_rows(rows) == chosen.kernel(
+            2 * inter, hidden, torch.float32, rows)

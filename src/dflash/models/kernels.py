@@ -280,7 +280,7 @@ class FrozenLinear(nn.Module):
 # ---- choosing kernels by measurement ----------------------------------------------------------------------------
 Timer = Callable[[], float]
 MIN_GAIN = 0.05  # the other kernel must be this much faster to displace the default (timings are noisy)
-CHOICE_VERSION = 2  # 2: the one-token step is timed whole (target.py), not only product by product
+CHOICE_VERSION = 3  # 2: the one-token step is timed whole (target.py), not only product by product; 3: 8-token passes too
 
 
 def measure_plan(linears: Iterable[FrozenLinear], rows: Iterable[int] = MEASURED_ROWS, timer: Timer = time.perf_counter,

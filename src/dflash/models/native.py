@@ -75,13 +75,13 @@ def library() -> ctypes.CDLL | None:
                 fn = getattr(lib, name)
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                 fn.restype = ctypes.c_int
-            step = lib.dflash_decode_layer
-            step.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
-                             + [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_float]
-                             + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float])
-            step.restype = ctypes.c_int
+            layer = lib.dflash_layer
+            layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+                              + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4
+                              + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float])
+            layer.restype = ctypes.c_int
             _library = lib
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     return _library
 
@@ -135,16 +135,17 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
             shape["intermediate"], shape["scale"])
 
 
-def decode_layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
-                 values: torch.Tensor, position: int) -> torch.Tensor | None:
-    """One Llama/Qwen decoder layer for ONE token (native_linear.c): h [1, 1, hidden] -> a new [1, 1, hidden]; the
-    token's key and value are written at `position` of `keys` / `values` [kv_heads, capacity, head_dim]. None where
-    the kernel is not available (the caller runs its torch forward)."""
+def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+          values: torch.Tensor, position: int) -> torch.Tensor | None:
+    """One Llama/Qwen decoder layer over the n tokens of ONE sequence (native_linear.c): h [1, n, hidden] -> a new
+    [1, n, hidden]; the tokens sit at positions `position`.. and attend causally; their keys and values are written
+    there in `keys` / `values` [kv_heads, capacity, head_dim]. None where the kernel is not available (the caller
+    runs its torch forward)."""
     lib = _library
     if lib is None:
         return None
     out = torch.empty_like(h)
-    status = lib.dflash_decode_layer(h.data_ptr(), out.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(),
-                                     keys.data_ptr(), values.data_ptr(), position, keys.shape[1],
-                                     torch.get_num_threads(), *constants)
+    status = lib.dflash_layer(h.data_ptr(), out.data_ptr(), h.shape[1], rope[0].data_ptr(), rope[1].data_ptr(),
+                              keys.data_ptr(), values.data_ptr(), position, keys.shape[1], torch.get_num_threads(),
+                              *constants)
     return out if status == 0 else None

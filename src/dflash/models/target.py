@@ -171,42 +171,53 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
 
     start = time.perf_counter()
     plan, measured = kernel_plan_for(model_key, engine.frozen_linears(),
-                                     refine=lambda measured_plan: settle_one_token_step(target, measured_plan))
+                                     refine=lambda measured_plan: settle_layer_kernels(target, measured_plan))
     target.use_kernels(plan, {"kernels": "auto", "measured_now": measured, "choices": plan.summary(),
                               "measure_s": round(time.perf_counter() - start, 3)})
 
 
-def settle_one_token_step(target: TargetModel, plan: KernelPlan, repeats: int = 5, timer=None) -> KernelPlan:
-    """`plan` or the same plan with our kernel for every one-row product, whichever runs a 1-token step faster.
+def settle_layer_kernels(target: TargetModel, plan: KernelPlan, repeats: int = 5, timer=None) -> KernelPlan:
+    """`plan`, with our kernel for every product of a 1-token step and/or of a 2-16-token pass wherever that runs
+    those passes faster, timed whole.
 
     Timing products one by one cannot see that where all four products of a layer use our kernel, the whole layer
-    runs as ONE C call for a single token (native.decode_layer): on SmolLM2 a step of 24 ms against 45 ms, while a
-    single product often times within noise of oneDNN's, so one product chosen otherwise cost the layer its fast
-    path. So the whole step is timed both ways, interleaved, median of `repeats` (about a second)."""
-    engine = target.engine
-    fused = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
-    for linear in engine.frozen_linears():
-        if "native" in linear.kernels():
-            fused.choices[shape_key(linear.out_features, linear.in_features, linear.weight.dtype, 1)] = "native"
-    if fused.choices == plan.choices:
-        return plan
+    runs as ONE C call for the tokens of one sequence (native.layer): on SmolLM2 a step of 24 ms against 45 ms,
+    while a single product often times within noise of oneDNN's, so one product chosen otherwise cost every layer
+    its fast path. So a 1-token step and an 8-token pass (the 2-16 bucket's representative, as in measure_plan)
+    are timed both ways, interleaved, median of `repeats` (about two seconds)."""
     import time
 
+    engine = target.engine
+    native_shapes = {(lin.out_features, lin.in_features, lin.weight.dtype)
+                     for lin in engine.frozen_linears() if "native" in lin.kernels()}
+
+    def with_native(base: KernelPlan, bucket: int) -> KernelPlan:
+        revised = KernelPlan(dict(base.choices), base.default, dict(base.timings_ms))
+        for shape in native_shapes:
+            revised.choices[shape_key(*shape, bucket)] = "native"
+        return revised
+
     timer = timer or time.perf_counter
-    cache = target.new_cache(capacity=64)
-    ids = torch.full((1, 1), 5, device=target.device)
-    target.forward(torch.full((1, 16), 5, device=target.device), cache)
-    times: dict[str, list[float]] = {"measured": [], "fused": []}
-    for _ in range(repeats + 1):  # the first round warms up (tiles and packed copies made, caches filled)
-        for name, candidate in (("measured", plan), ("fused", fused)):
-            engine.use_plan(candidate)
-            start = timer()
-            target.forward(ids, cache, logits_at="last")
-            times[name].append(timer() - start)
-            cache.truncate(16)
-    median = {name: 1000 * sorted(t[1:])[repeats // 2] for name, t in times.items()}
-    chosen = fused if median["fused"] < median["measured"] else plan
-    chosen.timings_ms["one-token step"] = {name: round(ms, 3) for name, ms in median.items()}
+    chosen = plan
+    for width, bucket in ((1, 1), (8, 16)):
+        fused = with_native(chosen, bucket)
+        if fused.choices == chosen.choices:
+            continue
+        cache = target.new_cache(capacity=64)
+        target.forward(torch.full((1, 16), 5, device=target.device), cache)
+        ids = torch.full((1, width), 5, device=target.device)
+        times: dict[str, list[float]] = {"measured": [], "fused": []}
+        for _ in range(repeats + 1):  # the first round warms up (tiles and packed copies made, caches filled)
+            for name, candidate in (("measured", chosen), ("fused", fused)):
+                engine.use_plan(candidate)
+                start = timer()
+                target.forward(ids, cache, logits_at="all")
+                times[name].append(timer() - start)
+                cache.truncate(16)
+        median = {name: round(1000 * sorted(t[1:])[repeats // 2], 3) for name, t in times.items()}
+        if median["fused"] < median["measured"]:
+            chosen = fused
+        chosen.timings_ms[f"{width}-token pass"] = median
     engine.use_plan(chosen)
     return chosen
 

@@ -22,6 +22,7 @@ from .kernels import FrozenLinear, KernelPlan
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+MAX_NATIVE_TOKENS = 16  # the widest pass of one sequence that runs its layers in C: a verify pass of a block of 16
 
 
 class Unsupported(Exception):
@@ -44,7 +45,7 @@ class DecoderLayer(nn.Module):
         self.window, self.layer_type, self.softcap = window, layer_type, softcap
 
     def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None) -> torch.Tensor:
-        if h.shape[0] == 1 and h.shape[1] == 1 and mask is None:  # a decode step: the whole layer in one C call
+        if h.shape[0] == 1 and h.shape[1] <= MAX_NATIVE_TOKENS:  # a step or verify pass: one C call for the layer
             out = self.native_step(h, rope, cache, index)
             if out is not None:
                 return out
@@ -60,24 +61,27 @@ class DecoderLayer(nn.Module):
 
 
     def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int) -> torch.Tensor | None:
-        """This layer for one token through native.decode_layer, or None where it cannot run there (Gemma's layers,
-        biased MLPs, kernels the plan did not pick for one row, mixed dtypes, another device)."""
-        constants = self._native_constants(h.dtype)
+        """This layer over the tokens of one sequence through native.layer, or None where it cannot run there
+        (Gemma's layers, windows, biased MLPs, kernels the plan did not pick for this many rows, mixed dtypes,
+        another device). With one row and no window the mask the caller built is plain causal, which the C layer
+        applies itself."""
+        constants = self._native_constants(h.dtype, h.shape[1])
         keys, values = cache.keys[index, 0], cache.values[index, 0]
         cos, sin = rope
         if (constants is None or h.device.type != "cpu" or not (keys.is_contiguous() and h.is_contiguous())
                 or cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous())):
             return None
-        return native.decode_layer(h, constants, rope, keys, values, cache.lengths[0])
+        return native.layer(h, constants, rope, keys, values, cache.lengths[0])
 
-    def _native_constants(self, dtype: torch.dtype) -> tuple | None:
-        """The layer's constant arguments for native.decode_layer, made once per weight state (key: the products'
-        signatures, so a moved, cast or rewritten weight re-makes them, as FrozenLinear re-lays its copies out)."""
+    def _native_constants(self, dtype: torch.dtype, tokens: int) -> tuple | None:
+        """The layer's constant arguments for native.layer, made once per weight state (key: the products'
+        signatures, so a moved, cast or rewritten weight re-makes them, as FrozenLinear re-lays its copies out);
+        None unless the plan picked our kernel for every product at this many rows."""
         attn, mlp = self.self_attn, self.mlp
         products = (attn.qkv, attn.o_fast, mlp.gate_up, mlp.down_fast)
-        if any(lin is None for lin in products):
+        if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
             return None
-        key = (dtype, tuple(lin._kernel_by_bucket[0] for lin in products), tuple(lin._signature() for lin in products))
+        key = (dtype, tuple(lin._signature() for lin in products))
         cached = self.__dict__.get("_native_cache")
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -98,8 +102,6 @@ class DecoderLayer(nn.Module):
                 or mlp.down_fast.bias is not None or self.input_layernorm.eps != self.post_attention_layernorm.eps):
             return None
         products = {"qkv": attn.qkv, "o": attn.o_fast, "gate_up": mlp.gate_up, "down": mlp.down_fast}
-        if any(lin.kernel_for_rows(1) != "native" for lin in products.values()):
-            return None
         weights = {name: lin.native_tiles() for name, lin in products.items()}
         norms = [self.input_layernorm, self.post_attention_layernorm]
         norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
