@@ -231,25 +231,30 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+/* A cache row of d values as float32: the row itself, or (bf16) widened into `row` */
+static inline const float *cache_row(const void *cache, int64_t offset, int64_t d, int bf16, float *row) {
+    if (!bf16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(row + i, widen_bf16(src + i));
+    for (; i < d; i++) row[i] = bf16_to_f32(src[i]);
+    return row;
+}
+
 /* One query head against cached keys/values 0..last of kv head g: out = softmax(q k^T * scale) v. `row` holds a
- * bf16 cache row widened to float32; `scores` last + 1 floats. */
+ * widened bf16 cache row; `scores` last + 1 floats. */
 static void attend(const float *q, const void *keys, const void *values, int64_t g, int64_t capacity, int64_t d,
                    int64_t last, float scale, int bf16, float *scores, float *row, float *out) {
     float top = -INFINITY, total = 0.0f;
     for (int64_t j = 0; j <= last; j++) {
-        const float *k = (const float *)keys + (g * capacity + j) * d;
-        if (bf16) {
-            for (int64_t i = 0; i < d; i++) row[i] = load(keys, (g * capacity + j) * d + i, 1);
-            k = row;
-        }
-        scores[j] = dot(q, k, d) * scale;
+        scores[j] = dot(q, cache_row(keys, (g * capacity + j) * d, d, bf16, row), d) * scale;
         top = scores[j] > top ? scores[j] : top;
     }
     for (int64_t j = 0; j <= last; j++) total += (scores[j] = expf(scores[j] - top));
     for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
     for (int64_t j = 0; j <= last; j++) {
-        float p = scores[j] / total;
-        for (int64_t i = 0; i < d; i++) out[i] += p * load(values, (g * capacity + j) * d + i, bf16);
+        const float *v = cache_row(values, (g * capacity + j) * d, d, bf16, row), p = scores[j] / total;
+        for (int64_t i = 0; i < d; i++) out[i] += p * v[i];
     }
     for (int64_t i = 0; i < d; i++) out[i] = rnd(out[i], bf16);
 }
