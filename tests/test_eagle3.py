@@ -187,9 +187,12 @@ def counting_sequences(n, length, generator, vocab_size=64):
 
 
 def mean_tau(target, proposer, prompts, max_new=40):
+    """Acceptance with every draft verified: the adaptive controller would verify fewer drafts where this machine's
+    wider passes cost more, so its tau measures the machine as much as the head."""
     taus = []
+    config = GenerationConfig(max_new_tokens=max_new, ignore_eos=True)
     for ids in prompts:
-        result = generate(target, proposer, ids, max_new)
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(ids, config)
         assert result.tokens == generate(target, None, ids, max_new).tokens
         taus.append(result.stats.tau)
     return sum(taus) / len(taus)
