@@ -178,18 +178,45 @@ def test_one_token_layers_roll_back_like_the_cache(monkeypatch):
 
 
 @needs_native
-def test_batches_and_long_passes_take_the_torch_layers(monkeypatch):
+def test_passes_wider_than_sixteen_tokens_take_the_torch_layers(monkeypatch):
     target = tiny_target("llama", logit_scale=4.0)
     calls = count_layer_calls(monkeypatch)
     cache = target.new_cache(batch=2)
-    target.forward(torch.tensor([[5, 6, 7], [8, 9, 10]]), cache)
-    target.forward(torch.tensor([[5], [6]]), cache)  # one token, but two rows
+    target.forward(torch.tensor([list(range(5, 14)), list(range(20, 29))]), cache)  # 2 x 9 = 18 tokens
     single = target.new_cache()
-    target.forward(torch.tensor([list(range(5, 22))]), single)  # 17 tokens: a prefill, wider than any verify pass
+    target.forward(torch.tensor([list(range(5, 22))]), single)  # 17 tokens: a prefill
     assert calls[0] == 0
-    target.forward(torch.tensor([[5]]), single)
+    target.forward(torch.tensor([[5], [6]]), cache)  # a batched step
     target.forward(torch.tensor([[5, 6, 7]]), single)
     assert calls[0] == 2 * target.num_layers
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
+    """Rows at different lengths (as after each accepted a different number of drafts): each row's tokens go to
+    their own positions and attend to their own row only, in C as in torch."""
+    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    for target, kernels in ((ours, "native"), (theirs, "plain")):
+        target.model.to(dtype)
+        choose_kernels(target, kernels)
+    prompts = torch.tensor([[(5 * r + i) % 50 + 5 for i in range(9)] for r in range(3)])
+    caches = ours.new_cache(batch=3), theirs.new_cache(batch=3)
+    for target, cache in zip((ours, theirs), caches):
+        target.forward(prompts, cache)  # 27 tokens: torch in both
+        cache.set_lengths([9, 6, 7])
+    calls = count_layer_calls(monkeypatch)
+    for block in ([[11, 12], [13, 14], [15, 16]], [[17], [18], [19]], [[20, 21, 22, 23, 24]] * 3):
+        got = ours.forward(torch.tensor(block), caches[0], (1,))
+        expected = theirs.forward(torch.tensor(block), caches[1], (1,))
+        for a, b in ((got.logits, expected.logits), (got.features, expected.features)):
+            assert (a.float() - b.float()).abs().max().item() <= TOLERANCE[dtype] * b.float().abs().max().item()
+        assert caches[0].lengths == caches[1].lengths
+    assert calls[0] == 3 * ours.num_layers
+    for r, end in enumerate(caches[1].lengths):
+        a, b = caches[0].values[:, r, :, :end].float(), caches[1].values[:, r, :, :end].float()
+        assert (a - b).abs().max().item() <= TOLERANCE[dtype] * max(b.abs().max().item(), 1.0)
 
 
 @needs_native

@@ -76,9 +76,10 @@ def library() -> ctypes.CDLL | None:
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                 fn.restype = ctypes.c_int
             layer = lib.dflash_layer
-            layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
-                              + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float] + [ctypes.c_void_p] * 4
-                              + [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float])
+            layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
+                              + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
+                              + [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4
+                              + [ctypes.c_int64] * 5 + [ctypes.c_float])
             layer.restype = ctypes.c_int
             _library = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
@@ -136,16 +137,16 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
 
 
 def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
-          values: torch.Tensor, position: int) -> torch.Tensor | None:
-    """One Llama/Qwen decoder layer over the n tokens of ONE sequence (native_linear.c): h [1, n, hidden] -> a new
-    [1, n, hidden]; the tokens sit at positions `position`.. and attend causally; their keys and values are written
-    there in `keys` / `values` [kv_heads, capacity, head_dim]. None where the kernel is not available (the caller
-    runs its torch forward)."""
+          values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
+    """One Llama/Qwen decoder layer over n new tokens of each of b sequences (native_linear.c): h [b, n, hidden] ->
+    a new [b, n, hidden]. Row r's tokens sit at positions starts[r].. (int64 [b]) and attend causally to their row
+    of `keys` / `values` [b, kv_heads, capacity, head_dim], where their own keys and values are written. None where
+    the kernel is not available (the caller runs its torch forward)."""
     lib = _library
     if lib is None:
         return None
     out = torch.empty_like(h)
-    status = lib.dflash_layer(h.data_ptr(), out.data_ptr(), h.shape[1], rope[0].data_ptr(), rope[1].data_ptr(),
-                              keys.data_ptr(), values.data_ptr(), position, keys.shape[1], torch.get_num_threads(),
-                              *constants)
+    status = lib.dflash_layer(h.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], starts.data_ptr(),
+                              rope[0].data_ptr(), rope[1].data_ptr(), keys.data_ptr(), values.data_ptr(),
+                              keys.shape[2], torch.get_num_threads(), *constants)
     return out if status == 0 else None

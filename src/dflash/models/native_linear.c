@@ -262,29 +262,32 @@ static void attend(const float *q, const void *keys, const void *values, int64_t
 #define PAD8(v) (((v) + 7) / 8 * 8)
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
-/* h_out[t] = layer(h)[t] for the n tokens at positions pos..pos+n-1 (h, h_out [n, hidden]; cos, sin [n, head_dim]);
- * their keys/values are written to the caches at those positions (layouts [kv_heads, capacity, head_dim]), token t
- * attending to positions <= pos + t. The arguments after `threads` are the layer's own, the same every call: norms
- * and biases in the model dtype (NULL where absent), products as tiles, sizes. Returns nonzero when out of memory
- * (nothing written). */
-int dflash_layer(const void *h, void *h_out, int64_t n, const void *cos, const void *sin, void *keys, void *values,
-                 int64_t pos, int64_t capacity, int threads, int bf16, const void *norm1, const void *norm2, float eps,
-                 const void *qkv, const void *qkv_bias, const void *q_norm, const void *k_norm, float qk_eps,
-                 const void *o, const void *o_bias, const void *gate_up, const void *down, int64_t hidden,
-                 int64_t heads, int64_t kv_heads, int64_t d, int64_t inter, float scale) {
+/* h_out = layer(h) for `rows` sequences of n new tokens each (h, h_out [rows, n, hidden]; cos, sin [rows, n,
+ * head_dim]): row r's tokens sit at positions starts[r].., attend causally to their row's cache, and their keys and
+ * values are written there (caches [rows, kv_heads, capacity, head_dim]). The arguments after `threads` are the
+ * layer's own, the same every call: norms and biases in the model dtype (NULL where absent), products as tiles,
+ * sizes. Returns nonzero when out of memory (nothing written). */
+int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int64_t *starts, const void *cos,
+                 const void *sin, void *keys, void *values, int64_t capacity, int threads, int bf16, const void *norm1,
+                 const void *norm2, float eps, const void *qkv, const void *qkv_bias, const void *q_norm,
+                 const void *k_norm, float qk_eps, const void *o, const void *o_bias, const void *gate_up,
+                 const void *down, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
+                 float scale) {
     int64_t width = (heads + 2 * kv_heads) * d, hp = PAD8(hidden), ap = PAD8(heads * d), ip = PAD8(inter);
+    int64_t m = rows * n, longest = 0, row_stride = kv_heads * capacity * d; /* m tokens in all */
+    for (int64_t r = 0; r < rows; r++) longest = MAX(longest, starts[r] + n);
     /* rows of product inputs are zero-padded to 8 columns (calloc), and nothing writes into the padding */
     int64_t sizes[] = {
-        n * hidden,                /* x: the residual stream in float32 */
-        n * hp,                    /* xn: normalised x, input of qkv and gate_up */
-        n * width,                 /* qkv_out */
-        n * ap,                    /* att: attention output, input of o */
-        n * hidden,                /* o_out */
-        n * 2 * inter,             /* gu: gate_up output */
-        n * ip,                    /* act: the gated activation, input of down */
-        n * hidden,                /* down_out */
-        n * heads * (pos + n),     /* scores: one row per (token, head) */
-        n * heads * d,             /* row: a widened cache row per (token, head) */
+        m * hidden,                /* x: the residual stream in float32 */
+        m * hp,                    /* xn: normalised x, input of qkv and gate_up */
+        m * width,                 /* qkv_out */
+        m * ap,                    /* att: attention output, input of o */
+        m * hidden,                /* o_out */
+        m * 2 * inter,             /* gu: gate_up output */
+        m * ip,                    /* act: the gated activation, input of down */
+        m * hidden,                /* down_out */
+        m * heads * longest,       /* scores: one row per (token, head) */
+        m * heads * d,             /* row: a widened cache row per (token, head) */
         MAX(d, hidden),            /* tmp: one head's rotation or norm */
         MAX(width, hidden),        /* bias_f: a bias in float32 */
     };
@@ -296,13 +299,16 @@ int dflash_layer(const void *h, void *h_out, int64_t n, const void *cos, const v
     part[0] = buf;
     for (int i = 1; i < PARTS; i++) part[i] = part[i - 1] + sizes[i - 1];
     float *x = part[X], *tmp = part[TMP], *bias_f = part[BIAS];
-    for (int64_t i = 0; i < n * hidden; i++) x[i] = load(h, i, bf16);
+    size_t elem = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < m * hidden; i++) x[i] = load(h, i, bf16);
 
     /* attention */
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, norm1, eps, hidden, bf16, part[XN] + t * hp);
-    product(qkv, qkv_bias, bf16, part[XN], part[QKV], n, width, hidden, threads, bias_f);
-    for (int64_t t = 0; t < n; t++) {
-        const char *c = (const char *)cos + t * d * (bf16 ? 2 : 4), *s = (const char *)sin + t * d * (bf16 ? 2 : 4);
+    for (int64_t t = 0; t < m; t++) rms_norm(x + t * hidden, norm1, eps, hidden, bf16, part[XN] + t * hp);
+    product(qkv, qkv_bias, bf16, part[XN], part[QKV], m, width, hidden, threads, bias_f);
+    for (int64_t t = 0; t < m; t++) { /* token t: row t / n, position starts[t / n] + t % n */
+        const char *c = (const char *)cos + t * d * elem, *s = (const char *)sin + t * d * elem;
+        char *k_row = (char *)keys + (t / n) * row_stride * elem, *v_row = (char *)values + (t / n) * row_stride * elem;
+        int64_t position = starts[t / n] + t % n;
         for (int64_t head = 0; head < heads + kv_heads; head++) {
             float *v = part[QKV] + t * width + head * d;
             if (q_norm) { /* Qwen3: per head, before RoPE */
@@ -313,31 +319,34 @@ int dflash_layer(const void *h, void *h_out, int64_t n, const void *cos, const v
         }
         for (int64_t g = 0; g < kv_heads; g++)
             for (int64_t i = 0; i < d; i++) {
-                store(keys, (g * capacity + pos + t) * d + i, part[QKV][t * width + (heads + g) * d + i], bf16);
-                store(values, (g * capacity + pos + t) * d + i, part[QKV][t * width + (heads + kv_heads + g) * d + i],
+                store(k_row, (g * capacity + position) * d + i, part[QKV][t * width + (heads + g) * d + i], bf16);
+                store(v_row, (g * capacity + position) * d + i, part[QKV][t * width + (heads + kv_heads + g) * d + i],
                       bf16);
             }
     }
-    int64_t pairs = n * heads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && pairs * (pos + n) * d > 65536)
+    int64_t pairs = m * heads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && pairs * longest * d > 65536)
     for (int64_t p = 0; p < pairs; p++) {
         int64_t t = p / heads, head = p % heads;
-        attend(part[QKV] + t * width + head * d, keys, values, head / (heads / kv_heads), capacity, d, pos + t, scale,
-               bf16, part[SCORES] + p * (pos + n), part[ROW] + p * d, part[ATT] + t * ap + head * d);
+        const char *k_row = (const char *)keys + (t / n) * row_stride * elem;
+        const char *v_row = (const char *)values + (t / n) * row_stride * elem;
+        attend(part[QKV] + t * width + head * d, k_row, v_row, head / (heads / kv_heads), capacity, d,
+               starts[t / n] + t % n, scale, bf16, part[SCORES] + p * longest, part[ROW] + p * d,
+               part[ATT] + t * ap + head * d);
     }
-    product(o, o_bias, bf16, part[ATT], part[O_OUT], n, hidden, heads * d, threads, bias_f);
-    for (int64_t i = 0; i < n * hidden; i++) x[i] = rnd(x[i] + part[O_OUT][i], bf16);
+    product(o, o_bias, bf16, part[ATT], part[O_OUT], m, hidden, heads * d, threads, bias_f);
+    for (int64_t i = 0; i < m * hidden; i++) x[i] = rnd(x[i] + part[O_OUT][i], bf16);
 
     /* MLP */
-    for (int64_t t = 0; t < n; t++) rms_norm(x + t * hidden, norm2, eps, hidden, bf16, part[XN] + t * hp);
-    product(gate_up, NULL, bf16, part[XN], part[GU], n, 2 * inter, hidden, threads, bias_f);
-    for (int64_t t = 0; t < n; t++)
+    for (int64_t t = 0; t < m; t++) rms_norm(x + t * hidden, norm2, eps, hidden, bf16, part[XN] + t * hp);
+    product(gate_up, NULL, bf16, part[XN], part[GU], m, 2 * inter, hidden, threads, bias_f);
+    for (int64_t t = 0; t < m; t++)
         for (int64_t i = 0; i < inter; i++) {
             float g = part[GU][t * 2 * inter + i], silu = rnd(g / (1.0f + expf(-g)), bf16);
             part[ACT][t * ip + i] = rnd(silu * part[GU][t * 2 * inter + inter + i], bf16);
         }
-    product(down, NULL, bf16, part[ACT], part[DOWN_OUT], n, hidden, inter, threads, bias_f);
-    for (int64_t i = 0; i < n * hidden; i++) store(h_out, i, x[i] + part[DOWN_OUT][i], bf16);
+    product(down, NULL, bf16, part[ACT], part[DOWN_OUT], m, hidden, inter, threads, bias_f);
+    for (int64_t i = 0; i < m * hidden; i++) store(h_out, i, x[i] + part[DOWN_OUT][i], bf16);
     free(buf);
     return 0;
 }

@@ -22,7 +22,8 @@ from .kernels import FrozenLinear, KernelPlan
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
-MAX_NATIVE_TOKENS = 16  # the widest pass of one sequence that runs its layers in C: a verify pass of a block of 16
+MAX_NATIVE_TOKENS = 16  # the most tokens (rows x new tokens) a pass may have to run its layers in C: the row bucket
+# of verify passes, whose kernels are chosen together (kernels.py); wider passes are prefills or large batches
 
 
 class Unsupported(Exception):
@@ -45,7 +46,7 @@ class DecoderLayer(nn.Module):
         self.window, self.layer_type, self.softcap = window, layer_type, softcap
 
     def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None) -> torch.Tensor:
-        if h.shape[0] == 1 and h.shape[1] <= MAX_NATIVE_TOKENS:  # a step or verify pass: one C call for the layer
+        if h.shape[0] * h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes: one C call for the layer
             out = self.native_step(h, rope, cache, index)
             if out is not None:
                 return out
@@ -61,17 +62,20 @@ class DecoderLayer(nn.Module):
 
 
     def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int) -> torch.Tensor | None:
-        """This layer over the tokens of one sequence through native.layer, or None where it cannot run there
+        """This layer over the new tokens of each row through native.layer, or None where it cannot run there
         (Gemma's layers, windows, biased MLPs, kernels the plan did not pick for this many rows, mixed dtypes,
-        another device). With one row and no window the mask the caller built is plain causal, which the C layer
-        applies itself."""
-        constants = self._native_constants(h.dtype, h.shape[1])
-        keys, values = cache.keys[index, 0], cache.values[index, 0]
+        another device). Without a window the mask the caller built is plain causal by position in each row, which
+        the C layer applies itself."""
+        rows, tokens = h.shape[0], h.shape[1]
+        constants = self._native_constants(h.dtype, rows * tokens)
+        keys, values = cache.keys[index], cache.values[index]
         cos, sin = rope
         if (constants is None or h.device.type != "cpu" or not (keys.is_contiguous() and h.is_contiguous())
-                or cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous())):
+                or cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous())
+                or cos.shape[0] != rows):
             return None
-        return native.layer(h, constants, rope, keys, values, cache.lengths[0])
+        starts = torch.tensor(cache.lengths, dtype=torch.int64)
+        return native.layer(h, constants, rope, keys, values, starts)
 
     def _native_constants(self, dtype: torch.dtype, tokens: int) -> tuple | None:
         """The layer's constant arguments for native.layer, made once per weight state (key: the products'
