@@ -1,4 +1,4 @@
-"""Our AVX2 kernel (models/native.py, native_linear.c): the same products as F.linear for every shape the tiling
+"""Our AVX2 kernel (models/native.py, native.c): the same products as F.linear for every shape the tiling
 pads (rows not a multiple of 4, columns not a multiple of 8), 1-16 input rows (the one-row and three-row paths),
 float32 and bfloat16, with and without bias; a layout that follows in-place writes; plans that pick it when it is
 faster; greedy output unchanged through it; and the fallback where it cannot be built."""

@@ -1,8 +1,11 @@
-"""Our own matrix-vector kernel (native_linear.c), compiled on first use with the machine's C compiler.
+"""Our own CPU kernels (native.c), compiled on first use with the machine's C compiler.
 
-The products of a decode step are bound by reading each weight once; torch's CPU kernels read 1-7 MB matrices well
-below the memory bandwidth (docs/RESULTS.md), this one close to it. It is one more candidate for kernels.py, chosen
-per shape only where it measures faster. Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
+Two things, both for passes of a few tokens (a decode step, a verify pass), where torch's CPU path was far from the
+hardware: a matrix product that reads weights near the memory bandwidth (torch's kernels read SmolLM2's 1-7 MB
+matrices at about half of it, docs/RESULTS.md), and a whole Llama/Qwen decoder layer in one call (between its
+products, ~25 small torch ops a layer had cost about as much as the products). The product is one more candidate
+for kernels.py, chosen per shape where it measures faster; a layer runs in C where the plan chose it for all four
+of the layer's products (transformer.py). Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
 (`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
 The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native_linear.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -40,7 +43,7 @@ def _build(compiler: str) -> Path:
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    target = cache_dir() / "native" / f"dflash_linear_{key}.so"
+    target = cache_dir() / "native" / f"dflash_native_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +102,7 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 def tiles(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of `weight` [n, k] (see native_linear.c): zero-padded to 4-row, 8-column multiples, then
+    """The kernel's layout of `weight` [n, k] (see native.c): zero-padded to 4-row, 8-column multiples, then
     each 4-row block as consecutive 4 x 8 tiles, so that a block is one sequential stream."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % 4))
@@ -126,7 +129,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
-    """The arguments of a decoder layer that do not change between calls (see native_linear.c), made once: `weights`
+    """The arguments of a decoder layer that do not change between calls (see native.c), made once: `weights`
     holds its norms and biases (tensors in the model dtype, or None) and its products' tiles, `shape` its sizes and
     constants. The tensors must outlive the tuple (the caller keeps them)."""
     return (int(dtype == torch.bfloat16), _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
@@ -138,7 +141,7 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
 
 def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
           values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
-    """One Llama/Qwen decoder layer over n new tokens of each of b sequences (native_linear.c): h [b, n, hidden] ->
+    """One Llama/Qwen decoder layer over n new tokens of each of b sequences (native.c): h [b, n, hidden] ->
     a new [b, n, hidden]. Row r's tokens sit at positions starts[r].. (int64 [b]) and attend causally to their row
     of `keys` / `values` [b, kv_heads, capacity, head_dim], where their own keys and values are written. None where
     the kernel is not available (the caller runs its torch forward)."""

@@ -14,7 +14,7 @@
  * Threads split the output rows (OpenMP; inside torch, this is torch's own OpenMP runtime and thread pool).
  * Built and loaded by native.py; every caller falls back to torch's kernels where this cannot be built.
  *
- * The end of the file runs a whole Llama/Qwen decoder layer for one token (dflash_decode_layer).
+ * The second half runs a whole Llama/Qwen decoder layer over a few new tokens of a few sequences (dflash_layer).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -178,9 +178,9 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
     return 0;
 }
 
-/* ---- one decoder layer over a few tokens of one sequence (a decode step or a verify pass) ----------------------
+/* ---- one decoder layer over a few new tokens of a few sequences (decode steps, verify passes) -----------------
  * Llama / Qwen2 / Qwen3 layers: pre-norm attention with RoPE (and Qwen3's per-head q/k norms) over the KV cache,
- * causal within the new tokens, then a SiLU-gated MLP. Why in C: between its four products a layer ran ~25 small
+ * each row causal over its own cache, then a SiLU-gated MLP. Why in C: between its four products a layer ran ~25 small
  * torch ops, ~0.3 ms a layer in float32 and ~0.7 in bfloat16 on 2 AMD EPYC cores, against ~0.9 ms for the products
  * of one token; here they cost microseconds. Values are rounded to bfloat16 where torch's bfloat16 forward rounds
  * them (after each op), so this agrees with torch's bfloat16 layers as closely as torch's own kernels do. */
@@ -262,6 +262,119 @@ static void attend(const float *q, const void *keys, const void *values, int64_t
 #define PAD8(v) (((v) + 7) / 8 * 8)
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
+typedef struct { /* one layer's own arguments, the same every call */
+    int bf16;
+    const void *norm1, *norm2, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *gate_up, *down;
+    float eps, qk_eps, scale;
+    int64_t hidden, heads, kv_heads, d, inter;
+} Layer;
+
+enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS };
+
+typedef struct { /* one pass: `rows` sequences of n new tokens (m in all), their caches, and float32 scratch */
+    int64_t rows, n, m, longest, capacity;
+    const int64_t *starts;
+    const void *cos, *sin;
+    void *keys, *values;
+    int threads;
+    float *part[PARTS];
+} Pass;
+
+/* Token t of a pass is token t % n of row t / n, at position starts[t / n] + t % n; its row's cache begins at
+ * the returned byte offset. */
+static inline int64_t position_of(const Pass *P, int64_t t) { return P->starts[t / P->n] + t % P->n; }
+static inline int64_t row_offset(const Layer *L, const Pass *P, int64_t t) {
+    return (t / P->n) * L->kv_heads * P->capacity * L->d * (L->bf16 ? 2 : 4);
+}
+
+/* One float32 scratch buffer cut into the parts a pass needs (sizes per part below); NULL when out of memory.
+ * Rows of product inputs are zero-padded to 8 columns (calloc), and nothing writes into the padding. */
+static float *scratch(const Layer *L, Pass *P) {
+    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, m = P->m;
+    int64_t sizes[PARTS] = {
+        [X] = m * L->hidden,                     /* the residual stream */
+        [XN] = m * PAD8(L->hidden),              /* normalised x, input of qkv and gate_up */
+        [QKV] = m * width,                       /* rotated q, k and v */
+        [ATT] = m * PAD8(L->heads * L->d),       /* attention output, input of o */
+        [O_OUT] = m * L->hidden,
+        [GU] = m * 2 * L->inter,
+        [ACT] = m * PAD8(L->inter),              /* the gated activation, input of down */
+        [DOWN_OUT] = m * L->hidden,
+        [SCORES] = m * L->heads * P->longest,    /* one row per (token, head) */
+        [ROW] = m * L->heads * L->d,             /* a widened bf16 cache row per (token, head) */
+        [TMP] = MAX(L->d, L->hidden),            /* one head's rotation or norm */
+        [BIAS] = MAX(width, L->hidden),          /* a bias in float32 */
+    };
+    size_t floats = 0;
+    for (int i = 0; i < PARTS; i++) floats += (size_t)sizes[i];
+    float *buf = calloc(floats, sizeof(float));
+    if (!buf) return NULL;
+    P->part[0] = buf;
+    for (int i = 1; i < PARTS; i++) P->part[i] = P->part[i - 1] + sizes[i - 1];
+    return buf;
+}
+
+/* q, k, v of every token: norm, product, Qwen3's per-head norms, RoPE; k and v written to their row's cache */
+static void project(const Layer *L, Pass *P) {
+    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, d = L->d, hp = PAD8(L->hidden);
+    float *qkv = P->part[QKV], *tmp = P->part[TMP];
+    size_t elem = L->bf16 ? 2 : 4;
+    for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm1, L->eps, L->hidden, L->bf16,
+                                                P->part[XN] + t * hp);
+    product(L->qkv, L->qkv_bias, L->bf16, P->part[XN], qkv, P->m, width, L->hidden, P->threads, P->part[BIAS]);
+    for (int64_t t = 0; t < P->m; t++) {
+        const char *cos = (const char *)P->cos + t * d * elem, *sin = (const char *)P->sin + t * d * elem;
+        for (int64_t head = 0; head < L->heads + L->kv_heads; head++) {
+            float *v = qkv + t * width + head * d;
+            if (L->q_norm) { /* Qwen3: per head, before RoPE */
+                rms_norm(v, head < L->heads ? L->q_norm : L->k_norm, L->qk_eps, d, L->bf16, tmp);
+                memcpy(v, tmp, sizeof(float) * (size_t)d);
+            }
+            rotate(v, cos, sin, d, L->bf16, tmp);
+        }
+        char *keys = (char *)P->keys + row_offset(L, P, t), *values = (char *)P->values + row_offset(L, P, t);
+        for (int64_t g = 0; g < L->kv_heads; g++)
+            for (int64_t i = 0; i < d; i++) {
+                int64_t at = (g * P->capacity + position_of(P, t)) * d + i;
+                store(keys, at, qkv[t * width + (L->heads + g) * d + i], L->bf16);
+                store(values, at, qkv[t * width + (L->heads + L->kv_heads + g) * d + i], L->bf16);
+            }
+    }
+}
+
+/* each (token, head) attends to its row's cache up to its own position; then o and the residual */
+static void attention(const Layer *L, Pass *P) {
+    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, pairs = P->m * L->heads, ap = PAD8(L->heads * L->d);
+#pragma omp parallel for schedule(static) num_threads(P->threads) if (P->threads > 1 && pairs * P->longest * L->d > 65536)
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t t = p / L->heads, head = p % L->heads;
+        attend(P->part[QKV] + t * width + head * L->d, (const char *)P->keys + row_offset(L, P, t),
+               (const char *)P->values + row_offset(L, P, t), head / (L->heads / L->kv_heads), P->capacity, L->d,
+               position_of(P, t), L->scale, L->bf16, P->part[SCORES] + p * P->longest, P->part[ROW] + p * L->d,
+               P->part[ATT] + t * ap + head * L->d);
+    }
+    product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, L->heads * L->d, P->threads,
+            P->part[BIAS]);
+    for (int64_t i = 0; i < P->m * L->hidden; i++) P->part[X][i] = rnd(P->part[X][i] + P->part[O_OUT][i], L->bf16);
+}
+
+/* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */
+static void mlp(const Layer *L, Pass *P, void *h_out) {
+    int64_t inter = L->inter, ip = PAD8(inter), hp = PAD8(L->hidden);
+    float *gu = P->part[GU];
+    for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
+                                                P->part[XN] + t * hp);
+    product(L->gate_up, NULL, L->bf16, P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
+    for (int64_t t = 0; t < P->m; t++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gu[t * 2 * inter + i], silu = rnd(g / (1.0f + expf(-g)), L->bf16);
+            P->part[ACT][t * ip + i] = rnd(silu * gu[t * 2 * inter + inter + i], L->bf16);
+        }
+    product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
+            P->part[BIAS]);
+    for (int64_t i = 0; i < P->m * L->hidden; i++) store(h_out, i, P->part[X][i] + P->part[DOWN_OUT][i], L->bf16);
+}
+
 /* h_out = layer(h) for `rows` sequences of n new tokens each (h, h_out [rows, n, hidden]; cos, sin [rows, n,
  * head_dim]): row r's tokens sit at positions starts[r].., attend causally to their row's cache, and their keys and
  * values are written there (caches [rows, kv_heads, capacity, head_dim]). The arguments after `threads` are the
@@ -273,80 +386,17 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
                  const void *k_norm, float qk_eps, const void *o, const void *o_bias, const void *gate_up,
                  const void *down, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
                  float scale) {
-    int64_t width = (heads + 2 * kv_heads) * d, hp = PAD8(hidden), ap = PAD8(heads * d), ip = PAD8(inter);
-    int64_t m = rows * n, longest = 0, row_stride = kv_heads * capacity * d; /* m tokens in all */
-    for (int64_t r = 0; r < rows; r++) longest = MAX(longest, starts[r] + n);
-    /* rows of product inputs are zero-padded to 8 columns (calloc), and nothing writes into the padding */
-    int64_t sizes[] = {
-        m * hidden,                /* x: the residual stream in float32 */
-        m * hp,                    /* xn: normalised x, input of qkv and gate_up */
-        m * width,                 /* qkv_out */
-        m * ap,                    /* att: attention output, input of o */
-        m * hidden,                /* o_out */
-        m * 2 * inter,             /* gu: gate_up output */
-        m * ip,                    /* act: the gated activation, input of down */
-        m * hidden,                /* down_out */
-        m * heads * longest,       /* scores: one row per (token, head) */
-        m * heads * d,             /* row: a widened cache row per (token, head) */
-        MAX(d, hidden),            /* tmp: one head's rotation or norm */
-        MAX(width, hidden),        /* bias_f: a bias in float32 */
-    };
-    enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS };
-    size_t floats = 0;
-    for (int i = 0; i < PARTS; i++) floats += (size_t)sizes[i];
-    float *buf = calloc(floats, sizeof(float)), *part[PARTS];
+    Layer L = {bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps, scale,
+               hidden, heads, kv_heads, d, inter};
+    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
+              .keys = keys, .values = values, .threads = threads};
+    for (int64_t r = 0; r < rows; r++) P.longest = MAX(P.longest, starts[r] + n);
+    float *buf = scratch(&L, &P);
     if (!buf) return 1;
-    part[0] = buf;
-    for (int i = 1; i < PARTS; i++) part[i] = part[i - 1] + sizes[i - 1];
-    float *x = part[X], *tmp = part[TMP], *bias_f = part[BIAS];
-    size_t elem = bf16 ? 2 : 4;
-    for (int64_t i = 0; i < m * hidden; i++) x[i] = load(h, i, bf16);
-
-    /* attention */
-    for (int64_t t = 0; t < m; t++) rms_norm(x + t * hidden, norm1, eps, hidden, bf16, part[XN] + t * hp);
-    product(qkv, qkv_bias, bf16, part[XN], part[QKV], m, width, hidden, threads, bias_f);
-    for (int64_t t = 0; t < m; t++) { /* token t: row t / n, position starts[t / n] + t % n */
-        const char *c = (const char *)cos + t * d * elem, *s = (const char *)sin + t * d * elem;
-        char *k_row = (char *)keys + (t / n) * row_stride * elem, *v_row = (char *)values + (t / n) * row_stride * elem;
-        int64_t position = starts[t / n] + t % n;
-        for (int64_t head = 0; head < heads + kv_heads; head++) {
-            float *v = part[QKV] + t * width + head * d;
-            if (q_norm) { /* Qwen3: per head, before RoPE */
-                rms_norm(v, head < heads ? q_norm : k_norm, qk_eps, d, bf16, tmp);
-                memcpy(v, tmp, sizeof(float) * (size_t)d);
-            }
-            rotate(v, c, s, d, bf16, tmp);
-        }
-        for (int64_t g = 0; g < kv_heads; g++)
-            for (int64_t i = 0; i < d; i++) {
-                store(k_row, (g * capacity + position) * d + i, part[QKV][t * width + (heads + g) * d + i], bf16);
-                store(v_row, (g * capacity + position) * d + i, part[QKV][t * width + (heads + kv_heads + g) * d + i],
-                      bf16);
-            }
-    }
-    int64_t pairs = m * heads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && pairs * longest * d > 65536)
-    for (int64_t p = 0; p < pairs; p++) {
-        int64_t t = p / heads, head = p % heads;
-        const char *k_row = (const char *)keys + (t / n) * row_stride * elem;
-        const char *v_row = (const char *)values + (t / n) * row_stride * elem;
-        attend(part[QKV] + t * width + head * d, k_row, v_row, head / (heads / kv_heads), capacity, d,
-               starts[t / n] + t % n, scale, bf16, part[SCORES] + p * longest, part[ROW] + p * d,
-               part[ATT] + t * ap + head * d);
-    }
-    product(o, o_bias, bf16, part[ATT], part[O_OUT], m, hidden, heads * d, threads, bias_f);
-    for (int64_t i = 0; i < m * hidden; i++) x[i] = rnd(x[i] + part[O_OUT][i], bf16);
-
-    /* MLP */
-    for (int64_t t = 0; t < m; t++) rms_norm(x + t * hidden, norm2, eps, hidden, bf16, part[XN] + t * hp);
-    product(gate_up, NULL, bf16, part[XN], part[GU], m, 2 * inter, hidden, threads, bias_f);
-    for (int64_t t = 0; t < m; t++)
-        for (int64_t i = 0; i < inter; i++) {
-            float g = part[GU][t * 2 * inter + i], silu = rnd(g / (1.0f + expf(-g)), bf16);
-            part[ACT][t * ip + i] = rnd(silu * part[GU][t * 2 * inter + inter + i], bf16);
-        }
-    product(down, NULL, bf16, part[ACT], part[DOWN_OUT], m, hidden, inter, threads, bias_f);
-    for (int64_t i = 0; i < m * hidden; i++) store(h_out, i, x[i] + part[DOWN_OUT][i], bf16);
+    for (int64_t i = 0; i < P.m * hidden; i++) P.part[X][i] = load(h, i, bf16);
+    project(&L, &P);
+    attention(&L, &P);
+    mlp(&L, &P, h_out);
     free(buf);
     return 0;
 }
