@@ -286,3 +286,24 @@ def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
         assert set(chosen.timings_ms[f"{rows}-token pass"]) == {"measured", "fused"}
         assert target.engine.layers[0].mlp.gate_up.kernel_for_rows(rows) == chosen.kernel(
             2 * inter, hidden, torch.float32, rows)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, monkeypatch):
+    """Why speculation through the C layers stays lossless even in bf16, where near-ties are common: every product
+    sums each row in the same order whatever the number of rows, and each token's attention reads the same cache,
+    so verifying k tokens at once gives exactly the logits of stepping them one by one."""
+    target = tiny_target("qwen3", logit_scale=4.0)
+    target.model.to(dtype)
+    choose_kernels(target, "native")
+    calls = count_layer_calls(monkeypatch)
+    ids = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21 w22 w23")  # > 16 tokens: torch prefill
+    block = [9, 33, 2, 17, 40, 8, 11]
+    together, alone = target.new_cache(), target.new_cache()
+    target.forward(torch.tensor([ids]), together)
+    target.forward(torch.tensor([ids]), alone)
+    wide = target.forward(torch.tensor([block]), together, (1, 2)).logits[0]
+    steps = torch.cat([target.forward(torch.tensor([[token]]), alone, (1, 2)).logits[0] for token in block])
+    assert torch.equal(wide, steps)
+    assert calls[0] == (1 + len(block)) * target.num_layers
