@@ -45,9 +45,11 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norms["post_feedforward_layernorm"]
         self.window, self.layer_type, self.softcap = window, layer_type, softcap
 
-    def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
+        """`starts`: each row's cache length before this pass (int64 [b], cache.lengths by default)."""
         if h.shape[0] * h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes: one C call for the layer
-            out = self.native_step(h, rope, cache, index)
+            out = self.native_step(h, rope, cache, index, starts)
             if out is not None:
                 return out
         attn = self.self_attn
@@ -61,7 +63,8 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-    def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int) -> torch.Tensor | None:
+    def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int,
+                    starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """This layer over the new tokens of each row through native.layer, or None where it cannot run there
         (Gemma's layers, windows, biased MLPs, kernels the plan did not pick for this many rows, mixed dtypes,
         another device). Without a window the mask the caller built is plain causal by position in each row, which
@@ -74,7 +77,8 @@ class DecoderLayer(nn.Module):
                 or cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous())
                 or cos.shape[0] != rows):
             return None
-        starts = torch.tensor(cache.lengths, dtype=torch.int64)
+        if starts is None or starts.dtype != torch.int64 or starts.device.type != "cpu":
+            starts = torch.tensor(cache.lengths, dtype=torch.int64)
         return native.layer(h, constants, rope, keys, values, starts)
 
     def _native_constants(self, dtype: torch.dtype, tokens: int) -> tuple | None:
@@ -208,15 +212,17 @@ class Transformer(nn.Module):
         starts = cache.lengths
         end = max(starts) + n
         cache.reserve(end)
-        positions = torch.tensor(starts, device=input_ids.device)[:, None] + torch.arange(n, device=input_ids.device)
+        start_tensor = torch.tensor(starts, device=input_ids.device)
+        positions = start_tensor[:, None] + torch.arange(n, device=input_ids.device)
         h = self.embed(input_ids)
         ropes = {t: rotary(positions, h.dtype) for t, rotary in self.rotary.items()}
-        masks = {layer.layer_type: self._mask(positions, starts, n, end, layer.window) for layer in self.layers}
+        windows = {layer.layer_type: layer.window for layer in self.layers}  # one mask per layer type, not per layer
+        masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
         if any(not 0 <= i < len(self.layers) for i in feature_layers):
             raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
         outputs: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
-            h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type])
+            h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor)
             if index in feature_layers:
                 outputs[index] = h
         cache.advance(n)
