@@ -129,16 +129,22 @@ def count_layer_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def native_and_torch_twins(arch: str, dtype: torch.dtype):
+    """The same tiny target twice: through our kernels and C layers, and through plain torch (the reference)."""
+    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    for target, kernels in ((ours, "native"), (theirs, "plain")):
+        target.model.to(dtype)
+        choose_kernels(target, kernels)
+    return ours, theirs
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_token_layers_match_the_torch_forward(arch, dtype, monkeypatch):
     """Decode steps through the C layer (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms) give the logits and
     the cached keys/values of the torch forward; Gemma3's layers (sandwich norms, windows) never take it."""
-    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
-    for target, kernels in ((ours, "native"), (theirs, "plain")):
-        target.model.to(dtype)
-        choose_kernels(target, kernels)
+    ours, theirs = native_and_torch_twins(arch, dtype)
     calls = count_layer_calls(monkeypatch)
     ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
     caches = ours.new_cache(), theirs.new_cache()
@@ -197,10 +203,7 @@ def test_passes_wider_than_sixteen_tokens_take_the_torch_layers(monkeypatch):
 def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
     """Rows at different lengths (as after each accepted a different number of drafts): each row's tokens go to
     their own positions and attend to their own row only, in C as in torch."""
-    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
-    for target, kernels in ((ours, "native"), (theirs, "plain")):
-        target.model.to(dtype)
-        choose_kernels(target, kernels)
+    ours, theirs = native_and_torch_twins(arch, dtype)
     prompts = torch.tensor([[(5 * r + i) % 50 + 5 for i in range(9)] for r in range(3)])
     caches = ours.new_cache(batch=3), theirs.new_cache(batch=3)
     for target, cache in zip((ours, theirs), caches):
@@ -225,10 +228,7 @@ def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
 def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
     """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features: logits, features and
     cache as the torch forward's."""
-    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
-    for target, kernels in ((ours, "native"), (theirs, "plain")):
-        target.model.to(dtype)
-        choose_kernels(target, kernels)
+    ours, theirs = native_and_torch_twins(arch, dtype)
     calls = count_layer_calls(monkeypatch)
     ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
     caches = ours.new_cache(), theirs.new_cache()
