@@ -307,3 +307,36 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, monkeypatch):
     steps = torch.cat([target.forward(torch.tensor([[token]]), alone, (1, 2)).logits[0] for token in block])
     assert torch.equal(wide, steps)
     assert calls[0] == (1 + len(block)) * target.num_layers
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_odd_shapes_decode_like_transformers(arch):
+    """Sizes the tiles must pad (hidden 45, head size 10, MLP 90, vocabulary 70, one KV head for five query heads):
+    greedy decoding through the C layers, plain and speculative, equals transformers' generate."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    from conftest import OracleProposer, RandomProposer
+    from dflash.engine import GenerationConfig, SpeculativeDecoder
+    from dflash.models.target import TargetModel
+    from dflash.testing import tiny_tokenizer
+
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}[arch]
+    config = config_class(vocab_size=70, hidden_size=45, intermediate_size=90, num_hidden_layers=3,
+                          num_attention_heads=5, num_key_value_heads=1, head_dim=10, max_position_embeddings=256,
+                          eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)  # sharp: distinct argmaxes
+    target = TargetModel(model=model, tokenizer=tiny_tokenizer(70), name=f"odd-{arch}", measure=False)
+    choose_kernels(target, "native")
+    ids = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
+    new = 40
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+    config = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+    for proposer in (None, RandomProposer(70, 7), OracleProposer(expected, len(ids), 7)):
+        assert SpeculativeDecoder(target, proposer).generate(ids, config).tokens == expected
+    assert target.engine.layers[0]._native_constants(torch.float32, 1) is not None  # the C layers ran
