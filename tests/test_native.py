@@ -340,3 +340,10 @@ def test_odd_shapes_decode_like_transformers(arch):
     for proposer in (None, RandomProposer(70, 7), OracleProposer(expected, len(ids), 7)):
         assert SpeculativeDecoder(target, proposer).generate(ids, config).tokens == expected
     assert target.engine.layers[0]._native_constants(torch.float32, 1) is not None  # the C layers ran
+
+
+@needs_native
+def test_a_wrong_input_width_is_torch_s_error_not_a_wild_read():
+    lin = FrozenLinear(torch.randn(8, 16), None, NATIVE)
+    with pytest.raises(RuntimeError):
+        lin(torch.randn(1, 24))

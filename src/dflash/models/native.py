@@ -113,10 +113,11 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     """x W^T + b, W given as `tiles(W)` with `out_features` rows; None where the kernel does not apply (the caller
     then uses torch's)."""
     lib = _library
-    if lib is None or x.dtype != weight_tiles.dtype or (bias is not None and not bias.is_contiguous()):
+    k = x.shape[-1]
+    if (lib is None or x.dtype != weight_tiles.dtype or (bias is not None and not bias.is_contiguous())
+            or -(-k // 8) != weight_tiles.shape[1]):  # a wrong width: torch's kernel says so, we would read past
         return None
     x = x.contiguous()
-    k = x.shape[-1]
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     fn = lib.dflash_linear_f32 if x.dtype == torch.float32 else lib.dflash_linear_bf16
     status = fn(weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
