@@ -181,7 +181,7 @@ def settle_layer_kernels(target: TargetModel, plan: KernelPlan, repeats: int = 5
     those passes faster, timed whole.
 
     Timing products one by one cannot see that where all four products of a layer use our kernel, the whole layer
-    runs as ONE C call for the tokens of one sequence (native.layer): on SmolLM2 a step of 24 ms against 45 ms,
+    runs as ONE C call for a pass of up to 16 tokens (native.layer): on SmolLM2 a step of 24 ms against 45 ms,
     while a single product often times within noise of oneDNN's, so one product chosen otherwise cost every layer
     its fast path. So a 1-token step and an 8-token pass (the 2-16 bucket's representative, as in measure_plan)
     are timed both ways, interleaved, median of `repeats` (about two seconds)."""
