@@ -211,7 +211,7 @@ class FrozenLinear(nn.Module):
         return self.weight.shape[0]
 
     def _signature(self) -> tuple:
-        w = self.weight
+        w = self._buffers["weight"]  # not self.weight: nn.Module's attribute lookup costs a microsecond per call
         # inference tensors (made under torch.inference_mode) keep no version counter; they are not written later
         return w.data_ptr(), w.dtype, w.device, 0 if w.is_inference() else w._version
 

@@ -85,8 +85,9 @@ class DecoderLayer(nn.Module):
         """The layer's constant arguments for native.layer, made once per weight state (key: the products'
         signatures, so a moved, cast or rewritten weight re-makes them, as FrozenLinear re-lays its copies out);
         None unless the plan picked our kernel for every product at this many rows."""
-        attn, mlp = self.self_attn, self.mlp
-        products = (attn.qkv, attn.o_fast, mlp.gate_up, mlp.down_fast)
+        attn, mlp = self._modules["self_attn"], self._modules["mlp"]  # per call: plain dict lookups, not __getattr__
+        products = (attn._modules.get("qkv"), attn._modules.get("o_fast"), mlp._modules.get("gate_up"),
+                    mlp._modules.get("down_fast"))
         if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
             return None
         key = (dtype, tuple(lin._signature() for lin in products))
