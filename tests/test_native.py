@@ -118,14 +118,20 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # of the largest logit:
 
 
 def count_layer_calls(monkeypatch) -> list[int]:
+    """Layers run in C, whether one call each (native.layer) or all in one (native.stack)."""
     calls = [0]
-    real = native.layer
+    real_layer, real_stack = native.layer, native.stack
 
-    def counting(*args):
+    def one(*args):
         calls[0] += 1
-        return real(*args)
+        return real_layer(*args)
 
-    monkeypatch.setattr(native, "layer", counting)
+    def every(h, layers, *args):
+        calls[0] += len(layers)
+        return real_stack(h, layers, *args)
+
+    monkeypatch.setattr(native, "layer", one)
+    monkeypatch.setattr(native, "stack", every)
     return calls
 
 
@@ -268,14 +274,21 @@ def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
     from dflash.models.transformer import DecoderLayer
 
     clock = [0.0]
-    real_step = DecoderLayer.native_step
+    in_c, in_torch = (1, 10) if layer_in_c_wins else (10, 1)
+    real_step, real_stack = DecoderLayer.native_step, native.stack
 
     def timed_step(self, *args):
         out = real_step(self, *args)
-        clock[0] += (1 if layer_in_c_wins else 10) if out is not None else (10 if layer_in_c_wins else 1)
+        clock[0] += in_c if out is not None else in_torch
+        return out
+
+    def timed_stack(h, layers, *args):
+        out = real_stack(h, layers, *args)
+        clock[0] += in_c * len(layers)
         return out
 
     monkeypatch.setattr(DecoderLayer, "native_step", timed_step)
+    monkeypatch.setattr(native, "stack", timed_stack)
     target = tiny_target("llama", logit_scale=4.0)
     hidden, inter = target.hidden_size, target.config.intermediate_size
     plan = KernelPlan({shape_key(2 * inter, hidden, torch.float32, bucket): "packed" for bucket in (1, 16)},

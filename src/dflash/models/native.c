@@ -375,6 +375,20 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     for (int64_t i = 0; i < P->m * L->hidden; i++) store(h_out, i, P->part[X][i] + P->part[DOWN_OUT][i], L->bf16);
 }
 
+/* One layer over a pass: h (model dtype) -> h_out (model dtype). Nonzero when out of memory (nothing written). */
+static int layer_pass(const Layer *L, Pass *P, const void *h, void *h_out) {
+    P->longest = 0;
+    for (int64_t r = 0; r < P->rows; r++) P->longest = MAX(P->longest, P->starts[r] + P->n);
+    float *buf = scratch(L, P);
+    if (!buf) return 1;
+    for (int64_t i = 0; i < P->m * L->hidden; i++) P->part[X][i] = load(h, i, L->bf16);
+    project(L, P);
+    attention(L, P);
+    mlp(L, P, h_out);
+    free(buf);
+    return 0;
+}
+
 /* h_out = layer(h) for `rows` sequences of n new tokens each (h, h_out [rows, n, hidden]; cos, sin [rows, n,
  * head_dim]): row r's tokens sit at positions starts[r].., attend causally to their row's cache, and their keys and
  * values are written there (caches [rows, kv_heads, capacity, head_dim]). The arguments after `threads` are the
@@ -390,13 +404,27 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
                hidden, heads, kv_heads, d, inter};
     Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
               .keys = keys, .values = values, .threads = threads};
-    for (int64_t r = 0; r < rows; r++) P.longest = MAX(P.longest, starts[r] + n);
-    float *buf = scratch(&L, &P);
-    if (!buf) return 1;
-    for (int64_t i = 0; i < P.m * hidden; i++) P.part[X][i] = load(h, i, bf16);
-    project(&L, &P);
-    attention(&L, &P);
-    mlp(&L, &P, h_out);
-    free(buf);
+    return layer_pass(&L, &P, h, h_out);
+}
+
+/* All `count` layers of a model in one call (a Python call between layers ran cold: after a layer has streamed
+ * its weights through the caches, the interpreter's own data misses them, ~60 us a layer). Layer i's caches start
+ * i * cache_stride elements after keys / values; features[i], where not NULL, receives layer i's output. The
+ * layers alternate between h_out and `spare` (both [rows, n, hidden] in the model dtype), the last one ending in
+ * h_out. Returns nonzero when out of memory (the caches of the layers before may have been written). */
+int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t n, const int64_t *starts,
+                 const void *cos, const void *sin, void *keys, void *values, int64_t cache_stride, int64_t capacity,
+                 int threads, int64_t count, const Layer *layers, void *const *features) {
+    size_t elem = layers[0].bf16 ? 2 : 4, bytes = (size_t)(rows * n * layers[0].hidden) * elem;
+    const void *in = h;
+    for (int64_t i = 0; i < count; i++) {
+        void *out = (count - 1 - i) % 2 == 0 ? h_out : spare; /* the last layer writes h_out */
+        Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos,
+                  .sin = sin, .keys = (char *)keys + i * cache_stride * elem,
+                  .values = (char *)values + i * cache_stride * elem, .threads = threads};
+        if (layer_pass(&layers[i], &P, in, out)) return 1;
+        if (features[i]) memcpy(features[i], out, bytes);
+        in = out;
+    }
     return 0;
 }

@@ -84,6 +84,10 @@ def library() -> ctypes.CDLL | None:
                               + [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4
                               + [ctypes.c_int64] * 5 + [ctypes.c_float])
             layer.restype = ctypes.c_int
+            stack = lib.dflash_stack
+            stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
+                              + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p])
+            stack.restype = ctypes.c_int
             _library = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
@@ -154,3 +158,41 @@ def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Ten
                               rope[0].data_ptr(), rope[1].data_ptr(), keys.data_ptr(), values.data_ptr(),
                               keys.shape[2], torch.get_num_threads(), *constants)
     return out if status == 0 else None
+
+
+class LayerArgs(ctypes.Structure):
+    """native.c's `Layer`: one layer's constants, field for field (the order of `layer_constants`' tuple)."""
+    _fields_ = [("bf16", ctypes.c_int)] + [(name, ctypes.c_void_p) for name in (
+        "norm1", "norm2", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "gate_up", "down")] + [
+        (name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")] + [
+        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "inter")]
+
+
+def stack_args(constants: list[tuple]) -> ctypes.Array:
+    """Every layer's `layer_constants` as an array of native.c's `Layer` structs, for `stack`."""
+    def one(c: tuple) -> LayerArgs:
+        (bf16, norm1, norm2, eps, qkv, qkv_bias, q_norm, k_norm, qk_eps, o, o_bias, gate_up, down, hidden, heads,
+         kv_heads, d, inter, scale) = c
+        return LayerArgs(bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps,
+                         scale, hidden, heads, kv_heads, d, inter)
+    return (LayerArgs * len(constants))(*(one(c) for c in constants))
+
+
+def stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+          values: torch.Tensor, starts: torch.Tensor, feature_layers: tuple[int, ...]
+          ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    """Every decoder layer in one call (native.c's dflash_stack): h [b, n, hidden] -> (the last layer's output,
+    {i: layer i's output} for `feature_layers`). keys / values: the whole cache [layers, b, kv_heads, capacity,
+    head_dim], each layer's rows contiguous. None where the kernel is not available."""
+    lib = _library
+    if lib is None:
+        return None
+    out, spare = torch.empty_like(h), torch.empty_like(h)
+    features = {i: torch.empty_like(h) for i in feature_layers}
+    pointers = (ctypes.c_void_p * len(layers))(*(features[i].data_ptr() if i in features else None
+                                                 for i in range(len(layers))))
+    status = lib.dflash_stack(h.data_ptr(), out.data_ptr(), spare.data_ptr(), h.shape[0], h.shape[1],
+                              starts.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), keys.data_ptr(),
+                              values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(), len(layers),
+                              ctypes.addressof(layers), ctypes.addressof(pointers))
+    return (out, features) if status == 0 else None

@@ -221,14 +221,39 @@ class Transformer(nn.Module):
         masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
         if any(not 0 <= i < len(self.layers) for i in feature_layers):
             raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
-        outputs: dict[int, torch.Tensor] = {}
-        for index, layer in enumerate(self.layers):
-            h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor)
-            if index in feature_layers:
-                outputs[index] = h
+        in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers) if b * n <= MAX_NATIVE_TOKENS else None
+        if in_c is not None:
+            h, outputs = in_c
+        else:
+            outputs: dict[int, torch.Tensor] = {}
+            for index, layer in enumerate(self.layers):
+                h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor)
+                if index in feature_layers:
+                    outputs[index] = h
         cache.advance(n)
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return self.logits(h, logits_at), features
+
+    def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: torch.Tensor,
+                      feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        """Every layer in ONE C call (native.stack) where every layer can run in C (see DecoderLayer.native_step)
+        and they share one RoPE: (the last layer's output, the feature layers' outputs); else None (the caller
+        then goes layer by layer, each in C where it can)."""
+        keys, values = cache.keys, cache.values
+        if (len(ropes) != 1 or h.device.type != "cpu" or not h.is_contiguous() or starts.dtype != torch.int64
+                or not (keys[0].is_contiguous() and values[0].is_contiguous()) or keys.stride() != values.stride()):
+            return None
+        rope = next(iter(ropes.values()))
+        if rope[0].dtype != h.dtype or not (rope[0].is_contiguous() and rope[1].is_contiguous()):
+            return None
+        constants = [layer._native_constants(h.dtype, h.shape[0] * h.shape[1]) for layer in self.layers]
+        if any(c is None for c in constants):
+            return None
+        cached = self.__dict__.get("_stack_args")
+        if cached is None or len(cached[0]) != len(constants) or any(a is not c for a, c in zip(cached[0], constants)):
+            cached = (constants, native.stack_args(constants))  # re-made when any layer's constants were
+            self.__dict__["_stack_args"] = cached
+        return native.stack(h, cached[1], rope, keys, values, starts, feature_layers)
 
     def logits(self, h: torch.Tensor, logits_at: str | torch.Tensor) -> torch.Tensor | None:
         if isinstance(logits_at, torch.Tensor):
