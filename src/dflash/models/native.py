@@ -2,10 +2,10 @@
 
 Two things, both for passes of a few tokens (a decode step, a verify pass), where torch's CPU path was far from the
 hardware: a matrix product that reads weights near the memory bandwidth (torch's kernels read SmolLM2's 1-7 MB
-matrices at about half of it, docs/RESULTS.md), and a whole Llama/Qwen decoder layer in one call (between its
-products, ~25 small torch ops a layer had cost about as much as the products). The product is one more candidate
-for kernels.py, chosen per shape where it measures faster; a layer runs in C where the plan chose it for all four
-of the layer's products (transformer.py). Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
+matrices at about half of it, docs/RESULTS.md), and whole Llama/Qwen decoder layers, one or all of a model's in one
+call (between its products, ~25 small torch ops a layer had cost about as much as the products). The product is one
+more candidate for kernels.py, chosen per shape where it measures faster; a layer runs in C where the plan chose it
+for all four of the layer's products (transformer.py). Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
 (`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
 The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
 """
