@@ -243,12 +243,10 @@ class FrozenLinear(nn.Module):
             return F.linear(x, weight, self.bias)
         if weight.dtype != self._planned_dtype:  # cast after freezing: the plan's choice for this dtype
             self.use_plan(self.plan)
-        rows = x.numel() // x.shape[-1]
-        bucket = 0 if rows <= 1 else 1 if rows <= 16 else 2  # the index of row_bucket(rows) in ROW_BUCKETS
-        return self.run(x, self._kernel_by_bucket[bucket])
+        return self.run(x, self.kernel_for_rows(x.numel() // x.shape[-1]))
 
     def kernel_for_rows(self, rows: int) -> str:
-        return self._kernel_by_bucket[0 if rows <= 1 else 1 if rows <= 16 else 2]
+        return self._kernel_by_bucket[0 if rows <= 1 else 1 if rows <= 16 else 2]  # the bucket's index in ROW_BUCKETS
 
     def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """The product through one named kernel (F.linear where that kernel has no form for this weight)."""

@@ -62,7 +62,6 @@ class DecoderLayer(nn.Module):
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h))
 
-
     def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int,
                     starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """This layer over the new tokens of each row through native.layer, or None where it cannot run there
