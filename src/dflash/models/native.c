@@ -194,16 +194,84 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
     else ((float *)p)[i] = v;
 }
 
+/* The same eight at a time: f32_to_bf16's rounding (to nearest even, NaN kept quiet) on each lane, so a value
+ * rounds alike whichever of the two loops reaches it. */
+static inline __m256i bf16_bits8(__m256 v) { /* the rounded value's bits, low half zero */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+static inline __m256 rnd8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
+static inline __m256 load8(const void *p, int64_t i, int bf16) {
+    return bf16 ? widen_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m256i bits = _mm256_srli_epi32(bf16_bits8(v), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
+}
+
+/* y[i] = round(a[i] + b[i]) for n floats (the residual adds) */
+static void add_rounded(const float *a, const float *b, float *y, int64_t n, int bf16) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, rnd8(_mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)), bf16));
+    for (; i < n; i++) y[i] = rnd(a[i] + b[i], bf16);
+}
+
+/* e^x on eight lanes (Cody-Waite reduction and a degree-5 polynomial: ~1 ulp over the range softmax and SiLU use).
+ * The argument is clamped to [-87.3, 88.3], so e^x stays a normal float: what is below rounds to ~1e-38, which
+ * weighs nothing in a softmax sum or a SiLU. libm's expf, one value at a time, cost SmolLM2's 16-token verify
+ * pass ~3 ms. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+
 /* out = x / rms(x) * weight, statistics in float32; torch rounds x / rms(x) to the model dtype, then the product */
 static void rms_norm(const float *x, const void *weight, float eps, int64_t dim, int bf16, float *out) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
+    __m256 squares = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), squares);
+    float sum = hsum(squares);
+    for (; i < dim; i++) sum += x[i] * x[i];
     float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (int64_t i = 0; i < dim; i++) out[i] = rnd(load(weight, i, bf16) * rnd(x[i] * inv, bf16), bf16);
+    for (i = 0; i + 8 <= dim; i += 8) {
+        __m256 normed = rnd8(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)), bf16);
+        _mm256_storeu_ps(out + i, rnd8(_mm256_mul_ps(load8(weight, i, bf16), normed), bf16));
+    }
+    for (; i < dim; i++) out[i] = rnd(load(weight, i, bf16) * rnd(x[i] * inv, bf16), bf16);
 }
 
 /* x * cos + roll(x, d / 2) * signed_sin over one head (layers.py apply_rotary) */
 static void rotate(float *x, const void *cos, const void *sin, int64_t d, int bf16, float *tmp) {
+    if (d % 16 == 0) { /* halves of whole vectors: x[i] pairs with x[i +- d / 2] */
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 a = rnd8(_mm256_mul_ps(_mm256_loadu_ps(x + i), load8(cos, i, bf16)), bf16);
+            __m256 b = rnd8(_mm256_mul_ps(_mm256_loadu_ps(x + (i + d / 2) % d), load8(sin, i, bf16)), bf16);
+            _mm256_storeu_ps(tmp + i, rnd8(_mm256_add_ps(a, b), bf16));
+        }
+        memcpy(x, tmp, sizeof(float) * (size_t)d);
+        return;
+    }
     for (int64_t i = 0; i < d; i++) {
         float a = rnd(x[i] * load(cos, i, bf16), bf16);
         float b = rnd(x[(i + d / 2) % d] * load(sin, i, bf16), bf16);
@@ -218,8 +286,11 @@ static void product(const void *tiles, const void *bias, int bf16, const float *
     if (bias)
         for (int64_t i = 0; i < n; i++) bias_f[i] = load(bias, i, bf16);
     run(tiles, bf16, x, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads);
-    if (bf16)
-        for (int64_t i = 0; i < m * n; i++) y[i] = rnd(y[i], 1);
+    if (bf16) {
+        int64_t i = 0;
+        for (; i + 8 <= m * n; i += 8) _mm256_storeu_ps(y + i, rnd8(_mm256_loadu_ps(y + i), 1));
+        for (; i < m * n; i++) y[i] = rnd(y[i], 1);
+    }
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -241,26 +312,73 @@ static inline const float *cache_row(const void *cache, int64_t offset, int64_t 
     return row;
 }
 
-/* One query head against cached keys/values 0..last of kv head g: out = softmax(q k^T * scale) v. `row` holds a
- * widened bf16 cache row; `scores` last + 1 floats. */
-static void attend(const float *q, const void *keys, const void *values, int64_t g, int64_t capacity, int64_t d,
-                   int64_t last, float scale, int bf16, float *scores, float *row, float *out) {
-    float top = -INFINITY, total = 0.0f;
-    for (int64_t j = 0; j <= last; j++) {
-        scores[j] = dot(q, cache_row(keys, (g * capacity + j) * d, d, bf16, row), d) * scale;
-        top = scores[j] > top ? scores[j] : top;
+/* x[j] = e^(x[j] - shift) for j < n; returns their sum (the same lanes and order for a given n, so a token's
+ * softmax does not depend on the pass it is in) */
+static float exp_shifted(float *x, int64_t n, float shift) {
+    __m256 sums = _mm256_setzero_ps(), by = _mm256_set1_ps(shift);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), by));
+        _mm256_storeu_ps(x + j, e);
+        sums = _mm256_add_ps(sums, e);
     }
-    for (int64_t j = 0; j <= last; j++) total += (scores[j] = expf(scores[j] - top));
-    for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
-    for (int64_t j = 0; j <= last; j++) {
-        const float *v = cache_row(values, (g * capacity + j) * d, d, bf16, row), p = scores[j] / total;
-        for (int64_t i = 0; i < d; i++) out[i] += p * v[i];
+    float total = hsum(sums), tail[8] = {0};
+    if (j < n) {
+        memcpy(tail, x + j, sizeof(float) * (size_t)(n - j));
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), by)));
+        for (int64_t i = 0; j + i < n; i++) total += (x[j + i] = tail[i]);
     }
-    for (int64_t i = 0; i < d; i++) out[i] = rnd(out[i], bf16);
+    return total;
+}
+
+/* out += p * v over d floats */
+static inline void add_scaled(float *out, float p, const float *v, int64_t d) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+    for (; i < d; i++) out[i] = fmaf(p, v[i], out[i]);
+}
+
+/* Where a chunk of consecutive tokens of one row keeps its per-(token, head) rows: q, scores, out */
+typedef struct {
+    const float *q;
+    float *scores, *out;
+    int64_t q_token, score_token, score_head, out_token; /* strides in floats */
+} Rows;
+
+/* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
+ * cache positions 0..last, each next one to one more): out = softmax(q k^T * scale) v. Each cache row is read (and
+ * widened from bf16, into `row`) once for the whole chunk. Every (token, head) is computed by the same operations
+ * in the same order whatever the chunk, so a verify pass gives bitwise the attention of single steps. */
+static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
+                   int64_t capacity, int64_t d, int64_t last, float scale, int bf16, float *row) {
+    for (int64_t j = 0; j <= last + tokens - 1; j++) {
+        const float *k = cache_row(keys, (g * capacity + j) * d, d, bf16, row);
+        for (int64_t t = j > last ? j - last : 0; t < tokens; t++)
+            for (int64_t h = 0; h < group; h++)
+                R.scores[t * R.score_token + h * R.score_head + j] = dot(R.q + t * R.q_token + h * d, k, d) * scale;
+    }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < group; h++) {
+            float top = -INFINITY, *s = R.scores + t * R.score_token + h * R.score_head;
+            for (int64_t j = 0; j <= last + t; j++) top = s[j] > top ? s[j] : top;
+            float inverse = 1.0f / exp_shifted(s, last + t + 1, top);
+            for (int64_t j = 0; j <= last + t; j++) s[j] *= inverse;
+            memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
+        }
+    for (int64_t j = 0; j <= last + tokens - 1; j++) {
+        const float *v = cache_row(values, (g * capacity + j) * d, d, bf16, row);
+        for (int64_t t = j > last ? j - last : 0; t < tokens; t++)
+            for (int64_t h = 0; h < group; h++)
+                add_scaled(R.out + t * R.out_token + h * d, R.scores[t * R.score_token + h * R.score_head + j], v, d);
+    }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t i = 0; i < group * d; i++) R.out[t * R.out_token + i] = rnd(R.out[t * R.out_token + i], bf16);
 }
 
 #define PAD8(v) (((v) + 7) / 8 * 8)
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
 
 typedef struct { /* one layer's own arguments, the same every call */
     int bf16;
@@ -287,11 +405,12 @@ static inline int64_t row_offset(const Layer *L, const Pass *P, int64_t t) {
     return (t / P->n) * L->kv_heads * P->capacity * L->d * (L->bf16 ? 2 : 4);
 }
 
-/* One float32 scratch buffer cut into the parts a pass needs (sizes per part below); NULL when out of memory.
- * Rows of product inputs are zero-padded to 8 columns (calloc), and nothing writes into the padding. */
-static float *scratch(const Layer *L, Pass *P) {
+/* The float32 scratch a layer's pass needs, as parts (sizes below) of one buffer. Rows of product inputs are
+ * zero-padded to 8 columns (the buffer starts zeroed), and nothing writes into the padding, so layers of one shape
+ * can reuse it. Returns the floats in all. */
+static size_t scratch_parts(const Layer *L, const Pass *P, int64_t sizes[PARTS]) {
     int64_t width = (L->heads + 2 * L->kv_heads) * L->d, m = P->m;
-    int64_t sizes[PARTS] = {
+    int64_t parts[PARTS] = {
         [X] = m * L->hidden,                     /* the residual stream */
         [XN] = m * PAD8(L->hidden),              /* normalised x, input of qkv and gate_up */
         [QKV] = m * width,                       /* rotated q, k and v */
@@ -301,17 +420,24 @@ static float *scratch(const Layer *L, Pass *P) {
         [ACT] = m * PAD8(L->inter),              /* the gated activation, input of down */
         [DOWN_OUT] = m * L->hidden,
         [SCORES] = m * L->heads * P->longest,    /* one row per (token, head) */
-        [ROW] = m * L->heads * L->d,             /* a widened bf16 cache row per (token, head) */
+        [ROW] = m * L->kv_heads * L->d,          /* a widened bf16 cache row per (token, kv head) */
         [TMP] = MAX(L->d, L->hidden),            /* one head's rotation or norm */
         [BIAS] = MAX(width, L->hidden),          /* a bias in float32 */
     };
+    memcpy(sizes, parts, sizeof(parts));
     size_t floats = 0;
     for (int i = 0; i < PARTS; i++) floats += (size_t)sizes[i];
-    float *buf = calloc(floats, sizeof(float));
-    if (!buf) return NULL;
+    return floats;
+}
+
+static void cut_scratch(Pass *P, float *buf, const int64_t sizes[PARTS]) {
     P->part[0] = buf;
     for (int i = 1; i < PARTS; i++) P->part[i] = P->part[i - 1] + sizes[i - 1];
-    return buf;
+}
+
+static void set_longest(Pass *P) { /* the most cache positions any row's tokens attend to */
+    P->longest = 0;
+    for (int64_t r = 0; r < P->rows; r++) P->longest = MAX(P->longest, P->starts[r] + P->n);
 }
 
 /* q, k, v of every token: norm, product, Qwen3's per-head norms, RoPE; k and v written to their row's cache */
@@ -342,20 +468,45 @@ static void project(const Layer *L, Pass *P) {
     }
 }
 
-/* each (token, head) attends to its row's cache up to its own position; then o and the residual */
+/* Attention, in work items of (row, kv head, a chunk of up to ATTEND_CHUNK of the row's tokens): a chunk's tokens
+ * and the kv head's query heads share each cache row read. Then o and the residual. */
+#define ATTEND_CHUNK 4
 static void attention(const Layer *L, Pass *P) {
-    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, pairs = P->m * L->heads, ap = PAD8(L->heads * L->d);
-#pragma omp parallel for schedule(static) num_threads(P->threads) if (P->threads > 1 && pairs * P->longest * L->d > 65536)
-    for (int64_t p = 0; p < pairs; p++) {
-        int64_t t = p / L->heads, head = p % L->heads;
-        attend(P->part[QKV] + t * width + head * L->d, (const char *)P->keys + row_offset(L, P, t),
-               (const char *)P->values + row_offset(L, P, t), head / (L->heads / L->kv_heads), P->capacity, L->d,
-               position_of(P, t), L->scale, L->bf16, P->part[SCORES] + p * P->longest, P->part[ROW] + p * L->d,
-               P->part[ATT] + t * ap + head * L->d);
+    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, group = L->heads / L->kv_heads, ap = PAD8(L->heads * L->d);
+    int64_t chunks = (P->n + ATTEND_CHUNK - 1) / ATTEND_CHUNK, items = P->rows * L->kv_heads * chunks;
+#pragma omp parallel for schedule(static) num_threads(P->threads) if (P->threads > 1 && items > 1 && P->m * L->heads * P->longest * L->d > 16384)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t r = item / (L->kv_heads * chunks), g = item / chunks % L->kv_heads, c = item % chunks;
+        int64_t t = r * P->n + c * ATTEND_CHUNK, head = g * group; /* the chunk's first token in the pass */
+        int64_t tokens = MIN(ATTEND_CHUNK, P->n - c * ATTEND_CHUNK);
+        Rows R = {.q = P->part[QKV] + t * width + head * L->d, .q_token = width,
+                  .scores = P->part[SCORES] + (t * L->heads + head) * P->longest, .score_token = L->heads * P->longest,
+                  .score_head = P->longest, .out = P->part[ATT] + t * ap + head * L->d, .out_token = ap};
+        attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
+               g, P->capacity, L->d, position_of(P, t), L->scale, L->bf16, P->part[ROW] + item * L->d);
     }
     product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, L->heads * L->d, P->threads,
             P->part[BIAS]);
-    for (int64_t i = 0; i < P->m * L->hidden; i++) P->part[X][i] = rnd(P->part[X][i] + P->part[O_OUT][i], L->bf16);
+    add_rounded(P->part[X], P->part[O_OUT], P->part[X], P->m * L->hidden, L->bf16);
+}
+
+/* act = SiLU(gate) * up over one token's gate/up output (gate, then up: `inter` floats each), rounded where
+ * torch's bfloat16 ops round; eight lanes at a time, the tail through the same lanes */
+static inline __m256 gated8(__m256 g, __m256 up, int bf16) {
+    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return rnd8(_mm256_mul_ps(rnd8(silu, bf16), up), bf16);
+}
+static void gate(const float *gu, int64_t inter, int bf16, float *act) {
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8)
+        _mm256_storeu_ps(act + i, gated8(_mm256_loadu_ps(gu + i), _mm256_loadu_ps(gu + inter + i), bf16));
+    if (i < inter) {
+        float g[8] = {0}, up[8] = {0}, out[8];
+        memcpy(g, gu + i, sizeof(float) * (size_t)(inter - i));
+        memcpy(up, gu + inter + i, sizeof(float) * (size_t)(inter - i));
+        _mm256_storeu_ps(out, gated8(_mm256_loadu_ps(g), _mm256_loadu_ps(up), bf16));
+        memcpy(act + i, out, sizeof(float) * (size_t)(inter - i));
+    }
 }
 
 /* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */
@@ -365,28 +516,29 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
                                                 P->part[XN] + t * hp);
     product(L->gate_up, NULL, L->bf16, P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
-    for (int64_t t = 0; t < P->m; t++)
-        for (int64_t i = 0; i < inter; i++) {
-            float g = gu[t * 2 * inter + i], silu = rnd(g / (1.0f + expf(-g)), L->bf16);
-            P->part[ACT][t * ip + i] = rnd(silu * gu[t * 2 * inter + inter + i], L->bf16);
-        }
+#pragma omp parallel for schedule(static) num_threads(P->threads) if (P->threads > 1 && P->m * inter >= 8192)
+    for (int64_t t = 0; t < P->m; t++) gate(gu + t * 2 * inter, inter, L->bf16, P->part[ACT] + t * ip);
     product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
             P->part[BIAS]);
-    for (int64_t i = 0; i < P->m * L->hidden; i++) store(h_out, i, P->part[X][i] + P->part[DOWN_OUT][i], L->bf16);
+    int64_t i = 0, count = P->m * L->hidden;
+    for (; i + 8 <= count; i += 8)
+        store8(h_out, i, _mm256_add_ps(_mm256_loadu_ps(P->part[X] + i), _mm256_loadu_ps(P->part[DOWN_OUT] + i)), L->bf16);
+    for (; i < count; i++) store(h_out, i, P->part[X][i] + P->part[DOWN_OUT][i], L->bf16);
 }
 
 /* One layer over a pass: h (model dtype) -> h_out (model dtype). Nonzero when out of memory (nothing written). */
-static int layer_pass(const Layer *L, Pass *P, const void *h, void *h_out) {
-    P->longest = 0;
-    for (int64_t r = 0; r < P->rows; r++) P->longest = MAX(P->longest, P->starts[r] + P->n);
-    float *buf = scratch(L, P);
-    if (!buf) return 1;
-    for (int64_t i = 0; i < P->m * L->hidden; i++) P->part[X][i] = load(h, i, L->bf16);
+static void layer_pass(const Layer *L, Pass *P, const void *h, void *h_out) {
+    int64_t i = 0, count = P->m * L->hidden;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(P->part[X] + i, load8(h, i, L->bf16));
+    for (; i < count; i++) P->part[X][i] = load(h, i, L->bf16);
     project(L, P);
     attention(L, P);
     mlp(L, P, h_out);
-    free(buf);
-    return 0;
+}
+
+static int same_shape(const Layer *a, const Layer *b) {
+    return a->hidden == b->hidden && a->heads == b->heads && a->kv_heads == b->kv_heads && a->d == b->d &&
+           a->inter == b->inter;
 }
 
 /* h_out = layer(h) for `rows` sequences of n new tokens each (h, h_out [rows, n, hidden]; cos, sin [rows, n,
@@ -404,27 +556,43 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
                hidden, heads, kv_heads, d, inter};
     Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
               .keys = keys, .values = values, .threads = threads};
-    return layer_pass(&L, &P, h, h_out);
+    set_longest(&P);
+    int64_t sizes[PARTS];
+    float *buf = calloc(scratch_parts(&L, &P, sizes), sizeof(float));
+    if (!buf) return 1;
+    cut_scratch(&P, buf, sizes);
+    layer_pass(&L, &P, h, h_out);
+    free(buf);
+    return 0;
 }
 
 /* All `count` layers of a model in one call (a Python call between layers ran cold: after a layer has streamed
  * its weights through the caches, the interpreter's own data misses them, ~60 us a layer). Layer i's caches start
  * i * cache_stride elements after keys / values; features[i], where not NULL, receives layer i's output. The
  * layers alternate between h_out and `spare` (both [rows, n, hidden] in the model dtype), the last one ending in
- * h_out. Returns nonzero when out of memory (the caches of the layers before may have been written). */
+ * h_out. Returns nonzero when out of memory (then nothing is written). */
 int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t n, const int64_t *starts,
                  const void *cos, const void *sin, void *keys, void *values, int64_t cache_stride, int64_t capacity,
                  int threads, int64_t count, const Layer *layers, void *const *features) {
-    size_t elem = layers[0].bf16 ? 2 : 4, bytes = (size_t)(rows * n * layers[0].hidden) * elem;
+    size_t elem = layers[0].bf16 ? 2 : 4, bytes = (size_t)(rows * n * layers[0].hidden) * elem, floats = 0;
+    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
+              .threads = threads};
+    set_longest(&P);
+    int64_t sizes[PARTS];
+    for (int64_t i = 0; i < count; i++) floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
+    float *buf = calloc(floats, sizeof(float)); /* one scratch for all layers: fresh pages per layer cost page faults */
+    if (!buf) return 1;
     const void *in = h;
     for (int64_t i = 0; i < count; i++) {
         void *out = (count - 1 - i) % 2 == 0 ? h_out : spare; /* the last layer writes h_out */
-        Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos,
-                  .sin = sin, .keys = (char *)keys + i * cache_stride * elem,
-                  .values = (char *)values + i * cache_stride * elem, .threads = threads};
-        if (layer_pass(&layers[i], &P, in, out)) return 1;
+        if (i > 0 && !same_shape(&layers[i], &layers[i - 1])) memset(buf, 0, floats * sizeof(float));
+        scratch_parts(&layers[i], &P, sizes);
+        cut_scratch(&P, buf, sizes);
+        P.keys = (char *)keys + i * cache_stride * elem, P.values = (char *)values + i * cache_stride * elem;
+        layer_pass(&layers[i], &P, in, out);
         if (features[i]) memcpy(features[i], out, bytes);
         in = out;
     }
+    free(buf);
     return 0;
 }
