@@ -159,6 +159,42 @@ def test_cached_plan_is_reused_on_the_same_machine_only(tmp_path, monkeypatch):
     assert measured and clock.calls > calls  # another CPU (or torch build, or thread count): measured anew
 
 
+def test_a_cached_plan_the_cached_check_rejects_is_measured_again(tmp_path):
+    from dflash.models.kernels import cached_measurement
+
+    cache, made = tmp_path / "plans.json", []
+
+    def measure():
+        made.append(1)
+        return {"step_ms": 10.0 * len(made)}
+
+    assert cached_measurement("m", measure, "cpu-a", cache) == ({"step_ms": 10.0}, True)
+    assert cached_measurement("m", measure, "cpu-a", cache, still_valid=lambda e: True) == ({"step_ms": 10.0}, False)
+    assert cached_measurement("m", measure, "cpu-a", cache, still_valid=lambda e: False) == ({"step_ms": 20.0}, True)
+    assert cached_measurement("m", measure, "cpu-a", cache) == ({"step_ms": 20.0}, False)  # the new one was kept
+
+
+@pytest.mark.parametrize("now_ms, fits", [(10.0, False), (30.0, True), (200.0, True)])
+def test_a_plan_measured_on_a_busier_machine_is_stale(now_ms, fits):
+    """Its recorded 1-token pass (the faster of the two timed, 50 ms) against one timed now (injected clock): much
+    faster now means the plan was chosen under load and is measured again; as fast, or slower (a busy machine
+    now), keeps it."""
+    from dflash.models.target import plan_still_fits
+
+    target = tiny_target("llama")
+    clock = FakeClock()
+    real_forward = target.forward
+
+    def timed_forward(ids, cache=None, *args, **kwargs):
+        clock.now += now_ms / 1000 if ids.shape[1] == 1 else 0.0
+        return real_forward(ids, cache, *args, **kwargs)
+
+    target.forward = timed_forward
+    plan = KernelPlan({}, "plain", {"1-token pass": {"measured": 80.0, "fused": 50.0}})
+    assert plan_still_fits(target, plan, timer=clock) is fits
+    assert plan_still_fits(target, KernelPlan({}, "plain", {}), timer=clock)  # nothing recorded: nothing to judge
+
+
 def test_machine_fingerprint_changes_with_the_thread_count():
     from dflash.models.kernels import machine_fingerprint
 

@@ -343,14 +343,16 @@ def plan_cache_file() -> Path:
 
 
 def cached_measurement(key: str, measure: Callable[[], dict], fingerprint: str | None = None,
-                       cache_file: Path | None = None) -> tuple[dict, bool]:
+                       cache_file: Path | None = None,
+                       still_valid: Callable[[dict], bool] | None = None) -> tuple[dict, bool]:
     """(result, measured_now): what `measure()` returned for `key` on this machine, from the per-machine cache, or
-    measured now (and cached). A result measured on another CPU, torch build or thread count is never reused."""
+    measured now (and cached). A result measured on another CPU, torch build or thread count is never reused, nor
+    one that `still_valid` rejects (e.g. one measured while another job held the cores)."""
     fingerprint = fingerprint or machine_fingerprint()
     cache_file = cache_file or plan_cache_file()
     full_key = f"{fingerprint}/{key}"
     stored = _read_json(cache_file)
-    if full_key in stored:
+    if full_key in stored and (still_valid is None or still_valid(stored[full_key])):
         return stored[full_key], False
     result = measure()
     stored = _read_json(cache_file)  # re-read: another process may have written meanwhile
@@ -361,17 +363,23 @@ def cached_measurement(key: str, measure: Callable[[], dict], fingerprint: str |
 
 def kernel_plan_for(model_key: str, linears: list[FrozenLinear], fingerprint: str | None = None,
                     cache_file: Path | None = None, timer: Timer = time.perf_counter,
-                    refine: Callable[[KernelPlan], KernelPlan] | None = None) -> tuple[KernelPlan, bool]:
+                    refine: Callable[[KernelPlan], KernelPlan] | None = None,
+                    still_valid: Callable[[KernelPlan], bool] | None = None) -> tuple[KernelPlan, bool]:
     """(plan, measured_now): the cached plan of `model_key` on this machine, else a fresh measurement (cached).
-    `refine` may revise a fresh plan by measuring more than single products (e.g. a whole step)."""
+    `refine` may revise a fresh plan by measuring more than single products (e.g. a whole step); `still_valid`
+    may reject a cached one (it is then measured again)."""
     def measure() -> dict:
         plan = measure_plan(linears, timer=timer)
         if refine is not None:
             plan = refine(plan)
         return {"choices": plan.choices, "default": plan.default, "timings_ms": plan.timings_ms}
 
-    entry, measured = cached_measurement(model_key, measure, fingerprint, cache_file)
-    return KernelPlan(entry["choices"], entry["default"], entry.get("timings_ms", {})), measured
+    def as_plan(entry: dict) -> KernelPlan:
+        return KernelPlan(entry["choices"], entry["default"], entry.get("timings_ms", {}))
+
+    entry, measured = cached_measurement(model_key, measure, fingerprint, cache_file,
+                                         None if still_valid is None else lambda e: still_valid(as_plan(e)))
+    return as_plan(entry), measured
 
 
 def _read_json(path: Path) -> dict:

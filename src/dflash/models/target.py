@@ -8,6 +8,7 @@ exposes as `output_hidden_states[i + 1]` (index 0 is the embedding output).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,13 +168,43 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
         return
     engine = target.engine
     model_key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}"
-    import time
-
     start = time.perf_counter()
     plan, measured = kernel_plan_for(model_key, engine.frozen_linears(),
-                                     refine=lambda measured_plan: settle_layer_kernels(target, measured_plan))
+                                     refine=lambda measured_plan: settle_layer_kernels(target, measured_plan),
+                                     still_valid=lambda cached: plan_still_fits(target, cached))
     target.use_kernels(plan, {"kernels": "auto", "measured_now": measured, "choices": plan.summary(),
                               "measure_s": round(time.perf_counter() - start, 3)})
+
+
+STALE_PLAN_RATIO = 0.6  # a cached plan whose 1-token pass now runs this much faster than when it was chosen ...
+
+
+def plan_still_fits(target: TargetModel, plan: KernelPlan, timer=None) -> bool:
+    """False when `plan` was measured on a busier machine than this one is now: its recorded 1-token pass took
+    more than 1 / STALE_PLAN_RATIO times what one takes now. Timings taken while another job held the cores pick
+    kernels that lose on a quiet machine (seen: a plan measured during a test run chose oneDNN everywhere, 5x
+    slower steps, and every later run reused it). A machine busier now than then keeps the plan: re-measuring
+    under load would only repeat the mistake. About 0.1 s (three steps)."""
+    recorded = plan.timings_ms.get("1-token pass")
+    if not recorded:
+        return True
+    target.engine.use_plan(plan)
+    return time_pass(target, 1, repeats=3, timer=timer) >= STALE_PLAN_RATIO * min(recorded.values())
+
+
+def time_pass(target: TargetModel, width: int, repeats: int = 5, timer=None) -> float:
+    """Median milliseconds of a `width`-token pass after a 16-token context, with the engine's current plan."""
+    timer = timer or time.perf_counter
+    cache = target.new_cache(capacity=64)
+    target.forward(torch.full((1, 16), 5, device=target.device), cache)
+    ids = torch.full((1, width), 5, device=target.device)
+    times = []
+    for _ in range(repeats + 1):  # the first one warms up
+        start = timer()
+        target.forward(ids, cache, logits_at="all")
+        times.append(timer() - start)
+        cache.truncate(16)
+    return 1000 * sorted(times[1:])[repeats // 2]
 
 
 def settle_layer_kernels(target: TargetModel, plan: KernelPlan, repeats: int = 5, timer=None) -> KernelPlan:
@@ -185,8 +216,6 @@ def settle_layer_kernels(target: TargetModel, plan: KernelPlan, repeats: int = 5
     while a single product often times within noise of oneDNN's, so one product chosen otherwise cost every layer
     its fast path. So a 1-token step and an 8-token pass (the 2-16 bucket's representative, as in measure_plan)
     are timed both ways, interleaved, median of `repeats` (about two seconds)."""
-    import time
-
     engine = target.engine
     native_shapes = {(lin.out_features, lin.in_features, lin.weight.dtype)
                      for lin in engine.frozen_linears() if "native" in lin.kernels()}
