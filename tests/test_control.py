@@ -182,7 +182,8 @@ def test_reading_a_prompt_is_not_taken_for_the_cost_of_drafting(tiny_targets, mo
 
 def test_probes_come_as_often_as_a_budget_of_time_allows():
     """While drafting does not pay, the gap between probes doubles, but only up to where probing costs
-    PROBE_BUDGET of the time: a drafter costing a tenth of a step is probed every few rounds, a dear one rarely."""
+    PROBE_BUDGET of the time (drafting and the wider verify): a drafter costing a tenth of a step is probed every
+    few rounds, a dear one rarely."""
     from dflash.control import PROBE_BUDGET, PROBE_FIRST, PROBE_MAX
 
     def widest_gap(draft_seconds: float) -> int:
@@ -200,7 +201,10 @@ def test_probes_come_as_often_as_a_budget_of_time_allows():
                 since += 1
         return max(gaps)
 
-    assert widest_gap(0.005) == max(PROBE_FIRST, math.ceil(0.005 / (PROBE_BUDGET * 0.050)))
+    costs = CostModel()
+    costs.observe(1, 0.050)
+    verify_extra = costs.cost(2) - costs.cost(1)  # a probe verifies at least one draft
+    assert widest_gap(0.005) == max(PROBE_FIRST, math.ceil((0.005 + verify_extra) / (PROBE_BUDGET * 0.050)))
     assert widest_gap(0.200) == PROBE_MAX  # a drafter dearer than a step: probes as rare as ever
     assert widest_gap(0.005) < widest_gap(0.020) < widest_gap(0.200)
 
