@@ -135,9 +135,9 @@ def count_layer_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def native_and_torch_twins(arch: str, dtype: torch.dtype):
+def native_and_torch_twins(arch: str, dtype: torch.dtype, head_dim: int = 16):
     """The same tiny target twice: through our kernels and C layers, and through plain torch (the reference)."""
-    ours, theirs = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    ours, theirs = (tiny_target(arch, logit_scale=4.0, hidden_size=4 * head_dim) for _ in range(2))
     for target, kernels in ((ours, "native"), (theirs, "plain")):
         target.model.to(dtype)
         choose_kernels(target, kernels)
@@ -229,12 +229,14 @@ def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: attention sums values in registers, heads of 64 floats at a time
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
+def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, head_dim, monkeypatch):
     """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features: logits, features and
-    cache as the torch forward's."""
-    ours, theirs = native_and_torch_twins(arch, dtype)
+    cache as the torch forward's. The cache grows past 8, 16 and 32 positions: keys are scored eight at a time and
+    the rest one by one."""
+    ours, theirs = native_and_torch_twins(arch, dtype, head_dim)
     calls = count_layer_calls(monkeypatch)
     ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
     caches = ours.new_cache(), theirs.new_cache()
@@ -302,12 +304,13 @@ def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
 
 
 @needs_native
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, monkeypatch):
+def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, head_dim, monkeypatch):
     """Why speculation through the C layers stays lossless even in bf16, where near-ties are common: every product
     sums each row in the same order whatever the number of rows, and each token's attention reads the same cache,
     so verifying k tokens at once gives exactly the logits of stepping them one by one."""
-    target = tiny_target("qwen3", logit_scale=4.0)
+    target = tiny_target("qwen3", logit_scale=4.0, hidden_size=4 * head_dim)
     target.model.to(dtype)
     choose_kernels(target, "native")
     calls = count_layer_calls(monkeypatch)

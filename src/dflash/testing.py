@@ -55,12 +55,14 @@ def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_siz
 
 
 def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, seed: int = 0,
-                logit_scale: float = 1.0) -> TargetModel:
-    """A random target. `logit_scale` sharpens the output distribution (random models are near uniform)."""
+                logit_scale: float = 1.0, hidden_size: int = 64) -> TargetModel:
+    """A random target (4 heads of hidden_size / 4). `logit_scale` sharpens the output distribution (random models
+    are near uniform)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, num_layers), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, num_layers, hidden_size),
+                                             dtype=torch.float32)
     if logit_scale != 1.0:
         with torch.no_grad():
             head = model.get_output_embeddings()

@@ -346,34 +346,71 @@ typedef struct {
     int64_t q_token, score_token, score_head, out_token; /* strides in floats */
 } Rows;
 
+/* q . k_j for the eight cached keys j0..j0+7 (rows of d floats, d % 8 == 0, the first at element `at`): eight
+ * accumulators, then one horizontal reduction for all eight (a dot product at a time was bound by its FMA latency
+ * and its own reduction) */
+static inline __m256 dot8(const float *q, const void *keys, int64_t at, int64_t d, int bf16) {
+    __m256 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(load8(keys, at + r * d + i, bf16), qv, a[r]);
+    }
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* s[j] = q . k_j * scale for cached keys 0..n-1 (row 0 at element `at`): eight at a time, the rest one by one. Which
+ * way a key goes depends only on n, so a token's scores are the same in any pass. */
+static void scores_of(const float *q, const void *keys, int64_t at, int64_t d, int64_t n, float scale, int bf16,
+                      float *s, float *row) {
+    int64_t j = 0;
+    if (d % 8 == 0)
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8(q, keys, at + j * d, d, bf16), _mm256_set1_ps(scale)));
+    for (; j < n; j++) s[j] = dot(q, cache_row(keys, at + j * d, d, bf16, row), d) * scale;
+}
+
+/* out = sum_j p[j] v_j over cached values 0..n-1 (row 0 at element `at`). Heads of 64 floats (or multiples) keep
+ * their sums in eight registers; others add into `out` row by row. */
+static void weighted_values(const float *p, const void *values, int64_t at, int64_t d, int64_t n, int bf16,
+                            float *out, float *row) {
+    if (d % 64 == 0) {
+        for (int64_t c = 0; c < d; c += 64) {
+            __m256 a[8];
+            for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                __m256 pj = _mm256_set1_ps(p[j]);
+                for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(load8(values, at + j * d + c + 8 * v, bf16), pj, a[v]);
+            }
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(out + c + 8 * v, a[v]);
+        }
+        return;
+    }
+    memset(out, 0, sizeof(float) * (size_t)d);
+    for (int64_t j = 0; j < n; j++) add_scaled(out, p[j], cache_row(values, at + j * d, d, bf16, row), d);
+}
+
 /* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
- * cache positions 0..last, each next one to one more): out = softmax(q k^T * scale) v. Each cache row is read (and
- * widened from bf16, into `row`) once for the whole chunk. Every (token, head) is computed by the same operations
- * in the same order whatever the chunk, so a verify pass gives bitwise the attention of single steps. */
+ * cache positions 0..last, each next one to one more): out = softmax(q k^T * scale) v. Every (token, head) is
+ * computed by the same operations in the same order whatever the chunk, so a verify pass gives bitwise the
+ * attention of single steps. */
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
                    int64_t capacity, int64_t d, int64_t last, float scale, int bf16, float *row) {
-    for (int64_t j = 0; j <= last + tokens - 1; j++) {
-        const float *k = cache_row(keys, (g * capacity + j) * d, d, bf16, row);
-        for (int64_t t = j > last ? j - last : 0; t < tokens; t++)
-            for (int64_t h = 0; h < group; h++)
-                R.scores[t * R.score_token + h * R.score_head + j] = dot(R.q + t * R.q_token + h * d, k, d) * scale;
-    }
+    int64_t at = g * capacity * d;
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
-            float top = -INFINITY, *s = R.scores + t * R.score_token + h * R.score_head;
-            for (int64_t j = 0; j <= last + t; j++) top = s[j] > top ? s[j] : top;
-            float inverse = 1.0f / exp_shifted(s, last + t + 1, top);
-            for (int64_t j = 0; j <= last + t; j++) s[j] *= inverse;
-            memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
+            int64_t n = last + t + 1;
+            float *s = R.scores + t * R.score_token + h * R.score_head, *out = R.out + t * R.out_token + h * d;
+            scores_of(R.q + t * R.q_token + h * d, keys, at, d, n, scale, bf16, s, row);
+            float top = -INFINITY;
+            for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+            float inverse = 1.0f / exp_shifted(s, n, top);
+            for (int64_t j = 0; j < n; j++) s[j] *= inverse;
+            weighted_values(s, values, at, d, n, bf16, out, row);
+            for (int64_t i = 0; i < d; i++) out[i] = rnd(out[i], bf16);
         }
-    for (int64_t j = 0; j <= last + tokens - 1; j++) {
-        const float *v = cache_row(values, (g * capacity + j) * d, d, bf16, row);
-        for (int64_t t = j > last ? j - last : 0; t < tokens; t++)
-            for (int64_t h = 0; h < group; h++)
-                add_scaled(R.out + t * R.out_token + h * d, R.scores[t * R.score_token + h * R.score_head + j], v, d);
-    }
-    for (int64_t t = 0; t < tokens; t++)
-        for (int64_t i = 0; i < group * d; i++) R.out[t * R.out_token + i] = rnd(R.out[t * R.out_token + i], bf16);
 }
 
 #define PAD8(v) (((v) + 7) / 8 * 8)
@@ -468,8 +505,8 @@ static void project(const Layer *L, Pass *P) {
     }
 }
 
-/* Attention, in work items of (row, kv head, a chunk of up to ATTEND_CHUNK of the row's tokens): a chunk's tokens
- * and the kv head's query heads share each cache row read. Then o and the residual. */
+/* Attention, in work items of (row, kv head, a chunk of up to ATTEND_CHUNK of the row's tokens) shared among the
+ * threads. Then o and the residual. */
 #define ATTEND_CHUNK 4
 static void attention(const Layer *L, Pass *P) {
     int64_t width = (L->heads + 2 * L->kv_heads) * L->d, group = L->heads / L->kv_heads, ap = PAD8(L->heads * L->d);
