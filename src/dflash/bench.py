@@ -467,7 +467,7 @@ def validate(args) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from .loading import load_target_cached
+    from .loading import target_from_args
     from .sampling import SamplingConfig
 
     validate(args)
@@ -476,7 +476,7 @@ def run(args) -> int:
     prompts = read_prompts(path, template, args.limit)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
+    target = target_from_args(args)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
 

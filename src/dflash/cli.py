@@ -52,6 +52,10 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--compile", action="store_true",
                        help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
                             "did not beat the packed eager kernels, see docs/RESULTS.md)")
+    group.add_argument("--cuda-graphs", action="store_true",
+                       help="replay decode steps and verify passes as CUDA graphs (GPU only; each shape captured on "
+                            "first use, caches made at 2048 positions or more; not yet measured on a GPU, so off by "
+                            "default)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                        help="CPU matmul kernels: auto = the fastest of packed oneDNN, plain PyTorch and our AVX2 "
                             "kernel per weight shape and row count, measured once per machine and cached "
@@ -152,7 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .engine import GenerationConfig, SpeculativeDecoder
-    from .loading import build_proposer, load_target_cached
+    from .loading import build_proposer, target_from_args
     from .sampling import SamplingConfig
 
     if not args.prompt.strip():
@@ -161,7 +165,7 @@ def run(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
     config.validate()
     options = method_options(args, args.method)
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
+    target = target_from_args(args)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)

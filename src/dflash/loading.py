@@ -16,7 +16,7 @@ TINY_ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
 
 
 def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", kernels: str = "auto",
-                       compile: bool = False) -> TargetModel:
+                       compile: bool = False, cuda_graphs: bool = False) -> TargetModel:
     """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (our native kernels where
     they build, nothing measured); anything else goes to load_target."""
     if spec.startswith("tiny-"):
@@ -35,7 +35,15 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         target = load_target(spec, dtype, device, kernels)
     if compile:
         compile_target(target)
+    if cuda_graphs:
+        target.use_graphs()
     return target
+
+
+def target_from_args(args) -> TargetModel:
+    """The target the CLI's target arguments (cli.add_target_arguments) describe."""
+    return load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile,
+                              getattr(args, "cuda_graphs", False))
 
 
 def build_proposer(method: str, target: TargetModel, options: MethodOptions | None = None

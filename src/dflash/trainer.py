@@ -663,7 +663,7 @@ def initial_model(args, target, config: TrainConfig, explicit: set[str]):
 # ---- building a run ----------------------------------------------------------------------------------------------
 def build_run(args, overrides: dict, out: Path):
     """Objective, config and the checkpoint to resume (or None)."""
-    from .loading import load_target_cached
+    from .loading import target_from_args
 
     resume_from = resolve_checkpoint(args.resume, out) if args.resume else None
     if resume_from is not None:
@@ -675,7 +675,7 @@ def build_run(args, overrides: dict, out: Path):
         config = base.replace(overrides)
         explicit = set(values) | set(overrides)
         config = method_config(config, explicit)
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
+    target = target_from_args(args)
     recipe = recipe_of(config)
     if resume_from is not None:
         model = recipe.load_model(resume_from, target)

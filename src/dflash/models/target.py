@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import UserError
 from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
 from .hf import HFEngine
+from .graphs import PassGraphs
 from .kernels import NATIVE, PACKED, PLAIN, KernelPlan, kernel_plan_for, shape_key
 from .transformer import Transformer, Unsupported
 
@@ -41,6 +42,8 @@ class TargetModel:
     prefer_transformers: bool = False  # run through transformers even where our forward exists
     measure: bool = True  # choose kernels and draft dtypes by timing them (off for the tiny test targets)
     _engine: object = field(default=None, repr=False)
+    graphs: PassGraphs | None = field(default=None, repr=False)  # set by use_graphs
+    graph_capacity: int = 0  # the cache capacity graphs are made for (new caches get at least this)
 
     def __post_init__(self):
         self.model.eval()
@@ -124,7 +127,19 @@ class TargetModel:
             self.engine.use_plan(plan)
 
     def new_cache(self, batch: int = 1, capacity: int = 256):
+        capacity = min(max(capacity, self.graph_capacity), self.max_context)  # a graph never sees its cache grow
         return self.engine.new_cache(batch=batch, capacity=capacity, max_capacity=self.max_context)
+
+    def use_graphs(self, capacity: int = 2048, capture: bool | None = None) -> None:
+        """Run decode steps and verify passes (up to 32 tokens per row) as CUDA graphs (graphs.py), with caches made
+        at `capacity` positions or more so that they need not grow. `capture=False` runs the same bookkeeping
+        eagerly (how the CPU tests check it)."""
+        if not isinstance(self.engine, Transformer):
+            raise UserError(f"{self.name} runs through transformers' forward, which dflash cannot capture as graphs")
+        if capture is not False and self.device.type != "cuda":
+            raise UserError("CUDA graphs need the target on a CUDA device (--device cuda)")
+        self.graphs = PassGraphs(self.engine, capture)
+        self.graph_capacity = capacity
 
     def forward(self, input_ids: torch.Tensor, cache=None, feature_layers: tuple[int, ...] = (),
                 logits_at: str | torch.Tensor = "all") -> TargetOutput:
@@ -135,7 +150,10 @@ class TargetModel:
                 raise UserError(f"feature layer {layer_id} is out of range for a {self.num_layers}-layer target")
         if cache is None and not isinstance(self.engine, HFEngine):
             cache = self.new_cache(batch=input_ids.shape[0], capacity=input_ids.shape[1])
-        logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at)
+        if self.graphs is not None and logits_at == "all" and self.graphs.handles(input_ids, cache):
+            logits, features = self.graphs.run(input_ids, cache, tuple(feature_layers))
+        else:
+            logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at)
         return TargetOutput(logits=logits, features=features)
 
     # ---- text -----------------------------------------------------------------------------------------------

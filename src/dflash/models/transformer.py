@@ -52,9 +52,14 @@ class DecoderLayer(nn.Module):
             out = self.native_step(h, rope, cache, index, starts)
             if out is not None:
                 return out
+        return self.torch_forward(h, rope, lambda k, v: cache.write(index, k, v), mask)
+
+    def torch_forward(self, h: torch.Tensor, rope, store_kv, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer in torch ops. `store_kv(k, v)` keeps the new tokens' keys/values [b, KV, n, d] and returns the
+        keys/values to attend to: the cache up to the longest row (forward) or its whole buffers (forward_static)."""
         attn = self.self_attn
         q, k, v = attn.project(self.input_layernorm(h), rope)
-        keys, values = cache.write(index, k, v)
+        keys, values = store_kv(k, v)
         out = attn.output(attn.attend(q, keys, values, mask, self.softcap))
         if self.sandwich:
             h = h + self.post_attention_layernorm(out)
@@ -164,6 +169,7 @@ class Transformer(nn.Module):
         embed_scale = float(getattr(embed, "scalar_embed_scale", 1.0)) if gemma else None
         engine = cls(config, embed.weight, embed_scale, layers, norm, model.get_output_embeddings(), rotary,
                      getattr(config, "final_logit_softcapping", None))
+        engine.rotary.to(embed.weight.device)  # else each pass copies the frequencies over (a CUDA graph cannot)
         engine.freeze(plan)
         return engine.eval()
 
@@ -232,6 +238,39 @@ class Transformer(nn.Module):
         cache.advance(n)
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return self.logits(h, logits_at), features
+
+    @torch.inference_mode()
+    def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, feature_layers: tuple[int, ...] = ()):
+        """The pass as a fixed sequence of device ops over fixed buffers, as a CUDA graph needs (graphs.py): token
+        r, i sits at positions[r, i] (a device tensor, not the cache's Python lengths); its keys and values are
+        scattered there into `keys`/`values` (a KVCache's whole buffers [layers, b, KV, capacity, d]), and attention
+        runs over the whole capacity, masked by position. Returns (logits [b, n, vocab] float32, features) like
+        `forward`; the caller moves the cache's lengths."""
+        b, n = input_ids.shape
+        h = self.embed(input_ids)
+        ropes = {t: rotary(positions, h.dtype) for t, rotary in self.rotary.items()}
+        capacity = keys.shape[3]
+        windows = {layer.layer_type: layer.window for layer in self.layers}
+        masks = {kind: causal_mask(positions, capacity, window) for kind, window in windows.items()}
+        rows = torch.arange(b, device=input_ids.device)[:, None, None]
+        heads = torch.arange(self.kv_heads, device=input_ids.device)[None, :, None]
+        at = positions[:, None, :]
+
+        def store(index: int):
+            def write(k, v):
+                keys[index][rows, heads, at] = k
+                values[index][rows, heads, at] = v
+                return keys[index], values[index]
+            return write
+
+        outputs: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            h = layer.torch_forward(h, ropes[layer.layer_type], store(index), masks[layer.layer_type])
+            if index in feature_layers:
+                outputs[index] = h
+        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return self.logits(h, "all"), features
 
     def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: torch.Tensor,
                       feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:

@@ -303,13 +303,13 @@ def run(args) -> int:
         raise UserError(f"`dflash serve` needs {exc.name}: pip install 'dflash[serve]'") from exc
     from ..cli import method_options
     from ..engine import GenerationConfig, SpeculativeDecoder
-    from ..loading import build_proposer, load_target_cached
+    from ..loading import build_proposer, target_from_args
 
     if args.default_max_tokens < 1 or args.max_queue < 1 or args.max_batch_size < 1:
         raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
-    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile)
+    target = target_from_args(args)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)

@@ -1,0 +1,131 @@
+"""Target passes replayed as CUDA graphs (the way gpt-fast and vLLM decode on a GPU).
+
+A decode step of a small model on a GPU is bound by launching its kernels: SmolLM2-135M runs ~300 small kernels per
+step, a few microseconds of Python and launch each, against well under a millisecond of GPU work. A CUDA graph
+records those launches once and replays them with one call. The price is that the replayed pass must not depend on
+anything the host decides per call: no Python-side lengths, no shapes that change, no allocation, no host sync.
+
+So the graphed pass (`Transformer.forward_static`) reads its tokens' positions from a device tensor, writes keys and
+values into the cache by scatter at those positions, and attends over the cache's whole capacity through a mask
+computed on the device (key position <= query position, within the window). Each (rows, width, feature layers,
+cache buffers) gets its own graph, captured at first use; widths are padded up to WIDTHS so that the adaptive
+controller's 1..17-token passes need five graphs per batch size, not seventeen (padding tokens are computed and
+dropped, their cache entries lie past the row's length and are overwritten later, as in the engine's ragged
+batches). A cache that grows reallocates its buffers, and the graphs of the old ones are dropped: give the cache
+its final capacity up front (`TargetModel.new_cache` does when graphs are on).
+
+Without CUDA (`capture=False`), the same buffers and bookkeeping run the eager pass instead of a replay: that is
+how the CPU tests check everything here but the capture itself.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+WIDTHS = (1, 2, 4, 8, 16, 32)  # a pass of n tokens per row runs in the graph of the smallest width >= n
+MAX_GRAPHS = 32  # graphs kept (least recently used dropped): 6 widths x a few batch sizes
+
+
+def padded_width(n: int) -> int | None:
+    """The graph width a pass of `n` tokens per row runs at, or None when wider than any (it runs eagerly)."""
+    return next((w for w in WIDTHS if w >= n), None)
+
+
+class CapturedPass:
+    """One graphed pass: its static inputs (token ids, positions), static outputs, and how to replay it."""
+
+    def __init__(self, run: Callable[[torch.Tensor, torch.Tensor], tuple], rows: int, width: int,
+                 device: torch.device, capture: bool):
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.run, self.capture, self.graph = run, capture, None
+        self.logits = self.features = None
+
+    def _capture(self, pool) -> None:
+        """Record the pass. Called with the first call's inputs already in place: the warm-up passes write the
+        keys and values that call writes anyway (at its own positions, past every row's length), never zeros
+        over cached positions."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph: lazy library handles, autotuning
+            for _ in range(2):
+                self.run(self.ids, self.positions)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.features = self.run(self.ids, self.positions)
+
+    def replay(self, pool=None):
+        """Run the pass on the current inputs (capturing it first when due); returns the graph's memory pool."""
+        if self.capture and self.graph is None:
+            self._capture(pool)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph.pool()
+        logits, features = self.run(self.ids, self.positions)  # no CUDA: eager, into the same static outputs
+        if self.logits is None:
+            self.logits, self.features = logits, features
+        else:  # as a replay overwrites the graph's outputs (what callers must not keep)
+            with torch.inference_mode():
+                self.logits.copy_(logits)
+                if features is not None:
+                    self.features.copy_(features)
+        return pool
+
+
+class PassGraphs:
+    """The graphed passes of one target: `run(input_ids, cache, feature_layers)` is `Transformer.forward` for a
+    pass of up to max(WIDTHS) tokens per row, through a captured graph of its shape (made on first use)."""
+
+    def __init__(self, engine, capture: bool | None = None, max_graphs: int = MAX_GRAPHS):
+        self.engine = engine
+        self.capture = torch.cuda.is_available() if capture is None else capture
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict[tuple, CapturedPass] = OrderedDict()
+        self.pool = None
+        self.captures = 0  # graphs made so far (a report, and what tests count)
+
+    def handles(self, input_ids: torch.Tensor, cache) -> bool:
+        """Whether this pass can run graphed: a pass of at most max(WIDTHS) tokens per row whose padded width still
+        fits the cache (a graph never grows it)."""
+        width = padded_width(input_ids.shape[1])
+        return width is not None and max(cache.lengths) + width <= cache.capacity
+
+    def run(self, input_ids: torch.Tensor, cache, feature_layers: tuple[int, ...] = ()):
+        """(logits [b, n, vocab] float32, features [b, n, len(feature_layers) * hidden] or None) of `input_ids`
+        [b, n] after each row's cached tokens; the cache advances by n, as with `Transformer.forward`. The outputs
+        are copies: the next replay overwrites the graph's own."""
+        rows, n = input_ids.shape
+        width = padded_width(n)
+        graph = self._graph(cache, rows, width, tuple(feature_layers))
+        starts = torch.tensor(cache.lengths, dtype=torch.long)
+        positions = starts[:, None] + torch.arange(width)
+        padded = torch.cat([input_ids, input_ids[:, -1:].expand(rows, width - n)], dim=1) if width > n else input_ids
+        graph.ids.copy_(padded, non_blocking=True)
+        graph.positions.copy_(positions, non_blocking=True)
+        self.pool = graph.replay(self.pool)  # one memory pool shared by every graph
+        cache.advance(n)  # the padding's keys lie past the new lengths: never read, overwritten later
+        features = graph.features[:, :n].clone() if graph.features is not None else None
+        return graph.logits[:, :n].clone(), features
+
+    def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...]) -> CapturedPass:
+        keys, values = cache.keys, cache.values
+        key = (keys.data_ptr(), values.data_ptr(), tuple(keys.shape), tuple(keys.stride()), rows, width,
+               feature_layers)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph
+
+        def run(ids, positions):
+            return self.engine.forward_static(ids, positions, keys, values, feature_layers)
+
+        graph = CapturedPass(run, rows, width, keys.device, self.capture)
+        self.captures += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return graph

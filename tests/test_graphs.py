@@ -1,0 +1,156 @@
+"""Passes replayed as CUDA graphs (models/graphs.py), checked on CPU for everything but the capture: the graph-safe
+forward (positions from a device tensor, scatter writes, attention over the whole capacity), widths padded to the
+graph's, ragged rows, outputs that survive the next replay, graphs re-made when the cache's buffers change, and
+generation through them token-identical to the eager engine."""
+
+import pytest
+import torch
+
+from conftest import ARCHS, OracleProposer
+from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.methods.ngram import NgramProposer
+from dflash.models.graphs import WIDTHS, padded_width
+from dflash.testing import tiny_target
+from test_batching import LENGTHS, PROMPTS, make_drafter_proposer
+
+TOLERANCE = 1e-5  # float32, torch's kernels on both sides; attention over a longer (masked) key range
+
+
+def twins(arch: str):
+    """The same tiny target twice: eager, and through graphs (replayed eagerly: no CUDA here)."""
+    eager, graphed = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    graphed.use_graphs(capacity=96, capture=False)
+    return eager, graphed
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a - b).abs().max().item() <= TOLERANCE * max(1.0, b.abs().max().item())
+
+
+def test_widths_pad_up_to_the_next_graph():
+    assert [padded_width(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert padded_width(max(WIDTHS) + 1) is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_passes_equal_the_eager_forward(arch):
+    """Logits, features and cache lengths of steps and verify passes of every width (padded to the graph's) equal
+    the eager forward's, past Gemma3's sliding window; one graph per (rows, width, feature layers)."""
+    eager, graphed = twins(arch)
+    ids = eager.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
+    caches = eager.new_cache(), graphed.new_cache()
+    assert caches[1].capacity >= 96  # made at the graphs' capacity, so that it never grows under them
+    for block in (ids, [5], [6, 7, 8], [9] * 5, [10] * 16, [11], [3] * 20):
+        got = graphed.forward(torch.tensor([block]), caches[1], (2, 0))
+        expected = eager.forward(torch.tensor([block]), caches[0], (2, 0))
+        assert got.logits.shape == expected.logits.shape and got.features.shape == expected.features.shape
+        assert close(got.logits, expected.logits) and close(got.features, expected.features)
+        assert caches[0].lengths == caches[1].lengths
+    assert graphed.graphs.captures == 5  # widths 8 (the prompt), 1, 4, 16, 32: the second 1-token pass reused one
+
+
+def test_outputs_survive_the_next_replay():
+    """The engine keeps a round's features (the drafter's context) past the next pass: what run returns must be
+    a copy, not the graph's static output."""
+    _, graphed = twins("llama")
+    cache = graphed.new_cache()
+    graphed.forward(torch.tensor([[5, 6, 7]]), cache, (1,))
+    first = graphed.forward(torch.tensor([[8]]), cache, (1,))
+    kept = first.features.clone()
+    graphed.forward(torch.tensor([[9]]), cache, (1,))  # same graph, new inputs
+    assert torch.equal(first.features, kept)
+
+
+def test_ragged_rows_run_graphed():
+    """Rows at different lengths write and attend at their own positions (a device tensor per token)."""
+    eager, graphed = twins("qwen3")
+    prompts = torch.tensor([[(5 * r + i) % 50 + 5 for i in range(9)] for r in range(3)])
+    caches = eager.new_cache(batch=3), graphed.new_cache(batch=3)
+    for target, cache in zip((eager, graphed), caches):
+        target.forward(prompts, cache)
+        cache.set_lengths([9, 6, 7])
+    for block in ([[11, 12], [13, 14], [15, 16]], [[17], [18], [19]], [[20, 21, 22, 23, 24]] * 3):
+        got = graphed.forward(torch.tensor(block), caches[1], (1,))
+        expected = eager.forward(torch.tensor(block), caches[0], (1,))
+        assert close(got.logits, expected.logits) and close(got.features, expected.features)
+        assert caches[0].lengths == caches[1].lengths
+
+
+def test_a_grown_cache_gets_new_graphs():
+    """Graphs point at the cache's buffers: when a cache outgrows its capacity its buffers are new, and so are the
+    graphs that run on it (the old ones would write into freed memory)."""
+    eager, graphed = twins("llama")
+    caches = eager.new_cache(), graphed.new_cache()
+    prompt = torch.tensor([list(range(5, 20))])
+    for target, cache in zip((eager, graphed), caches):
+        target.forward(prompt, cache)
+    graphed.forward(torch.tensor([[5]]), caches[1])
+    eager.forward(torch.tensor([[5]]), caches[0])
+    made = graphed.graphs.captures
+    caches[1].reserve(caches[1].capacity + 1)  # new buffers
+    got = graphed.forward(torch.tensor([[6]]), caches[1])
+    assert graphed.graphs.captures == made + 1
+    assert close(got.logits, eager.forward(torch.tensor([[6]]), caches[0]).logits)
+
+
+def test_passes_a_graph_cannot_take_run_eagerly():
+    """Wider than any graph, or a padded width past the cache's capacity: the eager forward, no graph made."""
+    _, graphed = twins("llama")
+    cache = graphed.new_cache(capacity=40)
+    graphed.forward(torch.tensor([list(range(5, 45))]), cache)  # 40 tokens: wider than 32
+    assert graphed.graphs.captures == 0
+    small = graphed.engine.new_cache(capacity=8)  # no room for a padded 4-token pass after 5 tokens
+    graphed.forward(torch.tensor([[5, 6, 7, 8, 9]]), small)
+    assert graphed.graphs.captures == 1  # the 5-token prefill (width 8) fits exactly
+    graphed.forward(torch.tensor([[5, 6, 7]]), small)
+    assert graphed.graphs.captures == 1 and small.lengths == [8]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generation_through_graphs_is_token_identical(arch):
+    """Plain, n-gram, DFlash and whole-block oracle decoding, batched with rows joining and leaving, give the
+    eager engine's tokens when every step and verify pass replays a graph."""
+    eager, graphed = twins(arch)
+    prompts = [eager.encode_prompt(p) for p in PROMPTS]
+    config = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in LENGTHS]
+    expected = [SpeculativeDecoder(eager).generate(ids, c).tokens for ids, c in zip(prompts, config)]
+    for name, proposer in (("ar", None), ("ngram", NgramProposer(max_draft=5)),
+                           ("dflash", make_drafter_proposer(graphed))):
+        engine = Engine(graphed, proposer, max_batch=3)
+        seqs = [engine.submit(ids, c) for ids, c in zip(prompts, config)]
+        engine.run()
+        assert [s.result.tokens for s in seqs] == expected, name
+    oracle = SpeculativeDecoder(graphed, OracleProposer(expected[2], len(prompts[2]), 7), adaptive=False)
+    assert oracle.generate(prompts[2], config[2]).tokens == expected[2]
+    assert graphed.graphs.captures > 0
+
+
+def test_graphs_need_cuda_and_our_forward():
+    target = tiny_target("llama")
+    with pytest.raises(UserError, match="CUDA"):
+        target.use_graphs()  # capture asked for on a CPU target
+    from dflash.models.target import TargetModel
+
+    fallback = TargetModel(target.model, target.tokenizer, "tiny", prefer_transformers=True, measure=False)
+    with pytest.raises(UserError, match="transformers"):
+        fallback.use_graphs(capture=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures real graphs)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_graphs_on_cuda_equal_the_eager_forward(arch):
+    """The same passes as above, with real CUDA graphs: captured once per shape, replayed after."""
+    eager, graphed = (tiny_target(arch, logit_scale=4.0) for _ in range(2))
+    for target in (eager, graphed):
+        target.model.to("cuda")
+    graphed.use_graphs(capacity=96)
+    prompts = [eager.encode_prompt(p) for p in PROMPTS[:3]]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    for proposer in (None, NgramProposer(max_draft=5)):
+        expected = [SpeculativeDecoder(eager, proposer).generate(ids, config).tokens for ids in prompts]
+        engine = Engine(graphed, proposer, max_batch=2)
+        seqs = [engine.submit(ids, config) for ids in prompts]
+        engine.run()
+        assert [s.result.tokens for s in seqs] == expected
+    assert all(g.graph is not None for g in graphed.graphs.graphs.values())
