@@ -130,3 +130,18 @@ def test_int8_drafters_draft_what_float32_ones_do(target):
         same = sum(a == b for a, b in zip(first["float32"], first["int8"])) / len(first["float32"])
         assert same >= 0.85, f"{method}: int8 first drafts agree with float32 ones in only {same:.0%} of rounds"
         assert accepted["int8"] >= 0.85 * accepted["float32"], f"{method}: {accepted}"
+
+
+def test_graph_safe_passes_decode_like_the_engine(target):
+    """The pass `--cuda-graphs` captures (whole-capacity attention, scatter writes, device positions), run eagerly
+    on the real model: the shipped drafter's speculative decoding through it gives the plain greedy tokens."""
+    from dflash.models.target import TargetModel
+
+    graphed = TargetModel(target.model, target.tokenizer, target.name, kernel_plan=target.kernel_plan, measure=False)
+    graphed.use_graphs(capacity=256, capture=False)
+    ids = target.encode_prompt(PROMPTS[0])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    reference = SpeculativeDecoder(target).generate(ids, config).tokens
+    result = SpeculativeDecoder(graphed, build_proposer("dflash", graphed)[0]).generate(ids, config)
+    assert result.tokens == reference
+    assert graphed.graphs.captures >= 2  # steps and verify passes both went through graphs
