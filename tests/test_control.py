@@ -284,3 +284,27 @@ def test_batched_rows_share_the_cost_model(tiny_targets):
     assert all(s.controller.costs is engine.costs for s in seqs) and engine.costs.known
     for seq, prompt in zip(seqs, PROMPTS):
         assert seq.result.tokens == ar_tokens(target, target.encode_prompt(prompt))
+
+
+def test_what_the_drafters_confidence_is_worth_carries_over_to_the_next_sequence(tiny_targets, monkeypatch):
+    """A drafter 90% sure of drafts that are never right: the first sequence learns that its confidence means
+    nothing; the engine's next sequence starts from that calibration (it is the drafter's, not the text's): it verifies
+    one of its first drafts at most (a fresh calibration: all seven), and drafts fewer rounds."""
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[1])
+
+    class Overconfident(RandomProposer):
+        def propose(self, sequence, limit=None, keep_going=None):
+            draft = super().propose(sequence, limit)
+            return Draft(draft.tokens, [0.9] * len(draft.tokens))
+
+    proposer = Overconfident(target.vocab_size, 7)
+    clock = FakeClock(per_token=0.004, draft=0.01)
+    with monkeypatch.context() as m:
+        clock.install(m, target, proposer)
+        decoder = SpeculativeDecoder(target, proposer, timer=clock)
+        config = GenerationConfig(max_new_tokens=80, ignore_eos=True)
+        first, second = (decoder.generate(ids, config).stats for _ in range(2))
+    assert first.draft_lengths[0] == 7  # nothing known yet: the whole block
+    assert second.draft_lengths[0] <= 1  # its first drafts, 90% sure, are judged worth one verified at most
+    assert second.num_rounds - second.skipped_drafting < first.num_rounds - first.skipped_drafting

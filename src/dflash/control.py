@@ -157,9 +157,11 @@ class DraftController:
     sequence; `whole_blocks` always drafts and verifies every draft (the paper's setting)."""
 
     def __init__(self, max_draft: int, costs: CostModel, whole_blocks: bool = False,
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter, calibration: Calibration | None = None):
+        """`calibration`: shared with the other sequences of an engine (how far the drafter's confidence can be
+        trusted is the drafter's, not the text's), so a new sequence does not start from the raw confidence."""
         self.max_draft, self.costs, self.whole_blocks, self.timer = max_draft, costs, whole_blocks, timer
-        self.calibration = Calibration(max(1, max_draft))
+        self.calibration = calibration if calibration is not None else Calibration(max(1, max_draft))
         self.rate: float | None = None  # tokens/s of this sequence's recent rounds
         self.gain: float | None = None  # expected tokens drafted rounds bring beyond plain steps, net of verify time
         self.chosen_value: float | None = None  # the expected value of this round's choice (None: not modelled)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .control import CostModel, DraftController
+from .control import Calibration, CostModel, DraftController
 from .errors import UserError
 from .methods.base import Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
@@ -149,6 +149,7 @@ class Engine:
         self.max_batch = max_batch
         self.adaptive, self.timer = adaptive, timer
         self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
+        self.calibrations: dict[int, Calibration] = {}  # the drafter's (by its block), shared likewise
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
             self.costs.seed(measured_pass_costs(target))
         self.waiting: deque[Sequence] = deque()
@@ -169,7 +170,8 @@ class Engine:
         stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
-                                     timer=self.timer)
+                                     timer=self.timer, calibration=self.calibrations.setdefault(
+                                         self.proposer.max_draft, Calibration(max(1, self.proposer.max_draft))))
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
         self.waiting.append(seq)
