@@ -267,3 +267,28 @@ def test_int8_copy_follows_writes_and_other_dtypes_fall_back():
     frozen.to(torch.bfloat16)  # no int8 kernel for bf16 weights: F.linear, exactly
     xb = x.bfloat16()
     assert torch.equal(frozen(xb), F.linear(xb, frozen.weight))
+
+
+def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monkeypatch):
+    """The drafting-precision choice is cached like the kernel plan, and checked like it: the chosen precision timed
+    once at load; much faster than recorded means the record was taken under load, and all are timed again."""
+    from dflash.methods.base import measured_draft_precision
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    target.measure = True
+    speed = {"float32": 0.020, "bfloat16": 0.040, "int8": 0.010}  # seconds a drafting pass takes, per precision
+    calls = []
+
+    def seconds_in(precision):
+        calls.append(precision.name)
+        return speed[precision.name]
+
+    chosen, report = measured_draft_precision(target, "m", seconds_in)
+    first_choice = min(report["draft_ms"], key=report["draft_ms"].get)
+    assert report["measured_now"] and chosen.name == first_choice
+    _, report = measured_draft_precision(target, "m", seconds_in)  # the same speed now: kept after one timing
+    assert not report["measured_now"] and calls[-1] == first_choice
+    speed = {name: seconds / 4 for name, seconds in speed.items()}  # the machine was busy when it was recorded
+    _, report = measured_draft_precision(target, "m", seconds_in)
+    assert report["measured_now"] and min(report["draft_ms"].values()) == pytest.approx(1000 * min(speed.values()))

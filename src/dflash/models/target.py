@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
 from .hf import HFEngine
 from .graphs import PassGraphs
-from .kernels import NATIVE, PACKED, PLAIN, KernelPlan, kernel_plan_for, shape_key
+from .kernels import NATIVE, PACKED, PLAIN, STALE_RATIO, KernelPlan, kernel_plan_for, shape_key
 from .transformer import Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -194,12 +194,9 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
                               "measure_s": round(time.perf_counter() - start, 3)})
 
 
-STALE_PLAN_RATIO = 0.6  # a cached plan whose 1-token pass now runs this much faster than when it was chosen ...
-
-
 def plan_still_fits(target: TargetModel, plan: KernelPlan, timer=None) -> bool:
     """False when `plan` was measured on a busier machine than this one is now: its recorded 1-token pass took
-    more than 1 / STALE_PLAN_RATIO times what one takes now. Timings taken while another job held the cores pick
+    more than 1 / STALE_RATIO times what one takes now. Timings taken while another job held the cores pick
     kernels that lose on a quiet machine (seen: a plan measured during a test run chose oneDNN everywhere, 5x
     slower steps, and every later run reused it). A machine busier now than then keeps the plan: re-measuring
     under load would only repeat the mistake. About 0.1 s (three steps)."""
@@ -207,7 +204,7 @@ def plan_still_fits(target: TargetModel, plan: KernelPlan, timer=None) -> bool:
     if not recorded:
         return True
     target.engine.use_plan(plan)
-    return time_pass(target, 1, repeats=3, timer=timer) >= STALE_PLAN_RATIO * min(recorded.values())
+    return time_pass(target, 1, repeats=3, timer=timer) >= STALE_RATIO * min(recorded.values())
 
 
 def time_pass(target: TargetModel, width: int, repeats: int = 5, timer=None) -> float:
