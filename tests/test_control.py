@@ -43,6 +43,18 @@ class FakeClock:
         monkeypatch.setattr(proposer, "propose", timed_propose)
 
 
+class RandomlySure(RandomProposer):
+    """Random drafts (almost never right), each given the same confidence `sure`."""
+
+    def __init__(self, vocab_size: int, max_draft: int, sure: float):
+        super().__init__(vocab_size, max_draft)
+        self.sure = sure
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        draft = super().propose(sequence, limit)
+        return Draft(draft.tokens, [self.sure] * len(draft.tokens))
+
+
 def ar_tokens(target, ids):
     return SpeculativeDecoder(target).generate(ids, CONFIG).tokens
 
@@ -136,12 +148,7 @@ def test_a_new_sequence_starts_from_the_engines_measured_costs(tiny_targets, mon
     target = tiny_targets["qwen3"]
     ids = target.encode_prompt(PROMPTS[2])
 
-    class Doubtful(RandomProposer):
-        def propose(self, sequence, limit=None, keep_going=None):
-            draft = super().propose(sequence, limit)
-            return Draft(draft.tokens, [0.05] * len(draft.tokens))
-
-    proposer = Doubtful(target.vocab_size, 7)
+    proposer = RandomlySure(target.vocab_size, 7, sure=0.05)
     clock = FakeClock(per_token=0.01)
     with monkeypatch.context() as m:
         clock.install(m, target, proposer)
@@ -293,12 +300,7 @@ def test_what_the_drafters_confidence_is_worth_carries_over_to_the_next_sequence
     target = tiny_targets["llama"]
     ids = target.encode_prompt(PROMPTS[1])
 
-    class Overconfident(RandomProposer):
-        def propose(self, sequence, limit=None, keep_going=None):
-            draft = super().propose(sequence, limit)
-            return Draft(draft.tokens, [0.9] * len(draft.tokens))
-
-    proposer = Overconfident(target.vocab_size, 7)
+    proposer = RandomlySure(target.vocab_size, 7, sure=0.9)
     clock = FakeClock(per_token=0.004, draft=0.01)
     with monkeypatch.context() as m:
         clock.install(m, target, proposer)
