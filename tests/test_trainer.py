@@ -206,6 +206,75 @@ def test_distillation_loss_is_kl_to_the_target_and_matches_autograd(rows):
     assert abs(self_taught.item()) < 1e-6  # a drafter already equal to its teacher has nothing left to learn
 
 
+@pytest.mark.parametrize("distill", [False, True])
+def test_loss_over_the_draft_vocabulary(distill):
+    """`vocab` scores only the rows drafting scores: the loss is the full-vocabulary loss with every other column
+    removed (the teacher renormalised over the kept ones), labels outside the vocabulary add nothing and count as
+    misses, predictions are token ids, and the gradient is exact."""
+    from dflash.methods.dflash.objective import block_loss
+
+    torch.manual_seed(3)
+    nblocks, size, dim, vocab_size = 5, 4, 16, 50
+    hidden = torch.randn(nblocks, size, dim, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(dim, vocab_size, bias=False).double()
+    vocab = torch.tensor(sorted(random.Random(0).sample(range(vocab_size), 20)))
+    inside = vocab[torch.randint(0, 20, (nblocks, size))]
+    outside = torch.tensor([t for t in range(vocab_size) if t not in set(vocab.tolist())])[:nblocks]
+    labels = inside.clone()
+    labels[:, 2] = outside  # every block's second prediction is a token drafting cannot propose
+    labels[:, 0] = IGNORE
+    weights = position_weights(size, 2.0).double()
+    teacher_logits = torch.randn(30, vocab_size, dtype=torch.float64) * 3 if distill else None
+    teacher_rows = torch.randint(0, 30, (nblocks, size)) if distill else None
+    result = block_loss(hidden, labels, head, weights, teacher_logits, teacher_rows, vocab=vocab)
+    result.loss.backward()
+
+    reference = hidden.detach().clone().requires_grad_(True)
+    kept = (labels != IGNORE) & torch.isin(labels, vocab)
+    log_probs = (reference @ head.weight.t())[..., vocab].log_softmax(-1)[kept]
+    if distill:
+        teacher_log = teacher_logits[teacher_rows[kept]][:, vocab].log_softmax(-1)
+        row_loss = (teacher_log.exp() * (teacher_log - log_probs)).sum(-1)
+    else:
+        columns = torch.searchsorted(vocab, labels[kept])
+        row_loss = -log_probs.gather(1, columns[:, None])[:, 0]
+    row_weights = weights.expand_as(labels)[kept]
+    expected = (row_loss * row_weights).sum() / row_weights.sum()
+    expected.backward()
+    torch.testing.assert_close(result.loss, expected.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-6, atol=1e-8)
+    assert result.weight_sum.item() == pytest.approx(row_weights.sum().item())
+    assert not result.correct[:, 1].any()  # block position 2: outside the vocabulary, never right
+    predicted = vocab[(reference @ head.weight.t())[..., vocab].argmax(-1)]
+    assert torch.equal(result.correct, ((predicted == labels) & (labels != IGNORE))[:, 1:])
+
+
+def test_loss_vocabulary_is_what_drafting_scores(target):
+    """The draft vocabulary plus the sequence's prompt tokens (DFlashProposer scores the same rows), sorted; the
+    whole vocabulary with loss_vocab='full' or a drafter without a draft vocabulary."""
+    drafter = tiny_drafter(target)
+    objective = DFlashObjective(drafter, target, anchors_per_seq=8)
+    input_ids = torch.tensor([3, 40, 7, 40, 9, 10, 11])
+    assert objective.vocab_for(input_ids, 4) is None
+    drafter.draft_vocab = [9, 5, 6]
+    assert objective.vocab_for(input_ids, 4).tolist() == [3, 5, 6, 7, 9, 40]
+    drafter.draft_vocab = [5]  # a new vocabulary (prepare_new sets it after the objective exists) is picked up
+    assert objective.vocab_for(input_ids, 2).tolist() == [3, 5, 40]
+    assert DFlashObjective(drafter, target, 8, loss_vocab="full").vocab_for(input_ids, 4) is None
+
+
+def test_checkpoints_from_before_loss_vocab_resume_on_the_full_vocabulary(tmp_path):
+    saved = trainer.TrainConfig(eval_every=10)
+    values = json.loads(saved.to_json())
+    del values["loss_vocab"]
+    (tmp_path / trainer.CONFIG_FILE).write_text(json.dumps(values))
+    (tmp_path / trainer.STATE_FILE).write_bytes(b"")
+    assert trainer.read_checkpoint_config(tmp_path).loss_vocab == "full"
+    assert trainer.TrainConfig().loss_vocab == "draft"
+    with pytest.raises(UserError, match="loss_vocab"):
+        trainer.TrainConfig(loss_vocab="rows").validate()
+
+
 # ---- the drafter pass ------------------------------------------------------------------------------------------------
 def test_training_pass_equals_inference_per_block(target):
     """Every block of the one sparse-mask pass gives the hidden states the drafter computes at inference time

@@ -82,6 +82,9 @@ class TrainConfig:
                                        "interpolated)")
     loss: str = option("ce", "dflash: ce (cross-entropy on the target's regenerated tokens) or kl (self-distillation: "
                              "KL to the target's own distribution at every block position)")
+    loss_vocab: str = option("draft", "dflash: the loss scores the drafter's draft vocabulary plus the sequence's "
+                                      "prompt tokens, the rows drafting scores (draft; 3x cheaper at 16K of 49K "
+                                      "rows), or every row (full)")
     init: str = option("random", "dflash: a new drafter's layers: random, or target (copied from the target's last "
                                  "layers, same width)")
     schedule_steps: int | None = option(None, "length of the warmup + cosine schedule in optimizer steps (default: "
@@ -128,6 +131,8 @@ class TrainConfig:
             raise UserError(f"schedule_steps must be >= 1, got {self.schedule_steps}")
         if self.loss not in ("ce", "kl"):
             raise UserError(f"loss must be ce or kl, got {self.loss!r}")
+        if self.loss_vocab not in ("draft", "full"):
+            raise UserError(f"loss_vocab must be draft or full, got {self.loss_vocab!r}")
         if self.init not in ("random", "target"):
             raise UserError(f"init must be random or target, got {self.init!r}")
         return self
@@ -302,7 +307,9 @@ def _as_tuple(value):
 def read_checkpoint_config(folder: Path) -> TrainConfig:
     if not (folder / CONFIG_FILE).is_file() or not (folder / STATE_FILE).is_file():
         raise UserError(f"{folder} is not a training checkpoint (needs {CONFIG_FILE} and {STATE_FILE})")
-    return TrainConfig.from_file(folder / CONFIG_FILE)
+    values = read_config_values(folder / CONFIG_FILE)
+    values.setdefault("loss_vocab", "full")  # checkpoints from before the option trained on the whole vocabulary
+    return TrainConfig.from_dict(values, str(folder / CONFIG_FILE))
 
 
 def read_trainer_state(folder: Path) -> dict:
