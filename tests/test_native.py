@@ -31,6 +31,30 @@ def test_float32_product_matches_f_linear(m, n, k, with_bias):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
+    """Which thread computes an output never changes it: 1-3 threads, and eight Python threads calling at once (one
+    holds the thread region, the others run on their own thread), all give bitwise the one-thread result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(1000, 576, generator=g).to(dtype), torch.randn(16, 576, generator=g).to(dtype)
+    layer = FrozenLinear(weight, None, NATIVE)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(layer(x), alone)
+        with ThreadPoolExecutor(8) as callers:
+            together = list(callers.map(lambda _: layer(x), range(32)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(result, alone) for result in together)
+
+
+@needs_native
 @pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):

@@ -11,17 +11,130 @@
  * accumulators), so it is read from memory once and a verify pass is bound by the FMAs. bfloat16 weights are
  * widened to float32 (a shift) and all sums are float32, like torch's own bfloat16 products; a bfloat16 result is
  * rounded once, to nearest even.
- * Threads split the output rows (OpenMP; inside torch, this is torch's own OpenMP runtime and thread pool).
+ * Threads split the output rows in chunks that each thread claims (our own small pool, below).
  * Built and loaded by native.py; every caller falls back to torch's kernels where this cannot be built.
  *
  * The second half runs a whole Llama/Qwen decoder layer over a few new tokens of a few sequences (dflash_layer).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* ---- threads: one OpenMP region per call, inside it work that any thread claims chunk by chunk -------------------
+ * Why not a `parallel for` per loop: an OpenMP region ends in a barrier that waits for EVERY thread of its team,
+ * including one the OS has descheduled because another process holds its core. A step opened ~180 regions, and
+ * each waited a scheduler time slice: a 25 ms float32 step took 1.6 s beside one busy process (2 AMD EPYC cores).
+ * So a call opens ONE region (with_workers): its first thread runs the call and publishes each parallel loop as a
+ * job; every thread, the first included, claims chunks of it, and the first waits only for chunks another thread
+ * has actually started. A thread that gets no core does no work, and the call waits for it once, at its end.
+ * Measured on 2 AMD EPYC cores, float32 (scripts/bench_threads.py): a step beside one busy
+ * process took 84 ms instead of 1.6 s, and as long as before on a quiet machine. The region runs on torch's own
+ * OpenMP threads: a pool of our own threads, with no barrier at all, did better beside a busy process (49 ms), but
+ * its 16-token passes were 10-30% slower on a quiet machine.
+ * Which thread computes an item never changes its result (every output is computed whole by one thread), so
+ * results stay bitwise the same at any thread count or load.
+ *
+ * A job is one 64-bit word: generation (20 bits) | items (22) | next unclaimed item (22). A claim is a
+ * compare-and-swap on it, so a thread that looks late cannot claim from a job that is over; it reads the job's task
+ * only after its claim succeeded, which holds the job open until that chunk is finished. */
+typedef void (*Task)(void *ctx, int64_t begin, int64_t end);
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+#define ITEM_BITS 22
+#define ITEM_MASK ((UINT64_C(1) << ITEM_BITS) - 1)
+#define GEN_MASK ((UINT64_C(1) << 20) - 1)
+
+static struct {
+    _Atomic uint64_t word;
+    _Atomic int64_t finished; /* items done in the current job */
+    Task task;
+    void *ctx;
+    _Atomic int64_t grain;
+    _Atomic int closing; /* the region's first thread is done: the others leave */
+    uint64_t generation;
+    pthread_mutex_t busy; /* one region at a time; a second caller meanwhile runs on its own thread */
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER};
+static _Thread_local int in_region; /* this thread opened the region and may publish jobs to it */
+
+static void after_fork(void) { pthread_mutex_init(&pool.busy, NULL); }
+__attribute__((constructor)) static void watch_forks(void) { pthread_atfork(NULL, NULL, after_fork); }
+
+/* Claims the next chunk of the job tagged `tag` (generation | items); 0 when that job has none left. */
+static int claim(uint64_t tag, int64_t *begin, int64_t *end) {
+    uint64_t word = atomic_load_explicit(&pool.word, memory_order_acquire);
+    for (;;) {
+        int64_t next = (int64_t)(word & ITEM_MASK), items = (int64_t)((word >> ITEM_BITS) & ITEM_MASK);
+        if ((word >> ITEM_BITS) != tag || next >= items) return 0;
+        int64_t grain = atomic_load_explicit(&pool.grain, memory_order_relaxed); /* a stale grain only sizes a chunk */
+        int64_t stop = MIN(next + MAX(grain, 1), items);
+        if (atomic_compare_exchange_weak_explicit(&pool.word, &word, (word & ~ITEM_MASK) | (uint64_t)stop,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            *begin = next, *end = stop;
+            return 1;
+        }
+    }
+}
+
+static void work_on(uint64_t tag) {
+    int64_t begin, end;
+    while (claim(tag, &begin, &end)) {
+        pool.task(pool.ctx, begin, end);
+        atomic_fetch_add_explicit(&pool.finished, end - begin, memory_order_release);
+    }
+}
+
+/* task(ctx, begin, end) over items [0, items) in chunks of `grain`, on the region's threads where `threads` > 1 and
+ * this thread opened a region; on this thread alone otherwise. */
+static void parallel_for(int64_t items, int64_t grain, int threads, Task task, void *ctx) {
+    if (threads <= 1 || !in_region || items <= grain || items > (int64_t)ITEM_MASK) {
+        task(ctx, 0, items);
+        return;
+    }
+    pool.task = task, pool.ctx = ctx;
+    atomic_store_explicit(&pool.grain, grain, memory_order_relaxed);
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    pool.generation = pool.generation % GEN_MASK + 1; /* never 0: a thread entering the region has seen tag 0 */
+    uint64_t tag = (pool.generation << ITEM_BITS) | (uint64_t)items;
+    atomic_store_explicit(&pool.word, tag << ITEM_BITS, memory_order_release); /* publishes task, ctx, grain */
+    work_on(tag);
+    /* only chunks another thread is computing remain; yield now and then in case it waits for this core */
+    for (int spins = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < items; spins++) {
+        if (spins % 1024 == 0) sched_yield();
+        else _mm_pause();
+    }
+}
+
+/* body(arg) on this thread, with up to `threads` threads (this one included) taking part in its parallel loops */
+static void with_workers(int threads, void (*body)(void *), void *arg) {
+    if (threads <= 1 || in_region || pthread_mutex_trylock(&pool.busy) != 0) {
+        body(arg);
+        return;
+    }
+    atomic_store(&pool.closing, 0);
+#pragma omp parallel num_threads(threads)
+    {
+        if (omp_get_thread_num() == 0) {
+            in_region = 1;
+            body(arg);
+            in_region = 0;
+            atomic_store(&pool.closing, 1);
+        } else {
+            for (uint64_t seen = 0; !atomic_load_explicit(&pool.closing, memory_order_acquire);) {
+                uint64_t tag = atomic_load_explicit(&pool.word, memory_order_acquire) >> ITEM_BITS;
+                if (tag != seen) work_on(seen = tag);
+                else _mm_pause();
+            }
+        }
+    }
+    pthread_mutex_unlock(&pool.busy);
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -98,45 +211,78 @@ BLOCK1(block1_bf16, uint16_t, widen_bf16)
 
 /* yf[m, n] = xf[m, k8] . tiles^T + bias, all float32 but the tiles. For more than three input rows a bfloat16
  * block is widened to float32 once, in L1, rather than once per three rows (bf16 16-row passes: ~3x a step -> ~2x). */
+typedef struct {
+    const void *tiles;
+    int bf16;
+    const float *xf, *bias;
+    float *yf;
+    int64_t m, n, k8;
+} Product;
+
+static float *widening_buffer(int64_t floats) { /* one per thread, kept: blocks of the largest k seen */
+    static _Thread_local float *buffer;
+    static _Thread_local int64_t size;
+    if (floats > size) {
+        float *grown = realloc(buffer, sizeof(float) * (size_t)floats);
+        if (!grown) return NULL;
+        buffer = grown, size = floats;
+    }
+    return buffer;
+}
+
+static void product_blocks(void *ctx, int64_t first, int64_t last) {
+    const Product *W = ctx;
+    int64_t m = W->m, n = W->n, k8 = W->k8;
+    float *wide = W->bf16 && m > 3 ? widening_buffer(4 * k8) : NULL; /* NULL: widen per rows */
+    for (int64_t b = first; b < last; b++) {
+        int64_t rows = n - 4 * b < 4 ? n - 4 * b : 4;
+        const float *wf = (const float *)W->tiles + b * 4 * k8;
+        const uint16_t *wb = (const uint16_t *)W->tiles + b * 4 * k8;
+        int in_bf16 = W->bf16;
+        if (wide) {
+            for (int64_t i = 0; i < 4 * k8; i += 8) {
+                if (i % 32 == 0) /* the next block, one cache line per line widened here */
+                    _mm_prefetch((const char *)(wb + PREFETCH * k8 + i), _MM_HINT_T0);
+                _mm256_storeu_ps(wide + i, widen_bf16(wb + i));
+            }
+            wf = wide, in_bf16 = 0;
+        }
+        float out[12];
+        for (int64_t j = 0; j < m;) {
+            int64_t done = m - j >= 3 ? 3 : 1;
+            const float *x = W->xf + j * k8;
+            if (done == 3) {
+                if (in_bf16) block3_bf16(wb, x, x + k8, x + 2 * k8, k8, out);
+                else block3_f32(wf, x, x + k8, x + 2 * k8, k8, out);
+            } else {
+                if (in_bf16) block1_bf16(wb, x, k8, out);
+                else block1_f32(wf, x, k8, out);
+            }
+            for (int64_t t = 0; t < done; t++, j++)
+                for (int64_t r = 0; r < rows; r++)
+                    W->yf[j * n + 4 * b + r] = out[4 * t + r] + (W->bias ? W->bias[4 * b + r] : 0.0f);
+        }
+    }
+}
+
+#ifndef CHUNKS_PER_THREAD /* 2: quicker than 16 at 16 rows (fewer claims, longer streams), and beside a busy process */
+#define CHUNKS_PER_THREAD 2
+#endif
+typedef struct {
+    Product W;
+    int threads;
+} ProductCall;
+
+static void product_body(void *arg) {
+    ProductCall *C = arg;
+    int64_t blocks = (C->W.n + 3) / 4, grain = blocks / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
+    parallel_for(blocks, MAX(grain, 4), C->threads, product_blocks, &C->W);
+}
+
 static void run(const void *tiles, int bf16, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
                 int64_t k8, int threads) {
-    int64_t blocks = (n + 3) / 4;
-    int widen_once = bf16 && m > 3;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        float *wide = widen_once ? malloc(sizeof(float) * (size_t)(4 * k8)) : NULL; /* NULL: widen per rows */
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t rows = n - 4 * b < 4 ? n - 4 * b : 4;
-            const float *wf = (const float *)tiles + b * 4 * k8;
-            const uint16_t *wb = (const uint16_t *)tiles + b * 4 * k8;
-            int in_bf16 = bf16;
-            if (wide) {
-                for (int64_t i = 0; i < 4 * k8; i += 8) {
-                    if (i % 32 == 0) /* the next block, one cache line per line widened here */
-                        _mm_prefetch((const char *)(wb + PREFETCH * k8 + i), _MM_HINT_T0);
-                    _mm256_storeu_ps(wide + i, widen_bf16(wb + i));
-                }
-                wf = wide, in_bf16 = 0;
-            }
-            float out[12];
-            for (int64_t j = 0; j < m;) {
-                int64_t done = m - j >= 3 ? 3 : 1;
-                const float *x = xf + j * k8;
-                if (done == 3) {
-                    if (in_bf16) block3_bf16(wb, x, x + k8, x + 2 * k8, k8, out);
-                    else block3_f32(wf, x, x + k8, x + 2 * k8, k8, out);
-                } else {
-                    if (in_bf16) block1_bf16(wb, x, k8, out);
-                    else block1_f32(wf, x, k8, out);
-                }
-                for (int64_t t = 0; t < done; t++, j++)
-                    for (int64_t r = 0; r < rows; r++)
-                        yf[j * n + 4 * b + r] = out[4 * t + r] + (bias ? bias[4 * b + r] : 0.0f);
-            }
-        }
-        free(wide);
-    }
+    ProductCall C = {{tiles, bf16, xf, bias, yf, m, n, k8}, threads};
+    with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
 }
 
 /* The input as float32 rows of k8 columns, zero-padded; NULL when out of memory. */
@@ -414,8 +560,6 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
 }
 
 #define PAD8(v) (((v) + 7) / 8 * 8)
-#define MAX(a, b) ((a) > (b) ? (a) : (b))
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
 
 typedef struct { /* one layer's own arguments, the same every call */
     int bf16;
@@ -508,12 +652,19 @@ static void project(const Layer *L, Pass *P) {
 /* Attention, in work items of (row, kv head, a chunk of up to ATTEND_CHUNK of the row's tokens) shared among the
  * threads. Then o and the residual. */
 #define ATTEND_CHUNK 4
-static void attention(const Layer *L, Pass *P) {
+typedef struct {
+    const Layer *L;
+    Pass *P;
+    int64_t chunks;
+} Attention;
+
+static void attention_items(void *ctx, int64_t first, int64_t last) {
+    const Attention *A = ctx;
+    const Layer *L = A->L;
+    Pass *P = A->P;
     int64_t width = (L->heads + 2 * L->kv_heads) * L->d, group = L->heads / L->kv_heads, ap = PAD8(L->heads * L->d);
-    int64_t chunks = (P->n + ATTEND_CHUNK - 1) / ATTEND_CHUNK, items = P->rows * L->kv_heads * chunks;
-#pragma omp parallel for schedule(static) num_threads(P->threads) if (P->threads > 1 && items > 1 && P->m * L->heads * P->longest * L->d > 16384)
-    for (int64_t item = 0; item < items; item++) {
-        int64_t r = item / (L->kv_heads * chunks), g = item / chunks % L->kv_heads, c = item % chunks;
+    for (int64_t item = first; item < last; item++) {
+        int64_t r = item / (L->kv_heads * A->chunks), g = item / A->chunks % L->kv_heads, c = item % A->chunks;
         int64_t t = r * P->n + c * ATTEND_CHUNK, head = g * group; /* the chunk's first token in the pass */
         int64_t tokens = MIN(ATTEND_CHUNK, P->n - c * ATTEND_CHUNK);
         Rows R = {.q = P->part[QKV] + t * width + head * L->d, .q_token = width,
@@ -522,6 +673,13 @@ static void attention(const Layer *L, Pass *P) {
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
                g, P->capacity, L->d, position_of(P, t), L->scale, L->bf16, P->part[ROW] + item * L->d);
     }
+}
+
+static void attention(const Layer *L, Pass *P) {
+    int64_t chunks = (P->n + ATTEND_CHUNK - 1) / ATTEND_CHUNK, items = P->rows * L->kv_heads * chunks;
+    Attention A = {L, P, chunks};
+    int worth_threads = P->m * L->heads * P->longest * L->d > 16384;
+    parallel_for(items, 1, worth_threads ? P->threads : 1, attention_items, &A);
     product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, L->heads * L->d, P->threads,
             P->part[BIAS]);
     add_rounded(P->part[X], P->part[O_OUT], P->part[X], P->m * L->hidden, L->bf16);
@@ -546,6 +704,18 @@ static void gate(const float *gu, int64_t inter, int bf16, float *act) {
     }
 }
 
+typedef struct {
+    const float *gu;
+    float *act;
+    int64_t inter, ip;
+    int bf16;
+} Gating;
+
+static void gate_tokens(void *ctx, int64_t first, int64_t last) {
+    const Gating *G = ctx;
+    for (int64_t t = first; t < last; t++) gate(G->gu + t * 2 * G->inter, G->inter, G->bf16, G->act + t * G->ip);
+}
+
 /* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */
 static void mlp(const Layer *L, Pass *P, void *h_out) {
     int64_t inter = L->inter, ip = PAD8(inter), hp = PAD8(L->hidden);
@@ -553,8 +723,8 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
                                                 P->part[XN] + t * hp);
     product(L->gate_up, NULL, L->bf16, P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
-#pragma omp parallel for schedule(static) num_threads(P->threads) if (P->threads > 1 && P->m * inter >= 8192)
-    for (int64_t t = 0; t < P->m; t++) gate(gu + t * 2 * inter, inter, L->bf16, P->part[ACT] + t * ip);
+    Gating G = {gu, P->part[ACT], inter, ip, L->bf16};
+    parallel_for(P->m, 1, P->m * inter >= 8192 ? P->threads : 1, gate_tokens, &G);
     product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
             P->part[BIAS]);
     int64_t i = 0, count = P->m * L->hidden;
@@ -578,6 +748,49 @@ static int same_shape(const Layer *a, const Layer *b) {
            a->inter == b->inter;
 }
 
+typedef struct {
+    const Layer *L;
+    Pass *P;
+    const void *h;
+    void *h_out;
+} LayerCall;
+
+static void layer_body(void *arg) {
+    LayerCall *C = arg;
+    layer_pass(C->L, C->P, C->h, C->h_out);
+}
+
+typedef struct {
+    const Layer *layers;
+    int64_t count;
+    Pass *P;
+    const void *h;
+    void *h_out, *spare, *keys, *values;
+    int64_t cache_stride;
+    size_t elem, bytes;
+    float *buf;
+    size_t floats;
+    void *const *features;
+} StackCall;
+
+static void stack_body(void *arg) {
+    StackCall *C = arg;
+    Pass *P = C->P;
+    int64_t sizes[PARTS];
+    const void *in = C->h;
+    for (int64_t i = 0; i < C->count; i++) {
+        void *out = (C->count - 1 - i) % 2 == 0 ? C->h_out : C->spare; /* the last layer writes h_out */
+        if (i > 0 && !same_shape(&C->layers[i], &C->layers[i - 1])) memset(C->buf, 0, C->floats * sizeof(float));
+        scratch_parts(&C->layers[i], P, sizes);
+        cut_scratch(P, C->buf, sizes);
+        P->keys = (char *)C->keys + i * C->cache_stride * C->elem;
+        P->values = (char *)C->values + i * C->cache_stride * C->elem;
+        layer_pass(&C->layers[i], P, in, out);
+        if (C->features[i]) memcpy(C->features[i], out, C->bytes);
+        in = out;
+    }
+}
+
 /* h_out = layer(h) for `rows` sequences of n new tokens each (h, h_out [rows, n, hidden]; cos, sin [rows, n,
  * head_dim]): row r's tokens sit at positions starts[r].., attend causally to their row's cache, and their keys and
  * values are written there (caches [rows, kv_heads, capacity, head_dim]). The arguments after `threads` are the
@@ -598,7 +811,8 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
     float *buf = calloc(scratch_parts(&L, &P, sizes), sizeof(float));
     if (!buf) return 1;
     cut_scratch(&P, buf, sizes);
-    layer_pass(&L, &P, h, h_out);
+    LayerCall C = {&L, &P, h, h_out};
+    with_workers(threads, layer_body, &C);
     free(buf);
     return 0;
 }
@@ -619,17 +833,8 @@ int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t 
     for (int64_t i = 0; i < count; i++) floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
     float *buf = calloc(floats, sizeof(float)); /* one scratch for all layers: fresh pages per layer cost page faults */
     if (!buf) return 1;
-    const void *in = h;
-    for (int64_t i = 0; i < count; i++) {
-        void *out = (count - 1 - i) % 2 == 0 ? h_out : spare; /* the last layer writes h_out */
-        if (i > 0 && !same_shape(&layers[i], &layers[i - 1])) memset(buf, 0, floats * sizeof(float));
-        scratch_parts(&layers[i], &P, sizes);
-        cut_scratch(&P, buf, sizes);
-        P.keys = (char *)keys + i * cache_stride * elem, P.values = (char *)values + i * cache_stride * elem;
-        layer_pass(&layers[i], &P, in, out);
-        if (features[i]) memcpy(features[i], out, bytes);
-        in = out;
-    }
+    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, features};
+    with_workers(threads, stack_body, &C);
     free(buf);
     return 0;
 }
