@@ -1,7 +1,9 @@
 """Held-out surrogate tau of a drafter checkpoint on a training run's held-out split (the split `dflash train` makes
 of DATA with its default --eval-fraction), e.g. to put a run's starting point on its learning curve.
 
-Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS]   (target: smollm2-135m, bf16)
+Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS] [DTYPE]
+(target: smollm2-135m in DTYPE, default bfloat16 under autocast as the shipped drafters trained; float32 runs
+without autocast. A DFlash drafter with a draft vocabulary is scored on it, as `dflash train` does.)
 """
 
 import sys
@@ -18,7 +20,8 @@ from dflash.methods import registry
 def main() -> None:
     method, checkpoint, data = sys.argv[1:4]
     anchors = int(sys.argv[4]) if len(sys.argv) > 4 else 512
-    target = load_target_cached("smollm2-135m", "bfloat16")
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "bfloat16"
+    target = load_target_cached("smollm2-135m", dtype)
     recipe = registry.get(method).training
     model = recipe.load_model(Path(checkpoint), target)
     config = trainer.TrainConfig(method=method, anchors_per_seq=anchors).replace(recipe.shape_of(model))
@@ -27,7 +30,7 @@ def main() -> None:
     _, heldout = trainer.split_heldout(usable, config.eval_fraction)
     rngs = [np.random.default_rng([config.seed, trainer.EVAL_STREAM, i]) for i in range(len(heldout))]
     objective.model.eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
         result = objective.evaluate(heldout, rngs)
     print(f"{method} {checkpoint}: {len(heldout)} held-out sequences, eval_tau {result['eval_tau']:.3f}, "
           f"eval_loss {result['eval_loss']:.3f}")
