@@ -65,4 +65,15 @@ DFLASH_ARGS=(--init-from runs/train/dflash-stage2/checkpoints/step-001600 --anch
 EAGLE3_ARGS=(--init-from runs/train/eagle3-stage2/checkpoints/step-005400 --epochs 3 --lr 3e-4 --max-steps 5400
              --eval-every 1200 --save-every 600)
 train_both "-stage3" runs/data/mix
-# what ships: runs/train/dflash-stage3/final and runs/train/eagle3-stage3/final (bf16), copied to src/dflash/drafters/
+# shipped until stage 4: runs/train/dflash-stage3/final and runs/train/eagle3-stage3/final (bf16), copied to src/dflash/drafters/
+
+# ---- stage 4 (DFlash only; fifth session of 2026-11-23): the broad regenerated corpus, float32 target -------------
+# corpus/smollm2-135m as committed in 49b4623 (4606 sequences: 48% chat, 27% code, 25% math; later commits hold
+# more), the loss over the draft vocabulary (--loss-vocab draft, the default since), 128 anchors per sequence, one
+# epoch's schedule cut to 1300 steps (2 threads, ~70 min; the run was paused at step 66 and resumed exactly).
+mkdir -p runs/data/corpus-49b4623
+git archive 49b4623 corpus/smollm2-135m | tar -x -C runs/data/corpus-49b4623
+$DF train --target smollm2-135m --threads 2 --init-from runs/train/dflash-stage3/final \
+  --data runs/data/corpus-49b4623/corpus/smollm2-135m --out runs/train/dflash-stage4 --anchors-per-seq 128 --lr 3e-4 \
+  --epochs 1 --schedule-steps 1300 --max-steps 1300 --eval-every 325 --save-every 100 --no-progress
+# what ships now: runs/train/dflash-stage4/final (DFlash) and runs/train/eagle3-stage3/final (EAGLE-3)
