@@ -11,7 +11,7 @@
  * accumulators), so it is read from memory once and a verify pass is bound by the FMAs. bfloat16 weights are
  * widened to float32 (a shift) and all sums are float32, like torch's own bfloat16 products; a bfloat16 result is
  * rounded once, to nearest even.
- * Threads split the output rows in chunks that each thread claims (our own small pool, below).
+ * Threads split the output rows in chunks that each thread claims (one OpenMP region per call, below).
  * Built and loaded by native.py; every caller falls back to torch's kernels where this cannot be built.
  *
  * The second half runs a whole Llama/Qwen decoder layer over a few new tokens of a few sequences (dflash_layer).
@@ -33,8 +33,8 @@
  * So a call opens ONE region (with_workers): its first thread runs the call and publishes each parallel loop as a
  * job; every thread, the first included, claims chunks of it, and the first waits only for chunks another thread
  * has actually started. A thread that gets no core does no work, and the call waits for it once, at its end.
- * Measured on 2 AMD EPYC cores, float32 (scripts/bench_threads.py): a step beside one busy
- * process took 84 ms instead of 1.6 s, and as long as before on a quiet machine. The region runs on torch's own
+ * Measured on 2 AMD EPYC cores, float32 (scripts/bench_threads.py --beside): a step beside a running `dflash data`
+ * job took 88 ms instead of 0.8-1.7 s, and as long as before on a quiet machine. The region runs on torch's own
  * OpenMP threads: a pool of our own threads, with no barrier at all, did better beside a busy process (49 ms), but
  * its 16-token passes were 10-30% slower on a quiet machine.
  * Which thread computes an item never changes its result (every output is computed whole by one thread), so
