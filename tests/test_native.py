@@ -1,5 +1,5 @@
-"""Our AVX2 kernel (models/native.py, native.c): the same products as F.linear for every shape the tiling
-pads (rows not a multiple of 4, columns not a multiple of 8), 1-16 input rows (the one-row and three-row paths),
+"""Our AVX2 kernel (models/native.py, native.c): the same products as F.linear for every shape the panels
+pad (rows not a multiple of 24, columns not a multiple of 8), 1-16 input rows (every 1-4 row kernel),
 float32 and bfloat16, with and without bias; a layout that follows in-place writes; plans that pick it when it is
 faster; greedy output unchanged through it; and the fallback where it cannot be built."""
 
@@ -18,8 +18,8 @@ def reference(x, weight, bias):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])
-@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (7, 13), (64, 40), (96, 576)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (7, 13), (25, 17), (64, 40), (96, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_product_matches_f_linear(m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
@@ -93,12 +93,13 @@ def test_layout_follows_in_place_writes():
 
 
 @needs_native
-def test_tiles_are_four_row_blocks_of_eight_column_tiles():
-    weight = torch.arange(5 * 9, dtype=torch.float32).view(5, 9)
+def test_tiles_are_panels_of_24_rows_stored_column_by_column():
+    weight = torch.arange(30 * 9, dtype=torch.float32).view(30, 9)
     tiles = native.tiles(weight)
-    assert tiles.shape == (2, 2, 4, 8)  # 5 -> 8 rows (2 blocks), 9 -> 16 columns (2 tiles)
-    assert tiles[0, 1, 2].tolist() == [weight[2, 8].item()] + [0.0] * 7  # block 0, tile 1, row 2: column 8, padding
-    assert tiles[1, 0, 1].tolist() == [0.0] * 8  # row 5 does not exist: zeros
+    assert tiles.shape == (2, 16, 24)  # 30 -> 48 rows (2 panels), 9 -> 16 columns
+    assert tiles[0, 3].tolist() == weight[:24, 3].tolist()  # panel 0, input 3: the 24 rows' weights side by side
+    assert tiles[1, 8].tolist() == weight[24:, 8].tolist() + [0.0] * 18  # rows 30-47 do not exist: zeros
+    assert tiles[:, 9:].abs().sum() == 0  # columns 9-15: padding
 
 
 @needs_native

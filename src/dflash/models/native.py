@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native.c")
+PANEL = 24  # output rows per panel of the layout (native.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -106,11 +107,12 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 def tiles(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of `weight` [n, k] (see native.c): zero-padded to 4-row, 8-column multiples, then
-    each 4-row block as consecutive 4 x 8 tiles, so that a block is one sequential stream."""
+    """The kernel's layout of `weight` [n, k] (see native.c): zero-padded to 24-row, 8-column multiples, then cut
+    into panels of 24 rows, each stored column by column ([panels, k8, 24]), so that a panel is one sequential
+    stream and each of its inputs meets 24 weights side by side."""
     n, k = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % 4))
-    return padded.view(padded.shape[0] // 4, 4, padded.shape[1] // 8, 8).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % PANEL))
+    return padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1]).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -119,7 +121,7 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     lib = _library
     k = x.shape[-1]
     if (lib is None or x.dtype != weight_tiles.dtype or (bias is not None and not bias.is_contiguous())
-            or -(-k // 8) != weight_tiles.shape[1]):  # a wrong width: torch's kernel says so, we would read past
+            or -(-k // 8) * 8 != weight_tiles.shape[1]):  # a wrong width: torch's kernel says so, we would read past
         return None
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
