@@ -1,11 +1,13 @@
 import pytest
 import torch
 
+from dflash import threads
 from dflash.methods.base import Draft, Proposer
 
 # Tiny models gain nothing from a second thread, and on a busy CPU threads that wait for each other make every
 # small op many times slower. The real-model tests raise this for themselves.
 torch.set_num_threads(1)
+threads.pin()  # and the engine keeps them: tests/test_threads.py tests the chooser itself
 ARCHS = ("llama", "qwen3", "gemma3")
 
 

@@ -19,6 +19,7 @@ import os
 import sys
 from dataclasses import replace
 
+from . import threads
 from .errors import UserError
 
 SUBCOMMANDS = {
@@ -48,7 +49,7 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                        help="the target's dtype (default: float32, the exact one)")
     group.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
     group.add_argument("--threads", type=int, default=None,
-                       help="torch CPU threads (default: torch's choice, one per core)")
+                       help="torch CPU threads, fixed (default: one per core, or one fewer while that measures faster, e.g. beside another busy process)")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
                             "did not beat the packed eager kernels, see docs/RESULTS.md)")
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
+            threads.pin()  # without --threads the engine times its passes on n and n - 1 threads (threads.py)
         return args.handler(args) or 0
     except UserError as exc:
         print(f"dflash: error: {exc}", file=sys.stderr)

@@ -119,6 +119,10 @@ class CostModel:
             return 0.0
         return self.level * self._relative(width)
 
+    def relative_cost(self, width: int) -> float:
+        """A pass of `width` tokens in units of a 1-token pass (1.0 before anything is known)."""
+        return self._relative(width) if self.relative else 1.0
+
     def _relative(self, width: int) -> float:
         """Never below a narrower pass's: a wider pass reads the same weights and does more work, so a reading
         that says otherwise is noise, and believing it would make extra drafts look free."""

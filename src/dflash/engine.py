@@ -27,6 +27,7 @@ from .control import Calibration, CostModel, DraftController
 from .errors import UserError
 from .methods.base import Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
+from .threads import chooser_for
 
 # A drafting pass that reads more committed context than this (a new sequence's prompt, or the backlog of many
 # skipped rounds) does not time a steady round's drafting; the cost model ignores it.
@@ -156,6 +157,7 @@ class Engine:
         self.running: list[Sequence] = []  # row i of the cache holds running[i]
         self.cache = None
         self.batched = max_batch > 1 or target.backend != "transformers"
+        self.threads = chooser_for(target.device)  # None: torch's thread count stays as it is (threads.py)
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], config: GenerationConfig | None = None,
@@ -208,12 +210,18 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Admit waiting sequences into free rows, then run one round for every running one. Returns the sequences
         that finished during this step (their `.result` is set)."""
-        while self.waiting and len(self.running) < self.max_batch:
-            self._prefill(self.waiting.popleft())
-        finished = self._retire()  # done at their first token, or cancelled
-        if self.running:
-            self._round()
-        return finished + self._retire()
+        if self.threads:  # this engine's thread count for the step; torch's own is restored after it
+            self.threads.set_threads(self.threads.current)
+        try:
+            while self.waiting and len(self.running) < self.max_batch:
+                self._prefill(self.waiting.popleft())
+            finished = self._retire()  # done at their first token, or cancelled
+            if self.running:
+                self._round()
+            return finished + self._retire()
+        finally:
+            if self.threads:
+                self.threads.set_threads(self.threads.counts[0])
 
     def _retire(self) -> list[Sequence]:
         done = [seq for seq in self.running if seq.finish is not None]
@@ -297,10 +305,14 @@ class Engine:
         if self.batched:
             self.cache.reserve(max(starts) + width)
             cache = self.cache.view(0, len(rows))
+        if self.threads:
+            self.threads.before_pass()
         started = self.timer()
         out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers)
         chosen = self._choose(out.logits, rows, [len(b) for b in blocks])  # the host sync: the pass has run
         verify_seconds = self.timer() - started
+        if self.threads:
+            verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
         lengths = []
         for i, seq in enumerate(rows):
             accepted = accept_length(drafts[i], chosen[i])
@@ -318,6 +330,14 @@ class Engine:
         cache.set_lengths(lengths)
         if self.batched:
             self.cache.take_lengths(cache, 0)
+
+    def _timed_threads(self, seconds: float, tokens: int) -> float:
+        """Tell the thread chooser what the pass cost; returns the seconds the cost model should learn: a probe's
+        pass ran on another thread count, so the model learns the current count's expected time instead."""
+        relative = self.costs.relative_cost(tokens)
+        probe = self.threads.probing is not None
+        self.threads.after_pass(seconds / relative)
+        return self.threads.average[self.threads.current] * relative if probe else seconds
 
     @staticmethod
     def _choose(logits: torch.Tensor, rows: list[Sequence], widths: list[int]) -> list[list[int]]:
