@@ -107,3 +107,30 @@ def test_in_the_engine_a_cheaper_count_is_taken_and_tokens_do_not_change(tiny_ta
     finally:
         threads.pin()
         torch.set_num_threads(before)
+
+
+def test_bench_reports_each_method_s_chooser_and_none_when_pinned(tmp_path):
+    import json
+
+    from dflash.cli import main
+
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "w3 w9"}\n{"prompt": "w27 w4 w1"}\n')
+    before = torch.get_num_threads()
+    try:
+        for pin, name in ((False, "auto"), (True, "pinned")):
+            threads.unpin()
+            torch.set_num_threads(2)
+            extra = ["--threads", "2"] if pin else []
+            assert main(["bench", "--target", "tiny-llama", "--device", "cpu", "--dataset", str(dataset), "--methods",
+                         "ar,ngram", "--max-new-tokens", "8", "--out", str(tmp_path / name), "--no-progress",
+                         *extra]) == 0
+            reported = json.loads((tmp_path / name / "results.json").read_text())["threads"]
+            if pin:
+                assert reported == {}
+            else:
+                assert set(reported) == {"ar", "ngram"} and all(r["counts"] == [2, 1] for r in reported.values())
+                assert torch.get_num_threads() == 2
+    finally:
+        threads.pin()
+        torch.set_num_threads(before)

@@ -181,6 +181,15 @@ class EngineRunner:
         self.block_size = proposer.max_draft + 1
         self.report = proposer.report
 
+    @property
+    def threads(self) -> dict | None:
+        """Where this method's thread chooser ended up (threads.py); None when the count was fixed."""
+        chooser = self.decoder.engine.threads
+        if chooser is None:
+            return None
+        return {"counts": list(chooser.counts), "final": chooser.current, "probes": chooser.probes,
+                "switches": chooser.switches}
+
     def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
         from .engine import GenerationConfig
 
@@ -527,6 +536,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "dtype": str(target.dtype).removeprefix("torch."),
         "draft_dtype": args.draft_dtype,
         "drafters": {m: r.report for m, r in runners.items() if getattr(r, "report", None)},
+        "threads": {m: r.threads for m, r in runners.items() if getattr(r, "threads", None)},
         "llamacpp": {m: {"gguf": str(r.path), "quantization": r.quantization} for m, r in runners.items()
                      if isinstance(r, LlamaCppRunner)},
         "dataset": args.dataset,
