@@ -18,8 +18,8 @@ def reference(x, weight, bias):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
-@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (7, 13), (25, 17), (64, 40), (96, 576)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 37])
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (7, 13), (25, 17), (64, 40), (96, 576), (50, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_product_matches_f_linear(m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
@@ -55,11 +55,11 @@ def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("m", [1, 3, 5, 16, 18])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):
     g = torch.Generator().manual_seed(m)
-    weight, x = torch.randn(37, 70, generator=g).bfloat16(), torch.randn(2, m, 70, generator=g).bfloat16()
+    weight, x = torch.randn(37, 150, generator=g).bfloat16(), torch.randn(2, m, 150, generator=g).bfloat16()
     bias = torch.randn(37, generator=g).bfloat16() if with_bias else None
     got = FrozenLinear(weight, bias, NATIVE)(x)
     assert got.shape == (2, m, 37) and got.dtype == torch.bfloat16

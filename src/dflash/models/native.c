@@ -186,6 +186,11 @@ static inline __m256 load_w(const void *w, int64_t at, int bf16) {
 /* out[r * PANEL + c] = sum_i x[r * ldx + i] * w[i * PANEL + c], R and bf16 constants once inlined. The twelve
  * accumulators are named variables: gcc kept an array of them on the stack, storing all twelve every input. */
 #define ACC_ZERO(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0;
+#define ACC_LOAD(r)                                                                                                   \
+    if (R > r && resume) {                                                                                            \
+        a##r##0 = _mm256_loadu_ps(out + r * PANEL), a##r##1 = _mm256_loadu_ps(out + r * PANEL + 8);                   \
+        a##r##2 = _mm256_loadu_ps(out + r * PANEL + 16);                                                              \
+    }
 #define ACC_FMA(r)                                                                                                    \
     if (R > r) {                                                                                                      \
         __m256 b = _mm256_broadcast_ss(x + r * ldx + i);                                                              \
@@ -199,8 +204,9 @@ static inline __m256 load_w(const void *w, int64_t at, int bf16) {
     }
 static inline __attribute__((always_inline)) void panel_rows(const void *w, int bf16, const float *x, int64_t ldx,
                                                              int64_t k8, const int R, float *out, const char *pf,
-                                                             int64_t pf_step) {
+                                                             int64_t pf_step, int resume) {
     ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
+    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
     for (int64_t i = 0; i < k8; i++) {
         if (pf) {
             _mm_prefetch(pf + i * pf_step, _MM_HINT_T0);
@@ -238,8 +244,8 @@ static void two_panels_bf16(const void *w, int64_t size, const float *x, int64_t
 
 #define PANEL_ROWS(NAME, BF16, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
-                     int64_t pf_step) {                                                                               \
-        panel_rows(w, BF16, x, ldx, k8, R, out, pf, pf_step);                                                         \
+                     int64_t pf_step, int resume) {                                                                   \
+        panel_rows(w, BF16, x, ldx, k8, R, out, pf, pf_step, resume);                                                 \
     }
 PANEL_ROWS(panel_f32_1, 0, 1)
 PANEL_ROWS(panel_f32_2, 0, 2)
@@ -250,12 +256,12 @@ PANEL_ROWS(panel_bf16_2, 1, 2)
 PANEL_ROWS(panel_bf16_3, 1, 3)
 PANEL_ROWS(panel_bf16_4, 1, 4)
 typedef void (*PanelRows)(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,
-                          int64_t pf_step);
+                          int64_t pf_step, int resume);
 static const PanelRows panel_kernels[2][4] = {{panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
                                               {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4}};
 
-/* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 panel is
- * widened to float32 once, rather than once per four rows. */
+/* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 chunk is
+ * widened to float32 once (into L1), rather than once per four rows. */
 typedef struct {
     const void *panels;
     int bf16;
@@ -282,52 +288,56 @@ static void widen_panel(const uint16_t *p, int64_t count, float *out) {
     }
 }
 
-/* What a pass over a panel prefetches (NULL: nothing), one step a weight input. With one group of input rows (up to
- * four), nothing: the hardware prefetcher follows the stream, and explicit requests made float32 steps ~10% slower.
- * With more, the first group reads PREFETCH inputs ahead in its own panel (`in` elements each) and each later group
- * requests its share of the next panel (`next`, `size` bytes), so that the memory keeps streaming while the FMAs run
- * over a panel already in cache: 16-token float32 passes ran ~25% faster. */
-static void prefetch_plan(const char *in, int64_t in_step, const char *next, int64_t size, int64_t group,
-                          int64_t groups, int64_t k8, const char **pf, int64_t *pf_step) {
-    if (group == 0) {
-        *pf = groups == 1 ? NULL : in + PREFETCH * in_step, *pf_step = in_step;
-    } else {
-        int64_t share = (size + groups - 2) / (groups - 1);
-        *pf = next + (group - 1) * share, *pf_step = (share + k8 - 1) / k8;
+/* Inputs per chunk of a panel when several groups of four input rows run over it: a chunk (6 KB in float32) and
+ * its inputs of 16 rows (4 KB) stay in L1 while every group runs over it, the sums carried from chunk to chunk in
+ * `sums` (a float32 stored and reloaded is exact, so each output is still its one chain). */
+#ifndef CHUNK
+#define CHUNK 64
+#endif
+
+/* Rows x[0:rows] (at most SLICE) against one panel, over all inputs in chunks; sums[r * PANEL + c] on return. */
+#define SLICE 16
+static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
+                        float *sums) {
+    int64_t k8 = W->k8, elem = W->bf16 ? 2 : 4, groups = (rows + 3) / 4, chunk = groups > 1 ? CHUNK : k8;
+    for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
+        int64_t count = MIN(chunk, k8 - c0);
+        const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
+        const void *w = at;
+        int in_bf16 = W->bf16;
+        if (wide && groups > 1) widen_panel(w, count * PANEL, wide), w = wide, in_bf16 = 0;
+        /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
+         * panels lie back to back), so the memory streams while the FMAs run over this one; one group leaves it
+         * to the hardware prefetcher (explicit requests made float32 steps ~10% slower) */
+        int64_t share = (count * PANEL * elem + groups - 1) / groups;
+        for (int64_t j = 0, g = 0; j < rows; j += 4, g++)
+            panel_kernels[in_bf16][MIN(4, rows - j) - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
+                                                         groups > 1 ? ahead + g * share : NULL,
+                                                         (share + count - 1) / count, c0 > 0);
     }
 }
 
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
     int64_t m = W->m, n = W->n, k8 = W->k8, size = PANEL * k8, elem = W->bf16 ? 2 : 4;
-    int64_t groups = (m + 3) / 4;
-    float *wide = W->bf16 && m > 4 ? widening_buffer(size) : NULL; /* NULL: widen in the kernel */
-    float out[4 * PANEL];
+    float *wide = W->bf16 && m > 4 ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL; /* NULL: widen in the kernel */
+    float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
+        const char *stored = (const char *)W->panels + p * size * elem;
         if (m == 1 && p + 1 < last) { /* a step: two panels at a time */
-            const char *at = (const char *)W->panels + p * size * elem;
-            (W->bf16 ? two_panels_bf16 : two_panels_f32)(at, size, W->xf, k8, out);
+            (W->bf16 ? two_panels_bf16 : two_panels_f32)(stored, size, W->xf, k8, sums);
             for (int64_t c = 0; c < 2 * PANEL && PANEL * p + c < n; c++)
-                W->yf[PANEL * p + c] = out[c] + (W->bias ? W->bias[PANEL * p + c] : 0.0f);
+                W->yf[PANEL * p + c] = sums[c] + (W->bias ? W->bias[PANEL * p + c] : 0.0f);
             p++;
             continue;
         }
         int64_t cols = MIN(PANEL, n - PANEL * p);
-        const char *stored = (const char *)W->panels + p * size * elem, *next = stored + size * elem;
-        const void *w = stored;
-        int in_bf16 = W->bf16;
-        if (wide) widen_panel(w, size, wide), w = wide, in_bf16 = 0;
-        for (int64_t j = 0, g = 0; j < m; j += 4, g++) {
-            int64_t rows = MIN(4, m - j), pf_step;
-            const char *pf;
-            if (wide) /* the stored panel is read; its next one is the one to request */
-                prefetch_plan(next, 0, next, size * elem, g + 1, groups + 1, k8, &pf, &pf_step);
-            else
-                prefetch_plan(stored, PANEL * elem, next, size * elem, g, groups, k8, &pf, &pf_step);
-            panel_kernels[in_bf16][rows - 1](w, W->xf + j * k8, k8, k8, out, pf, pf_step);
+        for (int64_t j0 = 0; j0 < m; j0 += SLICE) {
+            int64_t rows = MIN(SLICE, m - j0);
+            panel_slice(W, stored, W->xf + j0 * k8, rows, wide, sums);
             for (int64_t r = 0; r < rows; r++) {
-                float *y = W->yf + (j + r) * n + PANEL * p;
-                for (int64_t c = 0; c < cols; c++) y[c] = out[r * PANEL + c] + (W->bias ? W->bias[PANEL * p + c] : 0.0f);
+                float *y = W->yf + (j0 + r) * n + PANEL * p;
+                for (int64_t c = 0; c < cols; c++) y[c] = sums[r * PANEL + c] + (W->bias ? W->bias[PANEL * p + c] : 0.0f);
             }
         }
     }
