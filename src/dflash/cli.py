@@ -49,7 +49,8 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                        help="the target's dtype (default: float32, the exact one)")
     group.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
     group.add_argument("--threads", type=int, default=None,
-                       help="torch CPU threads, fixed (default: one per core, or one fewer while that measures faster, e.g. beside another busy process)")
+                       help="torch CPU threads, fixed (default: one per core, or one fewer while that measures "
+                            "faster, e.g. beside another busy process)")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
                             "did not beat the packed eager kernels, see docs/RESULTS.md)")

@@ -166,9 +166,10 @@ static inline __m256 widen_bf16(const uint16_t *p) {
  * A panel is PANEL = 24 output columns (three AVX2 vectors) over all k8 inputs: for input i, the 24 weights w[c, i]
  * of its columns side by side. R input rows (1-4) run against a panel together: for each i, x[r, i] is broadcast
  * and multiplied into the panel's three vectors, twelve accumulators at R = 4. No horizontal sums, and per 12 FMAs
- * only 3 weight loads and 4 broadcasts: on 2 AMD EPYC cores a 16-row float32 pass of SmolLM2's MLP ran at 118 GFLOP/s
- * against 90 for the earlier 4-row blocks dotted with three input rows (which summed 12 vectors horizontally per
- * block and re-read the inputs for every block).
+ * only 3 weight loads and 4 broadcasts. In a standalone harness on 2 AMD EPYC cores (16 rows, float32) SmolLM2's
+ * down projection ran at 116-120 GFLOP/s against 90-91 for the earlier 4-row blocks dotted with three input rows
+ * (which summed 12 vectors horizontally per block and re-read the inputs for every block), its gate/up at 117-137
+ * against 109-129; a pure FMA loop reached 255.
  * Each output is ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in exactly the
  * order a one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
 #define PANEL 24
@@ -177,8 +178,7 @@ static inline __m256 load_w(const void *w, int64_t at, int bf16) {
     return bf16 ? widen_bf16((const uint16_t *)w + at) : _mm256_loadu_ps((const float *)w + at);
 }
 
-/* Prefetch distance, in inputs: the panel's next lines while the FMAs are busy (bf16 16-row passes ran ~20% faster
- * with explicit prefetches than with the hardware prefetcher alone). */
+/* How far ahead, in inputs, widening a bfloat16 chunk requests the lines it will read next. */
 #ifndef PREFETCH
 #define PREFETCH 16
 #endif
@@ -270,7 +270,7 @@ typedef struct {
     int64_t m, n, k8;
 } Product;
 
-static float *widening_buffer(int64_t floats) { /* one per thread, kept: panels of the largest k seen */
+static float *widening_buffer(int64_t floats) { /* one per thread, kept: the largest chunk seen */
     static _Thread_local float *buffer;
     static _Thread_local int64_t size;
     if (floats > size) {
@@ -307,8 +307,9 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
         int in_bf16 = W->bf16;
         if (wide && groups > 1) widen_panel(w, count * PANEL, wide), w = wide, in_bf16 = 0;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
-         * panels lie back to back), so the memory streams while the FMAs run over this one; one group leaves it
-         * to the hardware prefetcher (explicit requests made float32 steps ~10% slower) */
+         * panels lie back to back; past the last panel a request is harmless, prefetches never fault), so the
+         * memory streams while the FMAs run over this one; one group leaves it to the hardware prefetcher
+         * (explicit requests made float32 steps ~10% slower) */
         int64_t share = (count * PANEL * elem + groups - 1) / groups;
         for (int64_t j = 0, g = 0; j < rows; j += 4, g++)
             panel_kernels[in_bf16][MIN(4, rows - j) - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
