@@ -329,17 +329,20 @@ def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
 
 
 @needs_native
+@pytest.mark.parametrize("context", [18, 29, 61], ids=lambda n: f"context{n}")
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, head_dim, monkeypatch):
+def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, head_dim, context, monkeypatch):
     """Why speculation through the C layers stays lossless even in bf16, where near-ties are common: every product
     sums each row in the same order whatever the number of rows, and each token's attention reads the same cache,
-    so verifying k tokens at once gives exactly the logits of stepping them one by one."""
+    so verifying k tokens at once gives exactly the logits of stepping them one by one. Contexts put the verified
+    tokens inside the attention's first block of 32 cache positions, across its end (29..35) and in the second."""
     target = tiny_target("qwen3", logit_scale=4.0, hidden_size=4 * head_dim)
     target.model.to(dtype)
     choose_kernels(target, "native")
     calls = count_layer_calls(monkeypatch)
-    ids = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21 w22 w23")  # > 16 tokens: torch prefill
+    words = "w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21 w22 w23 w1 w2 w3".split()
+    ids = (target.encode_prompt(" ".join(words)) * 4)[:context]  # > 16 tokens: torch prefill
     block = [9, 33, 2, 17, 40, 8, 11]
     together, alone = target.new_cache(), target.new_cache()
     target.forward(torch.tensor([ids]), together)

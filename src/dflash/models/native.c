@@ -162,6 +162,26 @@ static inline __m256 widen_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+/* The same eight at a time: f32_to_bf16's rounding (to nearest even, NaN kept quiet) on each lane, so a value
+ * rounds alike whichever of the two loops reaches it. */
+static inline __m256i bf16_bits8(__m256 v) { /* the rounded value's bits, low half zero */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+}
+static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m256i bits = _mm256_srli_epi32(bf16_bits8(v), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
+}
+
 /* ---- the product over panels ------------------------------------------------------------------------------
  * A panel is PANEL = 24 output columns (three AVX2 vectors) over all k8 inputs: for input i, the 24 weights w[c, i]
  * of its columns side by side. R input rows (1-4) run against a panel together: for each i, x[r, i] is broadcast
@@ -169,7 +189,9 @@ static inline __m256 widen_bf16(const uint16_t *p) {
  * only 3 weight loads and 4 broadcasts. In a standalone harness on 2 AMD EPYC cores (16 rows, float32) SmolLM2's
  * down projection ran at 116-120 GFLOP/s against 90-91 for the earlier 4-row blocks dotted with three input rows
  * (which summed 12 vectors horizontally per block and re-read the inputs for every block), its gate/up at 117-137
- * against 109-129; a pure FMA loop reached 255.
+ * against 109-129. The ceiling: a loop of twelve independent FMA chains runs 94.5 GFLOP/s on one core (two FMAs a
+ * cycle at ~2.95 GHz) and 170 on two (an earlier "255" came from a loop whose identical chains gcc had merged). This
+ * kernel runs a chunk already in L1 at ~92 a core; what is missing in a whole product is the memory.
  * Each output is ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in exactly the
  * order a one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
 #define PANEL 24
@@ -398,7 +420,9 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
     float *bf = bias ? yf + m * n : NULL;
     for (int64_t i = 0; bias && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
     run(tiles, 1, xf, bf, yf, m, n, k8, threads);
-    for (int64_t i = 0; i < m * n; i++) y[i] = f32_to_bf16(yf[i]);
+    int64_t i = 0;
+    for (; i + 8 <= m * n; i += 8) store8(y, i, _mm256_loadu_ps(yf + i), 1); /* a 16-row LM head: 786k values */
+    for (; i < m * n; i++) y[i] = f32_to_bf16(yf[i]);
     free(xf), free(yf);
     return 0;
 }
@@ -418,29 +442,9 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
     if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
     else ((float *)p)[i] = v;
 }
-
-/* The same eight at a time: f32_to_bf16's rounding (to nearest even, NaN kept quiet) on each lane, so a value
- * rounds alike whichever of the two loops reaches it. */
-static inline __m256i bf16_bits8(__m256 v) { /* the rounded value's bits, low half zero */
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-    return _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
-}
 static inline __m256 rnd8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
 static inline __m256 load8(const void *p, int64_t i, int bf16) {
     return bf16 ? widen_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
-}
-static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
-    if (!bf16) {
-        _mm256_storeu_ps((float *)p + i, v);
-        return;
-    }
-    __m256i bits = _mm256_srli_epi32(bf16_bits8(v), 16);
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
 }
 
 /* y[i] = round(a[i] + b[i]) for n floats (the residual adds) */
@@ -527,14 +531,16 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
-/* A cache row of d values as float32: the row itself, or (bf16) widened into `row` */
-static inline const float *cache_row(const void *cache, int64_t offset, int64_t d, int bf16, float *row) {
-    if (!bf16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(row + i, widen_bf16(src + i));
-    for (; i < d; i++) row[i] = bf16_to_f32(src[i]);
-    return row;
+/* Cache rows j0..j1-1 (d values each, row 0 at element `at`) as float32: the rows themselves, or (bf16) widened
+ * into `block` (widening is exact, so the sums below do not depend on which) */
+static inline const float *cache_rows(const void *cache, int64_t at, int64_t j0, int64_t j1, int64_t d, int bf16,
+                                      float *block) {
+    if (!bf16) return (const float *)cache + at + j0 * d;
+    const uint16_t *src = (const uint16_t *)cache + at + j0 * d;
+    int64_t count = (j1 - j0) * d, i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(block + i, widen_bf16(src + i));
+    for (; i < count; i++) block[i] = bf16_to_f32(src[i]);
+    return block;
 }
 
 /* x[j] = e^(x[j] - shift) for j < n; returns their sum (the same lanes and order for a given n, so a token's
@@ -571,69 +577,90 @@ typedef struct {
     int64_t q_token, score_token, score_head, out_token; /* strides in floats */
 } Rows;
 
-/* q . k_j for the eight cached keys j0..j0+7 (rows of d floats, d % 8 == 0, the first at element `at`): eight
- * accumulators, then one horizontal reduction for all eight (a dot product at a time was bound by its FMA latency
- * and its own reduction) */
-static inline __m256 dot8(const float *q, const void *keys, int64_t at, int64_t d, int bf16) {
+/* q . k_r for the eight keys r = 0..7 at k (rows of d floats, d % 8 == 0): eight accumulators, then one horizontal
+ * reduction for all eight (a dot product at a time was bound by its FMA latency and its own reduction) */
+static inline __m256 dot8(const float *q, const float *k, int64_t d) {
     __m256 a[8];
     for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
         __m256 qv = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(load8(keys, at + r * d + i, bf16), qv, a[r]);
+        for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(k + r * d + i), qv, a[r]);
     }
     __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* s[j] = q . k_j * scale for cached keys 0..n-1 (row 0 at element `at`): eight at a time, the rest one by one. Which
- * way a key goes depends only on n, so a token's scores are the same in any pass. */
-static void scores_of(const float *q, const void *keys, int64_t at, int64_t d, int64_t n, float scale, int bf16,
-                      float *s, float *row) {
-    int64_t j = 0;
+/* s[j] = q . k_j * scale for the keys j0..MIN(j1, n)-1 of a block (`k`: key j0's row): eight at a time where a
+ * whole eight lies below n, the rest one by one. j0 is a multiple of eight and which way a key goes depends only
+ * on j and n, so a token's scores are the same in any pass and for any block size. */
+static void block_scores(const float *q, const float *k, int64_t j0, int64_t j1, int64_t n, int64_t d, float scale,
+                         float *s) {
+    int64_t j = j0, stop = MIN(j1, n);
     if (d % 8 == 0)
-        for (; j + 8 <= n; j += 8)
-            _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8(q, keys, at + j * d, d, bf16), _mm256_set1_ps(scale)));
-    for (; j < n; j++) s[j] = dot(q, cache_row(keys, at + j * d, d, bf16, row), d) * scale;
+        for (; j + 8 <= stop; j += 8)
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8(q, k + (j - j0) * d, d), _mm256_set1_ps(scale)));
+    for (; j < stop; j++) s[j] = dot(q, k + (j - j0) * d, d) * scale;
 }
 
-/* out = sum_j p[j] v_j over cached values 0..n-1 (row 0 at element `at`). Heads of 64 floats (or multiples) keep
- * their sums in eight registers; others add into `out` row by row. */
-static void weighted_values(const float *p, const void *values, int64_t at, int64_t d, int64_t n, int bf16,
-                            float *out, float *row) {
+/* out += sum_j p[j] v_j over the values j0..MIN(j1, n)-1 of a block (`v`: value j0's row), in order of j. Heads
+ * of 64 floats (or multiples) keep their sums in eight registers over the block; others add row by row. Each output
+ * is one chain of FMAs over j, stored and reloaded between blocks (exact), so blocks do not change it. */
+static void block_values(const float *p, const float *v, int64_t j0, int64_t j1, int64_t n, int64_t d, float *out) {
+    int64_t stop = MIN(j1, n);
     if (d % 64 == 0) {
         for (int64_t c = 0; c < d; c += 64) {
             __m256 a[8];
-            for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
+            for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(out + c + 8 * i);
+            for (int64_t j = j0; j < stop; j++) {
                 __m256 pj = _mm256_set1_ps(p[j]);
-                for (int v = 0; v < 8; v++) a[v] = _mm256_fmadd_ps(load8(values, at + j * d + c + 8 * v, bf16), pj, a[v]);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(v + (j - j0) * d + c + 8 * i), pj, a[i]);
             }
-            for (int v = 0; v < 8; v++) _mm256_storeu_ps(out + c + 8 * v, a[v]);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, a[i]);
         }
         return;
     }
-    memset(out, 0, sizeof(float) * (size_t)d);
-    for (int64_t j = 0; j < n; j++) add_scaled(out, p[j], cache_row(values, at + j * d, d, bf16, row), d);
+    for (int64_t j = j0; j < stop; j++) add_scaled(out, p[j], v + (j - j0) * d, d);
 }
 
 /* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
- * cache positions 0..last, each next one to one more): out = softmax(q k^T * scale) v. Every (token, head) is
- * computed by the same operations in the same order whatever the chunk, so a verify pass gives bitwise the
- * attention of single steps. */
+ * cache positions 0..last, each next one to one more): out = softmax(q k^T * scale) v. The cache is read in blocks
+ * of KEY_BLOCK keys (then values), each block once for all of the chunk's queries: query by query, every query
+ * streamed the row's whole cache from L2 (~1.5 us per query at 200 positions, SmolLM2, 2 AMD EPYC cores). Every
+ * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
+ * gives bitwise the attention of single steps. `block`: KEY_BLOCK * d floats of scratch (bf16 widening). */
+#define KEY_BLOCK 32
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
-                   int64_t capacity, int64_t d, int64_t last, float scale, int bf16, float *row) {
-    int64_t at = g * capacity * d;
+                   int64_t capacity, int64_t d, int64_t last, float scale, int bf16, float *block) {
+    int64_t at = g * capacity * d, longest = last + tokens;
+    for (int64_t j0 = 0; j0 < longest; j0 += KEY_BLOCK) {
+        int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
+        const float *k = cache_rows(keys, at, j0, j1, d, bf16, block);
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < group; h++)
+                block_scores(R.q + t * R.q_token + h * d, k, j0, j1, last + t + 1, d, scale,
+                             R.scores + t * R.score_token + h * R.score_head);
+    }
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             int64_t n = last + t + 1;
-            float *s = R.scores + t * R.score_token + h * R.score_head, *out = R.out + t * R.out_token + h * d;
-            scores_of(R.q + t * R.q_token + h * d, keys, at, d, n, scale, bf16, s, row);
-            float top = -INFINITY;
+            float *s = R.scores + t * R.score_token + h * R.score_head, top = -INFINITY;
             for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
             float inverse = 1.0f / exp_shifted(s, n, top);
             for (int64_t j = 0; j < n; j++) s[j] *= inverse;
-            weighted_values(s, values, at, d, n, bf16, out, row);
+            memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
+        }
+    for (int64_t j0 = 0; j0 < longest; j0 += KEY_BLOCK) {
+        int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
+        const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < group; h++)
+                block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, last + t + 1, d,
+                             R.out + t * R.out_token + h * d);
+    }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < group; h++) {
+            float *out = R.out + t * R.out_token + h * d;
             for (int64_t i = 0; i < d; i++) out[i] = rnd(out[i], bf16);
         }
 }
@@ -680,7 +707,7 @@ static size_t scratch_parts(const Layer *L, const Pass *P, int64_t sizes[PARTS])
         [ACT] = m * PAD8(L->inter),              /* the gated activation, input of down */
         [DOWN_OUT] = m * L->hidden,
         [SCORES] = m * L->heads * P->longest,    /* one row per (token, head) */
-        [ROW] = m * L->kv_heads * L->d,          /* a widened bf16 cache row per (token, kv head) */
+        [ROW] = m * L->kv_heads * KEY_BLOCK * L->d, /* a widened bf16 block of the cache per work item */
         [TMP] = MAX(L->d, L->hidden),            /* one head's rotation or norm */
         [BIAS] = MAX(width, L->hidden),          /* a bias in float32 */
     };
@@ -750,7 +777,7 @@ static void attention_items(void *ctx, int64_t first, int64_t last) {
                   .scores = P->part[SCORES] + (t * L->heads + head) * P->longest, .score_token = L->heads * P->longest,
                   .score_head = P->longest, .out = P->part[ATT] + t * ap + head * L->d, .out_token = ap};
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
-               g, P->capacity, L->d, position_of(P, t), L->scale, L->bf16, P->part[ROW] + item * L->d);
+               g, P->capacity, L->d, position_of(P, t), L->scale, L->bf16, P->part[ROW] + item * KEY_BLOCK * L->d);
     }
 }
 
