@@ -1,0 +1,68 @@
+"""Two builds of native.c against each other in ONE process, pass by pass (milliseconds, medians of 15 pairs).
+
+Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|batch] [float32|bfloat16]
+
+  verify (default): SmolLM2-135M at 200 cached positions, a decode step and a 16-token verify pass, 2 threads;
+  batch: a decode step of 16 rows at 600 positions each on 1 thread, as `dflash data --threads 1` runs.
+
+Why: on a shared 2-core machine whole-pass timings of one build move by 20-50% within minutes, so builds timed in
+turn (scripts/step_verify.py) cannot separate a 5% change. Here both libraries are loaded side by side (ctypes
+loads each with its own symbols) and the passes alternate between them, the order flipping every round, on the
+same weights (both builds must share the tile layout) and the same cache. Each pair's ratio new/old is taken, and
+their median and range printed. To get an OLD.c: `git show COMMIT:src/dflash/models/native.c > /tmp/old.c`.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.loading import load_target_cached
+from dflash.models import native
+
+PAIRS = 15
+
+
+def load_build(source: str):
+    native.SOURCE, native._tried, native._library = Path(source), False, None
+    lib = native.library()
+    if lib is None:
+        sys.exit(f"cannot build {source}: {native.why_not}")
+    return lib
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    old, new = load_build(argv[0]), load_build(argv[1])
+    mode = argv[2] if len(argv) > 2 else "verify"
+    dtype = argv[3] if len(argv) > 3 else "float32"
+    rows, context, widths, threads = (16, 600, (1,), 1) if mode == "batch" else (1, 200, (1, 16), 2)
+    torch.set_num_threads(threads)
+    target = load_target_cached("smollm2-135m", dtype=dtype)
+    cache = target.new_cache(rows, context + 64)
+    target.forward(torch.randint(100, 10000, (rows, context)), cache)
+    seconds = {(build, width): [] for build in ("old", "new") for width in widths}
+    for pair in range(PAIRS + 1):  # the first pair warms both builds up and is dropped
+        for width in widths:
+            for build in ("old", "new") if pair % 2 == 0 else ("new", "old"):
+                native._library = old if build == "old" else new
+                ids = torch.randint(100, 10000, (rows, width))
+                start = time.perf_counter()
+                target.forward(ids, cache)
+                if pair > 0:
+                    seconds[(build, width)].append(time.perf_counter() - start)
+                cache.set_lengths([context] * rows)
+    for width in widths:
+        a, b = seconds[("old", width)], seconds[("new", width)]
+        ratios = sorted(y / x for x, y in zip(a, b))
+        print(f"{mode} {dtype} width {width} rows {rows} threads {threads}: old {1e3 * sorted(a)[PAIRS // 2]:.1f} ms, "
+              f"new {1e3 * sorted(b)[PAIRS // 2]:.1f} ms, new/old median {ratios[PAIRS // 2]:.3f} "
+              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
