@@ -189,9 +189,9 @@ static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
  * only 3 weight loads and 4 broadcasts. In a standalone harness on 2 AMD EPYC cores (16 rows, float32) SmolLM2's
  * down projection ran at 116-120 GFLOP/s against 90-91 for the earlier 4-row blocks dotted with three input rows
  * (which summed 12 vectors horizontally per block and re-read the inputs for every block), its gate/up at 117-137
- * against 109-129. The ceiling: a loop of twelve independent FMA chains runs 94.5 GFLOP/s on one core (two FMAs a
- * cycle at ~2.95 GHz) and 170 on two (an earlier "255" came from a loop whose identical chains gcc had merged). This
- * kernel runs a chunk already in L1 at ~92 a core; what is missing in a whole product is the memory.
+ * against 109-129. The ceiling (scripts/fma_ceiling.c): twelve independent FMA chains run 94.5-96 GFLOP/s on one
+ * core (two FMAs a cycle at ~2.95 GHz) and 170-186 on two; an earlier "255" came from a loop whose identical chains
+ * gcc had merged. This kernel runs a chunk already in L1 at ~92 a core; what a whole product loses is the memory.
  * Each output is ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in exactly the
  * order a one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
 #define PANEL 24
