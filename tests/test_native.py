@@ -55,14 +55,16 @@ def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 3, 5, 16, 18])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 18, 36])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):
+    """Every path of a bf16 product: one row (two panels at a time, then the odd third), two to four rows (widened
+    in the kernel), more (each chunk widened once; 150 inputs make chunks of 64, 64 and 24)."""
     g = torch.Generator().manual_seed(m)
-    weight, x = torch.randn(37, 150, generator=g).bfloat16(), torch.randn(2, m, 150, generator=g).bfloat16()
-    bias = torch.randn(37, generator=g).bfloat16() if with_bias else None
+    weight, x = torch.randn(67, 150, generator=g).bfloat16(), torch.randn(1, m, 150, generator=g).bfloat16()
+    bias = torch.randn(67, generator=g).bfloat16() if with_bias else None
     got = FrozenLinear(weight, bias, NATIVE)(x)
-    assert got.shape == (2, m, 37) and got.dtype == torch.bfloat16
+    assert got.shape == (1, m, 67) and got.dtype == torch.bfloat16
     exact = reference(x, weight, bias)
     # only the order of float32 additions differs from the exact sum: the result is its bf16 rounding, give or
     # take one unit in the last place where the sum sits near a rounding boundary
