@@ -630,6 +630,7 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
  * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
  * gives bitwise the attention of single steps. `block`: KEY_BLOCK * d floats of scratch (bf16 widening). */
 #define KEY_BLOCK 32
+#define ATTEND_CHUNK 4 /* tokens per work item (attention_items) */
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
                    int64_t capacity, int64_t d, int64_t last, float scale, int bf16, float *block) {
     int64_t at = g * capacity * d, longest = last + tokens;
@@ -707,7 +708,8 @@ static size_t scratch_parts(const Layer *L, const Pass *P, int64_t sizes[PARTS])
         [ACT] = m * PAD8(L->inter),              /* the gated activation, input of down */
         [DOWN_OUT] = m * L->hidden,
         [SCORES] = m * L->heads * P->longest,    /* one row per (token, head) */
-        [ROW] = m * L->kv_heads * KEY_BLOCK * L->d, /* a widened bf16 block of the cache per work item */
+        [ROW] = L->bf16 ? P->rows * L->kv_heads * ((P->n + ATTEND_CHUNK - 1) / ATTEND_CHUNK) * KEY_BLOCK * L->d
+                        : 0,                     /* bf16: a widened block of the cache per work item */
         [TMP] = MAX(L->d, L->hidden),            /* one head's rotation or norm */
         [BIAS] = MAX(width, L->hidden),          /* a bias in float32 */
     };
@@ -757,7 +759,6 @@ static void project(const Layer *L, Pass *P) {
 
 /* Attention, in work items of (row, kv head, a chunk of up to ATTEND_CHUNK of the row's tokens) shared among the
  * threads. Then o and the residual. */
-#define ATTEND_CHUNK 4
 typedef struct {
     const Layer *L;
     Pass *P;
