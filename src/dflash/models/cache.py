@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from . import memory
+
 GROWTH_STEP = 256
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host caches go on huge pages (memory.py): attention streams them, a batched step ~440 MB of them."""
+    if torch.device(device).type == "cpu":
+        return memory.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KVCache:
@@ -23,8 +32,8 @@ class KVCache:
                  device: torch.device | str = "cpu", batch: int = 1, capacity: int = GROWTH_STEP,
                  max_capacity: int | None = None):
         self.shape = (num_layers, batch, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.keys = _zeros(self.shape, dtype, device)
+        self.values = _zeros(self.shape, dtype, device)
         self.lengths = [0] * batch
         self.max_capacity = max_capacity
 
@@ -54,7 +63,7 @@ class KVCache:
             capacity = min(capacity, self.max_capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new = _zeros((*old.shape[:3], capacity, old.shape[4]), old.dtype, old.device)
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from . import memory
+
 SOURCE = Path(__file__).with_name("native.c")
 PANEL = 24  # output rows per panel of the layout (native.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -112,7 +114,8 @@ def tiles(weight: torch.Tensor) -> torch.Tensor:
     stream and each of its inputs meets 24 weights side by side."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % PANEL))
-    return padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1]).transpose(1, 2).contiguous()
+    panels = padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1]).transpose(1, 2)
+    return memory.lasting(tuple(panels.shape), panels.dtype).copy_(panels)  # streamed every pass: on huge pages
 
 
 def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
