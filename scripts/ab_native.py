@@ -13,15 +13,13 @@ their median and range printed. To get an OLD.c: `git show COMMIT:src/dflash/mod
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from dflash.loading import load_target_cached
 from dflash.models import native
-
-PAIRS = 15
+from paired import alternate, report
 
 
 def load_build(source: str):
@@ -44,23 +42,14 @@ def main(argv: list[str]) -> int:
     target = load_target_cached("smollm2-135m", dtype=dtype)
     cache = target.new_cache(rows, context + 64)
     target.forward(torch.randint(100, 10000, (rows, context)), cache)
-    seconds = {(build, width): [] for build in ("old", "new") for width in widths}
-    for pair in range(PAIRS + 1):  # the first pair warms both builds up and is dropped
-        for width in widths:
-            for build in ("old", "new") if pair % 2 == 0 else ("new", "old"):
-                native._library = old if build == "old" else new
-                ids = torch.randint(100, 10000, (rows, width))
-                start = time.perf_counter()
-                target.forward(ids, cache)
-                if pair > 0:
-                    seconds[(build, width)].append(time.perf_counter() - start)
-                cache.set_lengths([context] * rows)
-    for width in widths:
-        a, b = seconds[("old", width)], seconds[("new", width)]
-        ratios = sorted(y / x for x, y in zip(a, b))
-        print(f"{mode} {dtype} width {width} rows {rows} threads {threads}: old {1e3 * sorted(a)[PAIRS // 2]:.1f} ms, "
-              f"new {1e3 * sorted(b)[PAIRS // 2]:.1f} ms, new/old median {ratios[PAIRS // 2]:.3f} "
-              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+    def run(build: str, width: int) -> None:
+        native._library = old if build == "old" else new
+        target.forward(torch.randint(100, 10000, (rows, width)), cache)
+        cache.set_lengths([context] * rows)
+
+    labels = ("old", "new")
+    report(f"{mode} {dtype} rows {rows} threads {threads}", labels, widths, alternate(labels, widths, run))
     return 0
 
 

@@ -12,14 +12,12 @@ builds of the kernels.
 """
 
 import sys
-import time
 
 import torch
 
 from dflash.models import memory
 from dflash.models.target import load_target
-
-PAIRS = 15
+from paired import alternate, report
 
 
 def main(argv: list[str]) -> int:
@@ -33,22 +31,13 @@ def main(argv: list[str]) -> int:
         targets[pages] = load_target("smollm2-135m", dtype)
         caches[pages] = targets[pages].new_cache(rows, context + 64)
         targets[pages].forward(torch.randint(100, 10000, (rows, context)), caches[pages])  # makes the tiles too
-    seconds = {(pages, width): [] for pages in targets for width in widths}
-    for pair in range(PAIRS + 1):  # the first pair warms both up and is dropped
-        for width in widths:
-            for pages in ("4K", "huge") if pair % 2 == 0 else ("huge", "4K"):
-                ids = torch.randint(100, 10000, (rows, width))
-                start = time.perf_counter()
-                targets[pages].forward(ids, caches[pages])
-                if pair > 0:
-                    seconds[(pages, width)].append(time.perf_counter() - start)
-                caches[pages].set_lengths([context] * rows)
-    for width in widths:
-        a, b = seconds[("4K", width)], seconds[("huge", width)]
-        ratios = sorted(y / x for x, y in zip(a, b))
-        print(f"{mode} {dtype} width {width} rows {rows} threads {threads}: 4K pages {1e3 * sorted(a)[PAIRS // 2]:.1f} ms, "
-              f"huge {1e3 * sorted(b)[PAIRS // 2]:.1f} ms, huge/4K median {ratios[PAIRS // 2]:.3f} "
-              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+    def run(pages: str, width: int) -> None:
+        targets[pages].forward(torch.randint(100, 10000, (rows, width)), caches[pages])
+        caches[pages].set_lengths([context] * rows)
+
+    labels = ("4K", "huge")
+    report(f"{mode} {dtype} rows {rows} threads {threads}", labels, widths, alternate(labels, widths, run))
     return 0
 
 

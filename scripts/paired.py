@@ -1,0 +1,34 @@
+"""Two variants of one pass timed pair by pair in one process (scripts/ab_native.py, scripts/ab_pages.py).
+
+On a shared 2-core machine whole-pass timings move by 20-50% within minutes; passes that alternate, the order
+flipping every round, meet the same moments, so the ratio of each pair is what separates a 5% change.
+"""
+
+import time
+from typing import Callable
+
+PAIRS = 15
+
+
+def alternate(labels: tuple[str, str], widths: tuple[int, ...], run: Callable[[str, int], None]) -> dict:
+    """Seconds of run(label, width) for each label and width, PAIRS pairs after one warm-up pair that is dropped."""
+    seconds = {(label, width): [] for label in labels for width in widths}
+    for pair in range(PAIRS + 1):
+        for width in widths:
+            for label in labels if pair % 2 == 0 else labels[::-1]:
+                start = time.perf_counter()
+                run(label, width)
+                if pair > 0:
+                    seconds[(label, width)].append(time.perf_counter() - start)
+    return seconds
+
+
+def report(prefix: str, labels: tuple[str, str], widths: tuple[int, ...], seconds: dict) -> None:
+    """One line per width: each label's median milliseconds, and the median (range) of second / first per pair."""
+    first, second = labels
+    for width in widths:
+        a, b = seconds[(first, width)], seconds[(second, width)]
+        ratios = sorted(y / x for x, y in zip(a, b))
+        print(f"{prefix} width {width}: {first} {1e3 * sorted(a)[PAIRS // 2]:.1f} ms, {second} "
+              f"{1e3 * sorted(b)[PAIRS // 2]:.1f} ms, {second}/{first} median {ratios[PAIRS // 2]:.3f} "
+              f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
