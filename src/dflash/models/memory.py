@@ -3,8 +3,9 @@
 Why: a float32 step of SmolLM2-135M reads ~540 MB of weights. On 4 KB pages that is ~130K pages a step, and the TLB
 (a few thousand entries) misses on nearly every one. With transparent huge pages in "madvise" mode (a common default)
 torch's allocations stay on 4 KB pages, so we map the big buffers ourselves and ask for huge pages. On the 2-core
-AMD EPYC Zen 3 CI machine, 30 gate/up products in a row (212 MB) ran ~11% faster for one input row and ~4.5% for
-16 (the eighth session in docs/RESULTS.md).
+AMD EPYC Zen 3 CI machine a float32 step got ~5% faster (huge/4K 0.88-1.03, median 0.95, over 7 paired runs of
+scripts/ab_pages.py), a 16-token verify pass ~4% (0.93-1.02) and a batched 16-row step 3-6%; products alone
+(scripts/pages_harness.c) ~11% at one input row and ~5% at 16.
 
 Anywhere that does not apply (not Linux, no THP, DFLASH_HUGE_PAGES=0) these are torch.empty / torch.zeros.
 """
