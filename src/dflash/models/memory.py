@@ -13,6 +13,7 @@ Anywhere that does not apply (not Linux, no THP, DFLASH_HUGE_PAGES=0) these are 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import threading
@@ -44,7 +45,7 @@ def lasting(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             _arena[:] = [area, start]
         area, at = _arena
         _arena[1] = at + -(-nbytes // ALIGN) * ALIGN
-    return torch.frombuffer(area, dtype=dtype, count=_count(shape), offset=at).view(shape)
+    return torch.frombuffer(area, dtype=dtype, count=math.prod(shape), offset=at).view(shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -55,21 +56,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _mapped(shape, dtype)
 
 
-def _count(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return _count(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     area, start = _huge_mapping(_nbytes(shape, dtype))
     # frombuffer holds a reference to `area`: the mapping lives as long as the tensor (and its views)
-    return torch.frombuffer(area, dtype=dtype, count=_count(shape), offset=start).view(shape)
+    return torch.frombuffer(area, dtype=dtype, count=math.prod(shape), offset=start).view(shape)
 
 
 def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
