@@ -1,9 +1,10 @@
 """Held-out surrogate tau of a drafter checkpoint on a training run's held-out split (the split `dflash train` makes
 of DATA with its default --eval-fraction), e.g. to put a run's starting point on its learning curve.
 
-Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS] [DTYPE]
+Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS] [DTYPE] [EVAL_FRACTION]
 (target: smollm2-135m in DTYPE, default bfloat16 under autocast as the shipped drafters trained; float32 runs
-without autocast. A DFlash drafter with a draft vocabulary is scored on it, as `dflash train` does.)
+without autocast. EVAL_FRACTION is the run's --eval-fraction (default 0.02). A DFlash drafter with a draft
+vocabulary is scored on it, as `dflash train` does.)
 """
 
 import sys
@@ -21,10 +22,12 @@ def main() -> None:
     method, checkpoint, data = sys.argv[1:4]
     anchors = int(sys.argv[4]) if len(sys.argv) > 4 else 512
     dtype = sys.argv[5] if len(sys.argv) > 5 else "bfloat16"
+    fraction = float(sys.argv[6]) if len(sys.argv) > 6 else trainer.TrainConfig.eval_fraction
     target = load_target_cached("smollm2-135m", dtype)
     recipe = registry.get(method).training
     model = recipe.load_model(Path(checkpoint), target)
-    config = trainer.TrainConfig(method=method, anchors_per_seq=anchors).replace(recipe.shape_of(model))
+    config = trainer.TrainConfig(method=method, anchors_per_seq=anchors, eval_fraction=fraction)
+    config = config.replace(recipe.shape_of(model))
     objective = recipe.objective(model, target, config)
     usable = [e for e in trainer.load_examples(data) if objective.usable(e)]
     _, heldout = trainer.split_heldout(usable, config.eval_fraction)
