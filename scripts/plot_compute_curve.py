@@ -1,0 +1,41 @@
+"""GSM8K whole-block tau of each shipped drafter stage against the training core-minutes behind it.
+
+Usage: .venv/bin/python scripts/plot_compute_curve.py [docs/data/compute_curve.json] [docs/img/compute_curve.png]
+The points and the command that measured them are in the JSON file (docs/TRAINING.md, "Where the drafter stands").
+"""
+
+import json
+import sys
+from pathlib import Path
+
+LABELS = {"dflash": "DFlash (2 layers, block 16)", "eagle3": "EAGLE-3 (1 layer, depth 7)"}
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    source = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/data/compute_curve.json")
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/img/compute_curve.png")
+    data = json.loads(source.read_text())
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method, label in LABELS.items():
+        points = data[method]
+        ax.plot([p["core_minutes"] for p in points], [p["tau"] for p in points], marker="o", label=label)
+        for p in points:
+            ax.annotate(f"s{p['stage']}", (p["core_minutes"], p["tau"]), textcoords="offset points", xytext=(4, -10),
+                        fontsize=8)
+        print(f"| {label} | " + " | ".join(f"{p['core_minutes']} min: {p['tau']:.2f}" for p in points) + " |")
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute (CPU core-minutes, log scale)")
+    ax.set_ylabel("GSM8K tau, whole blocks")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
