@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from plot_training import save_figure
+
 LABELS = {"dflash": "DFlash (2 layers, block 16)", "eagle3": "EAGLE-3 (1 layer, depth 7)"}
 
 
@@ -29,12 +31,7 @@ def main() -> None:
                         fontsize=8)
         print(f"| {label} | " + " | ".join(f"{p['core_minutes']} min: {p['tau']:.2f}" for p in points) + " |")
     ax.set_xscale("log")
-    ax.set_xlabel("training compute (CPU core-minutes, log scale)")
-    ax.set_ylabel("GSM8K tau, whole blocks")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    save_figure(fig, ax, out, "training compute (CPU core-minutes, log scale)", "GSM8K tau, whole blocks")
 
 
 if __name__ == "__main__":

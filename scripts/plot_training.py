@@ -36,8 +36,13 @@ def main() -> None:
         curve = held_out_curve(runs.split(","))
         ax.plot([s for s, _ in curve], [t for _, t in curve], marker="o", markersize=3, label=label)
         print(f"| {label} | " + " | ".join(f"{s}: {t:.2f}" for s, t in curve) + " |")
-    ax.set_xlabel("training sequences seen (one sequence per step)")
-    ax.set_ylabel("held-out surrogate tau")
+    save_figure(fig, ax, out, "training sequences seen (one sequence per step)", "held-out surrogate tau")
+
+
+def save_figure(fig, ax, out, xlabel: str, ylabel: str) -> None:
+    """The finish every training plot shares: axis labels, a light grid, the legend, 100 dpi."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
