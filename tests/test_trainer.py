@@ -586,3 +586,58 @@ def test_distilled_and_target_initialised_runs_and_a_fixed_schedule(resume_runs,
     assert torch.equal(fresh.layers[-1].mlp.down_proj.weight, last.mlp.down_proj.weight)
     with pytest.raises(UserError, match="loss must be ce or kl"):
         trainer.TrainConfig(loss="mse").validate()
+
+
+def test_more_kv_heads_keep_the_drafters_outputs(target):
+    """Widening a drafter's key/value heads repeats each head: the training pass and cached inference give the
+    same hidden states as before, and head counts that cannot hold the old heads are user errors."""
+    from dflash.methods.dflash.drafter import repeat_kv_rows
+
+    drafter = tiny_drafter(target, num_layers=2, block_size=4, seed=3).eval()
+    wider = drafter.with_kv_heads(4)  # the tiny target has 4 query heads over 2 key/value heads
+    assert wider.config.num_key_value_heads == 4 and wider.layers[0].self_attn.k_proj.weight.shape[0] == 64
+    k = drafter.layers[1].self_attn.k_proj.weight
+    assert torch.equal(repeat_kv_rows(k, 16, 2)[16:32], k[:16]) and torch.equal(repeat_kv_rows(k, 16, 2)[32:48], k[16:])
+    objective = DFlashObjective(drafter, target, anchors_per_seq=8)
+    input_ids = torch.tensor(counting_records(1)[0]["input_ids"])
+    batch = build_block_batch(input_ids, torch.tensor([4, 9, 20]), 4, MASK_ID)
+    features = objective.target_pass(input_ids)[0]
+    with torch.no_grad():
+        embeds = target.embed_tokens(batch.block_ids.reshape(1, -1))
+        args = (embeds, batch.positions.reshape(1, -1), features, torch.arange(len(input_ids))[None])
+        torch.testing.assert_close(wider(*args, mask=batch.layout), drafter(*args, mask=batch.layout),
+                                   atol=1e-6, rtol=1e-6)
+        cached = [m(embeds[:, :4], batch.positions[:1], features[:, :4], torch.arange(4)[None], cache=m.new_cache())
+                  for m in (drafter, wider)]
+        torch.testing.assert_close(cached[1], cached[0], atol=1e-6, rtol=1e-6)
+    assert drafter.with_kv_heads(2) is drafter
+    for bad in (3, 1, 8):
+        with pytest.raises(UserError, match="kv_heads must divide"):
+            drafter.with_kv_heads(bad)
+
+
+def test_training_with_more_kv_heads(resume_runs, tmp_path):
+    """--kv-heads widens an --init-from drafter (which then trains and resumes), gives a new drafter that many
+    heads, and with --init target repeats the target's key/value rows."""
+    root, data = resume_runs
+    out = tmp_path / "wide"
+    assert trainer.run(train_args(data, out, "--init-from", str(root / "straight" / "final"), "--kv-heads", "4",
+                                  "--max-steps", "2", "--save-every", "2")) == 0
+    start = DFlashDrafter.load(root / "straight" / "final")
+    wide = DFlashDrafter.load(out / "checkpoints" / "step-000002")
+    assert (start.config.num_key_value_heads, wide.config.num_key_value_heads) == (2, 4)
+    assert trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE).kv_heads == 4
+    assert trainer.run(train_args(data, out, "--resume", "--max-steps", "3", "--save-every", "100")) == 0
+    assert DFlashDrafter.load(out / "final").config.num_key_value_heads == 4
+
+    fresh_out = tmp_path / "fresh"
+    assert trainer.run(train_args(data, fresh_out, "--kv-heads", "4", "--init", "target", "--max-steps", "1")) == 0
+    config = trainer.TrainConfig.from_file(fresh_out / trainer.CONFIG_FILE)
+    tiny = tiny_target("llama")
+    fresh = trainer.recipe_of(config).new_model(tiny, config)
+    theirs = tiny.model.get_decoder().layers[-1].self_attn.v_proj.weight
+    assert torch.equal(fresh.layers[-1].self_attn.v_proj.weight[16:32], theirs[:16])
+    with pytest.raises(UserError, match="kv_heads must divide"):
+        trainer.run(train_args(data, tmp_path / "bad", "--kv-heads", "3"))
+    with pytest.raises(UserError, match="applies to --method dflash"):
+        trainer.run(train_args(data, tmp_path / "eagle", "--method", "eagle3", "--kv-heads", "4"))

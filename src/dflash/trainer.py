@@ -48,7 +48,6 @@ ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random str
 CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE, CONFIG_FILE = "trainer_state.pt", "train_config.json"
 STATE_VERSION = 1
-SHAPE_OPTIONS = ("num_layers", "block_size", "num_features")
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
@@ -85,6 +84,9 @@ class TrainConfig:
     loss_vocab: str = option("draft", "dflash: the loss scores the drafter's draft vocabulary plus the sequence's "
                                       "prompt tokens, the rows drafting scores (draft; 3x cheaper at 16K of 49K "
                                       "rows), or every row (full)")
+    kv_heads: int | None = option(None, "dflash: key/value heads of the drafter's attention (default: the target's); "
+                                        "the context reaches the block only through their values. With --init-from, "
+                                        "a multiple of the drafter's own widens it without changing its outputs")
     init: str = option("random", "dflash: a new drafter's layers: random, or target (copied from the target's last "
                                  "layers, same width)")
     schedule_steps: int | None = option(None, "length of the warmup + cosine schedule in optimizer steps (default: "
@@ -105,8 +107,9 @@ class TrainConfig:
         if self.method not in registry.trainable():
             raise UserError(f"--method {self.method} needs no training: `dflash train` trains "
                             f"{' or '.join(registry.trainable())} drafters")
-        if self.draft_vocab is not None and self.draft_vocab < 1:
-            raise UserError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
+        for name in ("draft_vocab", "kv_heads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
         positive = ("num_layers", "num_features", "max_length", "anchors_per_seq", "epochs", "grad_accum",
                     "log_every", "eval_every", "save_every")
         for name in positive:
@@ -645,6 +648,8 @@ def _flags(names) -> str:
 def checked_shape(model, config: TrainConfig, folder: Path) -> None:
     """A checkpoint's model must have the shape its training config says (a mismatched folder is a user error)."""
     found = recipe_of(config).shape_of(model)
+    # an option a checkpoint's config predates (None) says nothing about the shape
+    found = {k: v for k, v in found.items() if getattr(config, k) is not None}
     expected = {k: getattr(config, k) for k in found}
     if found != expected:
         raise UserError(f"{folder}: the model has {found}, but its training config says {expected} "

@@ -18,7 +18,7 @@ Drafting then scores only those rows of the LM head, on a CPU most of a drafting
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -67,13 +67,19 @@ class DFlashConfig:
         block_size: int = 16,
         num_features: int = 5,
         target_layer_ids: list[int] | None = None,
+        kv_heads: int | None = None,
     ) -> "DFlashConfig":
-        """A drafter shaped like the target (same width, heads and RoPE base) with `num_layers` layers."""
+        """A drafter shaped like the target (same width, heads and RoPE base) with `num_layers` layers and
+        `kv_heads` key/value heads (default: the target's)."""
         from ..base import target_shape
 
         n_target = target_config.num_hidden_layers
+        shape = target_shape(target_config)
+        if kv_heads is not None:
+            check_kv_heads(kv_heads, shape["num_attention_heads"], shape["num_key_value_heads"])
+            shape["num_key_value_heads"] = kv_heads
         return cls(
-            **target_shape(target_config),
+            **shape,
             num_hidden_layers=num_layers,
             vocab_size=vocab_size,
             num_target_layers=n_target,
@@ -126,6 +132,21 @@ class DFlashConfig:
             return cls(**values, extra=extra)
         except (KeyError, TypeError) as exc:
             raise UserError(f"drafter config.json is not a DFlash config (missing or bad {exc})") from exc
+
+
+def check_kv_heads(kv_heads: int, heads: int, current: int) -> None:
+    """Key/value heads a drafter may be given (or widened to): a multiple of `current` that divides `heads`."""
+    if kv_heads < 1 or heads % kv_heads or kv_heads % current:
+        raise UserError(f"kv_heads must divide the {heads} attention heads and be a multiple of {current} "
+                        f"(the heads it starts from), got {kv_heads}")
+
+
+def repeat_kv_rows(weight: torch.Tensor, head_dim: int, factor: int) -> torch.Tensor:
+    """A k/v projection's [kv * d, in] weight with each head's d rows repeated `factor` times (a new tensor): with
+    heads // kv queries per key/value head, query head h reads head h // (heads // kv) before and
+    h // (heads // (kv * factor)) after, which holds the same rows."""
+    rows, width = weight.shape
+    return weight.reshape(rows // head_dim, 1, head_dim, width).expand(-1, factor, -1, -1).reshape(-1, width)
 
 
 # ---- training attention ------------------------------------------------------------------------------------------
@@ -212,6 +233,26 @@ class DFlashDrafter(nn.Module):
         drafter = cls(cfg)
         init_untrained(drafter, seed)
         return drafter
+
+    def with_kv_heads(self, kv_heads: int) -> "DFlashDrafter":
+        """This drafter with `kv_heads` key/value heads (a multiple of its own) and the same outputs: each head is
+        repeated, so training goes on from the same function with a wider path from the context into the block
+        (its values are kv_heads * head_dim numbers per position)."""
+        cfg = self.config
+        if kv_heads == cfg.num_key_value_heads:
+            return self
+        check_kv_heads(kv_heads, cfg.num_attention_heads, cfg.num_key_value_heads)
+        factor = kv_heads // cfg.num_key_value_heads
+        weight = self.fc.weight
+        wider = DFlashDrafter(replace(cfg, num_key_value_heads=kv_heads)).to(device=weight.device, dtype=weight.dtype)
+        state = {
+            name: repeat_kv_rows(value, cfg.head_dim, factor) if name.endswith(("k_proj.weight", "v_proj.weight"))
+            else value
+            for name, value in self.state_dict().items()
+        }
+        wider.load_state_dict(state)
+        wider.draft_vocab = self.draft_vocab
+        return wider.train(self.training)
 
     def freeze(self, plan=None) -> "DFlashDrafter":
         """Fused products for inference (after the last change of weights, device or dtype)."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...errors import UserError
-from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, default_mask_token_id
+from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, default_mask_token_id, repeat_kv_rows
 
 IGNORE = -100
 DEFAULT_DRAFT_VOCAB = 8192
@@ -334,13 +334,14 @@ class DFlashTraining:
     shape_defaults = {"num_layers": 3, "block_size": 16, "num_features": 5}
     fixed_shape: tuple[str, ...] = ()
     fixed_shape_note = ""
-    free_on_init: tuple[str, ...] = ()
-    own_options = ("anchors_per_seq", "gamma", "loss", "init", "loss_vocab")
+    free_on_init = ("kv_heads",)  # an --init-from drafter is widened to them without changing its outputs
+    own_options = ("anchors_per_seq", "gamma", "loss", "init", "loss_vocab", "kv_heads")
 
     def new_model(self, target, config) -> DFlashDrafter:
         cfg = DFlashConfig.for_target(
             target.config, target.vocab_size, default_mask_token_id(target.tokenizer, target.vocab_size),
             num_layers=config.num_layers, block_size=config.block_size, num_features=config.num_features,
+            kv_heads=config.kv_heads,
         )
         drafter = DFlashDrafter.untrained(cfg, seed=config.seed)  # the seed fixes the initial weights
         if config.init == "target":
@@ -358,9 +359,11 @@ class DFlashTraining:
     def shape_of(self, drafter: DFlashDrafter) -> dict[str, int]:
         cfg = drafter.config
         return {"num_layers": cfg.num_hidden_layers, "block_size": cfg.block_size,
-                "num_features": len(cfg.target_layer_ids)}
+                "num_features": len(cfg.target_layer_ids), "kv_heads": cfg.num_key_value_heads}
 
     def objective(self, drafter: DFlashDrafter, target, config) -> DFlashObjective:
+        if config.kv_heads is not None:  # an --init-from drafter given more heads (no-op for any other)
+            drafter = drafter.with_kv_heads(config.kv_heads)
         return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length,
                                distill=config.loss == "kl", loss_vocab=config.loss_vocab)
 
@@ -382,10 +385,15 @@ def copy_target_layers(drafter: DFlashDrafter, target) -> None:
     layers = target.model.get_decoder().layers
     chosen = layers[len(layers) - len(drafter.layers):]
     unit_offset = target.config.model_type.startswith("gemma")
+    head_dim = drafter.config.head_dim
     with torch.no_grad():
         for ours, theirs in zip(drafter.layers, chosen):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(ours.self_attn, name).weight.copy_(getattr(theirs.self_attn, name).weight)
+                weight = getattr(theirs.self_attn, name).weight
+                wanted = getattr(ours.self_attn, name).weight
+                if name in ("k_proj", "v_proj") and wanted.shape[0] != weight.shape[0]:  # more KV heads than it has
+                    weight = repeat_kv_rows(weight, head_dim, wanted.shape[0] // weight.shape[0])
+                wanted.copy_(weight)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(ours.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
             for name in ("input_layernorm", "post_attention_layernorm"):
