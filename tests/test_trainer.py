@@ -615,19 +615,38 @@ def test_more_kv_heads_keep_the_drafters_outputs(target):
         with pytest.raises(UserError, match="kv_heads must divide"):
             drafter.with_kv_heads(bad)
 
+    deeper = drafter.with_layers(4)  # two layers appended that add nothing until trained
+    assert len(deeper.layers) == 4 and not deeper.layers[3].mlp.down_proj.weight.any()
+    assert torch.equal(deeper.layers[3].self_attn.q_proj.weight, drafter.layers[1].self_attn.q_proj.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(deeper(*args, mask=batch.layout), drafter(*args, mask=batch.layout),
+                                   atol=1e-6, rtol=1e-6)
+    assert drafter.with_layers(2) is drafter
+    with pytest.raises(UserError, match="can only add layers"):
+        drafter.with_layers(1)
 
-def test_training_with_more_kv_heads(resume_runs, tmp_path):
-    """--kv-heads widens an --init-from drafter (which then trains and resumes), gives a new drafter that many
-    heads, and with --init target repeats the target's key/value rows."""
+
+def test_training_with_more_kv_heads_and_layers(resume_runs, tmp_path):
+    """--kv-heads and --num-layers widen and deepen an --init-from drafter (which then trains and resumes),
+    --kv-heads gives a new drafter that many heads, and with --init target repeats the target's key/value rows."""
     root, data = resume_runs
     out = tmp_path / "wide"
-    assert trainer.run(train_args(data, out, "--init-from", str(root / "straight" / "final"), "--kv-heads", "4",
-                                  "--max-steps", "2", "--save-every", "2")) == 0
+
+    def two_layer_args(*extra):
+        argv = train_argv(data, out, *extra)
+        argv[argv.index("--num-layers") + 1] = "2"
+        return build_parser().parse_args(argv)
+
+    assert trainer.run(two_layer_args("--init-from", str(root / "straight" / "final"), "--kv-heads", "4",
+                                      "--max-steps", "2", "--save-every", "2")) == 0
     start = DFlashDrafter.load(root / "straight" / "final")
     wide = DFlashDrafter.load(out / "checkpoints" / "step-000002")
     assert (start.config.num_key_value_heads, wide.config.num_key_value_heads) == (2, 4)
-    assert trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE).kv_heads == 4
-    assert trainer.run(train_args(data, out, "--resume", "--max-steps", "3", "--save-every", "100")) == 0
+    assert (start.config.num_hidden_layers, wide.config.num_hidden_layers) == (1, 2)
+    assert wide.layers[1].mlp.down_proj.weight.any()  # trained away from zero
+    config = trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE)
+    assert (config.kv_heads, config.num_layers) == (4, 2)
+    assert trainer.run(two_layer_args("--resume", "--max-steps", "3", "--save-every", "100")) == 0
     assert DFlashDrafter.load(out / "final").config.num_key_value_heads == 4
 
     fresh_out = tmp_path / "fresh"

@@ -61,7 +61,8 @@ class TrainConfig:
     method: str = option("dflash", "what to train: a method with a training recipe (dflash, eagle3)")
     # drafter shape: a new drafter takes these (or its method's own defaults); --init-from and --resume take the
     # shape from the checkpoint
-    num_layers: int = option(3, "draft layers of a new drafter (dflash 3; an EAGLE-3 head has 1)")
+    num_layers: int = option(3, "draft layers of a new drafter (dflash 3; an EAGLE-3 head has 1); dflash with "
+                                "--init-from: more than the drafter's own appends layers that start silent")
     block_size: int = option(16, "tokens per block: dflash's block, EAGLE-3's chain steps + 1 (dflash 16, eagle3 8)")
     num_features: int = option(5, "target layers fused as features (dflash 5; an EAGLE-3 head fuses 3)")
     draft_vocab: int | None = option(None, "draft vocabulary = the N most frequent response tokens of the training "

@@ -254,6 +254,30 @@ class DFlashDrafter(nn.Module):
         wider.draft_vocab = self.draft_vocab
         return wider.train(self.training)
 
+    def with_layers(self, num_layers: int) -> "DFlashDrafter":
+        """This drafter with `num_layers` layers (at least its own) and the same outputs: new layers go last, with
+        zero output projections (o_proj, down_proj), so each adds nothing to the residual stream until trained; the
+        rest of each new layer starts as a copy of the current last layer: trained projections rather than noise."""
+        cfg = self.config
+        if num_layers == cfg.num_hidden_layers:
+            return self
+        if num_layers < cfg.num_hidden_layers:
+            raise UserError(f"a drafter of {cfg.num_hidden_layers} layers cannot be cut to {num_layers}: "
+                            "--init-from can only add layers")
+        weight = self.fc.weight
+        deeper = DFlashDrafter(replace(cfg, num_hidden_layers=num_layers)).to(device=weight.device, dtype=weight.dtype)
+        state = dict(self.state_dict())
+        last = f"layers.{cfg.num_hidden_layers - 1}."
+        for i in range(cfg.num_hidden_layers, num_layers):
+            for name, value in self.state_dict().items():
+                if name.startswith(last):
+                    new = f"layers.{i}." + name[len(last):]
+                    silent = name.endswith(("o_proj.weight", "down_proj.weight"))
+                    state[new] = torch.zeros_like(value) if silent else value.clone()
+        deeper.load_state_dict(state)
+        deeper.draft_vocab = self.draft_vocab
+        return deeper.train(self.training)
+
     def freeze(self, plan=None) -> "DFlashDrafter":
         """Fused products for inference (after the last change of weights, device or dtype)."""
         # the target's raw features carry a few huge channels: an int8 plan keeps this product in float

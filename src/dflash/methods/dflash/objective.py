@@ -334,7 +334,8 @@ class DFlashTraining:
     shape_defaults = {"num_layers": 3, "block_size": 16, "num_features": 5}
     fixed_shape: tuple[str, ...] = ()
     fixed_shape_note = ""
-    free_on_init = ("kv_heads",)  # an --init-from drafter is widened to them without changing its outputs
+    # an --init-from drafter is widened or deepened to these without changing its outputs
+    free_on_init = ("kv_heads", "num_layers")
     own_options = ("anchors_per_seq", "gamma", "loss", "init", "loss_vocab", "kv_heads")
 
     def new_model(self, target, config) -> DFlashDrafter:
@@ -362,8 +363,10 @@ class DFlashTraining:
                 "num_features": len(cfg.target_layer_ids), "kv_heads": cfg.num_key_value_heads}
 
     def objective(self, drafter: DFlashDrafter, target, config) -> DFlashObjective:
-        if config.kv_heads is not None:  # an --init-from drafter given more heads (no-op for any other)
+        # an --init-from drafter given more heads or layers (no-op for any other)
+        if config.kv_heads is not None:
             drafter = drafter.with_kv_heads(config.kv_heads)
+        drafter = drafter.with_layers(config.num_layers)
         return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length,
                                distill=config.loss == "kl", loss_vocab=config.loss_vocab)
 
