@@ -11,7 +11,8 @@
 # TEMPERATURE 0.7, so ~19K prompts give ~57K sequences), BATCH (256 sequences decoded together), MAX_NEW (512),
 # LAYERS (5), EPOCHS (6), ANCHORS (512), GRAD_ACCUM (8 sequences per step), SAVE_MINUTES (4), PY (python),
 # SHAREGPT (17671 conversations), GSM8K (7473 rows), MAX_STEPS (unset: all epochs; set it to stop a chunk early),
-# LOSS (kl: self-distillation), INIT (random), NPROC (1; N > 1 runs data and training in N processes under torchrun,
+# LOSS (kl: self-distillation), INIT (random), KV_HEADS (unset: the target's; e.g. its attention heads for a drafter
+# whose context path is as wide as its residual stream, docs/TRAINING.md), NPROC (1; N > 1 runs data and training in N processes under torchrun,
 # one GPU each: the prompts are split between them, and GRAD_ACCUM stays the global batch).
 # CPU smoke test: DEVICE=cpu DTYPE=float32 with a tiny target (tests).
 set -euo pipefail
@@ -34,6 +35,7 @@ GRAD_ACCUM=${GRAD_ACCUM:-8}
 SAVE_MINUTES=${SAVE_MINUTES:-4}
 LOSS=${LOSS:-kl}
 INIT=${INIT:-random}
+KV_HEADS=${KV_HEADS:-}
 NPROC=${NPROC:-1}
 mkdir -p "$OUT"
 if [ "$NPROC" -gt 1 ]; then
@@ -61,6 +63,7 @@ train_flags=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" --data "$OUT
 if compgen -G "$OUT/train/checkpoints/step-*" > /dev/null; then
   "${DFLASH[@]}" train "${train_flags[@]}" --resume
 else
+  [ -n "$KV_HEADS" ] && train_flags+=(--kv-heads "$KV_HEADS")
   "${DFLASH[@]}" train "${train_flags[@]}" --num-layers "$LAYERS" --block-size 16 --anchors-per-seq "$ANCHORS" \
     --epochs "$EPOCHS" --grad-accum "$GRAD_ACCUM" --loss "$LOSS" --init "$INIT"
 fi

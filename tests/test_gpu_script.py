@@ -15,7 +15,7 @@ def run_script(tmp_path: Path, out: Path) -> subprocess.CompletedProcess:
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(6)))
     env = dict(os.environ, DFLASH_DATA_DIR=str(tmp_path), DEVICE="cpu", DTYPE="float32", PY=sys.executable,
                INPUTS="mine.jsonl", SHAREGPT="0", SAMPLES="2", MAX_NEW="8", BATCH="4", LAYERS="1", EPOCHS="1",
-               ANCHORS="8", GRAD_ACCUM="2", SAVE_MINUTES="0.001", LOSS="kl")
+               ANCHORS="8", GRAD_ACCUM="2", SAVE_MINUTES="0.001", LOSS="kl", KV_HEADS="4")
     return subprocess.run(["bash", str(SCRIPT), "tiny-qwen3", str(out)], env=env, capture_output=True, text=True,
                           timeout=600)
 
@@ -31,7 +31,7 @@ def test_the_gpu_script_runs_end_to_end_and_resumes(tmp_path):
     assert (out / "train" / "final" / "model.safetensors").is_file()
     assert (out / "train" / "final" / "draft_vocab.json").is_file()
     config = json.loads((out / "train" / "train_config.json").read_text())
-    assert (config["num_layers"], config["loss"], config["save_minutes"]) == (1, "kl", 0.001)
+    assert (config["num_layers"], config["loss"], config["save_minutes"], config["kv_heads"]) == (1, "kl", 0.001, 4)
     second = run_script(tmp_path, out)  # everything done: data skips every row, training resumes at its end
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stderr and "0 to regenerate" in second.stderr
