@@ -243,16 +243,12 @@ class DFlashDrafter(nn.Module):
             return self
         check_kv_heads(kv_heads, cfg.num_attention_heads, cfg.num_key_value_heads)
         factor = kv_heads // cfg.num_key_value_heads
-        weight = self.fc.weight
-        wider = DFlashDrafter(replace(cfg, num_key_value_heads=kv_heads)).to(device=weight.device, dtype=weight.dtype)
         state = {
             name: repeat_kv_rows(value, cfg.head_dim, factor) if name.endswith(("k_proj.weight", "v_proj.weight"))
             else value
             for name, value in self.state_dict().items()
         }
-        wider.load_state_dict(state)
-        wider.draft_vocab = self.draft_vocab
-        return wider.train(self.training)
+        return self._reshaped(replace(cfg, num_key_value_heads=kv_heads), state)
 
     def with_layers(self, num_layers: int) -> "DFlashDrafter":
         """This drafter with `num_layers` layers (at least its own) and the same outputs: new layers go last, with
@@ -264,8 +260,6 @@ class DFlashDrafter(nn.Module):
         if num_layers < cfg.num_hidden_layers:
             raise UserError(f"a drafter of {cfg.num_hidden_layers} layers cannot be cut to {num_layers}: "
                             "--init-from can only add layers")
-        weight = self.fc.weight
-        deeper = DFlashDrafter(replace(cfg, num_hidden_layers=num_layers)).to(device=weight.device, dtype=weight.dtype)
         state = dict(self.state_dict())
         last = f"layers.{cfg.num_hidden_layers - 1}."
         for i in range(cfg.num_hidden_layers, num_layers):
@@ -274,9 +268,15 @@ class DFlashDrafter(nn.Module):
                     new = f"layers.{i}." + name[len(last):]
                     silent = name.endswith(("o_proj.weight", "down_proj.weight"))
                     state[new] = torch.zeros_like(value) if silent else value.clone()
-        deeper.load_state_dict(state)
-        deeper.draft_vocab = self.draft_vocab
-        return deeper.train(self.training)
+        return self._reshaped(replace(cfg, num_hidden_layers=num_layers), state)
+
+    def _reshaped(self, cfg: DFlashConfig, state: dict[str, torch.Tensor]) -> "DFlashDrafter":
+        """A drafter of shape `cfg` holding `state`, on this one's device and dtype, with its draft vocabulary."""
+        weight = self.fc.weight
+        other = DFlashDrafter(cfg).to(device=weight.device, dtype=weight.dtype)
+        other.load_state_dict(state)
+        other.draft_vocab = self.draft_vocab
+        return other.train(self.training)
 
     def freeze(self, plan=None) -> "DFlashDrafter":
         """Fused products for inference (after the last change of weights, device or dtype)."""
