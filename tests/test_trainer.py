@@ -658,5 +658,10 @@ def test_training_with_more_kv_heads_and_layers(resume_runs, tmp_path):
     assert torch.equal(fresh.layers[-1].self_attn.v_proj.weight[16:32], theirs[:16])
     with pytest.raises(UserError, match="kv_heads must divide"):
         trainer.run(train_args(data, tmp_path / "bad", "--kv-heads", "3"))
+    # a random drafter may have fewer heads than the target; copying the target's layers may not
+    narrow = DFlashConfig.for_target(tiny.config, tiny.vocab_size, MASK_ID, kv_heads=1)
+    assert narrow.num_key_value_heads == 1
+    with pytest.raises(UserError, match="multiple of 2"):
+        trainer.run(train_args(data, tmp_path / "narrow", "--kv-heads", "1", "--init", "target"))
     with pytest.raises(UserError, match="applies to --method dflash"):
         trainer.run(train_args(data, tmp_path / "eagle", "--method", "eagle3", "--kv-heads", "4"))

@@ -75,8 +75,8 @@ class DFlashConfig:
 
         n_target = target_config.num_hidden_layers
         shape = target_shape(target_config)
-        if kv_heads is not None:
-            check_kv_heads(kv_heads, shape["num_attention_heads"], shape["num_key_value_heads"])
+        if kv_heads is not None:  # a random drafter may have any divisor; --init target checks its copy
+            check_kv_heads(kv_heads, shape["num_attention_heads"])
             shape["num_key_value_heads"] = kv_heads
         return cls(
             **shape,
@@ -134,11 +134,12 @@ class DFlashConfig:
             raise UserError(f"drafter config.json is not a DFlash config (missing or bad {exc})") from exc
 
 
-def check_kv_heads(kv_heads: int, heads: int, current: int) -> None:
-    """Key/value heads a drafter may be given (or widened to): a multiple of `current` that divides `heads`."""
+def check_kv_heads(kv_heads: int, heads: int, current: int = 1) -> None:
+    """Key/value heads a drafter may be given: a divisor of `heads`; one that starts from (is widened from, or
+    copies) `current` heads must also be a multiple of them."""
     if kv_heads < 1 or heads % kv_heads or kv_heads % current:
-        raise UserError(f"kv_heads must divide the {heads} attention heads and be a multiple of {current} "
-                        f"(the heads it starts from), got {kv_heads}")
+        start = f" and be a multiple of {current} (the heads it starts from)" if current > 1 else ""
+        raise UserError(f"kv_heads must divide the {heads} attention heads{start}, got {kv_heads}")
 
 
 def repeat_kv_rows(weight: torch.Tensor, head_dim: int, factor: int) -> torch.Tensor:

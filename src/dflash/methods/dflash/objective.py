@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...errors import UserError
-from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, default_mask_token_id, repeat_kv_rows
+from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, check_kv_heads, default_mask_token_id, repeat_kv_rows
 
 IGNORE = -100
 DEFAULT_DRAFT_VOCAB = 8192
@@ -388,14 +388,16 @@ def copy_target_layers(drafter: DFlashDrafter, target) -> None:
     layers = target.model.get_decoder().layers
     chosen = layers[len(layers) - len(drafter.layers):]
     unit_offset = target.config.model_type.startswith("gemma")
-    head_dim = drafter.config.head_dim
+    cfg = drafter.config
+    target_kv_heads = chosen[0].self_attn.k_proj.weight.shape[0] // cfg.head_dim
+    check_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads, target_kv_heads)  # copies need whole repeats
     with torch.no_grad():
         for ours, theirs in zip(drafter.layers, chosen):
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 weight = getattr(theirs.self_attn, name).weight
                 wanted = getattr(ours.self_attn, name).weight
                 if name in ("k_proj", "v_proj") and wanted.shape[0] != weight.shape[0]:  # more KV heads than it has
-                    weight = repeat_kv_rows(weight, head_dim, wanted.shape[0] // weight.shape[0])
+                    weight = repeat_kv_rows(weight, cfg.head_dim, wanted.shape[0] // weight.shape[0])
                 wanted.copy_(weight)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(ours.mlp, name).weight.copy_(getattr(theirs.mlp, name).weight)
