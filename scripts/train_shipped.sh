@@ -92,3 +92,12 @@ OMP_NUM_THREADS=1 $DF train --method eagle3 --target smollm2-135m --threads 1 \
   --save-minutes 10 --no-progress > runs/train/eagle3-stage4.log 2>&1 &
 wait
 # what ships now: runs/train/dflash-stage5/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+
+# ---- stage 6 (DFlash), eleventh session: a new order of the same corpus, peak lr 1e-4, one 1500-step schedule -----
+# One thread for ~105 minutes (1500 steps), beside the self-distillation run it was compared with at equal wall-clock
+# time (--loss kl: 1210 steps; docs/TRAINING.md "Stage 6"). The warm start is the stage-5 drafter as shipped (bf16).
+OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage5/final \
+  --data corpus/smollm2-135m --out runs/train/dflash-stage6 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
+  --seed 2 --lr 1e-4 --schedule-steps 1500 --max-steps 1500 --eval-every 100000 --save-every 100000 --save-minutes 10 \
+  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage6.log 2>&1
+# what ships now: runs/train/dflash-stage6/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
