@@ -101,3 +101,12 @@ OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/t
   --seed 2 --lr 1e-4 --schedule-steps 1500 --max-steps 1500 --eval-every 100000 --save-every 100000 --save-minutes 10 \
   --keep-checkpoints 2 --no-progress > runs/train/dflash-stage6.log 2>&1
 # what ships now: runs/train/dflash-stage6/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+
+# ---- stage 7 (DFlash), twelfth session: the stage-6 recipe again, on another order (--seed 3), 1400 steps ----------
+# One thread for ~97 minutes of training, beside a run at 4 sequences per step (--grad-accum 4 --lr 2e-4, 350 steps:
+# the same 1400 sequences in the same time), which tied it (docs/TRAINING.md "Stage 7").
+OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage6/final \
+  --data corpus/smollm2-135m --out runs/train/dflash-stage7 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
+  --seed 3 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
+  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage7.log 2>&1
+# what ships now: runs/train/dflash-stage7/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
