@@ -284,3 +284,103 @@ def test_seeded_sampling_is_the_same_for_every_method(tiny_targets, arch):
             engine.submit(ids, config)]
     engine.run()
     assert seqs[0].result.tokens == seqs[2].result.tokens == reference
+
+
+class PartlyRightProposer(Proposer):
+    """The target's own continuation for 0, 1, 2 or all of its tokens (each a quarter of the rounds), then wrong
+    ones: mostly early rejections, as a real drafter's, the first position included, and sometimes none."""
+
+    name = "partly-right"
+
+    def __init__(self, reference: list[int], prompt_len: int, max_draft: int, vocab_size: int, seed: int = 0):
+        self.reference, self.prompt_len, self.max_draft, self.vocab_size = reference, prompt_len, max_draft, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        done = len(sequence) - self.prompt_len
+        count = self.max_draft if limit is None else min(limit, self.max_draft)
+        right = [0, 1, 2, count][int(torch.randint(0, 4, (), generator=self.generator))]
+        wrong = [(t + 1) % self.vocab_size for t in self.reference[done + right: done + count]]
+        return Draft(self.reference[done: done + right] + wrong)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_deferred_logits_choose_what_full_logits_choose(tiny_targets, arch, monkeypatch):
+    """A verify pass whose LM head runs in steps (the first FIRST_LOGITS positions, then the rest only for rows
+    that accepted them all) picks the same tokens and accepts the same drafts as one head over every position, for
+    greedy and seeded sampled rows batched together; and it leaves out the rows after early rejections. (Tiny
+    targets are not timed, so their engines step the head in every wide round.)"""
+    from dflash.engine import FIRST_LOGITS, Engine
+
+    target = tiny_targets[arch]
+    assert target.defers_logits
+    greedy = GenerationConfig(max_new_tokens=2 * MAX_NEW, ignore_eos=True)
+    sampled = GenerationConfig(max_new_tokens=2 * MAX_NEW, ignore_eos=True,
+                               sampling=SamplingConfig(temperature=1.0, top_k=20, seed=5))
+    prompts = [target.encode_prompt(p) for p in PROMPTS]
+    references = [SpeculativeDecoder(target).generate(ids, cfg).tokens
+                  for ids, cfg in zip(prompts, (greedy, sampled, greedy))]
+    head_rows = []  # the positions the LM head ran on, summed over rows, one entry per head
+    logits_of, forward = target.logits_of, target.forward
+
+    def counted_forward(ids, cache=None, layers=(), logits_at="all"):
+        if isinstance(logits_at, str) and logits_at == "all":
+            head_rows.append(ids.shape[0] * ids.shape[1])
+        return forward(ids, cache, layers, logits_at=logits_at)
+
+    monkeypatch.setattr(target, "logits_of", lambda h: head_rows.append(h.shape[0] * h.shape[1]) or logits_of(h))
+    monkeypatch.setattr(target, "forward", counted_forward)
+
+    def run():
+        engine = Engine(target, PartlyRightProposer([], 0, 15, target.vocab_size), max_batch=3, adaptive=False)
+        seqs = []
+        for ids, cfg, ref in zip(prompts, (greedy, sampled, greedy), references):
+            seq = engine.submit(ids, cfg)
+            seq.proposer = PartlyRightProposer(ref, len(ids), 15, target.vocab_size, seed=len(seqs))
+            seqs.append(seq)
+        engine.run()
+        return [(s.result.tokens, s.stats.accept_lengths) for s in seqs]
+
+    deferred = run()
+    assert [tokens for tokens, _ in deferred] == references
+    assert min(min(lengths) for _, lengths in deferred) == 1 and max(max(lengths) for _, lengths in deferred) == 16
+    rows_deferred, head_rows[:] = sum(head_rows), []
+    monkeypatch.setattr(target, "defer_logits", False)
+    assert run() == deferred
+    # early rejections left the head's rows past FIRST_LOGITS out in most rounds (the full head: 3 x 16 a round)
+    assert 0 < rows_deferred < 0.75 * sum(head_rows)
+
+
+def test_rounds_that_accept_past_the_first_logits_stop_the_stepped_head(tiny_targets, monkeypatch):
+    """Where most wide rounds need logits past FIRST_LOGITS (a drafter that is always right), stepping would read
+    the head twice in most rounds: once that has happened in more rounds than the measured saving allows, the
+    engine goes back to one head over every position, and the output stays the target's."""
+    from dflash.engine import FIRST_LOGITS, OVERRUN_SMOOTHING
+
+    target = tiny_targets["qwen3"]
+    ids = target.encode_prompt(PROMPTS[0])
+    reference = ar_tokens(target, ids, 96).tokens
+    decoder = SpeculativeDecoder(target, OracleProposer(reference, len(ids), 15), adaptive=False)
+    decoder.engine.head_saving = 0.3  # as if measured: rounds needing the second step must stay under 30%
+    steps = []
+    logits_of = target.logits_of
+    monkeypatch.setattr(target, "logits_of", lambda h: steps.append(h.shape[1]) or logits_of(h))
+    result = decoder.generate(ids, GenerationConfig(max_new_tokens=96, ignore_eos=True))
+    assert result.tokens == reference
+    # the EMA of overrunning rounds passes 0.3 after ceil(log(0.7) / log(1 - w)) of them; each took both steps
+    switch = math.ceil(math.log(0.7) / math.log(1 - OVERRUN_SMOOTHING))
+    assert steps == [FIRST_LOGITS, 16 - FIRST_LOGITS] * switch
+    assert decoder.engine.head_overrun > 0.3
+
+
+def test_head_saving_is_measured_once_per_machine(tiny_targets, monkeypatch, tmp_path):
+    from dflash.engine import measured_head_saving
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_targets["llama"]
+    calls = []
+    logits_of = target.logits_of
+    monkeypatch.setattr(target, "logits_of", lambda h: calls.append(h.shape[1]) or logits_of(h))
+    saving = measured_head_saving(target)
+    assert saving >= 0 and sorted(set(calls)) == [8, 16] and len(calls) == 16
+    assert measured_head_saving(target) == saving and len(calls) == 16  # the second engine reads the cache

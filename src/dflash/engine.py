@@ -33,6 +33,13 @@ from .threads import chooser_for
 # skipped rounds) does not time a steady round's drafting; the cost model ignores it.
 CATCH_UP_TOKENS = 32
 
+# Where the target defers its logits (TargetModel.defers_logits), a verify pass wider than this runs the LM head
+# on its first FIRST_LOGITS positions, then on the rest only for rows that accepted every draft so far. On a CPU the
+# head reads its whole matrix whatever the rows, so up to ~8 rows cost about as much as one; the rows past them add
+# arithmetic, which a round that rejects early does not need. Whether that pays is measured (measured_head_saving).
+FIRST_LOGITS = 8
+OVERRUN_SMOOTHING = 0.1  # EMA weight of a wide round's "some row needed logits past FIRST_LOGITS"
+
 
 @dataclass
 class GenerationConfig:
@@ -153,6 +160,11 @@ class Engine:
         self.calibrations: dict[int, Calibration] = {}  # the drafter's (by its block), shared likewise
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
             self.costs.seed(measured_pass_costs(target))
+        # a wide round computes its logits in two steps while rounds that need the second step are rarer than the
+        # second step's share of a whole head (untimed test targets: always)
+        wide = proposer is not None and proposer.max_draft + 1 > FIRST_LOGITS and target.defers_logits
+        self.head_saving = (measured_head_saving(target) if target.measure else 1.0) if wide else 0.0
+        self.head_overrun = 0.0  # how often a wide round needed logits past FIRST_LOGITS (EMA)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # row i of the cache holds running[i]
         self.cache = None
@@ -308,8 +320,14 @@ class Engine:
         if self.threads:
             self.threads.before_pass()
         started = self.timer()
-        out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers)
-        chosen = self._choose(out.logits, rows, [len(b) for b in blocks])  # the host sync: the pass has run
+        deferred = width > FIRST_LOGITS and self.head_overrun < self.head_saving
+        out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers,
+                                  logits_at="hidden" if deferred else "all")
+        widths = [len(b) for b in blocks]
+        if deferred:
+            chosen = self._choose_in_steps(out.hidden, rows, drafts, widths)
+        else:
+            chosen = self._choose(out.logits, rows, widths)  # the host sync: the pass has run
         verify_seconds = self.timer() - started
         if self.threads:
             verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
@@ -327,6 +345,9 @@ class Engine:
             new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]
             seq.sequence += new_tokens
             self._emit(seq, new_tokens)
+        if width > FIRST_LOGITS:
+            overran = max(length - start for length, start in zip(lengths, starts)) > FIRST_LOGITS
+            self.head_overrun += OVERRUN_SMOOTHING * (overran - self.head_overrun)
         cache.set_lengths(lengths)
         if self.batched:
             self.cache.take_lengths(cache, 0)
@@ -340,13 +361,34 @@ class Engine:
         return self.threads.average[self.threads.current] * relative if probe else seconds
 
     @staticmethod
-    def _choose(logits: torch.Tensor, rows: list[Sequence], widths: list[int]) -> list[list[int]]:
-        """The target's token at every verified position of every row, with one host sync when all are greedy."""
+    def _choose(logits: torch.Tensor, rows: list[Sequence], widths: list[int], offset: int = 0) -> list[list[int]]:
+        """The target's token at every verified position of every row (logits[i, j] is position offset + j of row
+        i's block), with one host sync when all are greedy."""
         if all(seq.config.sampling.greedy for seq in rows):
             picked = logits.argmax(-1).tolist()
             return [p[:w] for p, w in zip(picked, widths)]
-        return [pick_tokens(logits[i, :w], seq.config.sampling, len(seq.sequence)).tolist()
+        return [pick_tokens(logits[i, :w], seq.config.sampling, len(seq.sequence) + offset).tolist()
                 for i, (seq, w) in enumerate(zip(rows, widths))]
+
+    def _choose_in_steps(self, hidden: torch.Tensor, rows: list[Sequence], drafts: list[list[int]],
+                         widths: list[int]) -> list[list[int]]:
+        """What `_choose` returns up to each row's first rejected draft, which is all acceptance reads: the LM
+        head runs on the first FIRST_LOGITS positions, then on the rest for the rows that accepted all of them.
+        Each position picks its token exactly as `_choose` would (a seeded sample by its sequence position)."""
+        chosen: list[list[int]] = [[] for _ in rows]
+        pending, start = list(range(len(rows))), 0
+        while pending:
+            stop = min(FIRST_LOGITS if start == 0 else max(widths), max(widths[i] for i in pending))
+            rows_hidden = hidden[pending, start:stop] if len(pending) < len(rows) else hidden[:, start:stop]
+            logits = self.target.logits_of(rows_hidden)
+            picked = self._choose(logits, [rows[i] for i in pending],
+                                  [max(0, min(widths[i], stop) - start) for i in pending], start)
+            for i, tokens in zip(pending, picked):
+                chosen[i] += tokens
+            pending = [i for i in pending
+                       if len(chosen[i]) < widths[i] and chosen[i] == drafts[i][: len(chosen[i])]]
+            start = stop
+        return chosen
 
     def _emit(self, seq: Sequence, new_tokens: list[int]) -> None:
         """Commit emitted tokens to the output, cut at stops; tell the listener."""
@@ -416,8 +458,11 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
         for run in range(repeats + 1):
             for w in widths:
                 started = time.perf_counter()
-                out = target.forward(torch.tensor([[7] * w], device=target.device), cache)
-                out.logits.argmax(-1).tolist()  # the host sync a round has
+                deferred = target.defers_logits and w > FIRST_LOGITS  # as a round runs it, rejecting early
+                out = target.forward(torch.tensor([[7] * w], device=target.device), cache,
+                                     logits_at="hidden" if deferred else "all")
+                logits = target.logits_of(out.hidden[:, :FIRST_LOGITS]) if deferred else out.logits
+                logits.argmax(-1).tolist()  # the host sync a round has
                 if run:
                     times[w].append(time.perf_counter() - started)
                 cache.truncate(context)
@@ -425,9 +470,34 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
         return {str(w): round(median[w] / median[widths[0]], 4) for w in widths}
 
     kernels = (getattr(target, "kernel_report", None) or {}).get("choices")
-    key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:pass-costs"
+    deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
+    key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:pass-costs{deferred}"
     relative, _ = cached_measurement(key, measure)
     return {int(w): r for w, r in relative.items()}
+
+
+def measured_head_saving(target, repeats: int = 7) -> float:
+    """How much more the LM head costs on 2 x FIRST_LOGITS positions than on FIRST_LOGITS, as a fraction (0.3: 30%
+    more): what a 16-token round saves when it rejects within its first FIRST_LOGITS positions, and so the largest
+    share of rounds that may need the second step before the stepped head loses. Timed at load, cached per
+    machine, model and kernel choice like the pass costs."""
+    from .models.kernels import cached_measurement
+
+    def measure() -> dict:
+        hidden = torch.randn(1, 2 * FIRST_LOGITS, target.hidden_size, dtype=target.dtype, device=target.device)
+        times: dict[int, list[float]] = {FIRST_LOGITS: [], 2 * FIRST_LOGITS: []}
+        for run in range(repeats + 1):
+            for rows in times:
+                started = time.perf_counter()
+                target.logits_of(hidden[:, :rows]).argmax(-1).tolist()
+                if run:
+                    times[rows].append(time.perf_counter() - started)
+        first, both = (sorted(t)[len(t) // 2] for t in times.values())
+        return {"saving": round(max(0.0, both / first - 1), 4)}
+
+    kernels = (getattr(target, "kernel_report", None) or {}).get("choices")
+    key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:head-saving"
+    return cached_measurement(key, measure)[0]["saving"]
 
 
 class SpeculativeDecoder:

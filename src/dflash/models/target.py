@@ -30,6 +30,7 @@ KERNEL_CHOICES = ("auto", "packed", "plain", "native")
 class TargetOutput:
     logits: torch.Tensor | None  # [batch, positions, vocab], float32
     features: torch.Tensor | None  # [batch, seq, n_layers * hidden] concatenated layer outputs, or None
+    hidden: torch.Tensor | None = None  # [batch, seq, hidden]: the last layer's output, when logits_at="hidden"
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TargetModel:
     _engine: object = field(default=None, repr=False)
     graphs: PassGraphs | None = field(default=None, repr=False)  # set by use_graphs
     graph_capacity: int = 0  # the cache capacity graphs are made for (new caches get at least this)
+    defer_logits: bool = True  # let verify passes compute their logits a few positions at a time (defers_logits)
 
     def __post_init__(self):
         self.model.eval()
@@ -141,10 +143,28 @@ class TargetModel:
         self.graphs = PassGraphs(self.engine, capture)
         self.graph_capacity = capacity
 
+    @property
+    def defers_logits(self) -> bool:
+        """Whether a verify pass may return its last hidden states (logits_at="hidden") and leave the LM head to
+        `logits_of`, a few positions at a time: most rounds reject a draft early, and on a CPU the head's rows
+        after the first rejection cost a millisecond or more for nothing. Our forward on CPU only: transformers
+        computes the head inside its forward, and a CUDA graph computes every row in the pass for less than a
+        second host sync would cost."""
+        return (self.defer_logits and self.device.type == "cpu" and self.graphs is None
+                and isinstance(self.engine, Transformer))
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., vocab] float32 of last hidden states that a pass with logits_at="hidden" returned."""
+        return self.engine.logits(hidden, "all")
+
     def forward(self, input_ids: torch.Tensor, cache=None, feature_layers: tuple[int, ...] = (),
                 logits_at: str | torch.Tensor = "all") -> TargetOutput:
         """Run `input_ids` [batch, seq] after what `cache` holds (a fresh sequence when None); return the logits at
-        `logits_at` ("all", "last", "none" or one position per row) and the chosen layers' outputs."""
+        `logits_at` ("all", "last", "none" or one position per row; "hidden" where `defers_logits`: no logits,
+        the last layer's outputs instead) and the chosen layers' outputs."""
+        if logits_at == "hidden" and not self.defers_logits:
+            raise ValueError("logits_at='hidden' needs a target that defers logits (see defers_logits)")
         for layer_id in feature_layers:
             if not 0 <= layer_id < self.num_layers:
                 raise UserError(f"feature layer {layer_id} is out of range for a {self.num_layers}-layer target")
@@ -154,6 +174,8 @@ class TargetModel:
             logits, features = self.graphs.run(input_ids, cache, tuple(feature_layers))
         else:
             logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at)
+        if logits_at == "hidden":
+            return TargetOutput(logits=None, features=features, hidden=logits)
         return TargetOutput(logits=logits, features=features)
 
     # ---- text -----------------------------------------------------------------------------------------------

@@ -212,8 +212,9 @@ class Transformer(nn.Module):
         """Run `input_ids` [b, n], row r at positions cache.lengths[r] onward, and advance every row by n.
 
         Returns (logits [b, m, vocab] float32, features [b, n, len(feature_layers) * hidden]): the feature of layer
-        i is the OUTPUT of decoder layer i. logits_at: "all" (m = n), "last" (m = 1), "none" (no logits), or a
-        LongTensor [b] of one position per row (m = 1; e.g. each row's last real token in a padded prefill)."""
+        i is the OUTPUT of decoder layer i. logits_at: "all" (m = n), "last" (m = 1), "none" (no logits), a
+        LongTensor [b] of one position per row (m = 1; e.g. each row's last real token in a padded prefill), or
+        "hidden": the last layer's outputs [b, n, hidden] in place of logits, for `logits` to finish later."""
         b, n = input_ids.shape
         starts = cache.lengths
         end = max(starts) + n
@@ -237,7 +238,7 @@ class Transformer(nn.Module):
                     outputs[index] = h
         cache.advance(n)
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return self.logits(h, logits_at), features
+        return (h if isinstance(logits_at, str) and logits_at == "hidden" else self.logits(h, logits_at)), features
 
     @torch.inference_mode()
     def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
