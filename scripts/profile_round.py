@@ -8,7 +8,8 @@ the best kernel's matrix-vector product over a matrix of that size, each the med
 after the passes. Reported: our forward (dflash's engine) and
 transformers' forward for a 1-token step and verify passes of 2-16 tokens (with features, logits at every position),
 ours also for a 16-token pass whose logits stop at the first FIRST_LOGITS positions (engine.py: a round whose
-drafts fail there), drafting a block, and each step's ratio to the bound. Medians of 10 runs each; the engine is warmed up first.
+drafts fail there) and one without logits (its decoder layers alone), drafting a block, and each step's ratio to the
+bound. Medians of 10 runs each; the engine is warmed up first.
 """
 
 import json
@@ -68,9 +69,14 @@ def profile(target: TargetModel, layers: tuple[int, ...], widths=(1, 2, 4, 8, 16
         target.logits_of(hidden[:, :FIRST_LOGITS]).argmax(-1).tolist()
         cache.truncate(length)
 
+    def layers_only():  # the decoder layers of a 16-token pass: what no choice of logits can take off
+        target.forward(torch.tensor([[5] * 16]), cache, layers, logits_at="none")
+        cache.truncate(length)
+
     times = {n: median_ms(verify(n)) for n in widths}
     if target.defers_logits:
         times["16 stepped"] = median_ms(stepped)
+    times["16 no logits"] = median_ms(layers_only)
     return times
 
 
@@ -114,6 +120,7 @@ def main() -> None:
     print(f"verify-16 / step: {ours[16] / ours[1]:.2f}x with logits at all 16 positions"
           + (f", {stepped / ours[1]:.2f}x ({stepped:.1f} ms) with logits at the first {FIRST_LOGITS}, as a round "
              f"that rejects there runs it" if stepped else "")
+          + f", {ours['16 no logits'] / ours[1]:.2f}x ({ours['16 no logits']:.1f} ms) without logits"
           + f"; drafting a block ({report['draft_dtype']}): {draft_ms:.1f} ms")
     if out_file:
         with open(out_file, "w") as f:
