@@ -378,7 +378,9 @@ class Engine:
         chosen: list[list[int]] = [[] for _ in rows]
         pending, start = list(range(len(rows))), 0
         while pending:
-            stop = min(FIRST_LOGITS if start == 0 else max(widths), max(widths[i] for i in pending))
+            stop = max(widths[i] for i in pending)
+            if start == 0:
+                stop = min(stop, FIRST_LOGITS)
             rows_hidden = hidden[pending, start:stop] if len(pending) < len(rows) else hidden[:, start:stop]
             logits = self.target.logits_of(rows_hidden)
             picked = self._choose(logits, [rows[i] for i in pending],
@@ -469,10 +471,8 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
         median = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
         return {str(w): round(median[w] / median[widths[0]], 4) for w in widths}
 
-    kernels = (getattr(target, "kernel_report", None) or {}).get("choices")
     deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
-    key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:pass-costs{deferred}"
-    relative, _ = cached_measurement(key, measure)
+    relative, _ = cached_measurement(_measurement_key(target, f"pass-costs{deferred}"), measure)
     return {int(w): r for w, r in relative.items()}
 
 
@@ -495,9 +495,14 @@ def measured_head_saving(target, repeats: int = 7) -> float:
         first, both = (sorted(t)[len(t) // 2] for t in times.values())
         return {"saving": round(max(0.0, both / first - 1), 4)}
 
+    return cached_measurement(_measurement_key(target, "head-saving"), measure)[0]["saving"]
+
+
+def _measurement_key(target, what: str) -> str:
+    """Where a timing of `target` is cached (per machine, by kernels.cached_measurement): model, dtype, device and
+    kernel choice, then what was timed."""
     kernels = (getattr(target, "kernel_report", None) or {}).get("choices")
-    key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:head-saving"
-    return cached_measurement(key, measure)[0]["saving"]
+    return f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:{what}"
 
 
 class SpeculativeDecoder:
