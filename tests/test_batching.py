@@ -111,15 +111,17 @@ def test_seeded_sampling_in_a_batch_is_reproducible(tiny_targets):
     assert sample_all() == sample_all()
 
 
-def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets):
+@pytest.mark.parametrize("draft_vocab", [None, list(range(5, 40))], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets, draft_vocab):
     """propose_batch gives each row the drafts and confidences it gets alone, over rounds in which the rows'
-    contexts grow by different amounts."""
+    contexts grow by different amounts; a row whose `keep_going` says no after the first FIRST_READ positions gets
+    their drafts alone, the others the whole block."""
     import copy
 
     import torch
 
     from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
-    from dflash.methods.dflash.proposer import DFlashProposer
+    from dflash.methods.dflash.proposer import FIRST_READ, DFlashProposer
 
     target = tiny_targets["gemma3"]
     cfg = DFlashConfig.for_target(target.config, target.vocab_size, 2, num_layers=2, block_size=6, num_features=2)
@@ -127,26 +129,31 @@ def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets):
     with torch.no_grad():
         for p in drafter.parameters():
             p.mul_(20)  # a sharper random drafter: distinct argmaxes make the comparison meaningful
+    drafter.draft_vocab = draft_vocab  # its base head, plus each row's own prompt tokens (40-59 here)
     template = DFlashProposer(drafter.freeze(), target)
     gen = torch.Generator().manual_seed(5)
     sequences = [torch.randint(5, 60, (n,), generator=gen).tolist() for n in (9, 17, 12)]
     features = [target.forward(torch.tensor([s[:-1]]), None, template.feature_layers).features for s in sequences]
-    alone, together = [copy.copy(template) for _ in sequences], [copy.copy(template) for _ in sequences]
-    for p, q, s, f in zip(alone, together, sequences, features):
-        p.start(s[:-1], f)
-        q.start(s[:-1], f)
+    alone, together, stepped = ([copy.copy(template) for _ in sequences] for _ in range(3))
+    for proposers in (alone, together, stepped):
+        for p, s, f in zip(proposers, sequences, features):
+            p.start(s[:-1], f)
     for grow in ((0, 0, 0), (3, 1, 2), (1, 5, 1)):
         for i, n in enumerate(grow):  # commit n more tokens (their features) before the next round
             if n:
                 more = torch.randint(5, 60, (n,), generator=gen).tolist()
                 feats = target.forward(torch.tensor([sequences[i] + more]), None, template.feature_layers).features
                 new = feats[:, len(sequences[i]) - 1: len(sequences[i]) - 1 + n]
-                for p in (alone[i], together[i]):
+                for p in (alone[i], together[i], stepped[i]):
                     p.commit(sequences[i][-1:] + more[:-1], new)
                 sequences[i] = sequences[i] + more
         solo = [p.propose(s) for p, s in zip(alone, sequences)]
         batch = DFlashProposer.propose_batch(together, sequences, [None] * len(sequences))
-        for a, b in zip(solo, batch):
-            assert a.tokens == b.tokens
+        partly = DFlashProposer.propose_batch(stepped, sequences, [lambda c: False, None, lambda c: len(c) < 4])
+        first_step = FIRST_READ
+        for a, b, c, read in zip(solo, batch, partly, (first_step, template.max_draft, first_step)):
+            assert a.tokens == b.tokens and c.tokens == a.tokens[:read]
             torch.testing.assert_close(torch.tensor(a.confidence), torch.tensor(b.confidence), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(torch.tensor(a.confidence[:read]), torch.tensor(c.confidence),
+                                       atol=1e-5, rtol=1e-4)
         assert len(set(tuple(d.tokens) for d in solo)) > 1

@@ -310,3 +310,98 @@ def test_what_the_drafters_confidence_is_worth_carries_over_to_the_next_sequence
     assert first.draft_lengths[0] == 7  # nothing known yet: the whole block
     assert second.draft_lengths[0] <= 1  # its first drafts, 90% sure, are judged worth one verified at most
     assert second.num_rounds - second.skipped_drafting < first.num_rounds - first.skipped_drafting
+
+
+def test_reading_drafts_in_steps_never_changes_the_choice():
+    """`could_verify_more` after the first drafts of a block: where it says no, `choose` over those drafts picks what
+    it picks over the whole block, whatever the calibration, the costs, the rate and the later confidences; and it
+    says no often enough to save reading (an always-yes would pass the first check alone)."""
+    rng = random.Random(0)
+    stopped, chose_later = 0, 0
+    for _ in range(500):
+        costs = CostModel()
+        slope = rng.uniform(0.0, 0.15)
+        costs.seed({w: 1.0 + slope * (w - 1) ** rng.uniform(0.7, 1.4) for w in range(1, 9)})
+        costs.observe(1, 0.030)
+        controller = DraftController(max_draft=7, costs=costs)
+        for _ in range(rng.randint(0, 40)):
+            confidences = [rng.random() for _ in range(7)]
+            controller.calibration.observe(confidences, verified=7, accepted=rng.randint(0, 7))
+        controller.rate = rng.uniform(5.0, 120.0)
+        confidences = [rng.random() ** rng.choice([0.2, 1.0, 3.0]) for _ in range(7)]
+        whole = controller.choose(confidences, 7)
+        for read in range(1, 7):
+            if controller.could_verify_more(confidences[:read]):
+                chose_later += whole > read
+                continue
+            stopped += 1
+            assert controller.choose(confidences[:read], read) == whole
+    assert stopped > 500 and chose_later > 100
+
+
+def test_dflash_reads_fewer_drafts_and_chooses_the_same(tiny_targets, monkeypatch):
+    """Under a fixed clock the stepped read of DFlash's drafts (FIRST_READ) verifies the same drafts every round as
+    reading whole blocks, with the same output, and reads fewer positions of the LM head."""
+    import dflash.methods.dflash.proposer as dflash_proposer
+
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[2])
+
+    def run(steps):
+        monkeypatch.setattr(dflash_proposer, "FIRST_READ", steps)
+        proposer = DFlashProposer(make_drafter(target, 16), target)
+        read_drafts, positions = proposer.read_drafts, []
+
+        def counted(hidden, base=None):
+            positions.append(hidden.shape[0] * hidden.shape[1])
+            return read_drafts(hidden, base)
+
+        clock = FakeClock(per_token=0.0005)
+        with monkeypatch.context() as m:
+            clock.install(m, target, proposer)
+            m.setattr(proposer, "read_drafts", counted)
+            result = SpeculativeDecoder(target, proposer, timer=clock).generate(ids, CONFIG)
+        return result, sum(positions)
+
+    (stepped, stepped_read), (whole, whole_read) = run(4), run(None)
+    assert stepped.tokens == whole.tokens == ar_tokens(target, ids)
+    assert stepped.stats.draft_lengths == whole.stats.draft_lengths
+    assert stepped.stats.accept_lengths == whole.stats.accept_lengths
+    assert max(whole.stats.draft_lengths) > 0
+    assert stepped_read < whole_read
+
+
+def test_reading_in_steps_stops_where_rows_keep_needing_more(tiny_targets):
+    """Rows whose controller keeps wanting drafts past FIRST_READ cost a second read each: once that happens more
+    often than the measured break-even share, a block is read in one go again (and stepping resumes when they stop
+    wanting more); rows that never want more read FIRST_READ positions only."""
+    import torch
+
+    from dflash.methods.dflash.proposer import FIRST_READ
+
+    target = tiny_targets["llama"]
+    proposer = DFlashProposer(make_drafter(target, 16), target)
+    proposer.reading.break_even = 0.5
+    reads = []
+    read_drafts = proposer.read_drafts
+
+    def counted(hidden, base=None):
+        reads.append(hidden.shape[1])
+        return read_drafts(hidden, base)
+
+    proposer.read_drafts = counted
+    hidden = torch.randn(1, proposer.max_draft, target.hidden_size)
+
+    def one_block(wants_more) -> list[int]:
+        reads.clear()
+        draft = DFlashProposer._read_in_steps([proposer], hidden, [wants_more])
+        assert len(draft[0].tokens) == (proposer.max_draft if sum(reads) == proposer.max_draft else FIRST_READ)
+        return list(reads)
+
+    assert [one_block(lambda c: False) for _ in range(3)] == [[FIRST_READ]] * 3
+    always = [one_block(lambda c: True) for _ in range(12)]
+    assert always[0] == [FIRST_READ, proposer.max_draft - FIRST_READ]
+    assert always[-1] == [proposer.max_draft]  # the second read happened too often: one read of the whole block
+    never = [one_block(lambda c: False) for _ in range(12)]
+    assert never[0] == [proposer.max_draft] and never[-1] == [FIRST_READ]
+    assert one_block(None) == [proposer.max_draft]  # no controller to ask: the whole block

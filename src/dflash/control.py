@@ -55,6 +55,13 @@ class Calibration:
         b = self._bin(confidence)
         return (self.accepted[b] + confidence * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT)
 
+    def highest_probability(self) -> float:
+        """The most `probability` gives any confidence: each bin's at the top of its range (it grows with the
+        confidence inside a bin)."""
+        tops = (min(1.0, (b + 1) / CONFIDENCE_BINS) for b in range(CONFIDENCE_BINS))
+        return max((self.accepted[b] + top * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT)
+                   for b, top in enumerate(tops))
+
     def observe(self, confidences: list[float] | None, verified: int, accepted: int) -> None:
         """`verified` drafts went to the target and the first `accepted` of them were accepted: each draft up to
         the first rejection counts as a trial (later ones were never reached)."""
@@ -217,15 +224,44 @@ class DraftController:
             return available
         if self.rate is None:  # a new sequence: until its own rounds say otherwise, the rate of plain steps
             self.rate = 1 / max(self.costs.cost(self.rows), 1e-9)
-        best_k, best_value, expected, all_right = 0, 0.0, 0.0, 1.0
-        for k in range(1, available + 1):
-            all_right *= self.calibration.probability(k - 1, confidences[k - 1] if confidences else None)
-            expected += all_right
-            value = expected - self.rate * self._extra_cost(k + 1)
+        probabilities = [self.calibration.probability(j, confidences[j] if confidences else None)
+                         for j in range(available)]
+        best_k, best_value = 0, 0.0
+        for k, value in self._values(probabilities):
             if value > best_value:
                 best_k, best_value = k, value
         self.chosen_value = best_value
         return best_k
+
+    def could_verify_more(self, confidences: list[float]) -> bool:
+        """For a drafter that makes every draft in one pass but reads them in steps (DFlash's LM head): could
+        `choose` verify a draft beyond these, whatever the unread ones' confidences? Each later choice's value is
+        bounded by taking every unread draft to be accepted with the highest probability the calibration gives
+        any confidence. False only where no bound beats the best choice among the drafts read, so reading no
+        further leaves the choice as it would have been."""
+        if self.whole_blocks or self.rate is None or not self.costs.known:
+            return True
+        read = len(confidences)
+        if read >= self.max_draft:
+            return False
+        probabilities = [self.calibration.probability(j, c) for j, c in enumerate(confidences)]
+        probabilities += [self.calibration.highest_probability()] * (self.max_draft - read)
+        best = 0.0
+        for k, value in self._values(probabilities):
+            if k <= read:
+                best = max(best, value)
+            elif value > best:
+                return True
+        return False
+
+    def _values(self, probabilities: list[float]):
+        """(k, the value of verifying k drafts) for k = 1.. len(probabilities), from each draft's probability of
+        being accepted given every one before it was."""
+        expected, all_right = 0.0, 1.0
+        for k, p in enumerate(probabilities, start=1):
+            all_right *= p
+            expected += all_right
+            yield k, expected - self.rate * self._extra_cost(k + 1)
 
     def keep_going(self, confidences: list[float]) -> bool:
         """For chain drafters (EAGLE-3), after each draft: is one more worth its drafting step? Only if even a

@@ -290,7 +290,7 @@ class Engine:
             started = self.timer()
             made = type(drafting[0].proposer).propose_batch(
                 [s.proposer for s in drafting], [s.sequence for s in drafting],
-                [s.controller.keep_going for s in drafting])
+                [_keep_going(s) for s in drafting])
             share = (self.timer() - started) / len(drafting)  # what each sequence's drafting adds to the round
             drafts = {id(s): (d, share) for s, d in zip(drafting, made)}
         planned = []
@@ -472,8 +472,15 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
         return {str(w): round(median[w] / median[widths[0]], 4) for w in widths}
 
     deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
-    relative, _ = cached_measurement(_measurement_key(target, f"pass-costs{deferred}"), measure)
+    relative, _ = cached_measurement(target.measurement_key(f"pass-costs{deferred}"), measure)
     return {int(w): r for w, r in relative.items()}
+
+
+def _keep_going(seq: Sequence):
+    """What a sequence's proposer asks before drafting or reading further drafts (None: draft the whole block)."""
+    if seq.controller.whole_blocks:
+        return None
+    return seq.controller.could_verify_more if seq.proposer.one_pass else seq.controller.keep_going
 
 
 def measured_head_saving(target, repeats: int = 7) -> float:
@@ -495,14 +502,7 @@ def measured_head_saving(target, repeats: int = 7) -> float:
         first, both = (sorted(t)[len(t) // 2] for t in times.values())
         return {"saving": round(max(0.0, both / first - 1), 4)}
 
-    return cached_measurement(_measurement_key(target, "head-saving"), measure)[0]["saving"]
-
-
-def _measurement_key(target, what: str) -> str:
-    """Where a timing of `target` is cached (per machine, by kernels.cached_measurement): model, dtype, device and
-    kernel choice, then what was timed."""
-    kernels = (getattr(target, "kernel_report", None) or {}).get("choices")
-    return f"{target.name}:{str(target.dtype).removeprefix('torch.')}:{target.device}:{kernels}:{what}"
+    return cached_measurement(target.measurement_key("head-saving"), measure)[0]["saving"]
 
 
 class SpeculativeDecoder:

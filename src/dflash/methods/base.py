@@ -33,6 +33,10 @@ class Proposer:
     name = "ar"
     feature_layers: tuple[int, ...] = ()
     max_draft = 0
+    # True: one pass makes every draft, and `keep_going` asks whether the controller could still verify a draft
+    # beyond those read so far (DFlash reads its LM head in steps); False: drafts come one at a time, and it asks
+    # whether one more pays for its drafting (EAGLE-3)
+    one_pass = False
     report: dict = {}  # how it was set up (e.g. the measured draft dtype), for --json and bench
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
@@ -41,7 +45,8 @@ class Proposer:
     def propose(self, sequence: list[int], limit: int | None = None,
                 keep_going: Callable[[list[float]], bool] | None = None) -> Draft:
         """Up to min(limit, max_draft) drafts to follow `sequence`. A drafter that drafts one token at a time
-        (EAGLE-3) asks `keep_going(confidences so far)` before each further draft."""
+        (EAGLE-3) asks `keep_going(confidences so far)` before each further draft; a `one_pass` drafter may stop
+        reading its drafts where it says no."""
         return Draft([])
 
     def skip(self) -> None:

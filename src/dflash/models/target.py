@@ -153,6 +153,12 @@ class TargetModel:
         return (self.defer_logits and self.device.type == "cpu" and self.graphs is None
                 and isinstance(self.engine, Transformer))
 
+    def measurement_key(self, what: str) -> str:
+        """Where a timing of this target (or of a drafter on it) is cached, per machine, by
+        kernels.cached_measurement: model, dtype, device and kernel choice, then what was timed."""
+        kernels = (self.kernel_report or {}).get("choices")
+        return f"{self.name}:{str(self.dtype).removeprefix('torch.')}:{self.device}:{kernels}:{what}"
+
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., vocab] float32 of last hidden states that a pass with logits_at="hidden" returned."""

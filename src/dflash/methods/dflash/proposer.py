@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -13,8 +14,34 @@ from ..base import Draft, DraftPrecision, FeatureBacklog, MethodOptions, Propose
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 
 
+# Draft positions read before asking the controller whether it could verify a further one (None: always read the
+# whole block at once). The LM head over the draft vocabulary costs more the more positions it reads (int8 at one
+# thread: 0.8 ms for 4, 2.5 ms for 15, of a 10.5 ms drafting pass), and adaptive rounds mostly verify a few drafts.
+# A second read costs its own fixed part (float32: 3.1 ms for 4, 6.2 ms for 15), so whether stepping pays is
+# measured: `StepwiseReading`.
+FIRST_READ: int | None = 4
+READ_SMOOTHING = 0.1  # EMA weight of a row's "needed drafts past FIRST_READ"
+
+
+class StepwiseReading:
+    """Whether reading a block's drafts in two steps pays, shared by an engine's copies of one proposer. It does
+    while the share of rows that need the second step stays under `break_even`: (head(all) - head(first)) /
+    head(rest), from the head's times measured on this machine."""
+
+    def __init__(self, break_even: float = 1.0):
+        self.break_even = break_even
+        self.beyond = 0.0  # EMA of how often a row's controller wanted drafts past FIRST_READ
+
+    def pays(self) -> bool:
+        return self.beyond < self.break_even
+
+    def observe(self, needed_more: bool) -> None:
+        self.beyond += READ_SMOOTHING * (float(needed_more) - self.beyond)
+
+
 class DFlashProposer(FeatureBacklog, Proposer):
     name = "dflash"
+    one_pass = True
 
     def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None, plan=None):
         trained = drafter.config.block_size
@@ -43,6 +70,7 @@ class DFlashProposer(FeatureBacklog, Proposer):
         self.lm_head = FrozenLinear(rows, plan=self.plan)
         self.vocab_ids = self.base_ids  # what the heads' columns are, in order (None: the whole vocabulary)
         self.prompt_rows: torch.Tensor | None = None
+        self.reading = StepwiseReading()
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.drafter.new_cache(capacity=len(prompt_ids) + 256)
@@ -74,8 +102,7 @@ class DFlashProposer(FeatureBacklog, Proposer):
         )
         self.pending = []
         keep = self.max_draft if limit is None else min(limit, self.max_draft)
-        drafts, confidence = self.read_drafts(hidden[:, 1:])
-        return Draft(drafts[0, :keep].tolist(), confidence[0, :keep].tolist())
+        return DFlashProposer._read_in_steps([self], hidden[:, 1: 1 + keep], [keep_going])[0]
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows * positions, base vocabulary] of the shared base head, the same for every row."""
@@ -101,7 +128,7 @@ class DFlashProposer(FeatureBacklog, Proposer):
     def propose_batch(proposers: list["DFlashProposer"], sequences: list[list[int]], keep_goings) -> list[Draft]:
         """Every sequence's block in ONE drafter pass, each row over its own context cache."""
         if len(proposers) == 1:
-            return [proposers[0].propose(sequences[0])]
+            return [proposers[0].propose(sequences[0], keep_going=keep_goings[0])]
         first = proposers[0]
         device = first.drafter.fc.weight.device
         contexts = []
@@ -116,16 +143,75 @@ class DFlashProposer(FeatureBacklog, Proposer):
         positions = starts[:, None] + torch.arange(first.block_size, device=device)
         hidden = first.drafter.forward_rows(first.target.embed_tokens(blocks), positions, contexts,
                                             [p.cache for p in proposers])
-        if first.base_vocab is None:  # one head for every row
-            drafts, confidence = first.read_drafts(hidden[:, 1:])
-            return [Draft(d, c) for d, c in zip(drafts.tolist(), confidence.tolist())]
-        # the base head once for the whole batch (it is every row's), then each row's own prompt tokens
-        base = first.base_logits(hidden[:, 1:]).view(len(proposers), first.max_draft, -1)
-        made = []
-        for r, p in enumerate(proposers):
-            drafts, confidence = p.read_drafts(hidden[r: r + 1, 1:], base[r])
-            made.append(Draft(drafts[0].tolist(), confidence[0].tolist()))
+        return DFlashProposer._read_in_steps(proposers, hidden[:, 1:], keep_goings)
+
+    @staticmethod
+    def _read_in_steps(proposers: list["DFlashProposer"], hidden: torch.Tensor, keep_goings) -> list[Draft]:
+        """Each row's drafts from its hidden states [rows, drafts, width]: FIRST_READ positions, then the rest for
+        the rows whose `keep_going(confidences so far)` (the controller's `could_verify_more`) says a further draft
+        could still be verified; a row without one reads them all. Every position at once while stepping does not
+        pay (`StepwiseReading`), which the answers at FIRST_READ keep measuring."""
+        first, total = proposers[0], hidden.shape[1]
+        made = [Draft([], []) for _ in proposers]
+        if not FIRST_READ or FIRST_READ >= total or all(k is None for k in keep_goings):
+            first._read_rows(proposers, hidden, list(range(len(proposers))), 0, total, made)
+            return made
+        split = FIRST_READ if first.reading.pays() else total
+        first._read_rows(proposers, hidden, list(range(len(proposers))), 0, split, made)
+        wanting = []
+        for r, keep_going in enumerate(keep_goings):
+            needed = keep_going is None or keep_going(made[r].confidence[:FIRST_READ])
+            if keep_going is not None:  # asked even when all was read: the answers decide whether stepping pays
+                first.reading.observe(needed)
+            if needed:
+                wanting.append(r)
+        if split < total and wanting:
+            first._read_rows(proposers, hidden, wanting, split, total, made)
         return made
+
+    def _read_rows(self, proposers: list["DFlashProposer"], hidden: torch.Tensor, rows: list[int], start: int,
+                   stop: int, made: list[Draft]) -> None:
+        """Appends positions start..stop of `rows` to their drafts."""
+        part = hidden[rows, start:stop] if len(rows) < hidden.shape[0] else hidden[:, start:stop]
+        if self.base_vocab is None:  # one head for every row
+            drafts, confidence = self.read_drafts(part)
+            read = list(zip(drafts.tolist(), confidence.tolist()))
+        else:  # the base head once for these rows (it is every row's), then each row's own prompt tokens
+            base = self.base_logits(part).view(len(rows), stop - start, -1)
+            read = []
+            for i, r in enumerate(rows):
+                drafts, confidence = proposers[r].read_drafts(part[i: i + 1], base[i])
+                read.append((drafts[0].tolist(), confidence[0].tolist()))
+        for r, (drafts, confidence) in zip(rows, read):
+            made[r].tokens += drafts
+            made[r].confidence += confidence
+
+
+def measured_break_even(proposer: DFlashProposer, target, precision: str, repeats: int = 7) -> float:
+    """`StepwiseReading.break_even` for `proposer`'s head: timed once per machine, target, drafter dtype and head
+    size (cached like the kernel plans)."""
+    from ...models.kernels import cached_measurement
+
+    first, whole = FIRST_READ or 0, proposer.max_draft
+    if not 0 < first < whole:
+        return 0.0
+
+    def measure() -> dict:
+        hidden = torch.randn(1, whole, target.hidden_size, device=target.device).to(proposer.full_head.dtype)
+        counts = sorted({first, whole - first, whole})
+        times: dict[int, list[float]] = {n: [] for n in counts}
+        for run in range(repeats + 1):
+            for n in counts:
+                started = time.perf_counter()
+                proposer.read_drafts(hidden[:, :n])
+                if run:
+                    times[n].append(time.perf_counter() - started)
+        median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+        return {"break_even": round(max(0.0, (median[whole] - median[first]) / median[whole - first]), 4)}
+
+    rows = len(proposer.base_vocab) if proposer.base_vocab is not None else proposer.full_head.shape[0]
+    key = target.measurement_key(f"dflash-read:{precision}:{rows}x{target.hidden_size}:{first}/{whole}")
+    return cached_measurement(key, measure)[0]["break_even"]
 
 
 def untrained_drafter(target, num_layers: int = 3, block_size: int = 16, seed: int = 0) -> DFlashDrafter:
@@ -159,6 +245,9 @@ def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
     def make(precision: DraftPrecision) -> tuple[DFlashProposer, str | None]:
         plan = precision.plan_for(target)
         drafter, note = load_drafter(options.drafter, target, precision.dtype, plan)
-        return DFlashProposer(drafter, target, options.block_size, plan), note
+        proposer = DFlashProposer(drafter, target, options.block_size, plan)
+        if target.measure:
+            proposer.reading.break_even = measured_break_even(proposer, target, precision.name)
+        return proposer, note
 
     return in_draft_dtype("dflash", target, options, make)
