@@ -292,3 +292,49 @@ def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monk
     speed = {name: seconds / 4 for name, seconds in speed.items()}  # the machine was busy when it was recorded
     _, report = measured_draft_precision(target, "m", seconds_in)
     assert report["measured_now"] and min(report["draft_ms"].values()) == pytest.approx(1000 * min(speed.values()))
+
+
+def test_a_timing_taken_on_a_busier_machine_is_taken_again(tmp_path, monkeypatch):
+    """Relative timings (pass costs, head savings) are cached with the 1-token pass time of their moment: kept while
+    today's pass is as slow or slower, measured again when it is much faster (the record was taken under load), and
+    an entry without that time (the old format) is measured again too."""
+    from dflash.models import target as target_module
+    from dflash.models.target import cached_timing
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    step = {"ms": 40.0}
+    monkeypatch.setattr(target_module, "time_pass", lambda *args, **kwargs: step["ms"])
+    measured = []
+
+    def measure():
+        measured.append(step["ms"])
+        return {"value": len(measured)}
+
+    def fresh_process():
+        target._step_ms_now = None  # a new process times its pass anew
+        return cached_timing(target, "thing", measure)
+
+    assert fresh_process() == {"value": 1, "step_ms": 40.0}
+    step["ms"] = 30.0  # a little quieter: within STALE_RATIO, kept
+    assert fresh_process()["value"] == 1
+    step["ms"] = 15.0  # much quieter now: the record was taken under load
+    assert fresh_process() == {"value": 2, "step_ms": 15.0}
+    step["ms"] = 60.0  # busier now than then: kept (measuring under load would repeat the mistake)
+    assert fresh_process()["value"] == 2
+    from dflash.models.kernels import cached_measurement
+
+    cached_measurement(target.measurement_key("old"), lambda: {"value": 0})  # an entry without its pass time
+    assert cached_timing(target, "old", measure)["value"] == 3
+
+
+def test_pass_costs_never_fall_with_width():
+    from dflash.engine import nondecreasing
+
+    assert nondecreasing([1.0, 1.1, 1.3, 1.6]) == [1.0, 1.1, 1.3, 1.6]
+    # a busy moment's reading (seen: a 2-token pass at 2.31x a step, an 8-token one at 1.87x) is pooled with its
+    # neighbours, not allowed to make every wider pass as dear as it
+    pooled = nondecreasing([1.0, 2.31, 2.29, 1.87, 2.26])
+    assert pooled == pytest.approx([1.0, (2.31 + 2.29 + 1.87) / 3, (2.31 + 2.29 + 1.87) / 3, (2.31 + 2.29 + 1.87) / 3,
+                                    2.26])
+    assert all(a <= b for a, b in zip(pooled, pooled[1:]))

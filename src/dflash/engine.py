@@ -449,9 +449,11 @@ PASS_WIDTHS = (1, 2, 4, 8, 16)
 
 def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: int = 64) -> dict[int, float]:
     """The cost of a target pass of each width relative to a 1-token pass, timed at load (widths interleaved, the
-    median of `repeats`, after a `context`-token prompt) and cached per machine, model and kernel choice: about a
-    second, once. The controller's online estimates start from these instead of from their first readings."""
-    from .models.kernels import cached_measurement
+    fastest of `repeats`: other work only ever adds time; after a `context`-token prompt; never cheaper for a wider
+    pass) and cached per machine, model and kernel choice (`cached_timing`: measured again if taken on a busier
+    machine): about a second, once. The controller's online estimates start from these instead of from their first
+    readings."""
+    from .models.target import cached_timing
 
     def measure() -> dict:
         cache = target.new_cache(capacity=context + max(widths) + 1)
@@ -468,12 +470,25 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
                 if run:
                     times[w].append(time.perf_counter() - started)
                 cache.truncate(context)
-        median = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
-        return {str(w): round(median[w] / median[widths[0]], 4) for w in widths}
+        relative = nondecreasing([min(times[w]) / min(times[widths[0]]) for w in widths])
+        return {"relative": {str(w): round(r, 4) for w, r in zip(widths, relative)}}
 
     deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
-    relative, _ = cached_measurement(target.measurement_key(f"pass-costs{deferred}"), measure)
+    relative = cached_timing(target, f"pass-costs{deferred}", measure)["relative"]
     return {int(w): r for w, r in relative.items()}
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pooling adjacent violators): a wider pass costs at
+    least a narrower one, so a reading that says otherwise is noise, spread over its neighbours rather than raised
+    to the dearest of them."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks.pop(-2), blocks.pop()
+            blocks.append([(a * n + b * m) / (n + m), n + m])
+    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def _keep_going(seq: Sequence):
@@ -487,8 +502,8 @@ def measured_head_saving(target, repeats: int = 7) -> float:
     """How much more the LM head costs on 2 x FIRST_LOGITS positions than on FIRST_LOGITS, as a fraction (0.3: 30%
     more): what a 16-token round saves when it rejects within its first FIRST_LOGITS positions, and so the largest
     share of rounds that may need the second step before the stepped head loses. Timed at load, cached per
-    machine, model and kernel choice like the pass costs."""
-    from .models.kernels import cached_measurement
+    machine, model and kernel choice like the pass costs (`cached_timing`)."""
+    from .models.target import cached_timing
 
     def measure() -> dict:
         hidden = torch.randn(1, 2 * FIRST_LOGITS, target.hidden_size, dtype=target.dtype, device=target.device)
@@ -502,7 +517,7 @@ def measured_head_saving(target, repeats: int = 7) -> float:
         first, both = (sorted(t)[len(t) // 2] for t in times.values())
         return {"saving": round(max(0.0, both / first - 1), 4)}
 
-    return cached_measurement(target.measurement_key("head-saving"), measure)[0]["saving"]
+    return cached_timing(target, "head-saving", measure)["saving"]
 
 
 class SpeculativeDecoder:

@@ -46,6 +46,7 @@ class TargetModel:
     graphs: PassGraphs | None = field(default=None, repr=False)  # set by use_graphs
     graph_capacity: int = 0  # the cache capacity graphs are made for (new caches get at least this)
     defer_logits: bool = True  # let verify passes compute their logits a few positions at a time (defers_logits)
+    _step_ms_now: float | None = field(default=None, repr=False)  # a 1-token pass timed in this process (cached_timing)
 
     def __post_init__(self):
         self.model.eval()
@@ -233,6 +234,30 @@ def plan_still_fits(target: TargetModel, plan: KernelPlan, timer=None) -> bool:
         return True
     target.engine.use_plan(plan)
     return time_pass(target, 1, repeats=3, timer=timer) >= STALE_RATIO * min(recorded.values())
+
+
+def cached_timing(target: TargetModel, what: str, measure, timer=None) -> dict:
+    """`measure()`'s result for `what` on `target` (relative timings: pass costs, head savings), cached per machine
+    like a kernel plan, together with the 1-token pass time of the moment it was taken. One taken on a busier
+    machine than this one is now (that pass more than 1 / STALE_RATIO times today's) is measured again: timings taken
+    while another job held the cores were seen to price a 2-token pass above an 8-token one, and every later run
+    reused them. The pass is timed once per process (three steps, about 0.1 s)."""
+    from .kernels import cached_measurement
+
+    def step_ms() -> float:
+        if target._step_ms_now is None:
+            target._step_ms_now = time_pass(target, 1, repeats=3, timer=timer)
+        return target._step_ms_now
+
+    def timed() -> dict:
+        result = measure()
+        result["step_ms"] = round(step_ms(), 3)
+        return result
+
+    def still_valid(cached: dict) -> bool:
+        return "step_ms" in cached and step_ms() >= STALE_RATIO * cached["step_ms"]
+
+    return cached_measurement(target.measurement_key(what), timed, still_valid=still_valid)[0]
 
 
 def time_pass(target: TargetModel, width: int, repeats: int = 5, timer=None) -> float:

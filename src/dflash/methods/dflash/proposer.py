@@ -189,8 +189,8 @@ class DFlashProposer(FeatureBacklog, Proposer):
 
 def measured_break_even(proposer: DFlashProposer, target, precision: str, repeats: int = 7) -> float:
     """`StepwiseReading.break_even` for `proposer`'s head: timed once per machine, target, drafter dtype and head
-    size (cached like the kernel plans)."""
-    from ...models.kernels import cached_measurement
+    size (cached like the target's pass costs, `cached_timing`)."""
+    from ...models.target import cached_timing
 
     first, whole = FIRST_READ or 0, proposer.max_draft
     if not 0 < first < whole:
@@ -210,8 +210,8 @@ def measured_break_even(proposer: DFlashProposer, target, precision: str, repeat
         return {"break_even": round(max(0.0, (median[whole] - median[first]) / median[whole - first]), 4)}
 
     rows = len(proposer.base_vocab) if proposer.base_vocab is not None else proposer.full_head.shape[0]
-    key = target.measurement_key(f"dflash-read:{precision}:{rows}x{target.hidden_size}:{first}/{whole}")
-    return cached_measurement(key, measure)[0]["break_even"]
+    return cached_timing(target, f"dflash-read:{precision}:{rows}x{target.hidden_size}:{first}/{whole}",
+                         measure)["break_even"]
 
 
 def untrained_drafter(target, num_layers: int = 3, block_size: int = 16, seed: int = 0) -> DFlashDrafter:
