@@ -52,7 +52,7 @@ def bandwidth_gb_s(weight_bytes: int, dtype: torch.dtype) -> dict:
     return {"read": weight_bytes / read_ms / 1e6, "matvec": matrix.numel() * element / matvec_ms / 1e6}
 
 
-def profile(target: TargetModel, layers: tuple[int, ...], widths=(1, 2, 4, 8, 16)) -> dict[int, float]:
+def profile(target: TargetModel, layers: tuple[int, ...], widths=(1, 2, 3, 4, 8, 16)) -> dict[int, float]:
     prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How much does she make every day?")
     cache = target.new_cache(capacity=512)
     target.forward(torch.tensor([prompt]), cache)
@@ -112,10 +112,11 @@ def main() -> None:
     print(f"target {dtype}, {torch.get_num_threads()} threads, {weight_bytes / 1e6:.0f} MB of weights; bandwidth "
           f"{bandwidth['read']:.1f} GB/s (read) / {bandwidth['matvec']:.1f} GB/s (best matvec) -> a step cannot beat "
           f"{bound_ms['read']:.1f} / {bound_ms['matvec']:.1f} ms")
-    print(f"{'tokens':>6} {'ours ms':>9} {'x bound':>8} {'transformers ms':>16} {'ours vs transformers':>21}")
+    print(f"{'tokens':>6} {'ours ms':>9} {'x bound':>8} {'x step':>7} {'transformers ms':>16} "
+          f"{'ours vs transformers':>21}")
     for n in theirs:
-        print(f"{n:>6} {ours[n]:>9.1f} {ours[n] / bound_ms['read']:>7.2f}x {theirs[n]:>16.1f} "
-              f"{theirs[n] / ours[n]:>20.2f}x")
+        print(f"{n:>6} {ours[n]:>9.1f} {ours[n] / bound_ms['read']:>7.2f}x {ours[n] / ours[1]:>6.2f}x "
+              f"{theirs[n]:>16.1f} {theirs[n] / ours[n]:>20.2f}x")
     stepped, bare = ours.get("16 stepped"), ours.get("16 no logits")
     print(f"verify-16 / step: {ours[16] / ours[1]:.2f}x with logits at all 16 positions"
           + (f", {stepped / ours[1]:.2f}x ({stepped:.1f} ms) with logits at the first {FIRST_LOGITS}, as a round "

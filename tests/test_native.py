@@ -55,11 +55,12 @@ def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 18, 36])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 18, 36])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):
-    """Every path of a bf16 product: one row (two panels at a time, then the odd third), two to four rows (widened
-    in the kernel), more (each chunk widened once; 150 inputs make chunks of 64, 64 and 24)."""
+    """Every path of a bf16 product: one to four rows (two panels at a time, two rows at a time, then the odd
+    third; widened in the kernel; past two rows in chunks of 64, 64 and 24 of the 152 padded inputs), more (each chunk
+    widened once)."""
     g = torch.Generator().manual_seed(m)
     weight, x = torch.randn(67, 150, generator=g).bfloat16(), torch.randn(1, m, 150, generator=g).bfloat16()
     bias = torch.randn(67, generator=g).bfloat16() if with_bias else None

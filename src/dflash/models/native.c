@@ -192,8 +192,9 @@ static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
  * against 109-129. The ceiling (scripts/fma_ceiling.c): twelve independent FMA chains run 94.5-96 GFLOP/s on one
  * core (two FMAs a cycle at ~2.95 GHz) and 170-186 on two; an earlier "255" came from a loop whose identical chains
  * gcc had merged. This kernel runs a chunk already in L1 at ~92 a core; what a whole product loses is the memory.
- * Each output is ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in exactly the
- * order a one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
+ * Up to four rows run two panels at a time instead (two_panels_rows below: two memory streams). Each output is
+ * ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in exactly the order a
+ * one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
 #define PANEL 24
 
 static inline __m256 load_w(const void *w, int64_t at, int bf16) {
@@ -240,29 +241,54 @@ static inline __attribute__((always_inline)) void panel_rows(const void *w, int 
     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3)
 }
 
-/* One input row against two panels (at w and w + size): six independent chains, where one panel's three chains
- * waited on the FMA latency and left the memory idle. Each output's sum is still its one chain over i. */
-static inline __attribute__((always_inline)) void two_panels_row(const void *w, int64_t size, int bf16,
-                                                                 const float *x, int64_t k8, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
-    for (int64_t i = 0; i < k8; i++) {
-        __m256 v = _mm256_broadcast_ss(x + i);
-        a0 = _mm256_fmadd_ps(load_w(w, i * PANEL, bf16), v, a0);
-        a1 = _mm256_fmadd_ps(load_w(w, i * PANEL + 8, bf16), v, a1);
-        a2 = _mm256_fmadd_ps(load_w(w, i * PANEL + 16, bf16), v, a2);
-        b0 = _mm256_fmadd_ps(load_w(w, size + i * PANEL, bf16), v, b0);
-        b1 = _mm256_fmadd_ps(load_w(w, size + i * PANEL + 8, bf16), v, b1);
-        b2 = _mm256_fmadd_ps(load_w(w, size + i * PANEL + 16, bf16), v, b2);
+/* One or two input rows (R) against two panels (at w and w + size): six or twelve independent chains, the two
+ * panels' streams interleaved. One panel's three chains waited on the FMA latency and left the memory idle, and
+ * one stream at a time read ~15.6 GB/s on one EPYC core where two read ~20: a 2-token pass cost 1.24-1.46x a step
+ * through the single-panel kernel, 1.0-1.1x this way (one thread, `scripts/profile_round.py`; 3 and 4 rows gain
+ * less, and from 5 rows on, four rows against one panel win: pairs over two panels made 8 rows 1.4x dearer, since
+ * they load twice the weights per FMA from L1 where those widths are bound by arithmetic). Sums land at
+ * out[(r * 2 + q) * PANEL] for row r and panel q; `resume` continues them (a chunk after the first). Each output is
+ * still its one chain. */
+#define TWO_ZERO(a) __m256 a##0 = _mm256_setzero_ps(), a##1 = a##0, a##2 = a##0;
+#define TWO_LOAD(a, at)                                                                                             \
+    a##0 = _mm256_loadu_ps(out + (at)), a##1 = _mm256_loadu_ps(out + (at) + 8),                                     \
+    a##2 = _mm256_loadu_ps(out + (at) + 16);
+#define TWO_STORE(a, at)                                                                                            \
+    _mm256_storeu_ps(out + (at), a##0), _mm256_storeu_ps(out + (at) + 8, a##1),                                     \
+    _mm256_storeu_ps(out + (at) + 16, a##2);
+static inline __attribute__((always_inline)) void two_panels_rows(const void *w, int64_t size, int bf16,
+                                                                  const float *x, int64_t ldx, int64_t k8,
+                                                                  const int R, float *out, int resume) {
+    TWO_ZERO(a) TWO_ZERO(b) TWO_ZERO(c) TWO_ZERO(d) /* a, b: row 0 on panels 0, 1; c, d: row 1 */
+    if (resume) {
+        TWO_LOAD(a, 0) TWO_LOAD(b, PANEL)
+        if (R > 1) { TWO_LOAD(c, 2 * PANEL) TWO_LOAD(d, 3 * PANEL) }
     }
-    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2);
-    _mm256_storeu_ps(out + PANEL, b0), _mm256_storeu_ps(out + PANEL + 8, b1), _mm256_storeu_ps(out + PANEL + 16, b2);
+    for (int64_t i = 0; i < k8; i++) {
+        __m256 u = _mm256_broadcast_ss(x + i), v = R > 1 ? _mm256_broadcast_ss(x + ldx + i) : u, t;
+#define TWO_FMA(j, at)                                                                                              \
+    t = load_w(w, at, bf16), a##j = _mm256_fmadd_ps(t, u, a##j);                                                    \
+    if (R > 1) c##j = _mm256_fmadd_ps(t, v, c##j);                                                                  \
+    t = load_w(w, size + (at), bf16), b##j = _mm256_fmadd_ps(t, u, b##j);                                           \
+    if (R > 1) d##j = _mm256_fmadd_ps(t, v, d##j);
+        TWO_FMA(0, i * PANEL) TWO_FMA(1, i * PANEL + 8) TWO_FMA(2, i * PANEL + 16)
+#undef TWO_FMA
+    }
+    TWO_STORE(a, 0) TWO_STORE(b, PANEL)
+    if (R > 1) { TWO_STORE(c, 2 * PANEL) TWO_STORE(d, 3 * PANEL) }
 }
-static void two_panels_f32(const void *w, int64_t size, const float *x, int64_t k8, float *out) {
-    two_panels_row(w, size, 0, x, k8, out);
-}
-static void two_panels_bf16(const void *w, int64_t size, const float *x, int64_t k8, float *out) {
-    two_panels_row(w, size, 1, x, k8, out);
-}
+#define TWO_PANELS(NAME, BF16, R)                                                                                     \
+    static void NAME(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k8, float *out, int resume) { \
+        two_panels_rows(w, size, BF16, x, ldx, k8, R, out, resume);                                                   \
+    }
+TWO_PANELS(two_panels_f32_1, 0, 1)
+TWO_PANELS(two_panels_f32_2, 0, 2)
+TWO_PANELS(two_panels_bf16_1, 1, 1)
+TWO_PANELS(two_panels_bf16_2, 1, 2)
+typedef void (*TwoPanels)(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k8, float *out,
+                          int resume);
+static const TwoPanels two_panel_kernels[2][2] = {{two_panels_f32_1, two_panels_f32_2},
+                                                  {two_panels_bf16_1, two_panels_bf16_2}};
 
 #define PANEL_ROWS(NAME, BF16, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
@@ -340,6 +366,24 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
     }
 }
 
+/* Rows x[0:rows] (at most TWO_PANEL_ROWS) against panels p and p + 1, two rows at a time; beyond two rows in chunks
+ * of CHUNK inputs, so that every pair after the first reads the chunk from L1. Writes those panels' outputs. */
+#ifndef TWO_PANEL_ROWS
+#define TWO_PANEL_ROWS 4
+#endif
+static void two_panel_slice(const Product *W, const char *stored, int64_t p, float *sums) {
+    int64_t m = W->m, n = W->n, k8 = W->k8, size = PANEL * k8, elem = W->bf16 ? 2 : 4, chunk = m > 2 ? CHUNK : k8;
+    for (int64_t c0 = 0; c0 < k8; c0 += chunk)
+        for (int64_t j = 0; j < m; j += 2)
+            two_panel_kernels[W->bf16][MIN(2, m - j) - 1](stored + c0 * PANEL * elem, size, W->xf + j * k8 + c0, k8,
+                                                          MIN(chunk, k8 - c0), sums + j * 2 * PANEL, c0 > 0);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t q = 0; q < 2; q++)
+            for (int64_t c = 0; c < PANEL && PANEL * (p + q) + c < n; c++)
+                W->yf[r * n + PANEL * (p + q) + c] =
+                    sums[(r * 2 + q) * PANEL + c] + (W->bias ? W->bias[PANEL * (p + q) + c] : 0.0f);
+}
+
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
     int64_t m = W->m, n = W->n, k8 = W->k8, size = PANEL * k8, elem = W->bf16 ? 2 : 4;
@@ -347,10 +391,8 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
-        if (m == 1 && p + 1 < last) { /* a step: two panels at a time */
-            (W->bf16 ? two_panels_bf16 : two_panels_f32)(stored, size, W->xf, k8, sums);
-            for (int64_t c = 0; c < 2 * PANEL && PANEL * p + c < n; c++)
-                W->yf[PANEL * p + c] = sums[c] + (W->bias ? W->bias[PANEL * p + c] : 0.0f);
+        if (m <= TWO_PANEL_ROWS && p + 1 < last) { /* a step or a narrow pass: two panels at a time */
+            two_panel_slice(W, stored, p, sums);
             p++;
             continue;
         }
