@@ -117,4 +117,12 @@ OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/t
   --data corpus/smollm2-135m --out runs/train/dflash-stage8 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
   --seed 4 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
   --keep-checkpoints 2 --no-progress > runs/train/dflash-stage8.log 2>&1
-# what ships now: runs/train/dflash-stage8/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+# what shipped after stage 8: runs/train/dflash-stage8/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+
+# ---- stage 9 (DFlash), fourteenth session: the same recipe on another order (--seed 5), 1400 steps ---------------
+# One thread for ~115 minutes of training (the other core built and measured the engine, and ran the tests).
+OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage8/final \
+  --data corpus/smollm2-135m --out runs/train/dflash-stage9 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
+  --seed 5 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
+  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage9.log 2>&1
+# what ships now: runs/train/dflash-stage9/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
