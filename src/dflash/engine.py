@@ -503,18 +503,13 @@ def measured_head_saving(target, repeats: int = 7) -> float:
     more): what a 16-token round saves when it rejects within its first FIRST_LOGITS positions, and so the largest
     share of rounds that may need the second step before the stepped head loses. Timed at load, cached per
     machine, model and kernel choice like the pass costs (`cached_timing`)."""
-    from .models.target import cached_timing
+    from .models.target import cached_timing, interleaved_medians
 
     def measure() -> dict:
         hidden = torch.randn(1, 2 * FIRST_LOGITS, target.hidden_size, dtype=target.dtype, device=target.device)
-        times: dict[int, list[float]] = {FIRST_LOGITS: [], 2 * FIRST_LOGITS: []}
-        for run in range(repeats + 1):
-            for rows in times:
-                started = time.perf_counter()
-                target.logits_of(hidden[:, :rows]).argmax(-1).tolist()
-                if run:
-                    times[rows].append(time.perf_counter() - started)
-        first, both = (sorted(t)[len(t) // 2] for t in times.values())
+        first, both = interleaved_medians(
+            {rows: lambda rows=rows: target.logits_of(hidden[:, :rows]).argmax(-1).tolist()
+             for rows in (FIRST_LOGITS, 2 * FIRST_LOGITS)}, repeats).values()
         return {"saving": round(max(0.0, both / first - 1), 4)}
 
     return cached_timing(target, "head-saving", measure)["saving"]

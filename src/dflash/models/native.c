@@ -243,9 +243,10 @@ static inline __attribute__((always_inline)) void panel_rows(const void *w, int 
 
 /* One or two input rows (R) against two panels (at w and w + size): six or twelve independent chains, the two
  * panels' streams interleaved. One panel's three chains waited on the FMA latency and left the memory idle, and
- * one stream at a time read ~15.6 GB/s on one EPYC core where two read ~20: a 2-token pass cost 1.24-1.46x a step
- * through the single-panel kernel, 1.0-1.1x this way (one thread, `scripts/profile_round.py`; 3 and 4 rows gain
- * less, and from 5 rows on, four rows against one panel win: pairs over two panels made 8 rows 1.4x dearer, since
+ * one stream at a time read ~15.6 GB/s on one EPYC core where two read ~20: a 2-token pass cost 1.12-1.31x a step
+ * through the single-panel kernel, 0.94-1.15x this way (two threads, `scripts/step_verify.py float32 --widths
+ * 1,2,3,4,8`; 3 and 4 rows gain less, and from 5 rows on, four rows against one panel win: pairs over two panels
+ * made 8 rows 1.4x dearer, since
  * they load twice the weights per FMA from L1 where those widths are bound by arithmetic). Sums land at
  * out[(r * 2 + q) * PANEL] for row r and panel q; `resume` continues them (a chunk after the first). Each output is
  * still its one chain. */

@@ -126,6 +126,7 @@ class TargetModel:
     def use_kernels(self, plan: KernelPlan, report: dict | None = None) -> None:
         self.kernel_plan = plan
         self.kernel_report = report or {}
+        self._step_ms_now = None  # other kernels, another step time
         if isinstance(self.engine, Transformer):
             self.engine.use_plan(plan)
 
@@ -260,6 +261,19 @@ def cached_timing(target: TargetModel, what: str, measure, timer=None) -> dict:
     return cached_measurement(target.measurement_key(what), timed, still_valid=still_valid)[0]
 
 
+def interleaved_medians(calls: dict, repeats: int = 7) -> dict:
+    """Median seconds of each of `calls` (name -> function), timed in turn `repeats` times after one warm-up round:
+    interleaved, so that a slower moment of the machine weighs on every call alike."""
+    times: dict = {name: [] for name in calls}
+    for run in range(repeats + 1):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            if run:
+                times[name].append(time.perf_counter() - started)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def time_pass(target: TargetModel, width: int, repeats: int = 5, timer=None) -> float:
     """Median milliseconds of a `width`-token pass after a 16-token context, with the engine's current plan."""
     timer = timer or time.perf_counter
@@ -328,6 +342,7 @@ def compile_target(target: TargetModel, widths: tuple[int, ...] = (1, 16)) -> fl
         return 0.0
     start = time.perf_counter()
     target.engine.compile()
+    target._step_ms_now = None
     cache = target.new_cache(capacity=64)
     target.forward(torch.full((1, 8), 5, device=target.device), cache)
     for width in widths:

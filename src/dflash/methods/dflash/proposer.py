@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -190,7 +189,7 @@ class DFlashProposer(FeatureBacklog, Proposer):
 def measured_break_even(proposer: DFlashProposer, target, precision: str, repeats: int = 7) -> float:
     """`StepwiseReading.break_even` for `proposer`'s head: timed once per machine, target, drafter dtype and head
     size (cached like the target's pass costs, `cached_timing`)."""
-    from ...models.target import cached_timing
+    from ...models.target import cached_timing, interleaved_medians
 
     first, whole = FIRST_READ or 0, proposer.max_draft
     if not 0 < first < whole:
@@ -198,15 +197,8 @@ def measured_break_even(proposer: DFlashProposer, target, precision: str, repeat
 
     def measure() -> dict:
         hidden = torch.randn(1, whole, target.hidden_size, device=target.device).to(proposer.full_head.dtype)
-        counts = sorted({first, whole - first, whole})
-        times: dict[int, list[float]] = {n: [] for n in counts}
-        for run in range(repeats + 1):
-            for n in counts:
-                started = time.perf_counter()
-                proposer.read_drafts(hidden[:, :n])
-                if run:
-                    times[n].append(time.perf_counter() - started)
-        median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+        median = interleaved_medians({n: lambda n=n: proposer.read_drafts(hidden[:, :n])
+                                      for n in sorted({first, whole - first, whole})}, repeats)
         return {"break_even": round(max(0.0, (median[whole] - median[first]) / median[whole - first]), 4)}
 
     rows = len(proposer.base_vocab) if proposer.base_vocab is not None else proposer.full_head.shape[0]
