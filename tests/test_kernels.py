@@ -277,7 +277,7 @@ def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monk
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     target = tiny_target("llama")
     target.measure = True
-    speed = {"float32": 0.020, "bfloat16": 0.040, "int8": 0.010}  # seconds a drafting pass takes, per precision
+    speed = {"float32": 0.020, "bfloat16": 0.040, "int8": 0.010, "int8-head": 0.012}  # seconds a drafting pass takes
     calls = []
 
     def seconds_in(precision):
@@ -338,3 +338,45 @@ def test_pass_costs_never_fall_with_width():
     assert pooled == pytest.approx([1.0, (2.31 + 2.29 + 1.87) / 3, (2.31 + 2.29 + 1.87) / 3, (2.31 + 2.29 + 1.87) / 3,
                                     2.26])
     assert all(a <= b for a, b in zip(pooled, pooled[1:]))
+
+
+@needs_packing
+def test_a_drafter_s_own_shapes_are_measured_into_a_copy_of_the_plan(tmp_path, monkeypatch):
+    """`covering` measures only the shapes the target's plan lacks (here the 64x96 one, where plain wins), once
+    per machine, and leaves the target's plan and choices as they were; an int8 plan widens its float plan."""
+    from dflash.models.kernels import covering, int8_head_plan
+
+    clock = FakeClock()
+    timed = []
+
+    def fake_run(self, x, kernel):
+        timed.append(self.in_features)
+        clock.now += 1.0 if kernel == "plain" else 2.0
+        return x
+
+    monkeypatch.setattr(FrozenLinear, "run", fake_run)
+    target_plan = KernelPlan({shape_key(64, 32, torch.float32, b): "native" for b in (1, 16, 1 << 30)}, "packed")
+    linears = [FrozenLinear(torch.randn(64, 32)), FrozenLinear(torch.randn(64, 96))]
+    cache = tmp_path / "plans.json"
+    plan = covering(target_plan, linears, "drafter", fingerprint="cpu", cache_file=cache, timer=clock)
+    assert set(timed) == {96}  # the target's shape is never timed again
+    assert plan.kernel(64, 96, torch.float32, 1) == "plain" and plan.kernel(64, 32, torch.float32, 8) == "native"
+    assert target_plan.kernel(64, 96, torch.float32, 1) == "packed"  # the target's plan is untouched
+    calls = clock.calls
+    covering(target_plan, linears, "drafter", fingerprint="cpu", cache_file=cache, timer=clock)
+    assert clock.calls == calls  # cached
+    head = int8_head_plan(target_plan)
+    widened = covering(head, linears, "drafter", fingerprint="cpu", cache_file=cache, timer=clock)
+    assert widened.kernel(64, 96, torch.float32, 1) == "int8"  # int8 where the target has no choice ...
+    assert widened.in_float().kernel(64, 96, torch.float32, 1) == "plain"  # ... the measured float kernel in float
+    assert widened.kernel(64, 32, torch.float32, 1) == "native"  # the target's shapes keep the target's kernels
+
+
+def test_int8_head_plan_keeps_the_target_s_kernels_for_its_shapes():
+    from dflash.models.kernels import int8_head_plan
+
+    target_plan = KernelPlan({shape_key(64, 32, torch.float32, 16): "native"}, "packed")
+    plan = int8_head_plan(target_plan)
+    assert plan.kernel(64, 32, torch.float32, 8) == "native"
+    assert plan.kernel(64, 32, torch.float32, 1) == "int8" and plan.kernel(1000, 32, torch.float32, 4) == "int8"
+    assert plan.in_float() is target_plan

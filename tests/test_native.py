@@ -394,3 +394,84 @@ def test_a_wrong_input_width_is_torch_s_error_not_a_wild_read():
     lin = FrozenLinear(torch.randn(8, 16), None, NATIVE)
     with pytest.raises(RuntimeError):
         lin(torch.randn(1, 24))
+
+
+# ---- the DFlash drafter's layers in one C call ------------------------------------------------------------------
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter  # noqa: E402
+from dflash.models.kernels import PLAIN  # noqa: E402
+
+
+def drafter_twins(target, dtype: torch.dtype, block_size: int):
+    """One random drafter twice, frozen with our kernels (its layers then run in C) and with torch's."""
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, 2, num_layers=2, block_size=block_size,
+                                  num_features=3)
+    ours = DFlashDrafter.untrained(cfg, seed=3).to(dtype)
+    theirs = DFlashDrafter.untrained(cfg, seed=3).to(dtype)
+    return ours.freeze(NATIVE), theirs.freeze(PLAIN)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_drafter_layers_in_c_match_the_torch_layers(dtype, block_size, monkeypatch):
+    """Rounds of context pieces of 11, 1, 3 and 7 rows, then a block: the C drafter (context keys through each
+    layer's kv product, q/k norms, the block attending both ways) gives the torch drafter's hidden states and
+    cache, and one C call per round runs all its layers."""
+    target = tiny_target("llama", hidden_size=64)
+    ours, theirs = drafter_twins(target, dtype, block_size)
+    calls = [0]
+    real = native.drafter_stack
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(native, "drafter_stack", counted)
+    generator = torch.Generator().manual_seed(0)
+    caches = ours.new_cache(), theirs.new_cache()
+    done = 0
+    for rounds, pieces in enumerate((11, 1, 3, 7), start=1):
+        features = (3 * torch.randn(1, pieces, 3 * 64, generator=generator)).to(dtype)
+        block = torch.randint(5, 60, (1, block_size), generator=generator)
+        block[0, 1:] = 2
+        embeds = target.embed_tokens(block).to(dtype)
+        start = done + pieces
+        positions, context_positions = torch.arange(start, start + block_size)[None], torch.arange(done, start)[None]
+        with torch.inference_mode():
+            got = ours(embeds, positions, features, context_positions, cache=caches[0])
+            expected = theirs(embeds, positions, features, context_positions, cache=caches[1])
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() <= TOLERANCE[dtype] * scale, f"round {rounds}"
+        assert caches[0].lengths == caches[1].lengths == [start]
+        for name in ("keys", "values"):  # the context's entries (the block's lie past the length, never read)
+            a, b = getattr(caches[0], name)[..., :start, :].float(), getattr(caches[1], name)[..., :start, :].float()
+            assert (a - b).abs().max().item() <= TOLERANCE[dtype] * max(b.abs().max().item(), 1.0)
+        assert calls[0] == rounds
+        done = start
+
+
+@needs_native
+def test_a_drafter_block_attends_both_ways_in_c():
+    """Changing the block's last token changes the first token's output, as in training (a causal C attention
+    would leave it alone)."""
+    target = tiny_target("llama", hidden_size=64)
+    ours, _ = drafter_twins(target, torch.float32, 8)
+    features = torch.randn(1, 5, 3 * 64, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for last in (2, 9):
+        block = torch.tensor([[7, 2, 2, 2, 2, 2, 2, last]])
+        with torch.inference_mode():
+            outputs.append(ours(target.embed_tokens(block), torch.arange(5, 13)[None], features,
+                                torch.arange(0, 5)[None], cache=ours.new_cache()))
+    assert not torch.allclose(outputs[0][0, 0], outputs[1][0, 0])
+
+
+@needs_native
+def test_a_plain_plan_keeps_the_torch_drafter_layers(monkeypatch):
+    """C runs a drafter's layers only where the plan chose our kernel for them."""
+    target = tiny_target("llama", hidden_size=64)
+    _, theirs = drafter_twins(target, torch.float32, 8)
+    monkeypatch.setattr(native, "drafter_stack", lambda *a: pytest.fail("a plain plan ran the C drafter"))
+    with torch.inference_mode():
+        theirs(target.embed_tokens(torch.tensor([[7] + [2] * 7])), torch.arange(4, 12)[None],
+               torch.randn(1, 4, 3 * 64), torch.arange(0, 4)[None], cache=theirs.new_cache())

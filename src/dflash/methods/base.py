@@ -115,7 +115,7 @@ class Method:
     block_size_help: str = field(default="tokens verified per round at most (drafts + 1)")
 
 
-DRAFT_PRECISIONS = ("float32", "bfloat16", "float16", "int8")
+DRAFT_PRECISIONS = ("float32", "bfloat16", "float16", "int8", "int8-head")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,8 @@ class DraftPrecision:
     """How a drafter runs: its weights' and activations' dtype, and the kernels of its products (None: the
     target's plan). "int8" keeps float32 activations and runs the drafter's products (its LM head included) on int8
     weights, all but the one reading the target's raw features: drafts may be inexact, the output cannot be, since
-    the target verifies every token."""
+    the target verifies every token. "int8-head" keeps float32 layers (on the target's kernels: our C layers where
+    the target runs them) and reads only the LM head, and any other shape the target lacks, in int8."""
 
     name: str
     dtype: torch.dtype
@@ -135,15 +136,16 @@ class DraftPrecision:
 
 def draft_precision(name: str | None, target) -> DraftPrecision:
     from ..errors import UserError
-    from ..models.kernels import int8_plan, int8_supported
+    from ..models.kernels import int8_head_plan, int8_plan, int8_supported
     from ..models.target import DTYPES
 
     if name is None:
         return DraftPrecision(str(target.dtype).removeprefix("torch."), target.dtype)
-    if name == "int8":
+    if name in ("int8", "int8-head"):
         if not int8_supported(torch.empty(0, device=target.device)):
             raise UserError("int8 drafting needs a CPU target and a PyTorch build with fbgemm (x86)")
-        return DraftPrecision("int8", torch.float32, int8_plan(target.kernel_plan))
+        plan = int8_plan(target.kernel_plan) if name == "int8" else int8_head_plan(target.kernel_plan)
+        return DraftPrecision(name, torch.float32, plan)
     if name not in DTYPES:
         raise UserError(f"unknown draft dtype {name!r}; choose one of auto, {', '.join(DRAFT_PRECISIONS)}")
     return DraftPrecision(name, DTYPES[name])
@@ -242,9 +244,9 @@ def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecis
     own = draft_precision(None, target)
     if target.device.type != "cpu" or not target.measure:
         return own, {"draft_dtype": own.name, "measured": False}
-    names = [own.name] + [n for n in ("bfloat16", "int8") if n != own.name]
+    names = [own.name] + [n for n in ("bfloat16", "int8", "int8-head") if n != own.name]
     if not int8_supported(torch.empty(0)):
-        names.remove("int8")
+        names = [n for n in names if not n.startswith("int8")]
 
     def measure() -> dict:
         return {name: round(1000 * seconds_in(draft_precision(name, target)), 3) for name in names}

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .kernels import FrozenLinear
 
 
@@ -262,3 +263,45 @@ def causal_mask(query_positions: torch.Tensor, key_count: int, window: int | Non
         visible &= keys > query_positions[..., None] - window
     return visible[:, None]
 
+
+
+def native_constants(owner: nn.Module, attn: Attention, mlp: GatedMLP, norm1: RMSNorm, norm2: RMSNorm,
+                     dtype: torch.dtype, tokens: int) -> tuple | None:
+    """A pre-norm decoder layer's constant arguments for native.c (native.layer_constants), made once per weight
+    state and kept on `owner` (key: the products' signatures, so a moved, cast or rewritten weight re-makes them, as
+    FrozenLinear re-lays its copies out); None unless the plan picked our kernel for every product at this many
+    rows and the layer is one C runs (SiLU MLP without biases, Llama-style norms of one epsilon)."""
+    products = (attn._modules.get("qkv"), attn._modules.get("o_fast"), mlp._modules.get("gate_up"),
+                mlp._modules.get("down_fast"))  # per call: plain dict lookups, not __getattr__
+    if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
+        return None
+    key = (dtype, tuple(lin._signature() for lin in products))
+    cached = owner.__dict__.get("_native_cache")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    weights = _native_weights(attn, mlp, norm1, norm2, dtype)
+    constants = None
+    if weights is not None:
+        shape = {"eps": norm1.eps, "qk_eps": attn.q_norm.eps if attn.q_norm is not None else 0.0,
+                 "hidden": attn.o_fast.out_features, "heads": attn.heads, "kv_heads": attn.kv_heads,
+                 "head_dim": attn.head_dim, "intermediate": mlp.down_fast.in_features, "scale": attn.scale}
+        constants = native.layer_constants(weights, shape, dtype)
+    owner.__dict__["_native_cache"] = (key, constants, weights)  # weights: keeps what the pointers point to
+    return constants
+
+
+def _native_weights(attn: Attention, mlp: GatedMLP, norm1: RMSNorm, norm2: RMSNorm, dtype: torch.dtype) -> dict | None:
+    if (mlp.activation not in ("silu", "swish") or mlp.gate_up.bias is not None or mlp.down_fast.bias is not None
+            or norm1.eps != norm2.eps):
+        return None
+    products = {"qkv": attn.qkv, "o": attn.o_fast, "gate_up": mlp.gate_up, "down": mlp.down_fast}
+    weights = {name: lin.native_tiles() for name, lin in products.items()}
+    norms = [norm1, norm2] + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
+    weights.update(norm1=norm1.weight, norm2=norm2.weight, qkv_bias=attn.qkv.bias, o_bias=attn.o_fast.bias,
+                   q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
+                   k_norm=attn.k_norm.weight if attn.k_norm is not None else None)
+    if any(n.unit_offset for n in norms) or any(
+            w is None or w.dtype != dtype or not w.is_contiguous()
+            for name, w in weights.items() if w is not None or name in products):
+        return None
+    return weights

@@ -667,7 +667,8 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
 }
 
 /* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
- * cache positions 0..last, each next one to one more): out = softmax(q k^T * scale) v. The cache is read in blocks
+ * cache positions 0..last, each next one to `step` more: 1 causally, 0 in a drafter's block, where every token
+ * sees the whole block): out = softmax(q k^T * scale) v. The cache is read in blocks
  * of KEY_BLOCK keys (then values), each block once for all of the chunk's queries: query by query, every query
  * streamed the row's whole cache from L2 (~1.5 us per query at 200 positions, SmolLM2, 2 AMD EPYC cores). Every
  * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
@@ -675,19 +676,19 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
 #define KEY_BLOCK 32
 #define ATTEND_CHUNK 4 /* tokens per work item (attention_items) */
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
-                   int64_t capacity, int64_t d, int64_t last, float scale, int bf16, float *block) {
-    int64_t at = g * capacity * d, longest = last + tokens;
+                   int64_t capacity, int64_t d, int64_t last, int64_t step, float scale, int bf16, float *block) {
+    int64_t at = g * capacity * d, longest = last + (tokens - 1) * step + 1;
     for (int64_t j0 = 0; j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *k = cache_rows(keys, at, j0, j1, d, bf16, block);
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < group; h++)
-                block_scores(R.q + t * R.q_token + h * d, k, j0, j1, last + t + 1, d, scale,
+                block_scores(R.q + t * R.q_token + h * d, k, j0, j1, last + t * step + 1, d, scale,
                              R.scores + t * R.score_token + h * R.score_head);
     }
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
-            int64_t n = last + t + 1;
+            int64_t n = last + t * step + 1;
             float *s = R.scores + t * R.score_token + h * R.score_head, top = -INFINITY;
             for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
             float inverse = 1.0f / exp_shifted(s, n, top);
@@ -699,7 +700,7 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
         const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < group; h++)
-                block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, last + t + 1, d,
+                block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, last + t * step + 1, d,
                              R.out + t * R.out_token + h * d);
     }
     for (int64_t t = 0; t < tokens; t++)
@@ -716,12 +717,14 @@ typedef struct { /* one layer's own arguments, the same every call */
     const void *norm1, *norm2, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *gate_up, *down;
     float eps, qk_eps, scale;
     int64_t hidden, heads, kv_heads, d, inter;
+    const void *kv; /* a DFlash drafter's: the keys and values of injected context, one product (else NULL) */
 } Layer;
 
 enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS };
 
 typedef struct { /* one pass: `rows` sequences of n new tokens (m in all), their caches, and float32 scratch */
     int64_t rows, n, m, longest, capacity;
+    int block; /* 0: causal; 1: a drafter's block, each token attends to all of its row's tokens in the pass */
     const int64_t *starts;
     const void *cos, *sin;
     void *keys, *values;
@@ -820,8 +823,9 @@ static void attention_items(void *ctx, int64_t first, int64_t last) {
         Rows R = {.q = P->part[QKV] + t * width + head * L->d, .q_token = width,
                   .scores = P->part[SCORES] + (t * L->heads + head) * P->longest, .score_token = L->heads * P->longest,
                   .score_head = P->longest, .out = P->part[ATT] + t * ap + head * L->d, .out_token = ap};
+        int64_t last = P->block ? P->starts[r] + P->n - 1 : position_of(P, t);
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
-               g, P->capacity, L->d, position_of(P, t), L->scale, L->bf16, P->part[ROW] + item * KEY_BLOCK * L->d);
+               g, P->capacity, L->d, last, !P->block, L->scale, L->bf16, P->part[ROW] + item * KEY_BLOCK * L->d);
     }
 }
 
@@ -910,6 +914,38 @@ static void layer_body(void *arg) {
     layer_pass(C->L, C->P, C->h, C->h_out);
 }
 
+/* A DFlash drafter's injected context: m rows (float32, PAD8(hidden) apart) at positions first.., each layer's
+ * keys and values of them through its `kv` product, per-head key norm and RoPE, written to the layer's cache
+ * (row 0) before the block runs. `out`: m * 2 * kv_heads * d floats of scratch. */
+typedef struct {
+    const float *x;
+    int64_t m, first;
+    const void *cos, *sin;
+    float *out;
+} Context;
+
+static void context_kv(const Layer *L, Pass *P, const Context *X) {
+    int64_t d = L->d, width = 2 * L->kv_heads * d;
+    size_t elem = L->bf16 ? 2 : 4;
+    product(L->kv, NULL, L->bf16, X->x, X->out, X->m, width, L->hidden, P->threads, P->part[BIAS]);
+    for (int64_t t = 0; t < X->m; t++) {
+        const char *cos = (const char *)X->cos + t * d * elem, *sin = (const char *)X->sin + t * d * elem;
+        for (int64_t g = 0; g < L->kv_heads; g++) {
+            float *k = X->out + t * width + g * d, *v = k + L->kv_heads * d, *tmp = P->part[TMP];
+            if (L->k_norm) {
+                rms_norm(k, L->k_norm, L->qk_eps, d, L->bf16, tmp);
+                memcpy(k, tmp, sizeof(float) * (size_t)d);
+            }
+            rotate(k, cos, sin, d, L->bf16, tmp);
+            for (int64_t i = 0; i < d; i++) {
+                int64_t at = (g * P->capacity + X->first + t) * d + i;
+                store(P->keys, at, k[i], L->bf16);
+                store(P->values, at, v[i], L->bf16);
+            }
+        }
+    }
+}
+
 typedef struct {
     const Layer *layers;
     int64_t count;
@@ -921,6 +957,7 @@ typedef struct {
     float *buf;
     size_t floats;
     void *const *features;
+    const Context *context; /* a drafter's, else NULL */
 } StackCall;
 
 static void stack_body(void *arg) {
@@ -935,8 +972,9 @@ static void stack_body(void *arg) {
         cut_scratch(P, C->buf, sizes);
         P->keys = (char *)C->keys + i * C->cache_stride * C->elem;
         P->values = (char *)C->values + i * C->cache_stride * C->elem;
+        if (C->context) context_kv(&C->layers[i], P, C->context);
         layer_pass(&C->layers[i], P, in, out);
-        if (C->features[i]) memcpy(C->features[i], out, C->bytes);
+        if (C->features && C->features[i]) memcpy(C->features[i], out, C->bytes);
         in = out;
     }
 }
@@ -983,7 +1021,41 @@ int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t 
     for (int64_t i = 0; i < count; i++) floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
     float *buf = calloc(floats, sizeof(float)); /* one scratch for all layers: fresh pages per layer cost page faults */
     if (!buf) return 1;
-    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, features};
+    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, features,
+                   NULL};
+    with_workers(threads, stack_body, &C);
+    free(buf);
+    return 0;
+}
+
+/* A DFlash drafter's layers in one call, for one sequence (cache row 0): first each layer writes the keys and
+ * values of the m new context rows `ctx` ([m, hidden], model dtype, at positions start - m..; cos/sin of those
+ * positions in ctx_cos/ctx_sin) through its `kv` product, then the n block tokens h ([n, hidden], positions
+ * start..) run through it, writing their keys and values after the context and attending to the whole cache up to
+ * the block's end, the block in both directions. The block's keys and values stay past the committed length (the
+ * caller does not count them). h_out, spare as in dflash_stack. Nonzero when out of memory (nothing written). */
+int dflash_drafter_stack(const void *h, void *h_out, void *spare, int64_t n, int64_t start, const void *cos,
+                         const void *sin, const void *ctx, int64_t m, const void *ctx_cos, const void *ctx_sin,
+                         void *keys, void *values, int64_t cache_stride, int64_t capacity, int threads, int64_t count,
+                         const Layer *layers) {
+    int bf16 = layers[0].bf16;
+    int64_t hidden = layers[0].hidden, hp = PAD8(hidden), width = 0;
+    size_t elem = bf16 ? 2 : 4, bytes = (size_t)(n * hidden) * elem, floats = 0;
+    Pass P = {.rows = 1, .n = n, .m = n, .capacity = capacity, .block = 1, .starts = &start, .cos = cos, .sin = sin,
+              .threads = threads};
+    set_longest(&P);
+    int64_t sizes[PARTS];
+    for (int64_t i = 0; i < count; i++) {
+        floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
+        width = MAX(width, 2 * layers[i].kv_heads * layers[i].d);
+    }
+    float *buf = calloc(floats + (size_t)(m * (hp + width)), sizeof(float));
+    if (!buf) return 1;
+    Context X = {buf + floats, m, start - m, ctx_cos, ctx_sin, buf + floats + m * hp};
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t i = 0; i < hidden; i++) buf[floats + t * hp + i] = load(ctx, t * hidden + i, bf16);
+    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, NULL,
+                   m > 0 ? &X : NULL};
     with_workers(threads, stack_body, &C);
     free(buf);
     return 0;

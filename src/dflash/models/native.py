@@ -91,6 +91,11 @@ def library() -> ctypes.CDLL | None:
             stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
                               + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p])
             stack.restype = ctypes.c_int
+            drafter = lib.dflash_drafter_stack
+            drafter.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                                + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+                                + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
+            drafter.restype = ctypes.c_int
             _library = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
@@ -170,17 +175,19 @@ class LayerArgs(ctypes.Structure):
     _fields_ = [("bf16", ctypes.c_int)] + [(name, ctypes.c_void_p) for name in (
         "norm1", "norm2", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "gate_up", "down")] + [
         (name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")] + [
-        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "inter")]
+        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "inter")] + [("kv", ctypes.c_void_p)]
 
 
-def stack_args(constants: list[tuple]) -> ctypes.Array:
-    """Every layer's `layer_constants` as an array of native.c's `Layer` structs, for `stack`."""
-    def one(c: tuple) -> LayerArgs:
+def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = None) -> ctypes.Array:
+    """Every layer's `layer_constants` as an array of native.c's `Layer` structs, for `stack`; `context_kv`: a
+    DFlash drafter's per-layer tiles of its injected-context key/value product (for `drafter_stack`)."""
+    def one(c: tuple, kv: torch.Tensor | None) -> LayerArgs:
         (bf16, norm1, norm2, eps, qkv, qkv_bias, q_norm, k_norm, qk_eps, o, o_bias, gate_up, down, hidden, heads,
          kv_heads, d, inter, scale) = c
         return LayerArgs(bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps,
-                         scale, hidden, heads, kv_heads, d, inter)
-    return (LayerArgs * len(constants))(*(one(c) for c in constants))
+                         scale, hidden, heads, kv_heads, d, inter, _ptr(kv))
+    kvs = context_kv or [None] * len(constants)
+    return (LayerArgs * len(constants))(*(one(c, kv) for c, kv in zip(constants, kvs)))
 
 
 def stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
@@ -201,3 +208,23 @@ def stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch
                               values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(), len(layers),
                               ctypes.addressof(layers), ctypes.addressof(pointers))
     return (out, features) if status == 0 else None
+
+
+def drafter_stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch.Tensor], start: int,
+                  context: torch.Tensor, context_rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                  values: torch.Tensor) -> torch.Tensor | None:
+    """A DFlash drafter's layers in one call (native.c's dflash_drafter_stack), one sequence: the m new context rows
+    `context` [1, m, hidden] (positions start - m..) go into every layer's cache (row 0 of keys / values [layers,
+    1, kv_heads, capacity, head_dim]), then the block h [1, n, hidden] (positions start..) attends to that cache and
+    to itself in both directions. `layers` from `stack_args` with the context products. Returns the last layer's
+    output [1, n, hidden]; None where the kernel is not available."""
+    lib = _library
+    if lib is None:
+        return None
+    out, spare = torch.empty_like(h), torch.empty_like(h)
+    status = lib.dflash_drafter_stack(h.data_ptr(), out.data_ptr(), spare.data_ptr(), h.shape[1], start,
+                                      rope[0].data_ptr(), rope[1].data_ptr(), context.data_ptr(), context.shape[1],
+                                      context_rope[0].data_ptr(), context_rope[1].data_ptr(), keys.data_ptr(),
+                                      values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(),
+                                      len(layers), ctypes.addressof(layers))
+    return out if status == 0 else None

@@ -19,7 +19,7 @@ from torch import nn
 from .cache import KVCache
 from . import native
 from .kernels import FrozenLinear, KernelPlan
-from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask
+from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
 MAX_NATIVE_TOKENS = 16  # the most tokens (rows x new tokens) a pass may have to run its layers in C: the row bucket
@@ -86,46 +86,12 @@ class DecoderLayer(nn.Module):
         return native.layer(h, constants, rope, keys, values, starts)
 
     def _native_constants(self, dtype: torch.dtype, tokens: int) -> tuple | None:
-        """The layer's constant arguments for native.layer, made once per weight state (key: the products'
-        signatures, so a moved, cast or rewritten weight re-makes them, as FrozenLinear re-lays its copies out);
-        None unless the plan picked our kernel for every product at this many rows."""
-        attn, mlp = self._modules["self_attn"], self._modules["mlp"]  # per call: plain dict lookups, not __getattr__
-        products = (attn._modules.get("qkv"), attn._modules.get("o_fast"), mlp._modules.get("gate_up"),
-                    mlp._modules.get("down_fast"))
-        if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
+        """The layer's constant arguments for native.layer (layers.native_constants); None for what C does not
+        run: Gemma's sandwich norms, windows, soft-capping."""
+        if self.sandwich or self.window is not None or self.softcap is not None:
             return None
-        key = (dtype, tuple(lin._signature() for lin in products))
-        cached = self.__dict__.get("_native_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        weights = self._native_weights(dtype)
-        constants = None
-        if weights is not None:
-            shape = {"eps": self.input_layernorm.eps, "qk_eps": attn.q_norm.eps if attn.q_norm is not None else 0.0,
-                     "hidden": attn.o_fast.out_features, "heads": attn.heads, "kv_heads": attn.kv_heads,
-                     "head_dim": attn.head_dim, "intermediate": mlp.down_fast.in_features, "scale": attn.scale}
-            constants = native.layer_constants(weights, shape, dtype)
-        self.__dict__["_native_cache"] = (key, constants, weights)  # weights: keeps what the pointers point to
-        return constants
-
-    def _native_weights(self, dtype: torch.dtype) -> dict | None:
-        attn, mlp = self.self_attn, self.mlp
-        if (self.sandwich or self.window is not None or self.softcap is not None
-                or mlp.activation not in ("silu", "swish") or mlp.gate_up.bias is not None
-                or mlp.down_fast.bias is not None or self.input_layernorm.eps != self.post_attention_layernorm.eps):
-            return None
-        products = {"qkv": attn.qkv, "o": attn.o_fast, "gate_up": mlp.gate_up, "down": mlp.down_fast}
-        weights = {name: lin.native_tiles() for name, lin in products.items()}
-        norms = [self.input_layernorm, self.post_attention_layernorm]
-        norms += [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
-        weights.update(norm1=norms[0].weight, norm2=norms[1].weight, qkv_bias=attn.qkv.bias, o_bias=attn.o_fast.bias,
-                       q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
-                       k_norm=attn.k_norm.weight if attn.k_norm is not None else None)
-        if any(n.unit_offset for n in norms) or any(
-                w is None or w.dtype != dtype or not w.is_contiguous()
-                for name, w in weights.items() if w is not None or name in products):
-            return None
-        return weights
+        return native_constants(self, self._modules["self_attn"], self._modules["mlp"], self.input_layernorm,
+                                self.post_attention_layernorm, dtype, tokens)
 
 
 class Transformer(nn.Module):

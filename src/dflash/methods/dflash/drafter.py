@@ -26,9 +26,11 @@ from torch import nn
 
 from ...checkpoint import load_weights, read_folder, write_folder
 from ...errors import UserError
+from ...models import native
 from ...models.cache import KVCache
 from ...models.kernels import FrozenLinear
-from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary
+from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, native_constants
+from ...models.transformer import MAX_NATIVE_TOKENS
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -288,6 +290,14 @@ class DFlashDrafter(nn.Module):
             layer.mlp.freeze(plan)
         return self.eval()
 
+    def frozen_linears(self) -> list[FrozenLinear]:
+        return [m for m in self.modules() if isinstance(m, FrozenLinear)]
+
+    def use_plan(self, plan) -> None:
+        """Another plan's kernels for the frozen products (`freeze` first)."""
+        for linear in self.frozen_linears():
+            linear.use_plan(plan.in_float() if linear is self.fast_fc else plan)
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         cfg, weight = self.config, self.fc.weight
         return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, weight.dtype, weight.device,
@@ -317,12 +327,39 @@ class DFlashDrafter(nn.Module):
         x = block_embeds.to(dtype)
         if cache is not None:
             cache.reserve(max(cache.lengths) + ctx.shape[1] + x.shape[1])
+            out = self._native_forward(x, rope_block, ctx, rope_ctx, block_positions, cache)
+            if out is not None:
+                cache.advance(ctx.shape[1])
+                return self.norm(out)
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
             x = layer(x, rope_block, ctx_k, ctx_v, mask, cache, i)
         if cache is not None:
             cache.advance(ctx.shape[1])
         return self.norm(x)
+
+    def _native_forward(self, x: torch.Tensor, rope_block, ctx: torch.Tensor, rope_ctx, block_positions: torch.Tensor,
+                        cache: KVCache) -> torch.Tensor | None:
+        """Every layer, context keys and values first, in ONE C call (native.drafter_stack) for one sequence, where
+        C runs every layer at this many block tokens (the plan chose our kernel for them: a float32 or bfloat16
+        drafter on AVX2); else None, and the torch layers run. Between a drafter's ~25 small torch ops a layer, its
+        products were a third of its time."""
+        keys, values = cache.keys, cache.values
+        if (x.shape[0] != 1 or x.shape[1] > MAX_NATIVE_TOKENS or x.device.type != "cpu" or self.training
+                or not (keys[0].is_contiguous() and values[0].is_contiguous()) or keys.stride() != values.stride()):
+            return None
+        constants = [native_constants(layer, layer.self_attn, layer.mlp, layer.input_layernorm,
+                                      layer.post_attention_layernorm, x.dtype, x.shape[1]) for layer in self.layers]
+        contexts = [layer.self_attn.kv.native_tiles() if layer.self_attn.kv is not None else None
+                    for layer in self.layers]
+        if any(c is None for c in constants + contexts):
+            return None
+        cached = self.__dict__.get("_stack_args")
+        if cached is None or any(a is not b for a, b in zip(cached[0], constants + contexts)):
+            cached = (constants + contexts, native.stack_args(constants, contexts))  # re-made when weights change
+            self.__dict__["_stack_args"] = cached
+        return native.drafter_stack(x.contiguous(), cached[1], rope_block, int(block_positions[0, 0]),
+                                    ctx.contiguous(), rope_ctx, keys, values)
 
     def forward_rows(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                      contexts: list[torch.Tensor], caches: list[KVCache]) -> torch.Tensor:

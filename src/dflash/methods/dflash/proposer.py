@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UserError
-from ...models.kernels import FrozenLinear
+from ...models.kernels import FrozenLinear, covering
 from ..base import Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 
@@ -237,6 +237,9 @@ def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
     def make(precision: DraftPrecision) -> tuple[DFlashProposer, str | None]:
         plan = precision.plan_for(target)
         drafter, note = load_drafter(options.drafter, target, precision.dtype, plan)
+        if target.measure and target.device.type == "cpu":  # the drafter's own shapes: its feature product, its head
+            plan = covering(plan, drafter.frozen_linears(), target.measurement_key("dflash-drafter-kernels"))
+            drafter.use_plan(plan)
         proposer = DFlashProposer(drafter, target, options.block_size, plan)
         if target.measure:
             proposer.reading.break_even = measured_break_even(proposer, target, precision.name)
