@@ -131,3 +131,14 @@ def test_cache_grows_past_its_first_capacity(family_targets):
         out = target.forward(ids[:, i : i + 5], cache)
     assert len(cache) == 40 and cache.capacity >= 40
     torch.testing.assert_close(out.logits, target.forward(ids).logits[:, -5:], atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_forwards_keep_their_own_timings():
+    """Pass costs measured on the eager forward must not steer a compiled one (nor the reverse): the cache key
+    names the mode, and the eager key stays what it was."""
+    target = tiny_target("llama")
+    eager = target.measurement_key("pass-costs")
+    target.kernel_report = {**(target.kernel_report or {}), "compile_s": 12.0}
+    compiled = target.measurement_key("pass-costs")
+    assert compiled != eager and compiled.endswith(":compiled:pass-costs")
+    assert eager.endswith("}:pass-costs") or eager.endswith("None:pass-costs")

@@ -158,8 +158,10 @@ class TargetModel:
     def measurement_key(self, what: str) -> str:
         """Where a timing of this target (or of a drafter on it) is cached, per machine, by
         kernels.cached_measurement: model, dtype, device and kernel choice, then what was timed."""
-        kernels = (self.kernel_report or {}).get("choices")
-        return f"{self.name}:{str(self.dtype).removeprefix('torch.')}:{self.device}:{kernels}:{what}"
+        report = self.kernel_report or {}
+        # a compiled forward or CUDA graphs time differently from the eager passes: their own entries
+        mode = ("compiled:" if "compile_s" in report else "") + ("graphs:" if self.graphs is not None else "")
+        return f"{self.name}:{str(self.dtype).removeprefix('torch.')}:{self.device}:{report.get('choices')}:{mode}{what}"
 
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
