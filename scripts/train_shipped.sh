@@ -125,4 +125,13 @@ OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/t
   --data corpus/smollm2-135m --out runs/train/dflash-stage9 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
   --seed 5 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
   --keep-checkpoints 2 --no-progress > runs/train/dflash-stage9.log 2>&1
-# what ships now: runs/train/dflash-stage9/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+# what shipped after stage 9: runs/train/dflash-stage9/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+
+# ---- stage 10 (DFlash), fifteenth session: the same recipe on another order (--seed 6), 1000 steps ---------------
+# One thread for ~90 minutes of training (the other core built and measured the C drafter), nice'd and paused
+# (SIGSTOP/SIGCONT) while the other core took quiet two-thread measurements.
+OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage9/final \
+  --data corpus/smollm2-135m --out runs/train/dflash-stage10 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
+  --seed 6 --lr 1e-4 --schedule-steps 1000 --max-steps 1000 --eval-every 100000 --save-every 100000 --save-minutes 10 \
+  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage10.log 2>&1
+# what ships now: runs/train/dflash-stage10/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
