@@ -81,8 +81,9 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                             "chain depth + 1, ngram's copied drafts + 1 (default: what the drafter was trained with; "
                             "ngram 8)")
     group.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_PRECISIONS],
-                       help="the drafter's precision; int8: int8 weights, float32 activations (CPU, fbgemm); auto = "
-                            "the fastest of the target's dtype, bfloat16 and int8, timed once per machine (default: "
+                       help="the drafter's precision; int8: int8 weights, float32 activations (CPU, fbgemm); "
+                            "int8-head: float32 layers on the target's kernels, an int8 LM head; auto = the fastest "
+                            "of the target's dtype, bfloat16, int8 and int8-head, timed once per machine (default: "
                             "auto). Drafts never change the output")
     group.add_argument("--whole-blocks", action="store_true",
                        help="draft and verify every draft of every round (the paper's setting). Default: each round "
