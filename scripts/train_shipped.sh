@@ -93,45 +93,39 @@ OMP_NUM_THREADS=1 $DF train --method eagle3 --target smollm2-135m --threads 1 \
 wait
 # what ships now: runs/train/dflash-stage5/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
 
+# Stages 6 on: one low-rate schedule from the stage before, on a new order of the same corpus and split.
+# low_rate_stage FROM TO SEED STEPS: stage TO from stage FROM's drafter, --seed SEED, peak lr 1e-4, cosine over STEPS.
+low_rate_stage() {
+  OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from "runs/train/dflash-stage$1/final" \
+    --data corpus/smollm2-135m --out "runs/train/dflash-stage$2" --anchors-per-seq 128 --eval-fraction 0.006 \
+    --epochs 1 --seed "$3" --lr 1e-4 --schedule-steps "$4" --max-steps "$4" --eval-every 100000 --save-every 100000 \
+    --save-minutes 10 --keep-checkpoints 2 --no-progress > "runs/train/dflash-stage$2.log" 2>&1
+}
+
 # ---- stage 6 (DFlash), eleventh session: a new order of the same corpus, peak lr 1e-4, one 1500-step schedule -----
 # One thread for ~105 minutes (1500 steps), beside the self-distillation run it was compared with at equal wall-clock
 # time (--loss kl: 1210 steps; docs/TRAINING.md "Stage 6"). The warm start is the stage-5 drafter as shipped (bf16).
-OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage5/final \
-  --data corpus/smollm2-135m --out runs/train/dflash-stage6 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
-  --seed 2 --lr 1e-4 --schedule-steps 1500 --max-steps 1500 --eval-every 100000 --save-every 100000 --save-minutes 10 \
-  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage6.log 2>&1
+low_rate_stage 5 6 2 1500
 # what ships now: runs/train/dflash-stage6/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
 
 # ---- stage 7 (DFlash), twelfth session: the stage-6 recipe again, on another order (--seed 3), 1400 steps ----------
 # One thread for ~97 minutes of training, beside a run at 4 sequences per step (--grad-accum 4 --lr 2e-4, 350 steps:
 # the same 1400 sequences in the same time), which tied it (docs/TRAINING.md "Stage 7").
-OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage6/final \
-  --data corpus/smollm2-135m --out runs/train/dflash-stage7 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
-  --seed 3 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
-  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage7.log 2>&1
+low_rate_stage 6 7 3 1400
 # what shipped after stage 7: runs/train/dflash-stage7/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
 
 # ---- stage 8 (DFlash), thirteenth session: the same recipe on another order (--seed 4), 1400 steps ----------------
 # One thread for ~100 minutes of training, alone (the other core built and measured the engine meanwhile).
-OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage7/final \
-  --data corpus/smollm2-135m --out runs/train/dflash-stage8 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
-  --seed 4 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
-  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage8.log 2>&1
+low_rate_stage 7 8 4 1400
 # what shipped after stage 8: runs/train/dflash-stage8/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
 
 # ---- stage 9 (DFlash), fourteenth session: the same recipe on another order (--seed 5), 1400 steps ---------------
 # One thread for ~115 minutes of training (the other core built and measured the engine, and ran the tests).
-OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage8/final \
-  --data corpus/smollm2-135m --out runs/train/dflash-stage9 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
-  --seed 5 --lr 1e-4 --schedule-steps 1400 --max-steps 1400 --eval-every 100000 --save-every 100000 --save-minutes 10 \
-  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage9.log 2>&1
+low_rate_stage 8 9 5 1400
 # what shipped after stage 9: runs/train/dflash-stage9/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
 
 # ---- stage 10 (DFlash), fifteenth session: the same recipe on another order (--seed 6), 1000 steps ---------------
 # One thread for ~90 minutes of training (the other core built and measured the C drafter), nice'd and paused
 # (SIGSTOP/SIGCONT) while the other core took quiet two-thread measurements.
-OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --init-from runs/train/dflash-stage9/final \
-  --data corpus/smollm2-135m --out runs/train/dflash-stage10 --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 \
-  --seed 6 --lr 1e-4 --schedule-steps 1000 --max-steps 1000 --eval-every 100000 --save-every 100000 --save-minutes 10 \
-  --keep-checkpoints 2 --no-progress > runs/train/dflash-stage10.log 2>&1
+low_rate_stage 9 10 6 1000
 # what ships now: runs/train/dflash-stage10/final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)

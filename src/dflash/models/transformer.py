@@ -90,8 +90,9 @@ class DecoderLayer(nn.Module):
         run: Gemma's sandwich norms, windows, soft-capping."""
         if self.sandwich or self.window is not None or self.softcap is not None:
             return None
-        return native_constants(self, self._modules["self_attn"], self._modules["mlp"], self.input_layernorm,
-                                self.post_attention_layernorm, dtype, tokens)
+        modules = self._modules  # per call: plain dict lookups, not nn.Module.__getattr__
+        return native_constants(self, modules["self_attn"], modules["mlp"], modules["input_layernorm"],
+                                modules["post_attention_layernorm"], dtype, tokens)
 
 
 class Transformer(nn.Module):
