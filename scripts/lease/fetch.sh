@@ -1,0 +1,14 @@
+# The last call: wait for RUN's final drafter until GIVEUP (epoch seconds), else take its newest checkpoint, and send
+# it back through $OUT in parts under 16 MiB (join them here with cat), with its config, vocabulary and logs.
+set -uo pipefail
+ROOT=${ROOT:-/root}; RUN=${RUN:-run}
+: "${GIVEUP:?GIVEUP (epoch seconds) is required}"
+while [ ! -f "$ROOT/$RUN/final/model.safetensors" ] && [ "$(date +%s)" -lt "$GIVEUP" ]; do sleep 5; done
+src="$ROOT/$RUN/final"
+[ -f "$src/model.safetensors" ] || { src=$(ls -d "$ROOT/$RUN"/checkpoints/step-* | tail -1); echo "no final drafter yet"; }
+echo "sending $src"
+mkdir -p "$OUT"; split -b 15000000 -d "$src/model.safetensors" "$OUT/$RUN.model.part"
+cp "$src/config.json" "$OUT/$RUN.config.json"; cp "$src/draft_vocab.json" "$OUT/$RUN.draft_vocab.json"
+cp "$ROOT/$RUN/train_config.json" "$OUT/$RUN.train_config.json"; cp "$ROOT/$RUN/log.jsonl" "$OUT/$RUN.log.jsonl"
+tail -c 100000 "$ROOT/$RUN.log" > "$OUT/$RUN.stderr.log"
+ls -l "$OUT"; grep eval_tau "$ROOT/$RUN/log.jsonl" | cut -c1-100
