@@ -13,7 +13,8 @@
 # SHAREGPT (17671 conversations), GSM8K (7473 rows), MAX_STEPS (unset: all epochs; set it to stop a chunk early),
 # LOSS (kl: self-distillation), INIT (random), KV_HEADS (unset: the target's; e.g. its attention heads for a drafter
 # whose context path is as wide as its residual stream, docs/TRAINING.md), NPROC (1; N > 1 runs data and training in
-# N processes under torchrun, one GPU each: the prompts are split between them, and GRAD_ACCUM stays the global batch).
+# N processes under torchrun, one GPU each, or several to a GPU when N exceeds the GPUs: the prompts are split
+# between them, and GRAD_ACCUM stays the global batch).
 # CPU smoke test: DEVICE=cpu DTYPE=float32 with a tiny target (tests).
 set -euo pipefail
 TARGET=${1:?usage: train_gpu.sh TARGET OUT}

@@ -102,3 +102,15 @@ def test_two_processes_split_the_prompts_and_resume_a_one_process_folder(tmp_pat
     assert sorted(r["id"] for r in resumed) == sorted(r["id"] for r in one)  # no duplicates, no losses
     assert {r["id"]: r["input_ids"] for r in resumed} == {r["id"]: r["input_ids"] for r in one}
     assert len([json.loads(line) for line in (part / "shard-00000.jsonl").open()]) == 5  # untouched
+
+
+def test_more_processes_than_gpus_share_them_round_robin_over_gloo():
+    from dflash.distributed import placement
+    from dflash.errors import UserError
+
+    assert [placement(r, 2, 2) for r in range(2)] == [(0, "nccl"), (1, "nccl")]  # one process per GPU
+    assert [placement(r, 3, 1) for r in range(3)] == [(0, "gloo")] * 3  # three on one GPU: NCCL would refuse
+    assert [placement(r, 4, 2)[0] for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(UserError):
+        placement(0, 2, 0)
+

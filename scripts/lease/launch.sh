@@ -1,6 +1,7 @@
 # The launch call (carry .gpu/part03; calls 2 and 3 only `cp .gpu/part0N /root/g/`): join and check the GGUF, time
 # SMOKE real steps, then start the run in its own session, sized to end by DEADLINE (epoch seconds): the schedule
 # anneals inside the lease. RATE (steps/s) skips the timing, e.g. for a second stage; INIT is the warm start.
+# NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one process left an H100 47% busy).
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
@@ -14,11 +15,14 @@ if [ -d "$ROOT/g" ] && [ -f .gpu/part03 ]; then
   sha256sum "$DFLASH_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" \
     | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 || { echo "GGUF sha mismatch"; exit 3; }
 fi
+NPROC=${NPROC:-1}
+if [ "$NPROC" -gt 1 ]; then TRAIN=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m dflash train)
+else TRAIN=(python3 -m dflash train); fi
 COMMON=(--target smollm2-135m --device "$DEVICE" --dtype "$DTYPE" --init-from "$INIT" --data corpus/smollm2-135m
   --anchors-per-seq "$ANCHORS" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
   --no-progress --keep-checkpoints 2)
 if [ -z "${RATE:-}" ]; then
-  python3 -m dflash train "${COMMON[@]}" --out "$ROOT/smoke" --max-steps "$SMOKE" --schedule-steps 1000 \
+  "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/smoke" --max-steps "$SMOKE" --schedule-steps 1000 \
     --log-every 4 --eval-every 100000 --save-every 100000 > "$ROOT/smoke.log" 2>&1 || { tail -30 "$ROOT/smoke.log"; exit 4; }
   tail -2 "$ROOT/smoke.log"
   # the last window: the first steps pay for CUDA's warm-up (a full run went ~2x faster than all 16 smoke steps)
@@ -26,5 +30,5 @@ if [ -z "${RATE:-}" ]; then
 fi
 steps=$(python3 -c "import time; print(max(8, int(0.92 * $RATE * ($DEADLINE - time.time() - $LOAD_S))))")
 echo "rate ${RATE} steps/s: launching $steps steps into $ROOT/$RUN"
-setsid nohup python3 -m dflash train "${COMMON[@]}" --out "$ROOT/$RUN" --schedule-steps "$steps" --max-steps "$steps" \
+setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --schedule-steps "$steps" --max-steps "$steps" \
   --log-every 20 --eval-every 500 --save-every 100000 --save-minutes 3 > "$ROOT/$RUN.log" 2>&1 < /dev/null &

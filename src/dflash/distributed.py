@@ -5,6 +5,10 @@ are summed across processes before the optimizer step, so every process applies 
 follow the curve one process follows with the same global batch (`--grad-accum`). gloo on CPU, nccl on CUDA (one GPU
 per process, `LOCAL_RANK`). Process 0 alone writes logs, evaluations, checkpoints and the final drafter.
 
+More processes than GPUs share them (`--nproc-per-node 3` on one GPU): a trainer that runs one sequence at a time
+leaves a fast GPU idle while Python prepares the next kernels (an H100 was 47% busy training the SmolLM2 drafter), and
+several processes fill it. NCCL refuses two ranks on one GPU, so a shared world sums over gloo, through host memory.
+
 Gradients are summed by hand (one flat all-reduce per step) instead of wrapping the model in
 DistributedDataParallel: the objectives call the drafter in several places per example (context cache, block pass,
 chunked LM head), and a plain sum after the step's backward passes is the same arithmetic with none of DDP's hooks.
@@ -13,6 +17,7 @@ chunked LM head), and a plain sum after the step's backward passes is the same a
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    staged: bool = False  # collectives go through host copies (gloo with CUDA tensors)
 
     @property
     def main(self) -> bool:
@@ -39,6 +45,8 @@ class World:
         if self.size == 1 or not tensors:
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        if self.staged:
+            flat = flat.cpu()
         torch.distributed.all_reduce(flat)
         offset = 0
         for t in tensors:
@@ -50,7 +58,12 @@ class World:
         if self.size == 1:
             return
         for t in tensors:
-            torch.distributed.broadcast(t.data, src=0)
+            if self.staged:
+                host = t.data.cpu()
+                torch.distributed.broadcast(host, src=0)
+                t.data.copy_(host)
+            else:
+                torch.distributed.broadcast(t.data, src=0)
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -64,18 +77,30 @@ class World:
 SINGLE = World()
 
 
+def placement(local_rank: int, local_size: int, gpus: int) -> tuple[int, str]:
+    """(this process's GPU, the backend) for LOCAL_RANK of local_size processes on a node with `gpus` GPUs: round
+    robin, and gloo as soon as any GPU holds two processes."""
+    if gpus < 1:
+        raise UserError("--device cuda under torchrun, but no GPU is visible")
+    return local_rank % gpus, "nccl" if local_size <= gpus else "gloo"
+
+
 def init_world(device: str | None = None) -> World:
     """The world torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK), or a single process."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return SINGLE
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
     cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+    backend, staged = "gloo", False
     if cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs: start at most "
-                            "one process per GPU (--nproc-per-node)")
-        torch.cuda.set_device(local_rank)  # "cuda" now means this process's GPU
+        gpu, backend = placement(local_rank, local_size, torch.cuda.device_count())
+        torch.cuda.set_device(gpu)  # "cuda" now means this process's GPU
+        staged = backend == "gloo"
+        if staged and rank == 0:
+            print(f"[dflash] {local_size} processes share {torch.cuda.device_count()} GPU(s): gradients are summed "
+                  "over gloo through host memory", file=sys.stderr)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    return World(rank, size, local_rank)
+        torch.distributed.init_process_group(backend)
+    return World(rank, size, local_rank, staged)
