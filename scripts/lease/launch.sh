@@ -1,12 +1,16 @@
 # The launch call (carry .gpu/part03; calls 2 and 3 only `cp .gpu/part0N /root/g/`): join and check the GGUF, time
 # SMOKE real steps, then start the run in its own session, sized to end by DEADLINE (epoch seconds): the schedule
 # anneals inside the lease. RATE (steps/s) skips the timing, e.g. for a second stage; INIT is the warm start.
+# METHOD=eagle3 trains the shipped EAGLE-3 head instead (RUN=eagle RATE=... beside a DFlash run: both in one lease).
 # NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one process left an H100 47% busy).
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
 DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}; SMOKE=${SMOKE:-16}
-LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; INIT=${INIT:-src/dflash/drafters/smollm2-135m-dflash}
+LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
+INIT=${INIT:-src/dflash/drafters/smollm2-135m-$METHOD}
+method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-3 head trains on every position
+[ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS")
 LOAD_S=${LOAD_S:-110}  # a CUDA run's start: the target's GGUF tokenizer and weights, the corpus
 : "${DEADLINE:?DEADLINE (epoch seconds by which the run must have ended) is required}"
 if [ -d "$ROOT/g" ] && [ -f .gpu/part03 ]; then
@@ -19,14 +23,14 @@ NPROC=${NPROC:-1}
 if [ "$NPROC" -gt 1 ]; then TRAIN=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m dflash train)
 else TRAIN=(python3 -m dflash train); fi
 COMMON=(--target smollm2-135m --device "$DEVICE" --dtype "$DTYPE" --init-from "$INIT" --data corpus/smollm2-135m
-  --anchors-per-seq "$ANCHORS" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
+  "${method_flags[@]}" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
   --no-progress --keep-checkpoints 2)
 if [ -z "${RATE:-}" ]; then
-  "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/smoke" --max-steps "$SMOKE" --schedule-steps 1000 \
-    --log-every 4 --eval-every 100000 --save-every 100000 > "$ROOT/smoke.log" 2>&1 || { tail -30 "$ROOT/smoke.log"; exit 4; }
-  tail -2 "$ROOT/smoke.log"
+  "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN-smoke" --max-steps "$SMOKE" --schedule-steps 1000 \
+    --log-every 4 --eval-every 100000 --save-every 100000 > "$ROOT/$RUN-smoke.log" 2>&1 || { tail -30 "$ROOT/$RUN-smoke.log"; exit 4; }
+  tail -2 "$ROOT/$RUN-smoke.log"
   # the last window: the first steps pay for CUDA's warm-up (a full run went ~2x faster than all 16 smoke steps)
-  RATE=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'steps_per_s' in l]; print(r[-1]['steps_per_s'])" "$ROOT/smoke/log.jsonl")
+  RATE=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'steps_per_s' in l]; print(r[-1]['steps_per_s'])" "$ROOT/$RUN-smoke/log.jsonl")
 fi
 steps=$(python3 -c "import time; print(max(8, int(0.92 * $RATE * ($DEADLINE - time.time() - $LOAD_S))))")
 echo "rate ${RATE} steps/s: launching $steps steps into $ROOT/$RUN"
