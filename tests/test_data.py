@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import lzma
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -298,8 +300,17 @@ def test_pack_round_trips_and_trains(tmp_path):
     for key, example in from_folder.items():
         assert torch.equal(example.input_ids, from_corpus[key].input_ids)
         assert example.loss_start == from_corpus[key].loss_start
-    (tmp_path / "corpus" / corpus["shards"][0]["file"]).write_bytes(b"junk")
+    shard = tmp_path / "corpus" / corpus["shards"][0]["file"]
+    shard.write_bytes(b"junk")
     with pytest.raises(UserError, match="corrupt"):
+        trainer.load_examples(tmp_path / "corpus")
+    shard.write_bytes(lzma.compress(b"compressed, but not an npz archive"))
+    with pytest.raises(UserError, match="corrupt"):
+        trainer.load_examples(tmp_path / "corpus")
+    buffer = io.BytesIO()
+    np.savez(buffer, ids=np.array(["a"]), tokens=np.zeros(3, dtype=np.uint16))
+    shard.write_bytes(lzma.compress(buffer.getvalue()))
+    with pytest.raises(UserError, match="missing: categories, lengths, loss_start, sources"):
         trainer.load_examples(tmp_path / "corpus")
 
 

@@ -6,12 +6,12 @@
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
-DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}; SMOKE=${SMOKE:-16}
+DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}; SMOKE=${SMOKE:-24}
 LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
 INIT=${INIT:-src/dflash/drafters/smollm2-135m-$METHOD}
 method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-3 head trains on every position
 [ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS")
-LOAD_S=${LOAD_S:-110}  # a CUDA run's start: the target's GGUF tokenizer and weights, the corpus
+LOAD_S=${LOAD_S:-60}  # a CUDA run's start: the target (GGUF tokenizer, weights); ~100 s in stage 11 with a slow corpus read
 : "${DEADLINE:?DEADLINE (epoch seconds by which the run must have ended) is required}"
 if [ -d "$ROOT/g" ] && [ -f .gpu/part03 ]; then
   mkdir -p "$DFLASH_CACHE/gguf"; cp .gpu/part03 "$ROOT/g/"
