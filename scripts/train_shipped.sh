@@ -133,7 +133,7 @@ low_rate_stage 9 10 6 1000
 # ---- stage 11 (DFlash), sixteenth session: a lent H100 for 28 minutes, two warm-started schedules -----------------
 # Not runnable from here: the calls went through the `device` tool (scripts/lease/, docs/TRAINING.md "Stage 11").
 # Both runs: bf16 on CUDA, 512 anchors, 8 sequences per step, each sized by launch.sh to end inside the lease.
-#   11a: DEADLINE=<lease start + 1545 s> bash /root/tools/launch.sh      (--lr 3e-4 --seed 7 from stage 10, 1268 steps)
+#   11a: DEADLINE=<lease start + 1545 s> bash scripts/lease/launch.sh    (--lr 3e-4 --seed 7 from stage 10, 1268 steps)
 #   11b: RATE=2.15 RUN=run2 INIT=/root/run/final LR=1.5e-4 SEED=8 ...    (1099 steps from 11a's final)
 # which is, on any CUDA machine with the GGUF in the cache:
 #   python -m dflash train --target smollm2-135m --device cuda --dtype bfloat16 --init-from DRAFTER \

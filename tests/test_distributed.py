@@ -113,4 +113,3 @@ def test_more_processes_than_gpus_share_them_round_robin_over_gloo():
     assert [placement(r, 4, 2)[0] for r in range(4)] == [0, 1, 0, 1]
     with pytest.raises(UserError):
         placement(0, 2, 0)
-
