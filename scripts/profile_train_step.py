@@ -32,7 +32,7 @@ def timed_step(objective: DFlashObjective, example, anchors_per_seq: int, vocabu
     target, drafter = objective.target, objective.model
     drafter.zero_grad(set_to_none=True)
     marks = [time.perf_counter()]
-    features, _ = objective.target_pass(input_ids)
+    features, _ = objective.target_pass(input_ids[None])
     marks.append(time.perf_counter())
     batch = build_block_batch(input_ids, anchors, objective.block_size, drafter.config.mask_token_id)
     with torch.no_grad():

@@ -284,7 +284,7 @@ def test_training_pass_equals_inference_per_block(target):
     input_ids = torch.tensor(counting_records(1)[0]["input_ids"])
     anchors = torch.tensor([4, 9, 10, 20])
     batch = build_block_batch(input_ids, anchors, 4, MASK_ID)
-    features = objective.target_pass(input_ids)[0]
+    features = objective.target_pass(input_ids[None])[0]
     with torch.no_grad():
         embeds = target.embed_tokens(batch.block_ids.reshape(1, -1))
         together = drafter(embeds, batch.positions.reshape(1, -1), features,
@@ -293,6 +293,95 @@ def test_training_pass_equals_inference_per_block(target):
             alone = drafter(target.embed_tokens(batch.block_ids[i : i + 1]), batch.positions[i : i + 1],
                             features[:, :a], torch.arange(a)[None])
             torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def grads_of(drafter) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("distill", [False, True])
+def test_sequences_in_one_pass_equal_one_at_a_time(arch, distill):
+    """`losses` over sequences of different lengths and anchor counts in ONE target and drafter pass gives each
+    sequence the loss, metrics and gradient it gets alone: padding (longer sequences, blocks without labels)
+    reaches no real block. A padding block that saw another block, or a row that saw another row's context, would
+    move them."""
+    target = tiny_target(arch, logit_scale=4.0)
+    drafter = tiny_drafter(target, num_layers=2, block_size=4, seed=1)
+    drafter.draft_vocab = list(range(5, 40))  # the loss over a draft vocabulary plus each sequence's prompt
+    objective = DFlashObjective(drafter, target, anchors_per_seq=12, distill=distill)
+    records = counting_records(3, seed=2)
+    examples = [trainer.example_of(r) for r in records]
+    assert len({len(r["input_ids"]) for r in records}) == 3
+    alone = []
+    for example in examples:
+        drafter.zero_grad(set_to_none=True)
+        loss, metrics = objective.loss(example, np.random.default_rng(7))
+        loss.backward()
+        alone.append((loss.detach(), metrics, grads_of(drafter)))
+    short = trainer.example_of({**records[0], "input_ids": records[0]["input_ids"][:14]})  # 1-8 anchors only
+    drafter.zero_grad(set_to_none=True)
+    together = objective.losses(examples + [short], [np.random.default_rng(7) for _ in range(4)])
+    together[0][0].backward()  # the first sequence's gradient, from the shared pass
+    first = grads_of(drafter)
+    for (loss, metrics), (loss_alone, metrics_alone, _) in zip(together, alone):
+        torch.testing.assert_close(loss.detach(), loss_alone, atol=1e-5, rtol=1e-5)
+        for name in metrics_alone:
+            torch.testing.assert_close(metrics[name], metrics_alone[name], atol=1e-5, rtol=1e-5)
+    assert first.keys() == alone[0][2].keys()
+    for name in first:
+        torch.testing.assert_close(first[name], alone[0][2][name], atol=1e-6, rtol=1e-4)
+    loss_short, _ = objective.loss(short, np.random.default_rng(7))
+    torch.testing.assert_close(together[3][0].detach(), loss_short.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_runs_at_several_sequences_per_pass_follow_the_same_curve(resume_runs, tmp_path):
+    """--seqs-per-pass 2 trains the same weights as one sequence per pass, to rounding; the trainer's choice is
+    one on a CPU, and the option belongs to dflash."""
+    root, data = resume_runs
+    out = tmp_path / "paired"
+    assert trainer.run(train_args(data, out, "--save-every", "100", "--seqs-per-pass", "2")) == 0
+    straight, paired = checkpoint_weights(root / "straight", 8), checkpoint_weights(out, 8)
+    for name in straight:
+        torch.testing.assert_close(paired[name], straight[name], atol=1e-4, rtol=1e-3)  # Adam amplifies rounding
+    config = trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE)
+    assert config.seqs_per_pass == 2
+    with pytest.raises(UserError, match="seqs_per_pass must be >= 0"):
+        trainer.TrainConfig(seqs_per_pass=-1).validate()
+    with pytest.raises(UserError, match="applies to --method dflash only"):
+        trainer.run(build_parser().parse_args(eagle3_argv(data, tmp_path / "e", "--seqs-per-pass", "2")))
+
+
+def test_automatic_sequences_per_pass(target, monkeypatch):
+    """auto: one on a CPU; on a GPU the faster of one and a step's share (capped by a pass's activations), timed
+    at the first step on gradients that are thrown away: the step then computes what it would have."""
+    examples = [trainer.example_of(r) for r in counting_records(8, seed=3)]
+
+    def new_trainer(**options):
+        drafter = tiny_drafter(target, num_layers=1, block_size=4, seed=2)
+        objective = DFlashObjective(drafter, target, anchors_per_seq=16)
+        config = trainer.TrainConfig(grad_accum=4, lr=1e-2, **options)
+        return trainer.Trainer(objective, config, "unused", examples, [], progress=False)
+
+    run = new_trainer()
+    assert run.per_pass == 1 and run.objective.activations_per_sequence == 16 * 4 * 64
+    assert new_trainer(seqs_per_pass=3).per_pass == 3
+    for budget, choices in ((1 << 26, [1, 4]), (16 * 4 * 64 * 3, [1, 3]), (10, [1])):
+        monkeypatch.setattr(trainer, "PASS_ACTIVATIONS", budget)
+        assert run.pass_choices() == choices
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the timing on a CPU, as on a GPU
+    timed, plain = new_trainer(), new_trainer()
+    timed.per_pass = None
+    indices = [5, 1, 6, 2]
+    measured = timed.train_step(indices)
+    expected = plain.train_step(indices)
+    assert timed.per_pass in (1, 4)
+    # gradients left over from the timing would have doubled the norm (Adam's first step would hide them)
+    torch.testing.assert_close(measured["grad_norm"], expected["grad_norm"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(measured["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
+    for ours, theirs in zip(timed.params, plain.params):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
 
 
 def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
@@ -601,7 +690,7 @@ def test_more_kv_heads_keep_the_drafters_outputs(target):
     objective = DFlashObjective(drafter, target, anchors_per_seq=8)
     input_ids = torch.tensor(counting_records(1)[0]["input_ids"])
     batch = build_block_batch(input_ids, torch.tensor([4, 9, 20]), 4, MASK_ID)
-    features = objective.target_pass(input_ids)[0]
+    features = objective.target_pass(input_ids[None])[0]
     with torch.no_grad():
         embeds = target.embed_tokens(batch.block_ids.reshape(1, -1))
         args = (embeds, batch.positions.reshape(1, -1), features, torch.arange(len(input_ids))[None])

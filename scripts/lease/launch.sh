@@ -3,6 +3,8 @@
 # anneals inside the lease. RATE (steps/s) skips the timing, e.g. for a second stage; INIT is the warm start.
 # METHOD=eagle3 trains the shipped EAGLE-3 head instead (RUN=eagle RATE=... beside a DFlash run: both in one lease).
 # NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one process left an H100 47% busy).
+# Each DFlash run times its first step at one sequence per pass and at all of a step's (the log says which won);
+# SEQS=N fixes it instead (--seqs-per-pass).
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
@@ -10,7 +12,7 @@ DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM
 LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
 INIT=${INIT:-src/dflash/drafters/smollm2-135m-$METHOD}
 method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-3 head trains on every position
-[ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS")
+[ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS" ${SEQS:+--seqs-per-pass "$SEQS"})
 LOAD_S=${LOAD_S:-60}  # a CUDA run's start: the target (GGUF tokenizer, weights); ~100 s in stage 11 with a slow corpus read
 : "${DEADLINE:?DEADLINE (epoch seconds by which the run must have ended) is required}"
 if [ -d "$ROOT/g" ] && [ -f .gpu/part03 ]; then

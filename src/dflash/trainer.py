@@ -1,6 +1,7 @@
 """`dflash train`: train a drafter on target-regenerated data, with exact resume.
 
-The loop is method-agnostic: it trains `objective.model` with `objective.loss(example, rng) -> (loss, metrics)`, and
+The loop is method-agnostic: it trains `objective.model` with `objective.loss(example, rng) -> (loss, metrics)` (or,
+where the objective has it, `objective.losses(examples, rngs)`: several sequences in one pass), and
 each trainable method's recipe (`Method.training` in methods/, e.g. methods/dflash/objective.py) builds, loads and
 checks its model. So DFlash and the EAGLE-3 head share data loading, the schedule, logging, checkpoints and exact
 resume. An EAGLE-3 run's --block-size B trains B - 1 chain steps (training-time test) and sets the head's draft depth,
@@ -78,6 +79,9 @@ class TrainConfig:
     warmup_ratio: float = option(0.04, "linear warmup, as a fraction of all steps, before the cosine decay")
     grad_clip: float = option(1.0, "max gradient norm")
     grad_accum: int = option(1, "sequences per optimizer step")
+    seqs_per_pass: int = option(0, "dflash: sequences run through the target and the drafter together (0: auto: "
+                                   "1 on a CPU; on a GPU, 1 or a step's share, whichever its first step times "
+                                   "faster)")
     gamma: float | None = option(None, "dflash: loss decay over block positions (7 for B=16, 5 for B=10, 4 for B=8, "
                                        "interpolated)")
     loss: str = option("ce", "dflash: ce (cross-entropy on the target's regenerated tokens) or kl (self-distillation: "
@@ -127,6 +131,8 @@ class TrainConfig:
                 raise UserError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.weight_decay < 0 or self.grad_clip <= 0 or self.keep_checkpoints < 0:
             raise UserError("weight_decay and keep_checkpoints must be >= 0 and grad_clip > 0")
+        if self.seqs_per_pass < 0:
+            raise UserError(f"seqs_per_pass must be >= 0 (0: auto), got {self.seqs_per_pass}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.save_minutes is not None and not self.save_minutes > 0:
@@ -171,8 +177,11 @@ def read_config_values(path: str | Path) -> dict:
     return values
 
 
-# Options a resumed run may change: they do not affect the weights it computes.
-RESUMABLE = ("log_every", "eval_every", "save_every", "save_minutes", "keep_checkpoints", "max_steps")
+# Options a resumed run may change: they do not affect the weights it computes (seqs_per_pass only their rounding).
+RESUMABLE = ("log_every", "eval_every", "save_every", "save_minutes", "keep_checkpoints", "max_steps", "seqs_per_pass")
+# The most an automatic --seqs-per-pass packs on a GPU: numbers in one hidden state of all of a pass's blocks (the
+# drafter keeps a few dozen such tensors per layer for its backward pass). 8 SmolLM2 sequences at 512 anchors: 38M.
+PASS_ACTIVATIONS = 1 << 26
 
 
 
@@ -358,6 +367,7 @@ class Trainer:
         self.state = TrainState()
         self.fingerprint = data_fingerprint(train)
         self.log_path = self.out / "log.jsonl"
+        self.per_pass = self.sequences_per_pass()
 
     # ---- precision ---------------------------------------------------------------------------------------------------
     def autocast(self):
@@ -374,6 +384,49 @@ class Trainer:
     def epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.config.seed, ORDER_STREAM, epoch]).permutation(len(self.train))
 
+    def sequences_per_pass(self) -> int | None:
+        """How many of a step's sequences share a target and a drafter pass: --seqs-per-pass; one for an objective
+        without a batched `losses`, and on a CPU (one sequence's products already fill the cores, and padding
+        sequences to the longest costs arithmetic: 8 real sequences took 2.2x as long in one pass as in 8 on 2 cores,
+        docs/TRAINING.md); on a GPU None: `timed_per_pass` measures it at the first step."""
+        if not hasattr(self.objective, "losses"):
+            return 1
+        if self.config.seqs_per_pass:
+            return self.config.seqs_per_pass
+        return None if self.params[0].device.type == "cuda" else 1
+
+    def pass_choices(self) -> list[int]:
+        """What `timed_per_pass` compares: one, and a step's share of sequences capped by PASS_ACTIVATIONS."""
+        share = math.ceil(self.config.grad_accum / self.world.size)
+        most = max(1, min(share, PASS_ACTIVATIONS // self.objective.activations_per_sequence))
+        return sorted({1, most})
+
+    def timed_per_pass(self, indices: list[int]) -> int:
+        """The fastest of `pass_choices` on this GPU: each runs forward and backward over this step's sequences
+        twice (the first warms the kernels up), timed the second time; the gradients are thrown away, so the run
+        computes what it would have."""
+        choices = self.pass_choices()
+        if len(choices) == 1:
+            return choices[0]
+        seconds = {}
+        for per_pass in choices:
+            for _ in range(2):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                self.accumulate(indices, per_pass)
+                torch.cuda.synchronize()
+                seconds[per_pass] = time.perf_counter() - started
+        self.optimizer.zero_grad(set_to_none=True)
+        best = min(seconds, key=seconds.get)
+        if self.world.size > 1:  # every process must take the same number of passes: process 0's choice
+            flag = torch.tensor([float(best) if self.world.main else 0.0], device=self.params[0].device)
+            self.world.sum_([flag])
+            best = int(flag.item())
+        if self.world.main:
+            timing = ", ".join(f"{k}: {v:.2f} s" for k, v in seconds.items())
+            print(f"[dflash] sequences per pass: {best} ({timing} for one step's sequences)", file=sys.stderr)
+        return best
+
     def next_batch(self, order: np.ndarray) -> list[int]:
         start = self.state.position
         return order[start : start + self.config.grad_accum].tolist()
@@ -382,15 +435,9 @@ class Trainer:
     def train_step(self, indices: list[int]) -> dict[str, torch.Tensor]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
-        for index in self.world.share(indices):  # the step's sequences, split between the processes
-            rng = np.random.default_rng([self.config.seed, ANCHOR_STREAM, self.state.epoch, index])
-            with self.autocast():
-                loss, metrics = self.objective.loss(self.train[index], rng)
-            # each sequence counts equally, however many anchors it has
-            (loss / len(indices)).backward()
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0) + value.detach().float() / len(indices)
+        if self.per_pass is None:
+            self.per_pass = self.timed_per_pass(indices)
+        totals = self.accumulate(indices, self.per_pass)
         if self.world.size > 1:
             for p in self.params:
                 if p.grad is None:
@@ -400,6 +447,27 @@ class Trainer:
         totals["lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
+        return totals
+
+    def accumulate(self, indices: list[int], per_pass: int) -> dict[str, torch.Tensor]:
+        """Gradients of this process's share of the step's sequences, `per_pass` sequences a pass (of similar
+        lengths, so that little is padding); returns the step's mean metrics."""
+        totals: dict[str, torch.Tensor] = {}
+        mine = self.world.share(indices)
+        if per_pass > 1:
+            mine = sorted(mine, key=lambda i: len(self.train[i].input_ids))
+        for start in range(0, len(mine), per_pass):
+            group = mine[start: start + per_pass]
+            rngs = [np.random.default_rng([self.config.seed, ANCHOR_STREAM, self.state.epoch, i]) for i in group]
+            examples = [self.train[i] for i in group]
+            with self.autocast():
+                results = (self.objective.losses(examples, rngs) if len(group) > 1
+                           else [self.objective.loss(examples[0], rngs[0])])
+            # each sequence counts equally, however many anchors it has
+            (sum(loss for loss, _ in results) / len(indices)).backward()
+            for _, metrics in results:
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0) + value.detach().float() / len(indices)
         return totals
 
     def advance(self, consumed: int) -> None:
@@ -744,6 +812,7 @@ def train_in(world: World, args, overrides: dict, out: Path, examples: list[Exam
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(config.to_json())
     processes = f", {world.size} processes" if world.size > 1 else ""
+    processes += f", {trainer.per_pass} sequences per pass" if (trainer.per_pass or 1) > 1 else ""
     say(f"[dflash] {config.method}: {len(train)} training / {len(heldout)} held-out sequences, "
         f"{trainer.total_steps} steps ({config.epochs} epochs{processes}), drafter "
         f"{sum(p.numel() for p in trainer.params) / 1e6:.1f}M params")

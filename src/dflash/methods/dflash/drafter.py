@@ -158,9 +158,10 @@ class BlockLayout:
     """The training layout of a drafter call: the query tokens are len(anchors) blocks of block_size tokens, block i
     anchored at position anchors[i], and the context holds positions 0..S-1. Block i sees context positions
     < anchors[i] and its own block bidirectionally, never another block (DFLASH_SPEC.md section 4). Passed instead of
-    a dense mask so attention never materialises the [N, S + N] mask, of which all but N * (S + B) entries are False."""
+    a dense mask so attention never materialises the [N, S + N] mask, of which all but N * (S + B) entries are False.
+    anchors [b, nblocks] gives each row of a batch of sequences its own blocks."""
 
-    anchors: torch.Tensor  # [nblocks], long
+    anchors: torch.Tensor  # [nblocks] (every row alike) or [b, nblocks], long
     block_size: int
 
 
@@ -170,11 +171,13 @@ def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.
     q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV).
     Returns [b, H, N, d]."""
     b, heads, n, d = q.shape
-    kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[0], layout.block_size
+    kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[-1], layout.block_size
     group = heads // kv_heads
     q = q.reshape(b, kv_heads, group, n, d) * d**-0.5
     ctx_scores = q @ ctx_k[:, :, None].transpose(-1, -2)  # [b, KV, group, N, S]
-    visible = torch.arange(s, device=q.device) < layout.anchors.repeat_interleave(size)[:, None]
+    visible = torch.arange(s, device=q.device) < layout.anchors.repeat_interleave(size, dim=-1)[..., None]
+    if visible.dim() == 3:  # [b, N, S]: each row its own anchors
+        visible = visible[:, None, None]
     ctx_scores = ctx_scores.masked_fill(~visible, float("-inf"))
     blocked_q = q.reshape(b, kv_heads, group, nblocks, size, d)
     own_scores = blocked_q @ k.reshape(b, kv_heads, 1, nblocks, size, d).transpose(-1, -2)  # [..., nblocks, B, B]

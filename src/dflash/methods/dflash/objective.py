@@ -253,11 +253,15 @@ class DFlashObjective:
         return input_ids[: self.max_length].to(self.target.device, torch.long)
 
     def target_pass(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(features, logits or None): one clean target forward of the sequence."""
-        out = self.target.forward(input_ids[None], None, self.feature_layers,
-                                  logits_at="all" if self.distill else "none")
+        """(features, logits or None), each [b, S, ...]: one clean target forward of the sequences [b, S]."""
+        out = self.target.forward(input_ids, None, self.feature_layers, logits_at="all" if self.distill else "none")
         # target.forward runs in inference mode; autograd may not save inference tensors, so copy out of it
-        return out.features.clone(), (out.logits[0].clone() if out.logits is not None else None)
+        return out.features.clone(), (out.logits.clone() if out.logits is not None else None)
+
+    @property
+    def activations_per_sequence(self) -> int:
+        """Numbers in one hidden state of a sequence's blocks (anchors x block x width): what sizes a pass."""
+        return self.anchors_per_seq * self.block_size * self.model.config.hidden_size
 
     def vocab_for(self, input_ids: torch.Tensor, loss_start: int) -> torch.Tensor | None:
         """The token ids a drafting pass would score for this sequence (DFlashProposer: the draft vocabulary plus
@@ -273,32 +277,64 @@ class DFlashObjective:
 
     def blocks_result(self, input_ids: torch.Tensor, anchors: torch.Tensor, loss_start: int = 0) -> BlockResult:
         """Run every block anchored at `anchors` through the drafter in one pass."""
-        batch = build_block_batch(input_ids, anchors, self.block_size, self.model.config.mask_token_id)
-        features, logits = self.target_pass(input_ids)
-        nblocks = batch.block_ids.shape[0]
+        return self.blocks_results([input_ids], [anchors], [loss_start])[0]
+
+    def blocks_results(self, sequences: list[torch.Tensor], anchor_sets: list[torch.Tensor],
+                       loss_starts: list[int]) -> list[BlockResult]:
+        """Every block of several sequences in ONE target pass and ONE drafter pass, a result per sequence, each
+        what `blocks_result` gives for that sequence alone. Sequences are right-padded to the longest: attention
+        is causal, so padding after a sequence never reaches its positions, and every anchor lies before it. Block
+        lists are padded to the longest with blocks that have no labels; blocks never see each other. On a GPU
+        one sequence per pass left the H100 half idle in stage 11 (launches and Python, not arithmetic)."""
+        device = sequences[0].device
+        count, length = len(sequences), max(seq.shape[0] for seq in sequences)
+        batches = [build_block_batch(seq, anchors, self.block_size, self.model.config.mask_token_id)
+                   for seq, anchors in zip(sequences, anchor_sets)]
+        nblocks = max(batch.block_ids.shape[0] for batch in batches)
+        ids = torch.zeros(count, length, dtype=torch.long, device=device)
+        block_ids = torch.full((count, nblocks, self.block_size), self.model.config.mask_token_id, device=device)
+        positions = torch.arange(1, 1 + self.block_size, device=device).repeat(count, nblocks, 1)
+        anchors = torch.ones(count, nblocks, dtype=torch.long, device=device)  # a padding block: anchor 1, no labels
+        for row, (seq, batch) in enumerate(zip(sequences, batches)):
+            used = batch.block_ids.shape[0]
+            ids[row, : seq.shape[0]] = seq
+            block_ids[row, :used], positions[row, :used] = batch.block_ids, batch.positions
+            anchors[row, :used] = batch.layout.anchors
+        features, logits = self.target_pass(ids)
         with torch.no_grad():
-            embeds = self.target.embed_tokens(batch.block_ids.reshape(1, -1))
+            embeds = self.target.embed_tokens(block_ids.reshape(count, -1))
         hidden = self.model(
             embeds,
-            batch.positions.reshape(1, -1),
+            positions.reshape(count, -1),
             features,
-            torch.arange(input_ids.shape[0], device=input_ids.device)[None],
-            mask=batch.layout,
+            torch.arange(length, device=device).expand(count, -1),
+            mask=BlockLayout(anchors, self.block_size),
         )
-        # the label at block position k is the token at a+k, which the target predicted at position a+k-1
-        rows = (batch.positions - 1).clamp(0, input_ids.shape[0] - 1) if logits is not None else None
-        return block_loss(hidden.view(nblocks, self.block_size, -1), batch.labels, self.target.lm_head, self.weights,
-                          logits, rows, self.vocab_for(input_ids, loss_start))
+        results = []
+        for row, (seq, batch, loss_start) in enumerate(zip(sequences, batches, loss_starts)):
+            used = batch.block_ids.shape[0]
+            # the label at block position k is the token at a+k, which the target predicted at position a+k-1
+            rows = (batch.positions - 1).clamp(0, seq.shape[0] - 1) if logits is not None else None
+            results.append(block_loss(hidden[row, : used * self.block_size].view(used, self.block_size, -1),
+                                      batch.labels, self.target.lm_head, self.weights,
+                                      logits[row] if logits is not None else None, rows,
+                                      self.vocab_for(seq, loss_start)))
+        return results
 
     def usable(self, example) -> bool:
         """False for sequences whose (truncated) response leaves no anchor to train on."""
         return len(anchor_candidates(min(len(example.input_ids), self.max_length), example.loss_start)) > 0
 
     def loss(self, example, rng: np.random.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        input_ids = self.sequence(example.input_ids)
-        anchors = sample_anchors(input_ids.shape[0], example.loss_start, self.anchors_per_seq, rng)
-        result = self.blocks_result(input_ids, anchors, example.loss_start)
-        return result.loss, block_metrics(result)
+        return self.losses([example], [rng])[0]
+
+    def losses(self, examples, rngs) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """`loss` of each example (its anchors drawn from its own rng), all in one target and one drafter pass."""
+        sequences = [self.sequence(example.input_ids) for example in examples]
+        anchor_sets = [sample_anchors(seq.shape[0], example.loss_start, self.anchors_per_seq, rng)
+                       for seq, example, rng in zip(sequences, examples, rngs)]
+        results = self.blocks_results(sequences, anchor_sets, [example.loss_start for example in examples])
+        return [(result.loss, block_metrics(result)) for result in results]
 
     @torch.no_grad()
     def evaluate(self, examples, rngs) -> dict:
@@ -336,7 +372,7 @@ class DFlashTraining:
     fixed_shape_note = ""
     # an --init-from drafter is widened or deepened to these without changing its outputs
     free_on_init = ("kv_heads", "num_layers")
-    own_options = ("anchors_per_seq", "gamma", "loss", "init", "loss_vocab", "kv_heads")
+    own_options = ("anchors_per_seq", "gamma", "loss", "init", "loss_vocab", "kv_heads", "seqs_per_pass")
 
     def new_model(self, target, config) -> DFlashDrafter:
         cfg = DFlashConfig.for_target(
