@@ -48,6 +48,11 @@ def test_results_schema_and_lossless(tmp_path, capsys):
     # --ignore-eos: every method produced exactly max_new_tokens per prompt
     assert all(m["new_tokens"] == 3 * 16 for m in methods.values())
     assert results["ar_vs_hf_tokens_per_s"] > 0 and "speedup" in methods["hf"]
+    for method in ("ngram", "dflash", "eagle3", "hf"):
+        low, high = methods[method]["speedup_ci95"]
+        assert low <= high and methods[method]["e2e_speedup_ci95"][0] <= methods[method]["e2e_speedup_ci95"][1]
+    low, high = methods["dflash"]["tau_ci95"]
+    assert 1.0 <= low <= high <= 4 and "tau_ci95" not in methods["hf"]
     rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * 5 and all(r["same_as_ar"] for r in rows)
     table = (out / "results.md").read_text()
@@ -55,6 +60,37 @@ def test_results_schema_and_lossless(tmp_path, capsys):
     assert "| dflash |" in capsys.readouterr().out
     for plot in ("tau_histogram.png", "per_position_acceptance.png", "speedup.png"):
         assert (out / plot).stat().st_size > 0
+
+
+def prompt_totals(decode_s: float, rounds: list[int], block_size: int = 4):
+    from dflash.bench import Run, Totals
+
+    totals = Totals(block_size=block_size)
+    tokens = sum(rounds) + 1
+    totals.add(Run(list(range(tokens)), "", ttft_s=0.01, total_s=0.01 + decode_s, accept_lengths=rounds,
+                   draft_lengths=[block_size - 1] * len(rounds)))
+    return totals
+
+
+def test_intervals_are_paired_bootstrap_percentiles():
+    """The intervals hold the pooled figure, narrow as prompts multiply (the same spread over 4x the prompts: about
+    half as wide), collapse where every prompt agrees, and are the same for the same runs."""
+    from dflash.bench import intervals
+
+    ar = [prompt_totals(d, [1] * 20) for d in (1.0, 2.0, 1.5, 1.2)]
+    fast = [prompt_totals(d, r) for d, r in ((0.5, [2] * 10), (1.9, [1] * 20), (0.8, [3, 1] * 5), (1.0, [2, 1] * 7))]
+    bounds = intervals({"ar": ar, "dflash": fast})["dflash"]
+    speedup = sum(t.decode_s for t in ar) / sum(t.decode_s for t in fast)  # equal decode tokens per prompt
+    assert bounds["speedup_ci95"][0] < speedup < bounds["speedup_ci95"][1]
+    tau = sum(sum(t.accept_lengths) for t in fast) / sum(len(t.accept_lengths) for t in fast)
+    assert bounds["tau_ci95"][0] < tau < bounds["tau_ci95"][1]
+    wider = intervals({"ar": ar * 4, "dflash": fast * 4})["dflash"]["speedup_ci95"]
+    ratio = (wider[1] - wider[0]) / (bounds["speedup_ci95"][1] - bounds["speedup_ci95"][0])
+    assert 0.35 < ratio < 0.65
+    same = intervals({"ar": ar, "dflash": [prompt_totals(t.decode_s / 2, [2] * 10) for t in ar]})["dflash"]
+    assert same["speedup_ci95"] == pytest.approx([2.0, 2.0]) and same["tau_ci95"] == pytest.approx([2.0, 2.0])
+    assert intervals({"ar": ar, "dflash": fast}) == intervals({"ar": ar, "dflash": fast})
+    assert intervals({"ar": ar[:1], "dflash": fast[:1]})["dflash"]["speedup_ci95"] is None
 
 
 def test_two_turn_records(tmp_path):

@@ -12,6 +12,9 @@ Aggregates (DFLASH_SPEC.md section 7), pooled over all generations rather than a
     tpot_ms        = decode time (total - TTFT) / (new tokens - 1 per generation)
     speedup        = ar tpot / method tpot (decode phase; at T=0 outputs match, so this is the decode time ratio)
     e2e_speedup    = method tokens_per_s / ar tokens_per_s (TTFT included)
+and beside tau, speedup and e2e_speedup their 95% intervals (`*_ci95`): percentiles of the same pooled figures over
+prompts resampled with replacement (paired: a resample draws a prompt's runs of every method together), so a table of
+8 prompts says how far its ratios could move on another 8.
 At T=0 every method's tokens are compared with ar's; any difference is a bug and is counted in greedy_mismatches.
 
 Writes DIR/results.json, DIR/results.md (the table, also printed), DIR/per_prompt.jsonl and PNG plots.
@@ -431,6 +434,46 @@ def acceptance_stats(accept_lengths: list[int], draft_lengths: list[int], block_
             "draft_length_histogram": pooled.draft_length_histogram}
 
 
+RESAMPLES = 2000
+
+
+def intervals(per_prompt: dict[str, list["Totals"]], resamples: int = RESAMPLES, seed: int = 0) -> dict[str, dict]:
+    """95% intervals of each method's pooled tau, speedup and e2e_speedup: percentiles over `resamples` paired
+    resamples of the prompts (seeded: the same runs give the same intervals). None where a figure is undefined in
+    a resample, or with fewer than two prompts (one prompt says nothing about another)."""
+    import numpy as np
+
+    count = len(per_prompt["ar"])
+    if count < 2:
+        return {m: {"tau_ci95": None, "speedup_ci95": None, "e2e_speedup_ci95": None} for m in per_prompt if m != "ar"}
+    picks = np.random.default_rng(seed).integers(0, count, size=(resamples, count))
+
+    def pooled(method: str, name: str) -> np.ndarray:
+        values = np.array([getattr(t, name) if name != "rounds" else len(t.accept_lengths) for t in per_prompt[method]],
+                          dtype=np.float64)
+        return values[picks].sum(axis=1)
+
+    def bounds(ratio: np.ndarray) -> list[float] | None:
+        if not np.all(np.isfinite(ratio)):
+            return None
+        return [float(x) for x in np.percentile(ratio, [2.5, 97.5])]
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ar_tpot = pooled("ar", "decode_s") / pooled("ar", "decode_tokens")
+        ar_rate = pooled("ar", "new_tokens") / pooled("ar", "total_s")
+        out = {}
+        for method in per_prompt:
+            if method == "ar":
+                continue
+            tpot = pooled(method, "decode_s") / pooled(method, "decode_tokens")
+            rate = pooled(method, "new_tokens") / pooled(method, "total_s")
+            out[method] = {"speedup_ci95": bounds(ar_tpot / tpot), "e2e_speedup_ci95": bounds(rate / ar_rate)}
+            if parse_method(method).name not in BASELINES:
+                accepted = np.array([sum(t.accept_lengths) for t in per_prompt[method]], dtype=np.float64)
+                out[method]["tau_ci95"] = bounds(accepted[picks].sum(axis=1) / pooled(method, "rounds"))
+    return out
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -494,6 +537,7 @@ def run(args) -> int:
         run_conversation(runner, target, warm, min(WARMUP_TOKENS, args.max_new_tokens), args.ignore_eos)
 
     totals = {m: Totals(block_size=r.block_size) for m, r in runners.items()}
+    per_prompt = {m: [] for m in runners}  # each prompt's own Totals, for the intervals
     mismatches, rows = [], []
     for index, prompt in enumerate(tqdm(prompts, desc="bench", unit="prompt", disable=args.no_progress)):
         shift = index % len(methods)
@@ -501,8 +545,10 @@ def run(args) -> int:
         for method in methods[shift:] + methods[:shift]:
             runs[method] = run_conversation(runners[method], target, prompt, args.max_new_tokens, args.ignore_eos)
         for method, method_runs in runs.items():
+            per_prompt[method].append(Totals(block_size=runners[method].block_size))
             for turn, r in enumerate(method_runs):
                 totals[method].add(r)
+                per_prompt[method][-1].add(r)
                 reference = runs["ar"][turn].tokens
                 same = r.tokens == reference
                 # llama.cpp runs other (often quantised) weights: its tokens are not the target's to compare
@@ -512,6 +558,8 @@ def run(args) -> int:
                 rows.append(_row(prompt.id, turn, method, r, same))
 
     results = collect_results(args, target, prompts, path, methods, totals, mismatches, sampling.greedy, runners)
+    for method, bounds in intervals(per_prompt).items():
+        results["methods"][method].update(bounds)
     write_outputs(out_dir, results, rows)
     if mismatches:
         print(f"dflash bench: {len(mismatches)} greedy output(s) differ from ar (see results.json)", file=sys.stderr)
@@ -604,19 +652,23 @@ def markdown_table(results: dict) -> str:
     lines = ["| method | tau | speedup | e2e speedup | tokens/s | TPOT ms | TTFT ms |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for method, s in results["methods"].items():
-        tau = f"{s['tau']:.2f}" if "tau" in s else ("1.00" if method == "ar" else "-")
+        tau = f"{s['tau']:.2f}{_between(s.get('tau_ci95'))}" if "tau" in s else ("1.00" if method == "ar" else "-")
         name = method
         if method in results.get("llamacpp", {}):  # its weights are not the target's: say which they are
             name = f"{method} ({results['llamacpp'][method]['quantization']} GGUF)"
-        lines.append(
-            f"| {name} | {tau} | {_times(s.get('speedup', 1.0))} | {_times(s.get('e2e_speedup', 1.0))} "
-            f"| {s['tokens_per_s']:.1f} | {s['tpot_ms']:.2f} | {s['ttft_ms']:.1f} |"
-        )
+        speedup = _times(s.get("speedup", 1.0)) + _between(s.get("speedup_ci95"), "x")
+        e2e = _times(s.get("e2e_speedup", 1.0)) + _between(s.get("e2e_speedup_ci95"), "x")
+        lines.append(f"| {name} | {tau} | {speedup} | {e2e} | {s['tokens_per_s']:.1f} | {s['tpot_ms']:.2f} "
+                     f"| {s['ttft_ms']:.1f} |")
     return "\n".join(lines)
 
 
 def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _between(bounds: list[float] | None, unit: str = "") -> str:
+    return "" if not bounds else f" ({bounds[0]:.2f}-{bounds[1]:.2f}{unit})"
 
 
 def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
@@ -632,7 +684,8 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         "",
         markdown_table(results),
         "",
-        "speedup = ar TPOT / method TPOT (decode); e2e speedup = tokens/s ratio including TTFT.",
+        "speedup = ar TPOT / method TPOT (decode); e2e speedup = tokens/s ratio including TTFT; in brackets, 95% "
+        f"intervals over the prompts (paired bootstrap, {RESAMPLES} resamples).",
         "",
         f"greedy mismatches vs ar: {mismatches if mismatches is not None else 'not compared (sampling)'}",
     ]
