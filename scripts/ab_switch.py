@@ -1,7 +1,7 @@
 """One engine switch off against on, generation by generation in one process, with identical outputs checked.
 
 Usage: .venv/bin/python scripts/ab_switch.py SWITCH [DATASET] [LIMIT] [METHODS] [MAX_NEW] [--draft-dtype D]
-       [--json FILE]
+       [--repeats N] [--json FILE]
 (defaults: gsm8k, 6 prompts, dflash,dflash:whole,eagle3, 128 new tokens; float32 SmolLM2-135M-Instruct, greedy,
 the shipped drafters in the CLI's draft dtype (`--draft-dtype auto`: the faster one measured; the twelfth and
 thirteenth sessions' runs drafted in float32, `--draft-dtype float32`); the thread count is torch's, so set
@@ -13,6 +13,8 @@ Switches (the "on" variant is each one's default):
   read-steps        DFlash reads its drafts' LM head FIRST_READ positions first, and the rest only while the
                     controller could still verify more and stepping measures as paying (`methods/dflash/proposer.py`),
                     against reading every position at once
+  screened-head     greedy rounds take their tokens from a screen of the LM head (bfloat16 or int8, the faster here)
+                    and a few float32 sums (`models/screening.py`), against the float32 head's argmax
 
 For every prompt and method, the two variants generate in turn, the order flipping every prompt, each with its own
 decoder (its own learnt costs; the switch is set around both its construction and its runs). Prints, per method,
@@ -28,7 +30,7 @@ import sys
 import torch
 
 from dflash.bench import parse_method, read_prompts, resolve_dataset
-from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening
 from dflash.loading import build_proposer, load_target_cached
 from dflash.methods.base import MethodOptions
 from dflash.methods.dflash import proposer as dflash_proposer
@@ -44,7 +46,12 @@ def set_read_steps(target, on: bool) -> None:
     dflash_proposer.FIRST_READ = DEFAULT_FIRST_READ if on else None
 
 
-SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps}
+def set_screened_head(target, on: bool) -> None:
+    # on: whichever screen measures fastest here (timed once, cached), as the engine decides it
+    target.screen_greedy = measured_screening(target) if on else False
+
+
+SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 
 
@@ -61,11 +68,13 @@ def main() -> int:
     p.add_argument("methods", nargs="?", default="dflash,dflash:whole,eagle3")
     p.add_argument("max_new", nargs="?", type=int, default=128)
     p.add_argument("--draft-dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=1, help="generations of each prompt per variant (alternating)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     target = load_target_cached("smollm2-135m", "float32")
     path, template = resolve_dataset(args.dataset)
     prompts = [target.encode_prompt(prompt.turns[0]) for prompt in read_prompts(path, template, args.limit)]
+    prompts = [ids for ids in prompts for _ in range(args.repeats)]
     config = GenerationConfig(max_new_tokens=args.max_new, ignore_eos=True)
     switch = SWITCHES[args.switch]
     decoders = {}

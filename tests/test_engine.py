@@ -358,6 +358,7 @@ def test_rounds_that_accept_past_the_first_logits_stop_the_stepped_head(tiny_tar
     from dflash.engine import FIRST_LOGITS, OVERRUN_SMOOTHING
 
     target = tiny_targets["qwen3"]
+    monkeypatch.setattr(target, "screen_greedy", False)  # the float32 head's logits, as sampled rounds read them
     ids = target.encode_prompt(PROMPTS[0])
     reference = ar_tokens(target, ids, 96).tokens
     decoder = SpeculativeDecoder(target, OracleProposer(reference, len(ids), 15), adaptive=False)
@@ -371,6 +372,59 @@ def test_rounds_that_accept_past_the_first_logits_stop_the_stepped_head(tiny_tar
     switch = math.ceil(math.log(0.7) / math.log(1 - OVERRUN_SMOOTHING))
     assert steps == [FIRST_LOGITS, 16 - FIRST_LOGITS] * switch
     assert decoder.engine.head_overrun > 0.3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_greedy_rounds_read_the_screen_and_keep_the_heads_tokens(tiny_targets, monkeypatch, arch):
+    """Greedy rounds take their tokens from the head's screen (FIRST_SCREENED positions, then the rest for rows that
+    accepted them all), never from the float32 logits, and emit what the float32 head's argmax emits, for a drafter
+    that is right, partly right and wrong."""
+    from dflash.engine import FIRST_SCREENED
+
+    target = tiny_targets[arch]
+    assert target.can_screen
+    ids = target.encode_prompt(PROMPTS[1])
+    monkeypatch.setattr(target, "screen_greedy", False)
+    reference = ar_tokens(target, ids, 48).tokens
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    unscreened = [SpeculativeDecoder(target, PartlyRightProposer(reference, len(ids), 7, target.vocab_size, seed=s),
+                                     adaptive=False).generate(ids, config) for s in range(3)]
+    monkeypatch.setattr(target, "screen_greedy", True)
+    screened_rows, logits_calls = [], []
+    greedy_of, logits_of = target.greedy_of, target.logits_of
+    monkeypatch.setattr(target, "greedy_of", lambda h: screened_rows.append(h.shape[1]) or greedy_of(h))
+    monkeypatch.setattr(target, "logits_of", lambda h: logits_calls.append(h.shape[1]) or logits_of(h))
+    assert ar_tokens(target, ids, 48).tokens == reference
+    for seed, before in enumerate(unscreened):
+        proposer = PartlyRightProposer(reference, len(ids), 7, target.vocab_size, seed=seed)
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(ids, config)
+        assert result.tokens == before.tokens == reference
+        assert result.stats.accept_lengths == before.stats.accept_lengths
+    assert logits_calls == [] and max(screened_rows) == FIRST_SCREENED and 8 - FIRST_SCREENED in screened_rows
+
+
+def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypatch, tmp_path):
+    """Timed targets time the float32 head's argmax against each screen after a step and keep the fastest (the
+    other screens' copies of the head are dropped); the choice is cached per machine like the pass costs."""
+    from dflash.engine import measured_screening
+    from dflash.models.screening import KINDS
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_targets["llama"]
+    monkeypatch.setattr(target, "measure", True)
+    monkeypatch.setattr(target, "screen_kind", "bfloat16")
+    greedy, calls = target.engine.greedy, []
+    monkeypatch.setattr(target.engine, "greedy", lambda h, kind: calls.append(kind) or greedy(h, kind))
+    screens = measured_screening(target)
+    assert sorted(set(calls)) == sorted(KINDS) and len(calls) == 8 * len(KINDS)
+    kept = target.engine.__dict__["_screens"]
+    if screens:
+        assert target.screen_kind in KINDS and list(kept) == [target.screen_kind]
+    else:
+        assert kept == {}
+    assert measured_screening(target) == screens and len(calls) == 8 * len(KINDS)  # the second reads the cache
+    monkeypatch.setattr(target, "measure", False)
+    assert measured_screening(target) is True  # untimed targets screen wherever they can
 
 
 def test_head_saving_is_measured_once_per_machine(tiny_targets, monkeypatch, tmp_path):

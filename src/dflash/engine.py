@@ -38,6 +38,9 @@ CATCH_UP_TOKENS = 32
 # head reads its whole matrix whatever the rows, so up to ~8 rows cost about as much as one; the rows past them add
 # arithmetic, which a round that rejects early does not need. Whether that pays is measured (measured_head_saving).
 FIRST_LOGITS = 8
+# Greedy rounds on a target that screens its head (models/screening.py) read the screen for this many positions
+# first: up to four rows run against two panels at once, bound by the memory like one row (native.c).
+FIRST_SCREENED = 4
 OVERRUN_SMOOTHING = 0.1  # EMA weight of a wide round's "some row needed logits past FIRST_LOGITS"
 
 
@@ -158,6 +161,8 @@ class Engine:
         self.adaptive, self.timer = adaptive, timer
         self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
         self.calibrations: dict[int, Calibration] = {}  # the drafter's (by its block), shared likewise
+        if getattr(target, "screen_greedy", False) is None:  # decided once per target, before its passes are timed
+            target.screen_greedy = measured_screening(target)
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
             self.costs.seed(measured_pass_costs(target))
         # a wide round computes its logits in two steps while rounds that need the second step are rarer than the
@@ -320,12 +325,13 @@ class Engine:
         if self.threads:
             self.threads.before_pass()
         started = self.timer()
-        deferred = width > FIRST_LOGITS and self.head_overrun < self.head_saving
+        screened = self.target.screens and all(seq.config.sampling.greedy for seq in rows)
+        deferred = screened or (width > FIRST_LOGITS and self.head_overrun < self.head_saving)
         out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers,
                                   logits_at="hidden" if deferred else "all")
         widths = [len(b) for b in blocks]
         if deferred:
-            chosen = self._choose_in_steps(out.hidden, rows, drafts, widths)
+            chosen = self._choose_in_steps(out.hidden, rows, drafts, widths, screened)
         else:
             chosen = self._choose(out.logits, rows, widths)  # the host sync: the pass has run
         verify_seconds = self.timer() - started
@@ -371,20 +377,23 @@ class Engine:
                 for i, (seq, w) in enumerate(zip(rows, widths))]
 
     def _choose_in_steps(self, hidden: torch.Tensor, rows: list[Sequence], drafts: list[list[int]],
-                         widths: list[int]) -> list[list[int]]:
+                         widths: list[int], screened: bool = False) -> list[list[int]]:
         """What `_choose` returns up to each row's first rejected draft, which is all acceptance reads: the LM
         head runs on the first FIRST_LOGITS positions, then on the rest for the rows that accepted all of them.
-        Each position picks its token exactly as `_choose` would (a seeded sample by its sequence position)."""
+        Each position picks its token exactly as `_choose` would (a seeded sample by its sequence position).
+        `screened` (every row greedy): the tokens come from the head's screen, FIRST_SCREENED positions first."""
         chosen: list[list[int]] = [[] for _ in rows]
         pending, start = list(range(len(rows))), 0
         while pending:
             stop = max(widths[i] for i in pending)
             if start == 0:
-                stop = min(stop, FIRST_LOGITS)
+                stop = min(stop, FIRST_SCREENED if screened else FIRST_LOGITS)
             rows_hidden = hidden[pending, start:stop] if len(pending) < len(rows) else hidden[:, start:stop]
-            logits = self.target.logits_of(rows_hidden)
-            picked = self._choose(logits, [rows[i] for i in pending],
-                                  [max(0, min(widths[i], stop) - start) for i in pending], start)
+            cut = [max(0, min(widths[i], stop) - start) for i in pending]
+            if screened:
+                picked = [p[:w] for p, w in zip(self.target.greedy_of(rows_hidden).tolist(), cut)]
+            else:
+                picked = self._choose(self.target.logits_of(rows_hidden), [rows[i] for i in pending], cut, start)
             for i, tokens in zip(pending, picked):
                 chosen[i] += tokens
             pending = [i for i in pending
@@ -455,6 +464,8 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
     readings."""
     from .models.target import cached_timing
 
+    screened = target.screens  # greedy rounds read the head's screen (the cost a bench at T=0 meets)
+
     def measure() -> dict:
         cache = target.new_cache(capacity=context + max(widths) + 1)
         target.forward(torch.tensor([[5 + i % 50 for i in range(context)]], device=target.device), cache)
@@ -462,11 +473,15 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
         for run in range(repeats + 1):
             for w in widths:
                 started = time.perf_counter()
-                deferred = target.defers_logits and w > FIRST_LOGITS  # as a round runs it, rejecting early
+                # as a round runs it, rejecting early
+                deferred = screened or (target.defers_logits and w > FIRST_LOGITS)
                 out = target.forward(torch.tensor([[7] * w], device=target.device), cache,
                                      logits_at="hidden" if deferred else "all")
-                logits = target.logits_of(out.hidden[:, :FIRST_LOGITS]) if deferred else out.logits
-                logits.argmax(-1).tolist()  # the host sync a round has
+                if screened:
+                    target.greedy_of(out.hidden[:, :FIRST_SCREENED]).tolist()  # the host sync a round has
+                else:
+                    logits = target.logits_of(out.hidden[:, :FIRST_LOGITS]) if deferred else out.logits
+                    logits.argmax(-1).tolist()
                 if run:
                     times[w].append(time.perf_counter() - started)
                 cache.truncate(context)
@@ -474,6 +489,7 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
         return {"relative": {str(w): round(r, 4) for w, r in zip(widths, relative)}}
 
     deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
+    deferred += ":screened" if screened else ""
     relative = cached_timing(target, f"pass-costs{deferred}", measure)["relative"]
     return {int(w): r for w, r in relative.items()}
 
@@ -496,6 +512,47 @@ def _keep_going(seq: Sequence):
     if seq.controller.whole_blocks:
         return None
     return seq.controller.could_verify_more if seq.proposer.one_pass else seq.controller.keep_going
+
+
+def measured_screening(target, repeats: int = 7) -> bool:
+    """Whether greedy tokens through a screen of the head (models/screening.py) come faster than the float32 head's
+    argmax, and through which screen (sets `target.screen_kind`): each timed after a 1-token pass, as in a round
+    (the pass evicts the head from the caches), on the hidden state of a real context. Timed once per machine,
+    model and kernel choice (`cached_timing`); the untimed test targets screen in bfloat16 wherever they can, so
+    every test of the engine goes through a screen (tests/test_screening.py checks the other one)."""
+    from .models.screening import KINDS
+    from .models.target import cached_timing, interleaved_medians
+
+    if not target.can_screen:
+        return False
+    if not target.measure:
+        return True
+
+    def measure() -> dict:
+        cache = target.new_cache(capacity=80)
+        target.forward(torch.tensor([[5 + i % 50 for i in range(64)]], device=target.device), cache)
+        step = torch.tensor([[7]], device=target.device)
+
+        def round_with(choose):
+            def timed():
+                hidden = target.forward(step, cache, logits_at="hidden").hidden
+                choose(hidden).tolist()
+                cache.truncate(64)
+            return timed
+
+        calls = {"full": round_with(lambda h: target.logits_of(h).argmax(-1))}
+        for kind in KINDS:
+            calls[kind] = round_with(lambda h, kind=kind: target.engine.greedy(h, kind))
+        medians = interleaved_medians(calls, repeats)
+        best = min(medians, key=medians.get)
+        return {"choice": best, **{name: round(seconds, 6) for name, seconds in medians.items()}}
+
+    choice = cached_timing(target, "greedy-screen", measure)["choice"]
+    target.engine.keep_screen(choice if choice != "full" else None)
+    if choice == "full":
+        return False
+    target.screen_kind = choice
+    return True
 
 
 def measured_head_saving(target, repeats: int = 7) -> float:

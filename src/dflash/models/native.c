@@ -470,6 +470,149 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
     return 0;
 }
 
+/* ---- greedy tokens without reading the whole float32 LM head ----------------------------------------------------
+ * A greedy round needs only each row's argmax, and the float32 head of a small model is a fifth of a step's bytes
+ * (SmolLM2: 113 of 540 MB). So the logits go through a smaller copy of the head first, a screen, and each approximate
+ * logit a_i comes with a bound b_i on its distance from the float32 logit e_i. A token with a_i + b_i below
+ * max_j (a_j - b_j) cannot be the argmax, so only the rest (a handful) are summed in float32, each as the ONE chain of
+ * FMAs in input order that the panel kernel sums for it: the winner, the first of the largest as torch's argmax picks
+ * it, is bitwise the float32 head's. With u = 2^-24 and gamma = k u / (1 - k u) (the rounding of a chain of k FMAs):
+ *   bfloat16 screen (tiles of bf16(w), rounded to nearest: |w - bf16(w)| <= 2^-8 |w|):
+ *     |e_i - a_i| <= (2^-8 + 2 gamma (1 + 2^-8)) sum_j |x_j w_ij| <= norm_factor |x|_2 |w_i|_2   (Cauchy-Schwarz)
+ *   int8 screen (q_ij = round(w_ij / s_i), |q| <= 127, a_i = s_i * sum_j x_j q_ij):
+ *     |e_i - a_i| <= gamma |x|_2 |w_i|_2 + s_i |x|_1 (1/2 + 127 (gamma + u) + a little for w / s's rounding)
+ *                  = norm_factor |x|_2 |w_i|_2 + l1_factor s_i |x|_1
+ * (screening.py computes both factors, with room for computing the bound itself in double precision). */
+static float chain_dot(const float *w, const float *x, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; j++) acc = fmaf(w[j], x[j], acc);
+    return acc;
+}
+
+static inline __m256 widen_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* out[r, i] = scale_i * sum_j x[r, j] q[i, j] over int8 panels (laid out as float tiles are). Up to four rows run
+ * against a panel together, each input's 24 weights widened once for all of them (twelve chains at four rows, as
+ * panel_rows); one row alternates its inputs between two sets of three accumulators instead (six chains). The order
+ * of a screen's sums is free: its bound holds for any. */
+typedef struct {
+    const int8_t *tiles;
+    const float *scales, *xf;
+    float *out;
+    int64_t m, n, k8;
+} Int8Screen;
+
+static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, const float *x, int64_t ldx, int64_t k8,
+                                                            const int R, float *out) {
+    const int resume = 0;
+    if (R == 1) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
+        for (int64_t i = 0; i < k8; i += 2) { /* k8 is a multiple of 8 */
+            __m256 u = _mm256_broadcast_ss(x + i), v = _mm256_broadcast_ss(x + i + 1);
+            const int8_t *at = w + i * PANEL;
+            a0 = _mm256_fmadd_ps(widen_int8(at), u, a0), a1 = _mm256_fmadd_ps(widen_int8(at + 8), u, a1);
+            a2 = _mm256_fmadd_ps(widen_int8(at + 16), u, a2);
+            b0 = _mm256_fmadd_ps(widen_int8(at + PANEL), v, b0);
+            b1 = _mm256_fmadd_ps(widen_int8(at + PANEL + 8), v, b1);
+            b2 = _mm256_fmadd_ps(widen_int8(at + PANEL + 16), v, b2);
+        }
+        _mm256_storeu_ps(out, _mm256_add_ps(a0, b0)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a1, b1));
+        _mm256_storeu_ps(out + 16, _mm256_add_ps(a2, b2));
+        return;
+    }
+    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
+    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
+    for (int64_t i = 0; i < k8; i++) {
+        const int8_t *at = w + i * PANEL;
+        __m256 w0 = widen_int8(at), w1 = widen_int8(at + 8), w2 = widen_int8(at + 16);
+        ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3)
+    }
+    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3)
+}
+#define INT8_ROWS(NAME, R)                                                                                           \
+    static void NAME(const int8_t *w, const float *x, int64_t ldx, int64_t k8, float *out) {                         \
+        int8_rows(w, x, ldx, k8, R, out);                                                                             \
+    }
+INT8_ROWS(int8_rows_1, 1)
+INT8_ROWS(int8_rows_2, 2)
+INT8_ROWS(int8_rows_3, 3)
+INT8_ROWS(int8_rows_4, 4)
+typedef void (*Int8Rows)(const int8_t *w, const float *x, int64_t ldx, int64_t k8, float *out);
+static const Int8Rows int8_row_kernels[4] = {int8_rows_1, int8_rows_2, int8_rows_3, int8_rows_4};
+
+static void int8_screen_panels(void *ctx, int64_t first, int64_t last) {
+    const Int8Screen *S = ctx;
+    float sums[4 * PANEL];
+    for (int64_t p = first; p < last; p++) {
+        const int8_t *w = S->tiles + p * S->k8 * PANEL;
+        int64_t cols = MIN(PANEL, S->n - PANEL * p);
+        for (int64_t r0 = 0; r0 < S->m; r0 += 4) {
+            int64_t rows = MIN(4, S->m - r0);
+            int8_row_kernels[rows - 1](w, S->xf + r0 * S->k8, S->k8, S->k8, sums);
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < cols; c++)
+                    S->out[(r0 + r) * S->n + PANEL * p + c] = S->scales[PANEL * p + c] * sums[r * PANEL + c];
+        }
+    }
+}
+
+typedef struct {
+    Int8Screen S;
+    int threads;
+} Int8ScreenCall;
+
+static void int8_screen_body(void *arg) {
+    Int8ScreenCall *C = arg;
+    int64_t panels = (C->S.n + PANEL - 1) / PANEL, grain = panels / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
+    parallel_for(panels, MAX(grain, 1), C->threads, int8_screen_panels, &C->S);
+}
+
+/* ids[r] = argmax of x[r] . weight^T (weight [n, k] float32, rows as stored), screened through `tiles`: the same
+ * weight in bfloat16 (int8 = 0) or in int8 with per-row `scales` (int8 = 1), in the kernel's layout. row_norms[i] =
+ * |w_i|_2 rounded up; screened[r] = how many tokens were summed in float32. Returns 1 when out of memory, 2 when a
+ * row has no finite candidate (NaN or inf inputs): nothing is decided then, the caller computes the logits. */
+int dflash_greedy_screened(const void *tiles, int int8, const float *scales, const float *weight,
+                           const double *row_norms, double norm_factor, double l1_factor, const float *x, int64_t m,
+                           int64_t n, int64_t k, int threads, int64_t *ids, int64_t *screened) {
+    int64_t k8 = (k + 7) / 8 * 8;
+    float *padded = NULL, *approx = malloc(sizeof(float) * (size_t)(m * n));
+    const float *xf = x;
+    if (!approx || (k8 != k && !(xf = padded = padded_input(x, 0, m, k, k8)))) {
+        free(approx);
+        return 1;
+    }
+    if (int8) {
+        Int8ScreenCall C = {{tiles, scales, xf, approx, m, n, k8}, threads};
+        with_workers(threads, int8_screen_body, &C);
+    } else {
+        run(tiles, 1, xf, NULL, approx, m, n, k8, threads);
+    }
+    int status = 0;
+    for (int64_t r = 0; r < m && !status; r++) {
+        const float *a = approx + r * n, *xr = x + r * k;
+        double norm = 0.0, l1 = 0.0;
+        for (int64_t j = 0; j < k; j++) norm += (double)xr[j] * xr[j], l1 += fabs((double)xr[j]);
+        double by_norm = norm_factor * sqrt(norm), by_scale = l1_factor * l1, floor = -INFINITY;
+#define BOUND(i) (by_norm * row_norms[i] + (int8 ? by_scale * scales[i] : 0.0))
+        for (int64_t i = 0; i < n; i++) floor = fmax(floor, a[i] - BOUND(i));
+        int64_t best = -1, count = 0;
+        float top = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            if (!(a[i] + BOUND(i) >= floor)) continue;
+#undef BOUND
+            float e = chain_dot(weight + i * k, xr, k);
+            count++;
+            if (best < 0 || e > top) best = i, top = e;
+        }
+        if (best < 0 || !isfinite(top) || !isfinite(floor)) status = 2;
+        ids[r] = best, screened[r] = count;
+    }
+    free(padded), free(approx);
+    return status;
+}
+
 /* ---- one decoder layer over a few new tokens of a few sequences (decode steps, verify passes) -----------------
  * Llama / Qwen2 / Qwen3 layers: pre-norm attention with RoPE (and Qwen3's per-head q/k norms) over the KV cache,
  * each row causal over its own cache, then a SiLU-gated MLP. Why in C: between its four products a layer ran ~25 small

@@ -81,6 +81,10 @@ def library() -> ctypes.CDLL | None:
                 fn = getattr(lib, name)
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                 fn.restype = ctypes.c_int
+            screened = lib.dflash_greedy_screened
+            screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_double] * 2
+                                 + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
+            screened.restype = ctypes.c_int
             layer = lib.dflash_layer
             layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
                               + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
@@ -228,3 +232,22 @@ def drafter_stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tenso
                                       values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(),
                                       len(layers), ctypes.addressof(layers))
     return out if status == 0 else None
+
+
+def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax ids [m], tokens summed in float32 [m]) of the rows x [m, k] float32 against the float32 head that
+    `head` screens (native.c, dflash_greedy_screened); None where it cannot decide (the caller computes the
+    logits)."""
+    lib = _library
+    if lib is None:
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    ids = torch.empty(m, dtype=torch.int64)
+    screened = torch.empty(m, dtype=torch.int64)
+    int8 = head.scales is not None
+    status = lib.dflash_greedy_screened(head.tiles.data_ptr(), int(int8), head.scales.data_ptr() if int8 else None,
+                                        head.weight.data_ptr(), head.row_norms.data_ptr(), head.norm_factor,
+                                        head.l1_factor, x.data_ptr(), m, head.weight.shape[0], k,
+                                        torch.get_num_threads(), ids.data_ptr(), screened.data_ptr())
+    return (ids, screened) if status == 0 else None

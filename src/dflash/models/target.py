@@ -46,6 +46,8 @@ class TargetModel:
     graphs: PassGraphs | None = field(default=None, repr=False)  # set by use_graphs
     graph_capacity: int = 0  # the cache capacity graphs are made for (new caches get at least this)
     defer_logits: bool = True  # let verify passes compute their logits a few positions at a time (defers_logits)
+    screen_greedy: bool | None = None  # greedy tokens through the head's screen (None: not decided; engine.py times it)
+    screen_kind: str = "bfloat16"  # which screen (models/screening.py KINDS), chosen with screen_greedy
     _step_ms_now: float | None = field(default=None, repr=False)  # a 1-token pass timed in this process (cached_timing)
 
     def __post_init__(self):
@@ -167,6 +169,26 @@ class TargetModel:
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., vocab] float32 of last hidden states that a pass with logits_at="hidden" returned."""
         return self.engine.logits(hidden, "all")
+
+    @property
+    def can_screen(self) -> bool:
+        """Whether greedy tokens can skip most of the float32 head (models/screening.py): deferred logits and a
+        float32 head our kernels can screen."""
+        return self.defers_logits and self.engine.can_screen
+
+    @property
+    def screens(self) -> bool:
+        return bool(self.screen_greedy) and self.can_screen
+
+    @torch.inference_mode()
+    def greedy_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy token [...] of last hidden states [..., hidden]: logits_of(hidden).argmax(-1), through the
+        screen where `screens` (the same tokens: see screening.py)."""
+        if self.screens:
+            ids = self.engine.greedy(hidden, self.screen_kind)
+            if ids is not None:
+                return ids
+        return self.logits_of(hidden).argmax(-1)
 
     def forward(self, input_ids: torch.Tensor, cache=None, feature_layers: tuple[int, ...] = (),
                 logits_at: str | torch.Tensor = "all") -> TargetOutput:

@@ -20,6 +20,7 @@ from .cache import KVCache
 from . import native
 from .kernels import FrozenLinear, KernelPlan
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
+from .screening import ScreenedHead
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
 MAX_NATIVE_TOKENS = 16  # the most tokens (rows x new tokens) a pass may have to run its layers in C: the row bucket
@@ -272,6 +273,33 @@ class Transformer(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    @property
+    def can_screen(self) -> bool:
+        """Whether greedy tokens may come through a screen of the head (screening.py): a float32 head on a CPU with
+        our kernels, no bias, and no final softcap (tanh can round distinct logits to one value)."""
+        head = self.lm_head
+        return self.final_softcap is None and ScreenedHead.applies(head.weight, getattr(head, "bias", None))
+
+    def screen(self, kind: str) -> ScreenedHead | None:
+        """The head's screen of `kind` (made on first use, kept), or None where none applies."""
+        screens = self.__dict__.setdefault("_screens", {})
+        if kind not in screens:
+            screens[kind] = ScreenedHead(self.lm_head.weight, kind) if self.can_screen else None
+        return screens[kind]
+
+    def keep_screen(self, kind: str | None) -> None:
+        """Drop every screen but `kind`'s (each is a copy of the head: 28-56 MB for SmolLM2)."""
+        screens = self.__dict__.get("_screens", {})
+        for other in [k for k in screens if k != kind]:
+            del screens[other]
+
+    def greedy(self, h: torch.Tensor, kind: str = "bfloat16") -> torch.Tensor | None:
+        """argmax over the vocabulary of the logits of last hidden states h [..., hidden] (what `logits(h, "all")`
+        gives, bitwise where the head runs our kernel), found through the screen of `kind`; None where there is
+        none or it cannot decide."""
+        screen = self.screen(kind)
+        return None if screen is None else screen.argmax(self.norm(h))
 
     @staticmethod
     def _mask(positions: torch.Tensor, starts: list[int], n: int, end: int, window: int | None):

@@ -1,0 +1,73 @@
+"""Greedy tokens without reading the whole float32 LM head: a screen, then the few survivors in float32.
+
+A greedy round needs only the argmax of each verified position's logits, yet the float32 head of a small model is a
+large share of a step's bytes (SmolLM2-135M: 113 of 540 MB, ~3 ms of a ~23 ms step on 2 EPYC cores). A screen reads
+a smaller copy of the head, bfloat16 (half the bytes) or int8 with a scale per token (a quarter), and bounds how
+far each approximate logit can be from the float32 one (native.c, `dflash_greedy_screened`, derives the bounds);
+tokens that cannot be the largest are dropped, and the rest, a handful, are summed in float32 in exactly the order
+the float32 head's kernel sums them. So the chosen token is bitwise the float32 head's argmax: screening changes how
+fast a token is found, never which. Which screen runs (or none) is measured per machine (engine.measured_screening).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+
+UNIT_ROUNDOFF = 2.0**-24  # float32
+BF16_ROUNDING = 2.0**-8  # |w - bf16(w)| <= 2^-8 |w|, rounding to nearest
+ROOM = 1 + 1e-6  # for computing a bound in double precision
+KINDS = ("bfloat16", "int8")
+
+
+def chain_rounding(k: int) -> float:
+    """gamma_k: the relative rounding a chain of k float32 FMAs can accumulate."""
+    return k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
+
+
+def bound_factors(kind: str, k: int) -> tuple[float, float]:
+    """(norm_factor, l1_factor) of the bound |float32 logit - screened logit| <= norm_factor |x|_2 |w_i|_2 +
+    l1_factor s_i |x|_1 for rows of k inputs (s_i: token i's int8 scale; native.c derives both)."""
+    gamma = chain_rounding(k)
+    if kind == "bfloat16":
+        return (BF16_ROUNDING + 2 * gamma * (1 + BF16_ROUNDING)) * ROOM, 0.0
+    # half a step of rounding w / s_i (plus that quotient's own float rounding), the int8 chain's rounding, the scale
+    return gamma * ROOM, (0.5 + 1e-4 + 127 * (gamma + UNIT_ROUNDOFF)) * ROOM
+
+
+class ScreenedHead:
+    """A float32 head `weight` [vocab, hidden] (kept as it is, no copy) and its screen of `kind`."""
+
+    def __init__(self, weight: torch.Tensor, kind: str = "bfloat16"):
+        if kind not in KINDS:
+            raise ValueError(f"screen kind must be one of {KINDS}, got {kind!r}")
+        self.kind = kind
+        self.weight = weight.detach().contiguous()
+        if kind == "int8":
+            self.scales = (self.weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            quantized = torch.round(self.weight / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.tiles = native.tiles(quantized)
+        else:
+            self.scales = None
+            self.tiles = native.tiles(self.weight.to(torch.bfloat16))
+        self.row_norms = self.weight.double().norm(dim=1).mul_(1 + 1e-12).contiguous()
+        self.norm_factor, self.l1_factor = bound_factors(kind, self.weight.shape[1])
+        self.last_screened: torch.Tensor | None = None  # tokens summed in float32 per row, by the last call
+
+    @staticmethod
+    def applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Float32 weights on a CPU with our kernels, no bias."""
+        return (bias is None and weight.dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu"
+                and native.supports(weight))
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """argmax over the vocabulary of x [..., hidden] (float32) . weight^T, per row; None where the screen cannot
+        decide (non-finite inputs): the caller computes the logits."""
+        if x.dtype != torch.float32 or x.shape[-1] != self.weight.shape[1]:
+            return None
+        found = native.greedy_screened(x.reshape(-1, x.shape[-1]), self)
+        if found is None:
+            return None
+        ids, self.last_screened = found
+        return ids.view(x.shape[:-1])

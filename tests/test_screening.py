@@ -1,0 +1,106 @@
+"""Greedy tokens through a screen of the LM head (models/screening.py): the float32 head's argmax, bitwise."""
+
+import pytest
+import torch
+
+from dflash.models import native
+from dflash.models.screening import KINDS, ScreenedHead, bound_factors
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.why_not}")
+
+
+def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The float32 head as the engine computes it with our kernel (one FMA chain per logit, in input order)."""
+    return native.linear(x, native.tiles(weight), weight.shape[0], None)
+
+
+def screened_logits(x: torch.Tensor, head: ScreenedHead) -> torch.Tensor:
+    """What the screen computes before its bound: bf16(w) . x, or s_i (q_i . x) for int8."""
+    if head.kind == "bfloat16":
+        return native.linear(x, native.tiles(head.weight.to(torch.bfloat16).float()), head.weight.shape[0], None)
+    quantized = torch.round(head.weight / head.scales[:, None]).clamp(-127, 127)
+    return (x.double() @ quantized.double().T * head.scales.double()).float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [64, 61, 576])  # a width that is not a multiple of 8 pads its inputs
+def test_screened_argmax_is_the_float32_heads(kind, k):
+    torch.manual_seed(k)
+    vocab = 3001
+    weight = torch.randn(vocab, k) * 0.05
+    head = ScreenedHead(weight, kind)
+    x = torch.randn(7, k) * 3
+    ids = head.argmax(x)
+    logits = float32_logits(x, weight)
+    assert torch.equal(ids, logits.argmax(-1))
+    assert (head.last_screened >= 1).all() and (head.last_screened < vocab // 20).all()  # a few summed in float32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_near_ties_and_exact_ties_are_decided_in_float32(kind):
+    """Rows the screen cannot tell apart (equal, or an ulp apart in each weight) all reach the float32 sums, and the
+    winner is the one torch's argmax picks: the first of equal largest logits."""
+    torch.manual_seed(1)
+    k, vocab = 128, 500
+    weight = torch.randn(vocab, k) * 0.05
+    weight[300] = weight[100]  # an exact tie: 100 must win
+    weight[200] = torch.nextafter(weight[100], weight[100].sign() * float("inf"))  # an ulp further from 0 each
+    x = weight[100].clone()[None].abs().add(0.01) * torch.sign(weight[100])[None]  # aligned with rows 100/200/300
+    head = ScreenedHead(weight, kind)
+    ids = head.argmax(x)
+    logits = float32_logits(x, weight)
+    assert logits[0, 200] > logits[0, 100] == logits[0, 300]  # a hair apart in float32
+    assert torch.equal(ids, logits.argmax(-1)) and int(ids) == 200
+    assert int(head.last_screened) >= 3
+    weight[200] = weight[100]
+    head = ScreenedHead(weight, kind)
+    assert int(head.argmax(x)) == int(float32_logits(x, weight).argmax(-1)) == 100
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_closer_than_the_screen_can_tell_apart(kind):
+    """Tokens whose logits differ by less than the screen's rounding: its order of them is scrambled, so the winner
+    is right only because the bound keeps every one that could win (a screen trusting its own top fails)."""
+    torch.manual_seed(3)
+    k, vocab = 64, 200
+    base = torch.randn(k)
+    weight = base + 1e-3 * torch.randn(vocab, k)
+    head = ScreenedHead(weight, kind)
+    x = base + 0.5 * torch.randn(64, k)
+    ids = head.argmax(x)
+    assert torch.equal(ids, float32_logits(x, weight).argmax(-1))
+    assert (screened_logits(x, head).argmax(-1) != ids).sum() >= 8  # the screen alone would have picked wrong
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_bound_holds_for_every_token(kind):
+    """|float32 logit - screened logit| <= the bound, for every token, on inputs with the few huge channels of real
+    hidden states: what the screen relies on."""
+    torch.manual_seed(2)
+    k, vocab = 576, 4000
+    weight = torch.randn(vocab, k) * 0.04
+    weight[:50] *= torch.rand(50, k) ** 4  # rows with a few large weights: a coarse int8 scale
+    x = torch.randn(4, k)
+    x[:, 7] *= 200
+    head = ScreenedHead(weight, kind)
+    exact = float32_logits(x, weight).double()
+    approx = screened_logits(x, head).double()
+    norm_factor, l1_factor = bound_factors(kind, k)
+    bound = norm_factor * x.double().norm(dim=1, keepdim=True) * weight.double().norm(dim=1)
+    if kind == "int8":
+        bound = bound + l1_factor * x.double().abs().sum(dim=1, keepdim=True) * head.scales.double()
+    assert ((exact - approx).abs() <= bound).all()
+    assert ((exact - approx).abs() > 0.02 * bound).any()  # and it is not loose by orders of magnitude
+
+
+def test_what_the_screen_refuses():
+    weight = torch.randn(50, 16)
+    for kind in KINDS:
+        head = ScreenedHead(weight, kind)
+        assert head.argmax(torch.full((1, 16), float("nan"))) is None
+        assert head.argmax(torch.randn(1, 8)) is None and head.argmax(torch.randn(1, 16).double()) is None
+    with pytest.raises(ValueError, match="screen kind"):
+        ScreenedHead(weight, "int4")
+    assert not ScreenedHead.applies(weight, torch.zeros(50))
+    assert not ScreenedHead.applies(weight.to(torch.bfloat16), None)
+    assert ScreenedHead.applies(weight, None)
