@@ -542,12 +542,34 @@ INT8_ROWS(int8_rows_4, 4)
 typedef void (*Int8Rows)(const int8_t *w, const float *x, int64_t ldx, int64_t k8, float *out);
 static const Int8Rows int8_row_kernels[4] = {int8_rows_1, int8_rows_2, int8_rows_3, int8_rows_4};
 
+/* One row against panels p and p + 1 at once: two memory streams, as a float32 step reads them (one stream read
+ * ~15.6 GB/s on an EPYC core, two ~20), and six chains. */
+static void int8_two_panels(const int8_t *w, int64_t size, const float *x, int64_t k8, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
+    for (int64_t i = 0; i < k8; i++) {
+        __m256 u = _mm256_broadcast_ss(x + i);
+        const int8_t *at = w + i * PANEL, *bt = at + size;
+        a0 = _mm256_fmadd_ps(widen_int8(at), u, a0), b0 = _mm256_fmadd_ps(widen_int8(bt), u, b0);
+        a1 = _mm256_fmadd_ps(widen_int8(at + 8), u, a1), b1 = _mm256_fmadd_ps(widen_int8(bt + 8), u, b1);
+        a2 = _mm256_fmadd_ps(widen_int8(at + 16), u, a2), b2 = _mm256_fmadd_ps(widen_int8(bt + 16), u, b2);
+    }
+    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2);
+    _mm256_storeu_ps(out + PANEL, b0), _mm256_storeu_ps(out + PANEL + 8, b1), _mm256_storeu_ps(out + PANEL + 16, b2);
+}
+
 static void int8_screen_panels(void *ctx, int64_t first, int64_t last) {
     const Int8Screen *S = ctx;
     float sums[4 * PANEL];
     for (int64_t p = first; p < last; p++) {
         const int8_t *w = S->tiles + p * S->k8 * PANEL;
         int64_t cols = MIN(PANEL, S->n - PANEL * p);
+        if (S->m == 1 && p + 1 < last) { /* a step: two panels, two streams */
+            int64_t both = MIN(2 * PANEL, S->n - PANEL * p);
+            int8_two_panels(w, S->k8 * PANEL, S->xf, S->k8, sums);
+            for (int64_t c = 0; c < both; c++) S->out[PANEL * p + c] = S->scales[PANEL * p + c] * sums[c];
+            p++;
+            continue;
+        }
         for (int64_t r0 = 0; r0 < S->m; r0 += 4) {
             int64_t rows = MIN(4, S->m - r0);
             int8_row_kernels[rows - 1](w, S->xf + r0 * S->k8, S->k8, S->k8, sums);
