@@ -1,7 +1,7 @@
 """One engine switch off against on, generation by generation in one process, with identical outputs checked.
 
 Usage: .venv/bin/python scripts/ab_switch.py SWITCH [DATASET] [LIMIT] [METHODS] [MAX_NEW] [--draft-dtype D]
-       [--repeats N] [--json FILE]
+       [--repeats N] [--dtype float32|bfloat16] [--json FILE]
 (defaults: gsm8k, 6 prompts, dflash,dflash:whole,eagle3, 128 new tokens; float32 SmolLM2-135M-Instruct, greedy,
 the shipped drafters in the CLI's draft dtype (`--draft-dtype auto`: the faster one measured; the twelfth and
 thirteenth sessions' runs drafted in float32, `--draft-dtype float32`); the thread count is torch's, so set
@@ -69,9 +69,10 @@ def main() -> int:
     p.add_argument("max_new", nargs="?", type=int, default=128)
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--repeats", type=int, default=1, help="generations of each prompt per variant (alternating)")
+    p.add_argument("--dtype", default="float32", help="the target's dtype (float32 or bfloat16)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    target = load_target_cached("smollm2-135m", "float32")
+    target = load_target_cached("smollm2-135m", args.dtype)
     path, template = resolve_dataset(args.dataset)
     prompts = [target.encode_prompt(prompt.turns[0]) for prompt in read_prompts(path, template, args.limit)]
     prompts = [ids for ids in prompts for _ in range(args.repeats)]

@@ -104,5 +104,47 @@ def test_what_the_screen_refuses():
     with pytest.raises(ValueError, match="screen kind"):
         ScreenedHead(weight, "int4")
     assert not ScreenedHead.applies(weight, torch.zeros(50))
-    assert not ScreenedHead.applies(weight.to(torch.bfloat16), None)
-    assert ScreenedHead.applies(weight, None)
+    assert not ScreenedHead.applies(weight.double(), None)
+    assert ScreenedHead.applies(weight, None) and ScreenedHead.applies(weight.to(torch.bfloat16), None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bfloat16_heads_rounded_ties(kind):
+    """A bfloat16 head's logits are rounded to bfloat16, so the largest often ties with tokens whose sums were a
+    little smaller: the screen keeps every token that could round to the max, and picks the first, as torch's
+    argmax over the kernel's logits does. Rows built to tie: the max's neighbours sit within a rounding step."""
+    torch.manual_seed(5)
+    k, vocab = 576, 3001
+    weight = (torch.randn(vocab, k) * 0.05).to(torch.bfloat16)
+    x = (torch.randn(24, k) * 2).to(torch.bfloat16)
+    top = (x.float() @ weight.float().T).argmax(-1)
+    for row, token in enumerate(top.tolist()[:8]):  # near-copies of the winner just before it: ties after rounding
+        weight[max(0, token - 1 - row % 3)] = (weight[token].float() * (1 - 1e-3 * (row % 2))).to(torch.bfloat16)
+    head = ScreenedHead(weight, kind)
+    reference = native.linear(x, native.tiles(weight), vocab, None).float()
+    ids = head.argmax(x)
+    assert torch.equal(ids, reference.argmax(-1))
+    tied = [(reference[r] == reference[r].max()).sum().item() for r in range(24)]
+    assert max(tied) >= 2  # some rows did tie, and the first of the tied won
+    assert head.argmax(x.float()) is None  # a bfloat16 head takes its own dtype's hidden states
+
+
+def test_tokens_that_round_to_the_max_are_kept_however_tight_the_bound():
+    """A bfloat16 screen of a bfloat16 head computes its very logits before rounding, so a zero bound is exact
+    there; still a token whose sum is a little below the max's can round to the same bfloat16 value, and, first
+    in index order, it is the argmax. Only the floor's lowering by a rounding step keeps it."""
+    torch.manual_seed(6)
+    k, vocab = 64, 240
+    weight = (torch.randn(vocab, k) * 0.05).to(torch.bfloat16)
+    x = (weight[200].float() * 20).to(torch.bfloat16)[None]  # aligned with token 200: the largest logit
+    exact = lambda w: native.linear(x, native.tiles(w), vocab, None).float()[0]  # noqa: E731
+    for scale in (0.9995, 0.999, 0.998, 0.997):  # a near-copy before it, a hair smaller: rounds to the same value?
+        weight[100] = (weight[200].float() * scale).to(torch.bfloat16)
+        logits = exact(weight)
+        if logits[100] == logits[200] and not torch.equal(weight[100], weight[200]):
+            break
+    else:
+        pytest.skip("no near-copy rounded to the max's value")
+    head = ScreenedHead(weight, "bfloat16")
+    head.norm_factor = 0.0  # exact for this head and screen: the screen's sums are the head's own
+    assert int(head.argmax(x)) == int(logits.argmax()) == 100

@@ -489,6 +489,13 @@ static float chain_dot(const float *w, const float *x, int64_t k) {
     return acc;
 }
 
+/* A bfloat16 head's logit as its kernel stores it: the chain over the widened weights, rounded to bfloat16. */
+static float chain_dot_bf16(const uint16_t *w, const float *x, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; j++) acc = fmaf(bf16_to_f32(w[j]), x[j], acc);
+    return bf16_to_f32(f32_to_bf16(acc));
+}
+
 static inline __m256 widen_int8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -591,11 +598,14 @@ static void int8_screen_body(void *arg) {
     parallel_for(panels, MAX(grain, 1), C->threads, int8_screen_panels, &C->S);
 }
 
-/* ids[r] = argmax of x[r] . weight^T (weight [n, k] float32, rows as stored), screened through `tiles`: the same
- * weight in bfloat16 (int8 = 0) or in int8 with per-row `scales` (int8 = 1), in the kernel's layout. row_norms[i] =
- * |w_i|_2 rounded up; screened[r] = how many tokens were summed in float32. Returns 1 when out of memory, 2 when a
- * row has no finite candidate (NaN or inf inputs): nothing is decided then, the caller computes the logits. */
-int dflash_greedy_screened(const void *tiles, int int8, const float *scales, const float *weight,
+/* ids[r] = argmax of x[r] . weight^T (weight [n, k], rows as stored: float32, or bfloat16 where bf16_head, whose
+ * logits its kernel rounds to bfloat16), screened through `tiles`: the weight in bfloat16 (int8 = 0) or in int8 with
+ * per-row `scales` (int8 = 1), in the kernel's layout. row_norms[i] = |w_i|_2 rounded up; screened[r] = how many
+ * tokens were summed exactly. Rounded logits tie within a bfloat16 step: a token whose logit lies within a step of
+ * the largest, 2^-7 |max| (1 + 2^-8), below it may round to the same value, so a bfloat16 head keeps those too
+ * (`floor` lowered by that much: t - c|t| grows with t, so floor - c|floor| <= max - c|max|). Returns 1 when out of memory, 2 when a row has no
+ * finite candidate (NaN or inf inputs): nothing is decided then, the caller computes the logits. */
+int dflash_greedy_screened(const void *tiles, int int8, const float *scales, const void *weight, int bf16_head,
                            const double *row_norms, double norm_factor, double l1_factor, const float *x, int64_t m,
                            int64_t n, int64_t k, int threads, int64_t *ids, int64_t *screened) {
     int64_t k8 = (k + 7) / 8 * 8;
@@ -619,12 +629,14 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
         double by_norm = norm_factor * sqrt(norm), by_scale = l1_factor * l1, floor = -INFINITY;
 #define BOUND(i) (by_norm * row_norms[i] + (int8 ? by_scale * scales[i] : 0.0))
         for (int64_t i = 0; i < n; i++) floor = fmax(floor, a[i] - BOUND(i));
+        if (bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-120; /* a step of the max's value, and room */
         int64_t best = -1, count = 0;
         float top = 0.0f;
         for (int64_t i = 0; i < n; i++) {
             if (!(a[i] + BOUND(i) >= floor)) continue;
 #undef BOUND
-            float e = chain_dot(weight + i * k, xr, k);
+            float e = bf16_head ? chain_dot_bf16((const uint16_t *)weight + i * k, xr, k)
+                                : chain_dot((const float *)weight + i * k, xr, k);
             count++;
             if (best < 0 || e > top) best = i, top = e;
         }

@@ -82,8 +82,9 @@ def library() -> ctypes.CDLL | None:
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                 fn.restype = ctypes.c_int
             screened = lib.dflash_greedy_screened
-            screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_double] * 2
-                                 + [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
+            screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                                 + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+                                 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
             screened.restype = ctypes.c_int
             layer = lib.dflash_layer
             layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
@@ -247,7 +248,8 @@ def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] 
     screened = torch.empty(m, dtype=torch.int64)
     int8 = head.scales is not None
     status = lib.dflash_greedy_screened(head.tiles.data_ptr(), int(int8), head.scales.data_ptr() if int8 else None,
-                                        head.weight.data_ptr(), head.row_norms.data_ptr(), head.norm_factor,
+                                        head.weight.data_ptr(), int(head.weight.dtype == torch.bfloat16),
+                                        head.row_norms.data_ptr(), head.norm_factor,
                                         head.l1_factor, x.data_ptr(), m, head.weight.shape[0], k,
                                         torch.get_num_threads(), ids.data_ptr(), screened.data_ptr())
     return (ids, screened) if status == 0 else None

@@ -1,4 +1,4 @@
-"""Greedy tokens without reading the whole float32 LM head: a screen, then the few survivors in float32.
+"""Greedy tokens without reading the whole LM head: a screen, then the few survivors summed exactly.
 
 A greedy round needs only the argmax of each verified position's logits, yet the float32 head of a small model is a
 large share of a step's bytes (SmolLM2-135M: 113 of 540 MB, ~3 ms of a ~23 ms step on 2 EPYC cores). A screen reads
@@ -37,7 +37,9 @@ def bound_factors(kind: str, k: int) -> tuple[float, float]:
 
 
 class ScreenedHead:
-    """A float32 head `weight` [vocab, hidden] (kept as it is, no copy) and its screen of `kind`."""
+    """A head `weight` [vocab, hidden] (kept as it is, no copy) and its screen of `kind`. A float32 head's logits are
+    its kernel's float32 sums; a bfloat16 head's are those sums rounded to bfloat16, whose ties the screen keeps (an
+    int8 screen reads a quarter of a bfloat16 head's bytes too; a bfloat16 screen of it reads them all)."""
 
     def __init__(self, weight: torch.Tensor, kind: str = "bfloat16"):
         if kind not in KINDS:
@@ -45,8 +47,9 @@ class ScreenedHead:
         self.kind = kind
         self.weight = weight.detach().contiguous()
         if kind == "int8":
-            self.scales = (self.weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-            quantized = torch.round(self.weight / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
+            weight = self.weight.float()
+            self.scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            quantized = torch.round(weight / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
             self.tiles = native.tiles(quantized)
         else:
             self.scales = None
@@ -57,16 +60,16 @@ class ScreenedHead:
 
     @staticmethod
     def applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Float32 weights on a CPU with our kernels, no bias."""
-        return (bias is None and weight.dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu"
-                and native.supports(weight))
+        """Float32 or bfloat16 weights on a CPU with our kernels, no bias."""
+        return (bias is None and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+                and weight.device.type == "cpu" and native.supports(weight))
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """argmax over the vocabulary of x [..., hidden] (float32) . weight^T, per row; None where the screen cannot
-        decide (non-finite inputs): the caller computes the logits."""
-        if x.dtype != torch.float32 or x.shape[-1] != self.weight.shape[1]:
+        """argmax over the vocabulary of x [..., hidden] (the head's dtype) . weight^T, per row; None where the
+        screen cannot decide (non-finite inputs): the caller computes the logits."""
+        if x.dtype != self.weight.dtype or x.shape[-1] != self.weight.shape[1]:
             return None
-        found = native.greedy_screened(x.reshape(-1, x.shape[-1]), self)
+        found = native.greedy_screened(x.reshape(-1, x.shape[-1]).float(), self)  # bfloat16 widens exactly
         if found is None:
             return None
         ids, self.last_screened = found
