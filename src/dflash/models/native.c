@@ -598,6 +598,28 @@ static void int8_screen_body(void *arg) {
     parallel_for(panels, MAX(grain, 1), C->threads, int8_screen_panels, &C->S);
 }
 
+/* a_i +- b_i for tokens i0..i0+3 (sign +1 or -1), b_i = by_norm |w_i| + by_scale s_i, in double precision. */
+static inline __m256d screen_reach(const float *a, const double *row_norms, const float *scales, double by_norm,
+                                   double by_scale, int64_t i0, double sign) {
+    __m256d bound = _mm256_mul_pd(_mm256_set1_pd(by_norm), _mm256_loadu_pd(row_norms + i0));
+    if (scales) bound = _mm256_fmadd_pd(_mm256_set1_pd(by_scale), _mm256_cvtps_pd(_mm_loadu_ps(scales + i0)), bound);
+    return _mm256_fmadd_pd(_mm256_set1_pd(sign), bound, _mm256_cvtps_pd(_mm_loadu_ps(a + i0)));
+}
+
+/* max_i (a_i - b_i): the least the largest logit can be. maxpd keeps the running max where a lane is NaN. */
+static double screen_floor(const float *a, const double *row_norms, const float *scales, double by_norm,
+                           double by_scale, int64_t n) {
+    __m256d most = _mm256_set1_pd(-INFINITY);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        most = _mm256_max_pd(screen_reach(a, row_norms, scales, by_norm, by_scale, i, -1.0), most);
+    double lanes[4], floor = -INFINITY;
+    _mm256_storeu_pd(lanes, most);
+    for (int j = 0; j < 4; j++) floor = fmax(floor, lanes[j]);
+    for (; i < n; i++) floor = fmax(floor, a[i] - (by_norm * row_norms[i] + (scales ? by_scale * scales[i] : 0.0)));
+    return floor;
+}
+
 /* ids[r] = argmax of x[r] . weight^T (weight [n, k], rows as stored: float32, or bfloat16 where bf16_head, whose
  * logits its kernel rounds to bfloat16), screened through `tiles`: the weight in bfloat16 (int8 = 0) or in int8 with
  * per-row `scales` (int8 = 1), in the kernel's layout. row_norms[i] = |w_i|_2 rounded up; screened[r] = how many
@@ -626,19 +648,25 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
         const float *a = approx + r * n, *xr = x + r * k;
         double norm = 0.0, l1 = 0.0;
         for (int64_t j = 0; j < k; j++) norm += (double)xr[j] * xr[j], l1 += fabs((double)xr[j]);
-        double by_norm = norm_factor * sqrt(norm), by_scale = l1_factor * l1, floor = -INFINITY;
-#define BOUND(i) (by_norm * row_norms[i] + (int8 ? by_scale * scales[i] : 0.0))
-        for (int64_t i = 0; i < n; i++) floor = fmax(floor, a[i] - BOUND(i));
+        double by_norm = norm_factor * sqrt(norm), by_scale = int8 ? l1_factor * l1 : 0.0;
+        double floor = screen_floor(a, row_norms, int8 ? scales : NULL, by_norm, by_scale, n);
         if (bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-120; /* a step of the max's value, and room */
         int64_t best = -1, count = 0;
         float top = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            if (!(a[i] + BOUND(i) >= floor)) continue;
-#undef BOUND
-            float e = bf16_head ? chain_dot_bf16((const uint16_t *)weight + i * k, xr, k)
-                                : chain_dot((const float *)weight + i * k, xr, k);
-            count++;
-            if (best < 0 || e > top) best = i, top = e;
+        for (int64_t i0 = 0; i0 < n; i0 += 4) { /* four tokens a test; the survivors are few */
+            int keep = i0 + 4 <= n ? _mm256_movemask_pd(_mm256_cmp_pd(
+                           screen_reach(a, row_norms, int8 ? scales : NULL, by_norm, by_scale, i0, 1),
+                           _mm256_set1_pd(floor), _CMP_GE_OQ))
+                                   : 0xf;
+            for (int64_t i = i0; keep && i < MIN(i0 + 4, n); i++, keep >>= 1) {
+                if (!(keep & 1)) continue;
+                double bound = by_norm * row_norms[i] + (int8 ? by_scale * scales[i] : 0.0);
+                if (!(a[i] + bound >= floor)) continue; /* the tail's tokens, tested one by one */
+                float e = bf16_head ? chain_dot_bf16((const uint16_t *)weight + i * k, xr, k)
+                                    : chain_dot((const float *)weight + i * k, xr, k);
+                count++;
+                if (best < 0 || e > top) best = i, top = e;
+            }
         }
         if (best < 0 || !isfinite(top) || !isfinite(floor)) status = 2;
         ids[r] = best, screened[r] = count;
