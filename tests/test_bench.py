@@ -35,6 +35,7 @@ def test_results_schema_and_lossless(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert SCHEMA_TOP <= set(results)
     assert results["greedy_mismatches"] == 0 and results["num_prompts"] == 3 and results["target"] == "tiny-llama"
+    assert results["greedy_screen"] == "bfloat16"  # untimed tiny targets screen wherever they can
     methods = results["methods"]
     assert list(methods) == ["ar", "ngram", "dflash", "eagle3", "hf"]
     assert RATE_KEYS <= set(methods["ar"])

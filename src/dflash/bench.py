@@ -600,6 +600,8 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "adaptive": not args.whole_blocks,  # of methods without their own ':whole'
         "engine": target.backend,
         "kernels": target.kernel_report,
+        # greedy rounds' tokens through a screen of the LM head (models/screening.py), or the whole head (None)
+        "greedy_screen": target.screen_kind if target.screens else None,
         "ignore_eos": args.ignore_eos,
         "dataset_file": str(path),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
