@@ -418,7 +418,7 @@ class Trainer:
                 seconds[per_pass] = time.perf_counter() - started
         self.optimizer.zero_grad(set_to_none=True)
         best = min(seconds, key=seconds.get)
-        if self.world.size > 1:  # every process must take the same number of passes: process 0's choice
+        if self.world.size > 1:  # one choice for every process (each timed its own share): process 0's
             flag = torch.tensor([float(best) if self.world.main else 0.0], device=self.params[0].device)
             self.world.sum_([flag])
             best = int(flag.item())

@@ -319,15 +319,20 @@ typedef struct {
     int64_t m, n, k8;
 } Product;
 
+/* *buffer with room for `floats`, grown (never shrunk) as needed; NULL when out of memory. */
+static float *kept_buffer(float **buffer, int64_t *size, int64_t floats) {
+    if (floats > *size) {
+        float *grown = realloc(*buffer, sizeof(float) * (size_t)floats);
+        if (!grown) return NULL;
+        *buffer = grown, *size = floats;
+    }
+    return *buffer;
+}
+
 static float *widening_buffer(int64_t floats) { /* one per thread, kept: the largest chunk seen */
     static _Thread_local float *buffer;
     static _Thread_local int64_t size;
-    if (floats > size) {
-        float *grown = realloc(buffer, sizeof(float) * (size_t)floats);
-        if (!grown) return NULL;
-        buffer = grown, size = floats;
-    }
-    return buffer;
+    return kept_buffer(&buffer, &size, floats);
 }
 
 static void widen_panel(const uint16_t *p, int64_t count, float *out) {
@@ -631,12 +636,13 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
                            const double *row_norms, double norm_factor, double l1_factor, const float *x, int64_t m,
                            int64_t n, int64_t k, int threads, int64_t *ids, int64_t *screened) {
     int64_t k8 = (k + 7) / 8 * 8;
-    float *padded = NULL, *approx = malloc(sizeof(float) * (size_t)(m * n));
+    /* the approximate logits (196 KB a row for SmolLM2): kept between calls, where a fresh allocation of that size
+     * is a new mapping, page-faulted every round */
+    static _Thread_local float *kept;
+    static _Thread_local int64_t kept_size;
+    float *padded = NULL, *approx = kept_buffer(&kept, &kept_size, m * n);
     const float *xf = x;
-    if (!approx || (k8 != k && !(xf = padded = padded_input(x, 0, m, k, k8)))) {
-        free(approx);
-        return 1;
-    }
+    if (!approx || (k8 != k && !(xf = padded = padded_input(x, 0, m, k, k8)))) return 1;
     if (int8) {
         Int8ScreenCall C = {{tiles, scales, xf, approx, m, n, k8}, threads};
         with_workers(threads, int8_screen_body, &C);
@@ -671,7 +677,7 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
         if (best < 0 || !isfinite(top) || !isfinite(floor)) status = 2;
         ids[r] = best, screened[r] = count;
     }
-    free(padded), free(approx);
+    free(padded);
     return status;
 }
 

@@ -75,13 +75,22 @@ class TargetModel:
     def max_context(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
+    def _output_embeddings(self) -> nn.Module:
+        """The model's LM head module, looked up once per model: transformers' lookup walks the model (~10 us), and
+        the device is asked several times a round (the module's weight stays the place to read it from)."""
+        cached = self.__dict__.get("_head_module")
+        if cached is None or cached[0] is not self.model:
+            cached = (self.model, self.model.get_output_embeddings())
+            self.__dict__["_head_module"] = cached
+        return cached[1]
+
     @property
     def device(self) -> torch.device:
-        return self.model.get_output_embeddings().weight.device
+        return self._output_embeddings().weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_output_embeddings().weight.dtype
+        return self._output_embeddings().weight.dtype
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -172,8 +181,8 @@ class TargetModel:
 
     @property
     def can_screen(self) -> bool:
-        """Whether greedy tokens can skip most of the float32 head (models/screening.py): deferred logits and a
-        float32 head our kernels can screen."""
+        """Whether greedy tokens can skip most of the LM head (models/screening.py): deferred logits and a float32
+        or bfloat16 head our kernels can screen."""
         return self.defers_logits and self.engine.can_screen
 
     @property

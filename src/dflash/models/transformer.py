@@ -276,10 +276,17 @@ class Transformer(nn.Module):
 
     @property
     def can_screen(self) -> bool:
-        """Whether greedy tokens may come through a screen of the head (screening.py): a float32 head on a CPU with
-        our kernels, no bias, and no final softcap (tanh can round distinct logits to one value)."""
+        """Whether greedy tokens may come through a screen of the head (screening.py): a float32 or bfloat16 head on
+        a CPU with our kernels, no bias, and no final softcap (tanh can round distinct logits to one value). Asked
+        every round: the answer is kept for the head's current storage and dtype."""
         head = self.lm_head
-        return self.final_softcap is None and ScreenedHead.applies(head.weight, getattr(head, "bias", None))
+        weight, bias = head.weight, getattr(head, "bias", None)
+        key = (weight.data_ptr(), weight.dtype, weight.device, bias is None, self.final_softcap)
+        cached = self.__dict__.get("_can_screen")
+        if cached is None or cached[0] != key:
+            cached = (key, self.final_softcap is None and ScreenedHead.applies(weight, bias))
+            self.__dict__["_can_screen"] = cached
+        return cached[1]
 
     def screen(self, kind: str) -> ScreenedHead | None:
         """The head's screen of `kind` (made on first use, kept), or None where none applies."""
