@@ -44,3 +44,29 @@ class RandomProposer(Proposer):
     def propose(self, sequence, limit=None, keep_going=None):
         count = self.max_draft if limit is None else min(limit, self.max_draft)
         return Draft(torch.randint(0, self.vocab_size, (count,), generator=self.generator).tolist())
+
+
+def pairs_run_here() -> bool:
+    """Whether this build and CPU multiply bfloat16 in pairs (native.c, AVX512-BF16)."""
+    from dflash.models import native
+
+    lib = native.library()
+    return lib is not None and bool(lib.dflash_bf16_pairs())
+
+
+@pytest.fixture(params=["widened", "pairs"])
+def bf16_layout(request):
+    """bfloat16 weights laid out for the widening kernel, then in pairs (where the CPU has AVX512-BF16); the
+    layout in force for what the test lays out, restored after."""
+    from dflash.models import native
+
+    if request.param == "pairs" and not pairs_run_here():
+        pytest.skip("no AVX512-BF16 here: bfloat16 products in pairs do not run")
+    if native.library() is None:
+        yield request.param
+        return
+    old = native.set_bf16_pairs(request.param == "pairs")
+    try:
+        yield request.param
+    finally:
+        native.set_bf16_pairs(old)

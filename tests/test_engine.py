@@ -57,6 +57,29 @@ def test_greedy_lossless_every_proposer(tiny_targets, arch, block_size):
         assert oracle.stats.accept_lengths[:-1] == [block_size] * (oracle.stats.num_rounds - 1)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_lossless_in_bfloat16_through_our_kernels(arch, bf16_layout):
+    """A bfloat16 target through our C layers, its weights widened or in pairs (AVX512-BF16): bfloat16 logits tie
+    often, so any difference between a verify pass and the steps it stands for would change tokens."""
+    from dflash.models.target import choose_kernels
+    from dflash.testing import tiny_target
+
+    target = tiny_target(arch, logit_scale=4.0)
+    target.model.to(torch.bfloat16)
+    choose_kernels(target, "native")
+    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    for block_size in (4, 16):
+        for prompt in PROMPTS:
+            ids = target.encode_prompt(prompt)
+            reference = ar_tokens(target, ids)
+            for proposer in (DFlashProposer(make_drafter(target, block_size).to(torch.bfloat16), target),
+                             OracleProposer(reference.tokens, len(ids), block_size - 1),
+                             RandomProposer(target.vocab_size, block_size - 1)):
+                for adaptive in (True, False):
+                    result = SpeculativeDecoder(target, proposer, adaptive=adaptive).generate(ids, config)
+                    assert result.tokens == reference.tokens, f"{proposer.name} changed the greedy output"
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "int8"])
 def test_cheaper_drafter_beside_float32_target(tiny_targets, precision):
     """The drafter may run in a cheaper precision (bf16, or int8 weights): outputs stay those of the float32

@@ -7,10 +7,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import pairs_run_here
 from dflash.models import native
 from dflash.models.kernels import NATIVE, FrozenLinear, measure_plan, shape_key
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"no native kernel here: {native.why_not}")
+
+
+@pytest.fixture(params=["float32", "bfloat16", "bfloat16-pairs"])
+def dtype(request):
+    """The model dtype of a test, bfloat16 once per layout of its weights (widened; in pairs where the CPU has
+    AVX512-BF16), the layout restored after."""
+    if request.param == "bfloat16-pairs" and not pairs_run_here():
+        pytest.skip("no AVX512-BF16 here: bfloat16 products in pairs do not run")
+    old = native.set_bf16_pairs(request.param == "bfloat16-pairs") if native.library() is not None else None
+    try:
+        yield torch.float32 if request.param == "float32" else torch.bfloat16
+    finally:
+        if old is not None:
+            native.set_bf16_pairs(old)
 
 
 def reference(x, weight, bias):
@@ -31,7 +46,6 @@ def test_float32_product_matches_f_linear(m, n, k, with_bias):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
     """Which thread computes an output never changes it: 1-3 threads, and eight Python threads calling at once (one
     holds the thread region, the others run on their own thread), all give bitwise the one-thread result."""
@@ -57,7 +71,7 @@ def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
 @needs_native
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 18, 36])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):
+def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias, bf16_layout):
     """Every path of a bf16 product: one to four rows (two panels at a time, two rows at a time, then the odd
     third; widened in the kernel; past two rows in chunks of 64, 64 and 24 of the 152 padded inputs), more (each chunk
     widened once)."""
@@ -74,7 +88,7 @@ def test_bfloat16_product_is_the_float32_sum_rounded_once(m, with_bias):
 
 
 @needs_native
-def test_bfloat16_rounding_is_to_nearest_even():
+def test_bfloat16_rounding_is_to_nearest_even(bf16_layout):
     # x = 1 and a single weight: the product is the weight itself, exactly representable; bias pushes the float32
     # sum to exact halfway points between bf16 neighbours
     weight = torch.ones(4, 1, dtype=torch.bfloat16)
@@ -103,6 +117,45 @@ def test_tiles_are_panels_of_24_rows_stored_column_by_column():
     assert tiles[0, 3].tolist() == weight[:24, 3].tolist()  # panel 0, input 3: the 24 rows' weights side by side
     assert tiles[1, 8].tolist() == weight[24:, 8].tolist() + [0.0] * 18  # rows 30-47 do not exist: zeros
     assert tiles[:, 9:].abs().sum() == 0  # columns 9-15: padding
+
+
+@needs_native
+def test_bfloat16_tiles_in_pairs_keep_two_inputs_of_a_column_together():
+    weight = torch.arange(30 * 9, dtype=torch.float32).view(30, 9).bfloat16()
+    tiles = native.tiles(weight, pairs=True)
+    assert tiles.shape == (2, 8, 24, 2) and native.tile_inputs(tiles) == 16
+    assert tiles[0, 1, :, 0].tolist() == weight[:24, 2].tolist()  # pair 1 = inputs 2 and 3, for each of 24 rows
+    assert tiles[0, 1, :, 1].tolist() == weight[:24, 3].tolist()
+    assert tiles[:, 5:].float().abs().sum() == 0 and tiles[1, :, 6:].float().abs().sum() == 0  # padding
+    assert native.tiles(weight, pairs=False).shape == (2, 16, 24)
+    assert native.tiles(weight.float(), pairs=True).shape == (2, 16, 24)  # float32 never pairs
+
+
+def pairs_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """VDPBF16PS's sums, as documented: for each pair of inputs, the odd one's product added first, then the even
+    one's, each rounded to float32 (a product of two bfloat16 is exact in float32, so each step is an FMA)."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for j in range(0, weight.shape[1], 2):
+        if j + 1 < weight.shape[1]:
+            acc = acc + xf[:, j + 1: j + 2] * wf[:, j + 1][None]
+        acc = acc + xf[:, j: j + 1] * wf[:, j][None]
+    return acc
+
+
+@needs_native
+@pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 18])
+def test_pairs_sum_each_output_as_one_chain_whatever_the_rows(m):
+    """Every row count (two panels at a time for 1-4 rows, groups of four over chunks beyond) sums each output as
+    the one documented chain of pairs, so a verify pass of k tokens gives bitwise the products of k steps; 150
+    inputs pad to 152 (a last pair of zeros, then three more)."""
+    g = torch.Generator().manual_seed(m)
+    weight, x = (torch.randn(67, 150, generator=g) * 0.1).bfloat16(), torch.randn(m, 150, generator=g).bfloat16()
+    tiles = native.tiles(weight, pairs=True)
+    got = native.linear(x, tiles, 67, None)
+    assert torch.equal(got, pairs_chain(x, weight).bfloat16())
+    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 67, None) for i in range(m)]))
 
 
 @needs_native
@@ -173,7 +226,6 @@ def native_and_torch_twins(arch: str, dtype: torch.dtype, head_dim: int = 16):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_token_layers_match_the_torch_forward(arch, dtype, monkeypatch):
     """Decode steps through the C layer (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms) give the logits and
@@ -232,7 +284,6 @@ def test_passes_wider_than_sixteen_tokens_take_the_torch_layers(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
     """Rows at different lengths (as after each accepted a different number of drafts): each row's tokens go to
@@ -258,7 +309,6 @@ def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: attention sums values in registers, heads of 64 floats at a time
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, head_dim, monkeypatch):
     """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features: logits, features and
@@ -334,7 +384,6 @@ def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
 @needs_native
 @pytest.mark.parametrize("context", [18, 29, 61], ids=lambda n: f"context{n}")
 @pytest.mark.parametrize("head_dim", [16, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, head_dim, context, monkeypatch):
     """Why speculation through the C layers stays lossless even in bf16, where near-ties are common: every product
     sums each row in the same order whatever the number of rows, and each token's attention reads the same cache,
@@ -411,7 +460,6 @@ def drafter_twins(target, dtype: torch.dtype, block_size: int):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_drafter_layers_in_c_match_the_torch_layers(dtype, block_size, monkeypatch):
     """Rounds of context pieces of 11, 1, 3 and 7 rows, then a block: the C drafter (context keys through each

@@ -109,10 +109,11 @@ def test_what_the_screen_refuses():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_bfloat16_heads_rounded_ties(kind):
+def test_a_bfloat16_heads_rounded_ties(kind, bf16_layout):
     """A bfloat16 head's logits are rounded to bfloat16, so the largest often ties with tokens whose sums were a
     little smaller: the screen keeps every token that could round to the max, and picks the first, as torch's
-    argmax over the kernel's logits does. Rows built to tie: the max's neighbours sit within a rounding step."""
+    argmax over the kernel's logits does. Rows built to tie: the max's neighbours sit within a rounding step. With
+    the head in pairs (AVX512-BF16), the tokens that survive are summed as the pairs kernel sums them."""
     torch.manual_seed(5)
     k, vocab = 576, 3001
     weight = (torch.randn(vocab, k) * 0.05).to(torch.bfloat16)
@@ -129,7 +130,8 @@ def test_a_bfloat16_heads_rounded_ties(kind):
     assert head.argmax(x.float()) is None  # a bfloat16 head takes its own dtype's hidden states
 
 
-def test_tokens_that_round_to_the_max_are_kept_however_tight_the_bound():
+@pytest.mark.parametrize("bf16_layout", ["widened"], indirect=True)  # the screen's sums are the head's own
+def test_tokens_that_round_to_the_max_are_kept_however_tight_the_bound(bf16_layout):
     """A bfloat16 screen of a bfloat16 head computes its very logits before rounding, so a zero bound is exact
     there; still a token whose sum is a little below the max's can round to the same bfloat16 value, and, first
     in index order, it is the argmax. Only the floor's lowering by a rounding step keeps it."""
@@ -148,3 +150,31 @@ def test_tokens_that_round_to_the_max_are_kept_however_tight_the_bound():
     head = ScreenedHead(weight, "bfloat16")
     head.norm_factor = 0.0  # exact for this head and screen: the screen's sums are the head's own
     assert int(head.argmax(x)) == int(logits.argmax()) == 100
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bf16_layout", ["widened", "pairs"], indirect=True)
+def test_survivors_are_summed_as_the_heads_own_kernel_sums_them(kind, bf16_layout):
+    """The two bfloat16 kernels (widened FMAs, pairs) round a few sums to neighbouring bfloat16 values. A head
+    built on one such sum: token 1 sits on the boundary, token 0 a hair below it (one weight one step smaller), so
+    whether token 1 wins or ties (and token 0 wins, first) depends on which chain sums it. The screen must pick
+    what the head's own kernel picks."""
+    from conftest import pairs_run_here
+
+    if not pairs_run_here():
+        pytest.skip("no AVX512-BF16 here: one bfloat16 kernel only")
+    torch.manual_seed(7)
+    k = 576
+    weight, x = (torch.randn(512, k) * 0.05).bfloat16(), torch.randn(64, k).bfloat16()
+    widened = native.linear(x, native.tiles(weight, pairs=False), 512, None)
+    paired = native.linear(x, native.tiles(weight, pairs=True), 512, None)
+    row, token = (widened != paired).nonzero()[0].tolist()
+    xr, on_boundary = x[row: row + 1], weight[token].clone()
+    below = on_boundary.clone()
+    j = int(torch.where((xr[0] > 0) & (below > 0), xr[0].float(), torch.zeros(k)).argmax())
+    below.view(torch.int16)[j] -= 1  # a positive weight one bfloat16 step smaller, times a positive input
+    head = torch.stack([below, on_boundary])
+    own = native.linear(xr, native.tiles(head), 2, None).float()
+    other = native.linear(xr, native.tiles(head, pairs=bf16_layout != "pairs"), 2, None).float()
+    assert own.argmax(-1) != other.argmax(-1)  # the two chains pick different tokens here
+    assert torch.equal(ScreenedHead(head, kind).argmax(xr), own.argmax(-1))

@@ -200,7 +200,8 @@ def test_distillation_loss_is_kl_to_the_target_and_matches_autograd(rows):
     expected = (kl * weights).sum() / weights.sum()
     expected.backward()
     torch.testing.assert_close(loss, expected.float(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-6, atol=1e-8)
+    # the loss runs in float32: its gradient agrees to float32 sums over the vocabulary (rtol 1e-6 failed on an AVX-512 CPU)
+    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-5, atol=1e-7)
     self_taught = linear_cross_entropy(hidden, head, labels, weights, (hidden @ head.t()).detach(),
                                        torch.arange(rows))[0]
     assert abs(self_taught.item()) < 1e-6  # a drafter already equal to its teacher has nothing left to learn
@@ -381,7 +382,9 @@ def test_automatic_sequences_per_pass(target, monkeypatch):
     torch.testing.assert_close(measured["grad_norm"], expected["grad_norm"], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(measured["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
     for ours, theirs in zip(timed.params, plain.params):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+        # Adam's first step divides each gradient by its own size, so where one sits near Adam's eps, sums in another
+        # order move that weight by a small share of lr (1e-2): 1.2e-5 on one weight of 8192 on an AVX-512 CPU
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):

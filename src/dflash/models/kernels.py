@@ -231,7 +231,7 @@ class FrozenLinear(nn.Module):
 
     def native_tiles(self) -> torch.Tensor | None:
         """Our kernel's layout of the CURRENT weight (native.py), or None where that kernel is not available."""
-        signature = self._signature()
+        signature = self._signature() + (native._pairs,)  # the layout of bfloat16 weights may be switched
         if self._tiles_for != signature:
             self._tiles = native.tiles(self.weight) if native.supports(self.weight) else None
             self._tiles_for = signature

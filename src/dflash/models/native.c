@@ -288,8 +288,6 @@ TWO_PANELS(two_panels_bf16_1, 1, 1)
 TWO_PANELS(two_panels_bf16_2, 1, 2)
 typedef void (*TwoPanels)(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k8, float *out,
                           int resume);
-static const TwoPanels two_panel_kernels[2][2] = {{two_panels_f32_1, two_panels_f32_2},
-                                                  {two_panels_bf16_1, two_panels_bf16_2}};
 
 #define PANEL_ROWS(NAME, BF16, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
@@ -306,18 +304,148 @@ PANEL_ROWS(panel_bf16_3, 1, 3)
 PANEL_ROWS(panel_bf16_4, 1, 4)
 typedef void (*PanelRows)(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,
                           int64_t pf_step, int resume);
-static const PanelRows panel_kernels[2][4] = {{panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
-                                              {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4}};
+
+/* ---- bfloat16 weights in pairs, where the CPU multiplies bfloat16 itself (AVX512-BF16) --------------------------
+ * Widening a bfloat16 weight costs a shift per eight, and then an FMA does eight multiply-adds: a verify pass of
+ * 8-16 tokens is bound by those, and a bfloat16 pass ran no faster than a float32 one. VDPBF16PS does sixteen per
+ * instruction, two adjacent inputs at a time, at the same rate (AMD EPYC Zen 4, one core, twelve independent
+ * chains: 214 GFLOP/s against 114 for float32 FMAs). So where the CPU has it, a bfloat16 model's tiles hold its
+ * weights in pairs of inputs ("pairs" layout, native.py): for input pair j, the 24 columns' (w[c, 2j], w[c, 2j+1])
+ * side by side, 96 bytes, which is what one float32 input of a float32 panel takes. The inputs of a bfloat16 model's
+ * products are bfloat16 values (rounded after every op), so they pair up exactly. Each output is then ONE chain of
+ * VDPBF16PS over the pairs, in order, whatever the number of rows: as with FMAs, verifying k tokens gives bitwise
+ * the logits of k steps. (The instruction's own rounding, denormals flushed, differs from an FMA chain in the last
+ * bits: every pass of a model uses the one or the other, never both.) */
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
+#define PAIRS_BUILT 1
+#define PAIRS_TARGET __attribute__((target("avx512f,avx512vl,avx512bf16")))
+PAIRS_TARGET static inline __m256bh load_pairs(const uint32_t *w) {
+    return (__m256bh)_mm256_loadu_si256((const __m256i *)w);
+}
+PAIRS_TARGET static inline __m256bh same_pair(const float *x, int64_t j) { /* input pair j, in every lane */
+    uint32_t bits;
+    memcpy(&bits, x + j, 4);
+    return (__m256bh)_mm256_set1_epi32((int)bits);
+}
+/* R (1-4) rows of input pairs against one panel; x, ldx and k2 count pairs (x holds them as 32-bit words) */
+PAIRS_TARGET static inline __attribute__((always_inline)) void pair_panel_rows(const void *wp, const float *x,
+                                                                               int64_t ldx, int64_t k2, const int R,
+                                                                               float *out, const char *pf,
+                                                                               int64_t pf_step, int resume) {
+    const uint32_t *w = wp;
+    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
+    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
+    for (int64_t i = 0; i < k2; i++) {
+        if (pf) {
+            _mm_prefetch(pf + i * pf_step, _MM_HINT_T0);
+            if (pf_step > 64) _mm_prefetch(pf + i * pf_step + 64, _MM_HINT_T0);
+        }
+        __m256bh w0 = load_pairs(w + i * PANEL), w1 = load_pairs(w + i * PANEL + 8), w2 = load_pairs(w + i * PANEL + 16);
+#define PAIR_DP(r)                                                                                                    \
+    if (R > r) {                                                                                                      \
+        __m256bh b = same_pair(x + r * ldx, i);                                                                       \
+        a##r##0 = _mm256_dpbf16_ps(a##r##0, w0, b), a##r##1 = _mm256_dpbf16_ps(a##r##1, w1, b);                      \
+        a##r##2 = _mm256_dpbf16_ps(a##r##2, w2, b);                                                                   \
+    }
+        PAIR_DP(0) PAIR_DP(1) PAIR_DP(2) PAIR_DP(3)
+#undef PAIR_DP
+    }
+    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3)
+}
+/* One or two rows of input pairs against two panels (at w and w + size pairs), as two_panels_rows */
+PAIRS_TARGET static inline __attribute__((always_inline)) void pair_two_panels_rows(const void *wp, int64_t size,
+                                                                                    const float *x, int64_t ldx,
+                                                                                    int64_t k2, const int R, float *out,
+                                                                                    int resume) {
+    const uint32_t *w = wp;
+    TWO_ZERO(a) TWO_ZERO(b) TWO_ZERO(c) TWO_ZERO(d)
+    if (resume) {
+        TWO_LOAD(a, 0) TWO_LOAD(b, PANEL)
+        if (R > 1) { TWO_LOAD(c, 2 * PANEL) TWO_LOAD(d, 3 * PANEL) }
+    }
+    for (int64_t i = 0; i < k2; i++) {
+        __m256bh u = same_pair(x, i), v = R > 1 ? same_pair(x + ldx, i) : u, t;
+#define PAIR_TWO(j, at)                                                                                             \
+    t = load_pairs(w + (at)), a##j = _mm256_dpbf16_ps(a##j, t, u);                                                  \
+    if (R > 1) c##j = _mm256_dpbf16_ps(c##j, t, v);                                                                 \
+    t = load_pairs(w + size + (at)), b##j = _mm256_dpbf16_ps(b##j, t, u);                                           \
+    if (R > 1) d##j = _mm256_dpbf16_ps(d##j, t, v);
+        PAIR_TWO(0, i * PANEL) PAIR_TWO(1, i * PANEL + 8) PAIR_TWO(2, i * PANEL + 16)
+#undef PAIR_TWO
+    }
+    TWO_STORE(a, 0) TWO_STORE(b, PANEL)
+    if (R > 1) { TWO_STORE(c, 2 * PANEL) TWO_STORE(d, 3 * PANEL) }
+}
+#define PAIR_PANEL_ROWS(NAME, R)                                                                                     \
+    PAIRS_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k2, float *out, const char *pf, \
+                                  int64_t pf_step, int resume) {                                                      \
+        pair_panel_rows(w, x, ldx, k2, R, out, pf, pf_step, resume);                                                  \
+    }
+PAIR_PANEL_ROWS(panel_pairs_1, 1)
+PAIR_PANEL_ROWS(panel_pairs_2, 2)
+PAIR_PANEL_ROWS(panel_pairs_3, 3)
+PAIR_PANEL_ROWS(panel_pairs_4, 4)
+PAIRS_TARGET static void two_panels_pairs_1(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k2,
+                                            float *out, int resume) {
+    pair_two_panels_rows(w, size, x, ldx, k2, 1, out, resume);
+}
+PAIRS_TARGET static void two_panels_pairs_2(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k2,
+                                            float *out, int resume) {
+    pair_two_panels_rows(w, size, x, ldx, k2, 2, out, resume);
+}
+/* A bfloat16 head's logit as the pairs kernel stores it: one chain of VDPBF16PS (the same instruction, lane 0) over
+ * the pairs of w and of x (bfloat16 values), rounded to bfloat16. k even (the tiles' zero padding adds nothing). */
+PAIRS_TARGET static float chain_dot_pairs(const uint16_t *w, const float *x, int64_t k) {
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t j = 0; j + 1 < k; j += 2) {
+        uint32_t wj = (uint32_t)w[j] | (uint32_t)w[j + 1] << 16;
+        uint32_t xj = (uint32_t)f32_to_bf16(x[j]) | (uint32_t)f32_to_bf16(x[j + 1]) << 16;
+        acc = _mm_dpbf16_ps(acc, (__m128bh)_mm_cvtsi32_si128((int)wj), (__m128bh)_mm_cvtsi32_si128((int)xj));
+    }
+    return bf16_to_f32(f32_to_bf16(_mm_cvtss_f32(acc)));
+}
+static int cpu_has_pairs(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
+}
+#else
+#define PAIRS_BUILT 0
+#define panel_pairs_1 NULL
+#define panel_pairs_2 NULL
+#define panel_pairs_3 NULL
+#define panel_pairs_4 NULL
+#define two_panels_pairs_1 NULL
+#define two_panels_pairs_2 NULL
+static float chain_dot_pairs(const uint16_t *w, const float *x, int64_t k) { (void)w, (void)x, (void)k; return NAN; }
+static int cpu_has_pairs(void) { return 0; }
+#endif
+
+/* Whether this build and CPU run bfloat16 products in pairs (native.py lays such weights out for it then). */
+int dflash_bf16_pairs(void) { return PAIRS_BUILT && cpu_has_pairs(); }
+
+/* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs */
+static const PanelRows panel_kernels_of[3][4] = {
+    {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
+    {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
+    {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4}};
+static const TwoPanels two_panel_kernels_of[3][2] = {{two_panels_f32_1, two_panels_f32_2},
+                                                     {two_panels_bf16_1, two_panels_bf16_2},
+                                                     {two_panels_pairs_1, two_panels_pairs_2}};
 
 /* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 chunk is
- * widened to float32 once (into L1), rather than once per four rows. */
+ * widened to float32 once (into L1), rather than once per four rows. `kind`: 0 float32, 1 bfloat16 (widened), 2
+ * bfloat16 in pairs, whose xf holds the inputs as pairs of bfloat16 (k8 / 2 words a row). A panel's "unit" is what
+ * one step of its kernel reads: an input (float32, bfloat16) or a pair of inputs. */
 typedef struct {
     const void *panels;
-    int bf16;
+    int kind;
     const float *xf, *bias;
     float *yf;
     int64_t m, n, k8;
 } Product;
+
+static inline int64_t units_of(const Product *W) { return W->kind == 2 ? W->k8 / 2 : W->k8; }
+static inline int64_t unit_bytes(const Product *W) { return W->kind == 1 ? 2 : 4; } /* per panel column */
 
 /* *buffer with room for `floats`, grown (never shrunk) as needed; NULL when out of memory. */
 static float *kept_buffer(float **buffer, int64_t *size, int64_t floats) {
@@ -353,20 +481,20 @@ static void widen_panel(const uint16_t *p, int64_t count, float *out) {
 #define SLICE 16
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
-    int64_t k8 = W->k8, elem = W->bf16 ? 2 : 4, groups = (rows + 3) / 4, chunk = groups > 1 ? CHUNK : k8;
+    int64_t k8 = units_of(W), elem = unit_bytes(W), groups = (rows + 3) / 4, chunk = groups > 1 ? CHUNK : k8;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
         const void *w = at;
-        int in_bf16 = W->bf16;
-        if (wide && groups > 1) widen_panel(w, count * PANEL, wide), w = wide, in_bf16 = 0;
+        int kind = W->kind;
+        if (wide && groups > 1) widen_panel(w, count * PANEL, wide), w = wide, kind = 0;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
          * panels lie back to back; past the last panel a request is harmless, prefetches never fault), so the
          * memory streams while the FMAs run over this one; one group leaves it to the hardware prefetcher
          * (explicit requests made float32 steps ~10% slower) */
         int64_t share = (count * PANEL * elem + groups - 1) / groups;
         for (int64_t j = 0, g = 0; j < rows; j += 4, g++)
-            panel_kernels[in_bf16][MIN(4, rows - j) - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
+            panel_kernels_of[kind][MIN(4, rows - j) - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
                                                          groups > 1 ? ahead + g * share : NULL,
                                                          (share + count - 1) / count, c0 > 0);
     }
@@ -378,10 +506,10 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
 #define TWO_PANEL_ROWS 4
 #endif
 static void two_panel_slice(const Product *W, const char *stored, int64_t p, float *sums) {
-    int64_t m = W->m, n = W->n, k8 = W->k8, size = PANEL * k8, elem = W->bf16 ? 2 : 4, chunk = m > 2 ? CHUNK : k8;
+    int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W), chunk = m > 2 ? CHUNK : k8;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk)
         for (int64_t j = 0; j < m; j += 2)
-            two_panel_kernels[W->bf16][MIN(2, m - j) - 1](stored + c0 * PANEL * elem, size, W->xf + j * k8 + c0, k8,
+            two_panel_kernels_of[W->kind][MIN(2, m - j) - 1](stored + c0 * PANEL * elem, size, W->xf + j * k8 + c0, k8,
                                                           MIN(chunk, k8 - c0), sums + j * 2 * PANEL, c0 > 0);
     for (int64_t r = 0; r < m; r++)
         for (int64_t q = 0; q < 2; q++)
@@ -392,8 +520,8 @@ static void two_panel_slice(const Product *W, const char *stored, int64_t p, flo
 
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
-    int64_t m = W->m, n = W->n, k8 = W->k8, size = PANEL * k8, elem = W->bf16 ? 2 : 4;
-    float *wide = W->bf16 && m > 4 ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL; /* NULL: widen in the kernel */
+    int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
+    float *wide = W->kind == 1 && m > 4 ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL; /* NULL: widen in the kernel */
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
@@ -428,10 +556,30 @@ static void product_body(void *arg) {
     parallel_for(panels, MAX(grain, 1), C->threads, product_panels, &C->W);
 }
 
-static void run(const void *tiles, int bf16, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
-                int64_t k8, int threads) {
-    ProductCall C = {{tiles, bf16, xf, bias, yf, m, n, k8}, threads};
+/* A thread's buffer for a product's input pairs (kept, grown as needed); NULL when out of memory. A layer's caller
+ * reserves the most its products need before the layer runs, so that they cannot fail inside it. */
+static float *pairs_buffer(int64_t words) {
+    static _Thread_local float *kept;
+    static _Thread_local int64_t kept_size;
+    return kept_buffer(&kept, &kept_size, words);
+}
+
+/* The float32 rows xf [m, k8] (bfloat16 values) as pairs of bfloat16, k8 / 2 words a row; NULL when out of memory. */
+static const float *as_pairs(const float *xf, int64_t m, int64_t k8) {
+    uint32_t *pairs = (uint32_t *)pairs_buffer(m * k8 / 2);
+    if (!pairs) return NULL;
+    for (int64_t i = 0; i < m * k8; i += 2)
+        pairs[i / 2] = (uint32_t)f32_to_bf16(xf[i]) | (uint32_t)f32_to_bf16(xf[i + 1]) << 16;
+    return (const float *)pairs;
+}
+
+/* `kind` as in Product; nonzero when out of memory (nothing written) */
+static int run(const void *tiles, int kind, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
+               int64_t k8, int threads) {
+    if (kind == 2 && !(xf = as_pairs(xf, m, k8))) return 1;
+    ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8}, threads};
     with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
+    return 0;
 }
 
 /* The input as float32 rows of k8 columns, zero-padded; NULL when out of memory. */
@@ -456,9 +604,9 @@ int dflash_linear_f32(const float *tiles, const float *x, const float *bias, flo
     return 0;
 }
 
-/* bfloat16 input, tiles, bias and output; float32 sums. */
+/* bfloat16 input, tiles (in pairs where `pairs`), bias and output; float32 sums. */
 int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                       int64_t k, int threads) {
+                       int64_t k, int threads, int pairs) {
     int64_t k8 = (k + 7) / 8 * 8;
     float *xf = padded_input(x, 1, m, k, k8), *yf = malloc(sizeof(float) * (size_t)(m * n + n));
     if (!xf || !yf) {
@@ -467,7 +615,10 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
     }
     float *bf = bias ? yf + m * n : NULL;
     for (int64_t i = 0; bias && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
-    run(tiles, 1, xf, bf, yf, m, n, k8, threads);
+    if (run(tiles, pairs ? 2 : 1, xf, bf, yf, m, n, k8, threads)) {
+        free(xf), free(yf);
+        return 1;
+    }
     int64_t i = 0;
     for (; i + 8 <= m * n; i += 8) store8(y, i, _mm256_loadu_ps(yf + i), 1); /* a 16-row LM head: 786k values */
     for (; i < m * n; i++) y[i] = f32_to_bf16(yf[i]);
@@ -626,7 +777,7 @@ static double screen_floor(const float *a, const double *row_norms, const float 
 }
 
 /* ids[r] = argmax of x[r] . weight^T (weight [n, k], rows as stored: float32, or bfloat16 where bf16_head, whose
- * logits its kernel rounds to bfloat16), screened through `tiles`: the weight in bfloat16 (int8 = 0) or in int8 with
+ * logits its kernel rounds to bfloat16; bf16_head = 2: that kernel sums in pairs), screened through `tiles`: the weight in bfloat16 (int8 = 0) or in int8 with
  * per-row `scales` (int8 = 1), in the kernel's layout. row_norms[i] = |w_i|_2 rounded up; screened[r] = how many
  * tokens were summed exactly. Rounded logits tie within a bfloat16 step: a token whose logit lies within a step of
  * the largest, 2^-7 |max| (1 + 2^-8), below it may round to the same value, so a bfloat16 head keeps those too
@@ -656,7 +807,9 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
         for (int64_t j = 0; j < k; j++) norm += (double)xr[j] * xr[j], l1 += fabs((double)xr[j]);
         double by_norm = norm_factor * sqrt(norm), by_scale = int8 ? l1_factor * l1 : 0.0;
         double floor = screen_floor(a, row_norms, int8 ? scales : NULL, by_norm, by_scale, n);
-        if (bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-120; /* a step of the max's value, and room */
+        /* a step of the max's value, and room (absolute: also for the pairs kernel flushing values under 2^-126 to
+         * zero, at most 2^-125 a step over k < 2^20 steps) */
+        if (bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-100;
         int64_t best = -1, count = 0;
         float top = 0.0f;
         for (int64_t i0 = 0; i0 < n; i0 += 4) { /* four tokens a test; the survivors are few */
@@ -668,8 +821,9 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
                 if (!(keep & 1)) continue;
                 double bound = by_norm * row_norms[i] + (int8 ? by_scale * scales[i] : 0.0);
                 if (!(a[i] + bound >= floor)) continue; /* the tail's tokens, tested one by one */
-                float e = bf16_head ? chain_dot_bf16((const uint16_t *)weight + i * k, xr, k)
-                                    : chain_dot((const float *)weight + i * k, xr, k);
+                float e = bf16_head == 2 ? chain_dot_pairs((const uint16_t *)weight + i * k, xr, k)
+                          : bf16_head ? chain_dot_bf16((const uint16_t *)weight + i * k, xr, k)
+                                      : chain_dot((const float *)weight + i * k, xr, k);
                 count++;
                 if (best < 0 || e > top) best = i, top = e;
             }
@@ -763,7 +917,8 @@ static void rotate(float *x, const void *cos, const void *sin, int64_t d, int bf
     memcpy(x, tmp, sizeof(float) * (size_t)d);
 }
 
-/* y[m, n] = x[m, k8] . tiles^T + bias, rounded as torch's product in the model dtype */
+/* y[m, n] = x[m, k8] . tiles^T + bias, rounded as torch's product in the model dtype; bf16 = 2: tiles in pairs (the
+ * pairs buffer was reserved by the layer's caller, `reserve_pairs`) */
 static void product(const void *tiles, const void *bias, int bf16, const float *x, float *y, int64_t m, int64_t n,
                     int64_t k, int threads, float *bias_f) {
     if (bias)
@@ -1108,6 +1263,16 @@ static void layer_pass(const Layer *L, Pass *P, const void *h, void *h_out) {
     mlp(L, P, h_out);
 }
 
+/* Reserves the pairs buffer the products of `count` layers over m rows need (bfloat16 in pairs only): inside a
+ * layer nothing may fail. Nonzero when out of memory. */
+static int reserve_pairs(const Layer *layers, int64_t count, int64_t m) {
+    if (layers[0].bf16 != 2) return 0;
+    int64_t widest = 0;
+    for (int64_t i = 0; i < count; i++)
+        widest = MAX(widest, MAX(PAD8(layers[i].hidden), MAX(PAD8(layers[i].heads * layers[i].d), PAD8(layers[i].inter))));
+    return pairs_buffer(m * widest / 2) == NULL;
+}
+
 static int same_shape(const Layer *a, const Layer *b) {
     return a->hidden == b->hidden && a->heads == b->heads && a->kv_heads == b->kv_heads && a->d == b->d &&
            a->inter == b->inter;
@@ -1207,6 +1372,7 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
               .keys = keys, .values = values, .threads = threads};
     set_longest(&P);
     int64_t sizes[PARTS];
+    if (reserve_pairs(&L, 1, P.m)) return 1;
     float *buf = calloc(scratch_parts(&L, &P, sizes), sizeof(float));
     if (!buf) return 1;
     cut_scratch(&P, buf, sizes);
@@ -1230,6 +1396,7 @@ int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t 
     set_longest(&P);
     int64_t sizes[PARTS];
     for (int64_t i = 0; i < count; i++) floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
+    if (reserve_pairs(layers, count, P.m)) return 1;
     float *buf = calloc(floats, sizeof(float)); /* one scratch for all layers: fresh pages per layer cost page faults */
     if (!buf) return 1;
     StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, features,
@@ -1260,6 +1427,7 @@ int dflash_drafter_stack(const void *h, void *h_out, void *spare, int64_t n, int
         floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
         width = MAX(width, 2 * layers[i].kv_heads * layers[i].d);
     }
+    if (reserve_pairs(layers, count, MAX(n, m))) return 1;
     float *buf = calloc(floats + (size_t)(m * (hp + width)), sizeof(float));
     if (!buf) return 1;
     Context X = {buf + floats, m, start - m, ctx_cos, ctx_sin, buf + floats + m * hp};

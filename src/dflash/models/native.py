@@ -8,6 +8,8 @@ more candidate for kernels.py, chosen per shape where it measures faster; a laye
 for all four of the layer's products (transformer.py). Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
 (`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
 The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
+Where the CPU multiplies bfloat16 itself (AVX512-BF16: AMD Zen 4, Intel Sapphire Rapids), bfloat16 weights are laid
+out in pairs of inputs for it (`bf16_pairs`; DFLASH_BF16_PAIRS=0 keeps the widening kernel).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PANEL = 24  # output rows per panel of the layout (native.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
+_pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
 why_not = ""  # why the kernel is unavailable, for reports
 
 
@@ -62,7 +65,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not
+    global _library, _tried, why_not, _pairs
     if _tried:
         return _library
     _tried = True
@@ -79,8 +82,10 @@ def library() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(compiler)))
             for name in ("dflash_linear_f32", "dflash_linear_bf16"):
                 fn = getattr(lib, name)
-                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * (
+                    2 if name.endswith("bf16") else 1)
                 fn.restype = ctypes.c_int
+            lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
             screened = lib.dflash_greedy_screened
             screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                  + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -102,15 +107,35 @@ def library() -> ctypes.CDLL | None:
                                 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
             drafter.restype = ctypes.c_int
             _library = lib
+            _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     return _library
 
 
 def build_id() -> str:
-    """Which build of the kernel runs here ("none" where none does): its file name carries the source hash."""
+    """Which build of the kernel runs here ("none" where none does): its file name carries the source hash, and
+    "+pairs" where bfloat16 products run in pairs."""
     lib = library()
-    return Path(lib._name).stem if lib is not None else "none"
+    return Path(lib._name).stem + ("+pairs" if _pairs else "") if lib is not None else "none"
+
+
+def bf16_pairs() -> bool:
+    """Whether bfloat16 weights are laid out in pairs of inputs for VDPBF16PS (native.c): where this build and CPU
+    have it, unless DFLASH_BF16_PAIRS=0."""
+    library()
+    return _pairs
+
+
+def set_bf16_pairs(on: bool) -> bool:
+    """Switches the layout of bfloat16 weights laid out from now on (for tests and A/B runs); returns the old
+    setting. Weights laid out before keep theirs, and every call reads the layout from the tiles it gets."""
+    global _pairs
+    lib, old = library(), _pairs
+    if on and (lib is None or not lib.dflash_bf16_pairs()):
+        raise RuntimeError("this build or CPU cannot multiply bfloat16 in pairs (AVX512-BF16)")
+    _pairs = bool(on)
+    return old
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -118,14 +143,26 @@ def supports(weight: torch.Tensor) -> bool:
             and library() is not None)
 
 
-def tiles(weight: torch.Tensor) -> torch.Tensor:
+def tiles(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """The kernel's layout of `weight` [n, k] (see native.c): zero-padded to 24-row, 8-column multiples, then cut
     into panels of 24 rows, each stored column by column ([panels, k8, 24]), so that a panel is one sequential
-    stream and each of its inputs meets 24 weights side by side."""
+    stream and each of its inputs meets 24 weights side by side. A bfloat16 weight in pairs (`pairs`, default
+    `bf16_pairs()`) keeps two adjacent inputs of a column together: [panels, k8 / 2, 24, 2]."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % PANEL))
     panels = padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1]).transpose(1, 2)
+    if weight.dtype == torch.bfloat16 and (bf16_pairs() if pairs is None else pairs):
+        panels = panels.reshape(panels.shape[0], panels.shape[1] // 2, 2, PANEL).transpose(2, 3)
     return memory.lasting(tuple(panels.shape), panels.dtype).copy_(panels)  # streamed every pass: on huge pages
+
+
+def in_pairs(weight_tiles: torch.Tensor) -> bool:
+    return weight_tiles.dim() == 4
+
+
+def tile_inputs(weight_tiles: torch.Tensor) -> int:
+    """The inputs (k8) of a weight laid out by `tiles`."""
+    return weight_tiles.shape[1] * (2 if in_pairs(weight_tiles) else 1)
 
 
 def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -134,13 +171,14 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     lib = _library
     k = x.shape[-1]
     if (lib is None or x.dtype != weight_tiles.dtype or (bias is not None and not bias.is_contiguous())
-            or -(-k // 8) * 8 != weight_tiles.shape[1]):  # a wrong width: torch's kernel says so, we would read past
+            or -(-k // 8) * 8 != tile_inputs(weight_tiles)):  # a wrong width: torch's kernel says so, we would read past
         return None
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    fn = lib.dflash_linear_f32 if x.dtype == torch.float32 else lib.dflash_linear_bf16
-    status = fn(weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                x.numel() // k, out_features, k, torch.get_num_threads())
+    args = (weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            x.numel() // k, out_features, k, torch.get_num_threads())
+    status = (lib.dflash_linear_f32(*args) if x.dtype == torch.float32
+              else lib.dflash_linear_bf16(*args, int(in_pairs(weight_tiles))))
     return y if status == 0 else None
 
 
@@ -151,8 +189,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
     """The arguments of a decoder layer that do not change between calls (see native.c), made once: `weights`
     holds its norms and biases (tensors in the model dtype, or None) and its products' tiles, `shape` its sizes and
-    constants. The tensors must outlive the tuple (the caller keeps them)."""
-    return (int(dtype == torch.bfloat16), _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
+    constants. The tensors must outlive the tuple (the caller keeps them). The first, native.c's `bf16`: 0 float32,
+    1 bfloat16, 2 bfloat16 with its products' tiles in pairs (all four are laid out alike)."""
+    bf16 = 0 if dtype != torch.bfloat16 else 2 if in_pairs(weights["qkv"]) else 1
+    return (bf16, _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
             _ptr(weights["qkv"]), _ptr(weights["qkv_bias"]), _ptr(weights["q_norm"]), _ptr(weights["k_norm"]),
             shape["qk_eps"], _ptr(weights["o"]), _ptr(weights["o_bias"]), _ptr(weights["gate_up"]),
             _ptr(weights["down"]), shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"],
@@ -248,7 +288,7 @@ def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] 
     screened = torch.empty(m, dtype=torch.int64)
     int8 = head.scales is not None
     status = lib.dflash_greedy_screened(head.tiles.data_ptr(), int(int8), head.scales.data_ptr() if int8 else None,
-                                        head.weight.data_ptr(), int(head.weight.dtype == torch.bfloat16),
+                                        head.weight.data_ptr(), head.bf16_head,
                                         head.row_norms.data_ptr(), head.norm_factor,
                                         head.l1_factor, x.data_ptr(), m, head.weight.shape[0], k,
                                         torch.get_num_threads(), ids.data_ptr(), screened.data_ptr())

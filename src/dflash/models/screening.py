@@ -53,7 +53,10 @@ class ScreenedHead:
             self.tiles = native.tiles(quantized)
         else:
             self.scales = None
-            self.tiles = native.tiles(self.weight.to(torch.bfloat16))
+            # widened, never in pairs: the bound holds for an FMA chain over float32 inputs
+            self.tiles = native.tiles(self.weight.to(torch.bfloat16), pairs=False)
+        # how the head's own kernel sums a bfloat16 head (native.c): 1 widened FMAs, 2 in pairs; 0 a float32 head
+        self.bf16_head = 0 if self.weight.dtype != torch.bfloat16 else 2 if native.bf16_pairs() else 1
         self.row_norms = self.weight.double().norm(dim=1).mul_(1 + 1e-12).contiguous()
         self.norm_factor, self.l1_factor = bound_factors(kind, self.weight.shape[1])
         self.last_screened: torch.Tensor | None = None  # tokens summed in float32 per row, by the last call
