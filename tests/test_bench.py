@@ -189,19 +189,22 @@ def test_gguf_weight_type_comes_from_the_last_name_suffix():
 
 
 @pytest.mark.real_model
-def test_float32_copy_of_the_registry_gguf(tmp_path):
-    """`--llamacpp-gguf f32`: llama.cpp's converter writes the F32 copy once, with the float32 target's weights."""
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_float_copies_of_the_registry_gguf(tmp_path, kind):
+    """`--llamacpp-gguf f32` / `bf16`: llama.cpp's converter writes the copy once, with the float32 target's
+    weights (bf16: rounded to bfloat16, the bfloat16 target's)."""
     pytest.importorskip("llama_cpp")
     import shutil
 
     import gguf
 
-    from dflash.bench import float32_gguf
+    from dflash.bench import converted_gguf
     from dflash.hub import fetch_gguf
 
     source = tmp_path / fetch_gguf("smollm2-135m").name
     shutil.copy(fetch_gguf("smollm2-135m"), source)
-    copy = float32_gguf(source)
-    assert copy.name.endswith(".F32.gguf") and float32_gguf(source) == copy  # made once
+    copy = converted_gguf(source, kind)
+    assert copy.name.endswith(f".{kind.upper()}.gguf") and converted_gguf(source, kind) == copy  # made once
     tensors = {t.name: t for t in gguf.GGUFReader(copy).tensors}
-    assert tensors["blk.0.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    expected = gguf.GGMLQuantizationType.F32 if kind == "f32" else gguf.GGMLQuantizationType.BF16
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == expected

@@ -276,8 +276,8 @@ class LlamaCppRunner:
         except ImportError as exc:
             raise UserError("the llamacpp baseline needs llama-cpp-python: pip install 'dflash[llamacpp]' "
                             "(it compiles llama.cpp: 5-20 minutes on 2 cores)") from exc
-        path = float32_gguf(registry_gguf(target.name)) if gguf == "f32" else Path(gguf) if gguf else registry_gguf(
-            target.name)
+        path = (converted_gguf(registry_gguf(target.name), gguf) if gguf in CONVERSIONS
+                else Path(gguf) if gguf else registry_gguf(target.name))
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
         self.path, self.sampling, self.eos = path, sampling, set(target.eos_token_ids)
@@ -302,22 +302,27 @@ class LlamaCppRunner:
         return Run(tokens, self.decode(shown), (first_at or time.perf_counter()) - start, total)
 
 
-def float32_gguf(source: Path) -> Path:
-    """An F32 copy of a GGUF file, made once by llama.cpp's own converter beside the original. The registry's
-    SmolLM2 file is Q4_1 and the float32 target is that file dequantised, so the copy holds the very weights the
-    target runs: llama.cpp and dflash then do the same arithmetic on the same numbers."""
+CONVERSIONS = {"f32": ("F32", "LLAMA_FTYPE_ALL_F32"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16")}
+
+
+def converted_gguf(source: Path, kind: str = "f32") -> Path:
+    """An F32 or BF16 copy (`kind` f32 / bf16) of a GGUF file, made once by llama.cpp's own converter beside the
+    original. The registry's SmolLM2 file is Q4_1 and the float32 target is that file dequantised, so the F32 copy
+    holds the very weights the target runs, and the BF16 copy those of the bfloat16 target (the same weights
+    rounded to bfloat16): llama.cpp and dflash then do the same arithmetic on the same numbers."""
     import ctypes
 
     import llama_cpp
 
-    out = source.with_name(source.stem + ".F32.gguf")
+    suffix, ftype = CONVERSIONS[kind]
+    out = source.with_name(f"{source.stem}.{suffix}.gguf")
     if out.is_file():
         return out
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = llama_cpp.LLAMA_FTYPE_ALL_F32, True, 0
+    params.ftype, params.allow_requantize, params.nthread = getattr(llama_cpp, ftype), True, 0
     partial = out.with_name(out.name + ".partial")
     if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-        raise UserError(f"llama.cpp could not convert {source} to F32")
+        raise UserError(f"llama.cpp could not convert {source} to {suffix}")
     partial.replace(out)
     return out
 
@@ -497,8 +502,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
     p.add_argument("--llamacpp-gguf", default=None, metavar="FILE",
-                   help="GGUF file for the llamacpp baseline (default: the registry's file for the target); f32: "
-                        "an F32 copy of the registry's file, made once by llama.cpp (the float32 target's weights)")
+                   help="GGUF file for the llamacpp baseline (default: the registry's file for the target); f32 / "
+                        "bf16: an F32 / BF16 copy of the registry's file, made once by llama.cpp (the float32 / "
+                        "bfloat16 target's weights)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")

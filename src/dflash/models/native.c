@@ -607,22 +607,20 @@ int dflash_linear_f32(const float *tiles, const float *x, const float *bias, flo
 /* bfloat16 input, tiles (in pairs where `pairs`), bias and output; float32 sums. */
 int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                        int64_t k, int threads, int pairs) {
+    /* the float32 sums (an LM head's: 196 KB a row for SmolLM2) in a buffer kept per thread: a fresh allocation of
+     * that size is a new mapping, page-faulted on every call */
+    static _Thread_local float *kept;
+    static _Thread_local int64_t kept_size;
     int64_t k8 = (k + 7) / 8 * 8;
-    float *xf = padded_input(x, 1, m, k, k8), *yf = malloc(sizeof(float) * (size_t)(m * n + n));
-    if (!xf || !yf) {
-        free(xf), free(yf);
-        return 1;
-    }
-    float *bf = bias ? yf + m * n : NULL;
-    for (int64_t i = 0; bias && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
-    if (run(tiles, pairs ? 2 : 1, xf, bf, yf, m, n, k8, threads)) {
-        free(xf), free(yf);
-        return 1;
-    }
+    float *xf = padded_input(x, 1, m, k, k8), *yf = kept_buffer(&kept, &kept_size, m * n + n);
+    float *bf = bias && yf ? yf + m * n : NULL;
+    for (int64_t i = 0; bf && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
+    int failed = !xf || !yf || run(tiles, pairs ? 2 : 1, xf, bf, yf, m, n, k8, threads);
+    free(xf);
+    if (failed) return 1;
     int64_t i = 0;
     for (; i + 8 <= m * n; i += 8) store8(y, i, _mm256_loadu_ps(yf + i), 1); /* a 16-row LM head: 786k values */
     for (; i < m * n; i++) y[i] = f32_to_bf16(yf[i]);
-    free(xf), free(yf);
     return 0;
 }
 
