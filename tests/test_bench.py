@@ -58,6 +58,11 @@ def test_results_schema_and_lossless(tmp_path, capsys):
     assert len(rows) == 3 * 5 and all(r["same_as_ar"] for r in rows)
     table = (out / "results.md").read_text()
     assert "| eagle3 |" in table and "greedy mismatches vs ar: 0" in table
+    # what the figures ran on: the CPU by name with the instruction sets the kernels use, in the JSON and the report
+    machine = results["machine"]
+    assert set(machine["cpu"]["isa"]) <= {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",
+                                          "amx_bf16"}
+    assert machine["native_kernels"] and f"machine: {machine['cpu']['model']}" in table
     assert "| dflash |" in capsys.readouterr().out
     for plot in ("tau_histogram.png", "per_position_acceptance.png", "speedup.png"):
         assert (out / plot).stat().st_size > 0

@@ -650,6 +650,10 @@ def machine_info(target) -> dict:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__}
+    if target.device.type == "cpu":
+        from .models import native
+
+        info.update(cpu=native.cpu_description(), native_kernels=native.build_id())
     if target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(target.device)
     return info
@@ -679,6 +683,17 @@ def _between(bounds: list[float] | None, unit: str = "") -> str:
     return "" if not bounds else f" ({bounds[0]:.2f}-{bounds[1]:.2f}{unit})"
 
 
+def machine_line(machine: dict) -> str:
+    """One line naming what the figures ran on: the GPU, or the CPU with its instruction sets and threads."""
+    cpu = machine.get("cpu") or {}
+    where = machine.get("gpu") or " ".join(
+        filter(None, [cpu.get("model") or machine.get("processor", "?"),
+                      f"family {cpu['family']} model {cpu['model_number']}" if cpu.get("family") else "",
+                      f"({', '.join(cpu['isa'])})" if cpu.get("isa") else ""]))
+    return (f"{where}, {machine.get('cpu_count', '?')} cores, {machine.get('torch_threads', '?')} torch threads, "
+            f"torch {machine.get('torch', '?')}")
+
+
 def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
     mismatches = results["greedy_mismatches"]
     lines = [
@@ -689,6 +704,8 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         f"target `{results['target']}` ({results['dtype']}, {results['device']}), {results['num_prompts']} prompts "
         f"({results['num_generations']} generations per method), max {results['max_new_tokens']} new tokens, "
         f"T={results['temperature']}, {results['date']}",
+        "",
+        f"machine: {machine_line(results.get('machine', {}))}",
         "",
         markdown_table(results),
         "",

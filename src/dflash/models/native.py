@@ -36,6 +36,22 @@ _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
 why_not = ""  # why the kernel is unavailable, for reports
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")  # what kernels can use
+
+
+def cpu_description() -> dict:
+    """The CPU by name, and which of the instruction sets our kernels (or oneDNN's) use it has: what a speed figure
+    depends on, for reports."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {"model": platform.processor() or platform.machine(), "isa": []}
+    field = lambda name: next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name)), "")  # noqa: E731
+    flags = set(field("flags").split())
+    return {"model": field("model name") or platform.machine(), "family": field("cpu family"),
+            "model_number": field("model\t"), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def _cpu_has_avx2_fma() -> bool:
     try:
         flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
