@@ -228,8 +228,9 @@ def native_and_torch_twins(arch: str, dtype: torch.dtype, head_dim: int = 16):
 @needs_native
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_token_layers_match_the_torch_forward(arch, dtype, monkeypatch):
-    """Decode steps through the C layer (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms) give the logits and
-    the cached keys/values of the torch forward; Gemma3's layers (sandwich norms, windows) never take it."""
+    """Decode steps through the C layer (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Gemma3 with
+    unit-offset and sandwich norms, GELU and two RoPE tables) give the logits and the cached keys/values of the
+    torch forward."""
     ours, theirs = native_and_torch_twins(arch, dtype)
     calls = count_layer_calls(monkeypatch)
     ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
@@ -247,8 +248,7 @@ def test_one_token_layers_match_the_torch_forward(arch, dtype, monkeypatch):
         a, b = getattr(caches[0], name)[:, :, :, :end].float(), getattr(caches[1], name)[:, :, :, :end].float()
         assert (a - b).abs().max().item() <= TOLERANCE[dtype] * max(b.abs().max().item(), 1.0)
     passes = len(steps) + (len(ids) <= 16)  # a prompt of up to 16 tokens runs through the C layers too
-    expected_calls = 0 if arch == "gemma3" else passes * ours.num_layers
-    assert calls[0] == expected_calls
+    assert calls[0] == passes * ours.num_layers
 
 
 @needs_native
@@ -284,7 +284,7 @@ def test_passes_wider_than_sixteen_tokens_take_the_torch_layers(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
     """Rows at different lengths (as after each accepted a different number of drafts): each row's tokens go to
     their own positions and attend to their own row only, in C as in torch."""
@@ -309,11 +309,11 @@ def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: attention sums values in registers, heads of 64 floats at a time
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, head_dim, monkeypatch):
     """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features: logits, features and
     cache as the torch forward's. The cache grows past 8, 16 and 32 positions: keys are scored eight at a time and
-    the rest one by one."""
+    the rest one by one; past 16 tiny Gemma3's local layers see only their window."""
     ours, theirs = native_and_torch_twins(arch, dtype, head_dim)
     calls = count_layer_calls(monkeypatch)
     ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
@@ -384,12 +384,14 @@ def test_layer_passes_are_timed_whole(monkeypatch, layer_in_c_wins):
 @needs_native
 @pytest.mark.parametrize("context", [18, 29, 61], ids=lambda n: f"context{n}")
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, head_dim, context, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_verify_pass_gives_bitwise_the_logits_of_steps(arch, dtype, head_dim, context, monkeypatch):
     """Why speculation through the C layers stays lossless even in bf16, where near-ties are common: every product
     sums each row in the same order whatever the number of rows, and each token's attention reads the same cache,
     so verifying k tokens at once gives exactly the logits of stepping them one by one. Contexts put the verified
-    tokens inside the attention's first block of 32 cache positions, across its end (29..35) and in the second."""
-    target = tiny_target("qwen3", logit_scale=4.0, hidden_size=4 * head_dim)
+    tokens inside the attention's first block of 32 cache positions, across its end (29..35) and in the second;
+    Gemma3's local layers then see a window of 16 that slides within the pass."""
+    target = tiny_target(arch, logit_scale=4.0, hidden_size=4 * head_dim)
     target.model.to(dtype)
     choose_kernels(target, "native")
     calls = count_layer_calls(monkeypatch)
@@ -406,21 +408,24 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_steps(dtype, head_dim, contex
 
 
 @needs_native
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 def test_odd_shapes_decode_like_transformers(arch):
     """Sizes the tiles must pad (hidden 45, head size 10, MLP 90, vocabulary 70, one KV head for five query heads):
-    greedy decoding through the C layers, plain and speculative, equals transformers' generate."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    greedy decoding through the C layers, plain and speculative, equals transformers' generate (Gemma3: a window
+    of 8 in its local layers, which the 47 positions pass)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     from conftest import OracleProposer, RandomProposer
     from dflash.engine import GenerationConfig, SpeculativeDecoder
     from dflash.models.target import TargetModel
     from dflash.testing import tiny_tokenizer
 
-    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}[arch]
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "gemma3": Gemma3TextConfig}[arch]
+    extra = {"sliding_window": 8, "query_pre_attn_scalar": 10,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]} if arch == "gemma3" else {}
     config = config_class(vocab_size=70, hidden_size=45, intermediate_size=90, num_hidden_layers=3,
                           num_attention_heads=5, num_key_value_heads=1, head_dim=10, max_position_embeddings=256,
-                          eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False)
+                          eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, **extra)
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -265,42 +265,52 @@ def causal_mask(query_positions: torch.Tensor, key_count: int, window: int | Non
 
 
 
+GATES = {"silu": False, "swish": False, "gelu_pytorch_tanh": True, "gelu_new": True}  # activation -> C's `gelu`
+
+
 def native_constants(owner: nn.Module, attn: Attention, mlp: GatedMLP, norm1: RMSNorm, norm2: RMSNorm,
-                     dtype: torch.dtype, tokens: int) -> tuple | None:
+                     dtype: torch.dtype, tokens: int, sandwich: tuple[RMSNorm, RMSNorm] | None = None,
+                     window: int | None = None, rope: int = 0) -> tuple | None:
     """A pre-norm decoder layer's constant arguments for native.c (native.layer_constants), made once per weight
     state and kept on `owner` (key: the products' signatures, so a moved, cast or rewritten weight re-makes them, as
     FrozenLinear re-lays its copies out); None unless the plan picked our kernel for every product at this many
-    rows and the layer is one C runs (SiLU MLP without biases, Llama-style norms of one epsilon)."""
+    rows and the layer is one C runs: a SiLU or GELU-tanh MLP without biases, norms of one epsilon, all with or all
+    without Gemma's unit offset. norm1 comes before attention and norm2 before the MLP; Gemma3's `sandwich` norms
+    after each; `window`: a sliding window; `rope`: which of the model's RoPE tables the layer reads."""
     products = (attn._modules.get("qkv"), attn._modules.get("o_fast"), mlp._modules.get("gate_up"),
                 mlp._modules.get("down_fast"))  # per call: plain dict lookups, not __getattr__
     if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
         return None
-    key = (dtype, native._pairs, tuple(lin._signature() for lin in products))
+    key = (dtype, native._pairs, window, rope, tuple(lin._signature() for lin in products))
     cached = owner.__dict__.get("_native_cache")
     if cached is not None and cached[0] == key:
         return cached[1]
-    weights = _native_weights(attn, mlp, norm1, norm2, dtype)
+    weights = _native_weights(attn, mlp, norm1, norm2, dtype, sandwich)
     constants = None
     if weights is not None:
         shape = {"eps": norm1.eps, "qk_eps": attn.q_norm.eps if attn.q_norm is not None else 0.0,
                  "hidden": attn.o_fast.out_features, "heads": attn.heads, "kv_heads": attn.kv_heads,
-                 "head_dim": attn.head_dim, "intermediate": mlp.down_fast.in_features, "scale": attn.scale}
+                 "head_dim": attn.head_dim, "intermediate": mlp.down_fast.in_features, "scale": attn.scale,
+                 "gemma": norm1.unit_offset, "gelu": GATES[mlp.activation], "window": window, "rope": rope}
         constants = native.layer_constants(weights, shape, dtype)
     owner.__dict__["_native_cache"] = (key, constants, weights)  # weights: keeps what the pointers point to
     return constants
 
 
-def _native_weights(attn: Attention, mlp: GatedMLP, norm1: RMSNorm, norm2: RMSNorm, dtype: torch.dtype) -> dict | None:
-    if (mlp.activation not in ("silu", "swish") or mlp.gate_up.bias is not None or mlp.down_fast.bias is not None
-            or norm1.eps != norm2.eps):
+def _native_weights(attn: Attention, mlp: GatedMLP, norm1: RMSNorm, norm2: RMSNorm, dtype: torch.dtype,
+                    sandwich: tuple[RMSNorm, RMSNorm] | None = None) -> dict | None:
+    layer_norms = [norm1, norm2, *(sandwich or ())]
+    if (mlp.activation not in GATES or mlp.gate_up.bias is not None or mlp.down_fast.bias is not None
+            or any(n.eps != norm1.eps for n in layer_norms)):
         return None
     products = {"qkv": attn.qkv, "o": attn.o_fast, "gate_up": mlp.gate_up, "down": mlp.down_fast}
     weights = {name: lin.native_tiles() for name, lin in products.items()}
-    norms = [norm1, norm2] + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
+    norms = layer_norms + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
     weights.update(norm1=norm1.weight, norm2=norm2.weight, qkv_bias=attn.qkv.bias, o_bias=attn.o_fast.bias,
                    q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
-                   k_norm=attn.k_norm.weight if attn.k_norm is not None else None)
-    if any(n.unit_offset for n in norms) or any(
+                   k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
+                   norm3=sandwich[0].weight if sandwich else None, norm4=sandwich[1].weight if sandwich else None)
+    if any(n.unit_offset != norm1.unit_offset for n in norms) or any(
             w is None or w.dtype != dtype or not w.is_contiguous()
             for name, w in weights.items() if w is not None or name in products):
         return None

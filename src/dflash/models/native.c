@@ -881,14 +881,24 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
-/* out = x / rms(x) * weight, statistics in float32; torch rounds x / rms(x) to the model dtype, then the product */
-static void rms_norm(const float *x, const void *weight, float eps, int64_t dim, int bf16, float *out) {
+/* out = x / rms(x) * weight, statistics in float32; torch rounds x / rms(x) to the model dtype, then the product.
+ * `unit`: Gemma's norm, whose stored weight is an offset from 1 and whose product is taken before one rounding. */
+static void rms_norm(const float *x, const void *weight, float eps, int64_t dim, int bf16, float *out, int unit) {
     __m256 squares = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), squares);
     float sum = hsum(squares);
     for (; i < dim; i++) sum += x[i] * x[i];
     float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    if (unit) {
+        for (i = 0; i + 8 <= dim; i += 8) {
+            __m256 scale = _mm256_add_ps(_mm256_set1_ps(1.0f), load8(weight, i, bf16));
+            __m256 normed = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv));
+            _mm256_storeu_ps(out + i, rnd8(_mm256_mul_ps(normed, scale), bf16));
+        }
+        for (; i < dim; i++) out[i] = rnd((x[i] * inv) * (1.0f + load(weight, i, bf16)), bf16);
+        return;
+    }
     for (i = 0; i + 8 <= dim; i += 8) {
         __m256 normed = rnd8(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)), bf16);
         _mm256_storeu_ps(out + i, rnd8(_mm256_mul_ps(load8(weight, i, bf16), normed), bf16));
@@ -1001,9 +1011,9 @@ static inline __m256 dot8(const float *q, const float *k, int64_t d) {
 /* s[j] = q . k_j * scale for the keys j0..MIN(j1, n)-1 of a block (`k`: key j0's row): eight at a time where a
  * whole eight lies below n, the rest one by one. j0 is a multiple of eight and which way a key goes depends only
  * on j and n, so a token's scores are the same in any pass and for any block size. */
-static void block_scores(const float *q, const float *k, int64_t j0, int64_t j1, int64_t n, int64_t d, float scale,
-                         float *s) {
-    int64_t j = j0, stop = MIN(j1, n);
+static void block_scores(const float *q, const float *k, int64_t j0, int64_t j1, int64_t lo, int64_t n, int64_t d,
+                         float scale, float *s) {
+    int64_t j = MAX(j0, lo), stop = MIN(j1, n);
     if (d % 8 == 0)
         for (; j + 8 <= stop; j += 8)
             _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8(q, k + (j - j0) * d, d), _mm256_set1_ps(scale)));
@@ -1013,13 +1023,14 @@ static void block_scores(const float *q, const float *k, int64_t j0, int64_t j1,
 /* out += sum_j p[j] v_j over the values j0..MIN(j1, n)-1 of a block (`v`: value j0's row), in order of j. Heads
  * of 64 floats (or multiples) keep their sums in eight registers over the block; others add row by row. Each output
  * is one chain of FMAs over j, stored and reloaded between blocks (exact), so blocks do not change it. */
-static void block_values(const float *p, const float *v, int64_t j0, int64_t j1, int64_t n, int64_t d, float *out) {
-    int64_t stop = MIN(j1, n);
+static void block_values(const float *p, const float *v, int64_t j0, int64_t j1, int64_t lo, int64_t n, int64_t d,
+                         float *out) {
+    int64_t first = MAX(j0, lo), stop = MIN(j1, n);
     if (d % 64 == 0) {
         for (int64_t c = 0; c < d; c += 64) {
             __m256 a[8];
             for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(out + c + 8 * i);
-            for (int64_t j = j0; j < stop; j++) {
+            for (int64_t j = first; j < stop; j++) {
                 __m256 pj = _mm256_set1_ps(p[j]);
                 for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(v + (j - j0) * d + c + 8 * i), pj, a[i]);
             }
@@ -1027,12 +1038,12 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
         }
         return;
     }
-    for (int64_t j = j0; j < stop; j++) add_scaled(out, p[j], v + (j - j0) * d, d);
+    for (int64_t j = first; j < stop; j++) add_scaled(out, p[j], v + (j - j0) * d, d);
 }
 
 /* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
  * cache positions 0..last, each next one to `step` more: 1 causally, 0 in a drafter's block, where every token
- * sees the whole block): out = softmax(q k^T * scale) v. The cache is read in blocks
+ * sees the whole block; with a sliding `window` > 0, each only to its last `window`): out = softmax(q k^T * scale) v. The cache is read in blocks
  * of KEY_BLOCK keys (then values), each block once for all of the chunk's queries: query by query, every query
  * streamed the row's whole cache from L2 (~1.5 us per query at 200 positions, SmolLM2, 2 AMD EPYC cores). Every
  * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
@@ -1040,33 +1051,39 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
 #define KEY_BLOCK 32
 #define ATTEND_CHUNK 4 /* tokens per work item (attention_items) */
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
-                   int64_t capacity, int64_t d, int64_t last, int64_t step, float scale, int bf16, float *block) {
+                   int64_t capacity, int64_t d, int64_t last, int64_t step, int64_t window, float scale, int bf16,
+                   float *block) {
     int64_t at = g * capacity * d, longest = last + (tokens - 1) * step + 1;
-    for (int64_t j0 = 0; j0 < longest; j0 += KEY_BLOCK) {
+    /* token t sees keys lo(t)..n(t) - 1: all before it, or (a sliding window) its last `window` */
+#define SEEN(t) (last + (t) * step + 1)
+#define FIRST_SEEN(t) (window > 0 ? MAX(0, SEEN(t) - window) : 0)
+    for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *k = cache_rows(keys, at, j0, j1, d, bf16, block);
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < group; h++)
-                block_scores(R.q + t * R.q_token + h * d, k, j0, j1, last + t * step + 1, d, scale,
+                block_scores(R.q + t * R.q_token + h * d, k, j0, j1, FIRST_SEEN(t), SEEN(t), d, scale,
                              R.scores + t * R.score_token + h * R.score_head);
     }
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
-            int64_t n = last + t * step + 1;
+            int64_t n = SEEN(t), lo = FIRST_SEEN(t);
             float *s = R.scores + t * R.score_token + h * R.score_head, top = -INFINITY;
-            for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
-            float inverse = 1.0f / exp_shifted(s, n, top);
-            for (int64_t j = 0; j < n; j++) s[j] *= inverse;
+            for (int64_t j = lo; j < n; j++) top = s[j] > top ? s[j] : top;
+            float inverse = 1.0f / exp_shifted(s + lo, n - lo, top);
+            for (int64_t j = lo; j < n; j++) s[j] *= inverse;
             memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
-    for (int64_t j0 = 0; j0 < longest; j0 += KEY_BLOCK) {
+    for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
         for (int64_t t = 0; t < tokens; t++)
             for (int64_t h = 0; h < group; h++)
-                block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, last + t * step + 1, d,
+                block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, FIRST_SEEN(t), SEEN(t), d,
                              R.out + t * R.out_token + h * d);
     }
+#undef SEEN
+#undef FIRST_SEEN
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             float *out = R.out + t * R.out_token + h * d;
@@ -1082,6 +1099,13 @@ typedef struct { /* one layer's own arguments, the same every call */
     float eps, qk_eps, scale;
     int64_t hidden, heads, kv_heads, d, inter;
     const void *kv; /* a DFlash drafter's: the keys and values of injected context, one product (else NULL) */
+    /* Gemma3: norms with a unit offset, and two more ("sandwich"): norm3 on the attention's output, norm4 on the
+     * MLP's (norm2 is then the pre-MLP one); a GELU (tanh) gate; a sliding window (0: none); which of the pass's
+     * RoPE tables the layer reads (its layer type's) */
+    int gemma, gelu;
+    int64_t window;
+    const void *norm3, *norm4;
+    int64_t rope;
 } Layer;
 
 enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS };
@@ -1145,14 +1169,14 @@ static void project(const Layer *L, Pass *P) {
     float *qkv = P->part[QKV], *tmp = P->part[TMP];
     size_t elem = L->bf16 ? 2 : 4;
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm1, L->eps, L->hidden, L->bf16,
-                                                P->part[XN] + t * hp);
+                                                P->part[XN] + t * hp, L->gemma);
     product(L->qkv, L->qkv_bias, L->bf16, P->part[XN], qkv, P->m, width, L->hidden, P->threads, P->part[BIAS]);
     for (int64_t t = 0; t < P->m; t++) {
         const char *cos = (const char *)P->cos + t * d * elem, *sin = (const char *)P->sin + t * d * elem;
         for (int64_t head = 0; head < L->heads + L->kv_heads; head++) {
             float *v = qkv + t * width + head * d;
-            if (L->q_norm) { /* Qwen3: per head, before RoPE */
-                rms_norm(v, head < L->heads ? L->q_norm : L->k_norm, L->qk_eps, d, L->bf16, tmp);
+            if (L->q_norm) { /* Qwen3, Gemma3: per head, before RoPE */
+                rms_norm(v, head < L->heads ? L->q_norm : L->k_norm, L->qk_eps, d, L->bf16, tmp, L->gemma);
                 memcpy(v, tmp, sizeof(float) * (size_t)d);
             }
             rotate(v, cos, sin, d, L->bf16, tmp);
@@ -1189,7 +1213,16 @@ static void attention_items(void *ctx, int64_t first, int64_t last) {
                   .score_head = P->longest, .out = P->part[ATT] + t * ap + head * L->d, .out_token = ap};
         int64_t last = P->block ? P->starts[r] + P->n - 1 : position_of(P, t);
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
-               g, P->capacity, L->d, last, !P->block, L->scale, L->bf16, P->part[ROW] + item * KEY_BLOCK * L->d);
+               g, P->capacity, L->d, last, !P->block, L->window, L->scale, L->bf16,
+               P->part[ROW] + item * KEY_BLOCK * L->d);
+    }
+}
+
+/* Gemma's sandwich norms: each of the pass's m rows of `rows` (hidden floats apart) normalised in place */
+static void normalize_rows(const Layer *L, Pass *P, const void *weight, float *rows) {
+    for (int64_t t = 0; t < P->m; t++) {
+        rms_norm(rows + t * L->hidden, weight, L->eps, L->hidden, L->bf16, P->part[TMP], L->gemma);
+        memcpy(rows + t * L->hidden, P->part[TMP], sizeof(float) * (size_t)L->hidden);
     }
 }
 
@@ -1200,24 +1233,38 @@ static void attention(const Layer *L, Pass *P) {
     parallel_for(items, 1, worth_threads ? P->threads : 1, attention_items, &A);
     product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, L->heads * L->d, P->threads,
             P->part[BIAS]);
+    if (L->norm3) normalize_rows(L, P, L->norm3, P->part[O_OUT]);
     add_rounded(P->part[X], P->part[O_OUT], P->part[X], P->m * L->hidden, L->bf16);
 }
 
-/* act = SiLU(gate) * up over one token's gate/up output (gate, then up: `inter` floats each), rounded where
- * torch's bfloat16 ops round; eight lanes at a time, the tail through the same lanes */
-static inline __m256 gated8(__m256 g, __m256 up, int bf16) {
-    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    return rnd8(_mm256_mul_ps(rnd8(silu, bf16), up), bf16);
+/* GELU with the tanh approximation: g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = sign(z) (1 - e) /
+ * (1 + e) with e = exp(-2 |z|), in (0, 1]: no overflow, and near z = 0 an absolute error of a few 1e-8 on 1 + tanh */
+static inline __m256 gelu8(__m256 g) {
+    __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), g), _mm256_mul_ps(g, g), g));
+    __m256 sign = _mm256_and_ps(z, _mm256_set1_ps(-0.0f)), size = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
+    __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), size));
+    __m256 tanh = _mm256_or_ps(sign, _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e),
+                                                   _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.0f), tanh));
 }
-static void gate(const float *gu, int64_t inter, int bf16, float *act) {
+
+/* act = SiLU(gate) * up (or GELU(gate) * up) over one token's gate/up output (gate, then up: `inter` floats each),
+ * rounded where torch's bfloat16 ops round; eight lanes at a time, the tail through the same lanes */
+static inline __m256 gated8(__m256 g, __m256 up, int bf16, int gelu) {
+    __m256 act = gelu ? gelu8(g)
+                      : _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return rnd8(_mm256_mul_ps(rnd8(act, bf16), up), bf16);
+}
+static void gate(const float *gu, int64_t inter, int bf16, int gelu, float *act) {
     int64_t i = 0;
     for (; i + 8 <= inter; i += 8)
-        _mm256_storeu_ps(act + i, gated8(_mm256_loadu_ps(gu + i), _mm256_loadu_ps(gu + inter + i), bf16));
+        _mm256_storeu_ps(act + i, gated8(_mm256_loadu_ps(gu + i), _mm256_loadu_ps(gu + inter + i), bf16, gelu));
     if (i < inter) {
         float g[8] = {0}, up[8] = {0}, out[8];
         memcpy(g, gu + i, sizeof(float) * (size_t)(inter - i));
         memcpy(up, gu + inter + i, sizeof(float) * (size_t)(inter - i));
-        _mm256_storeu_ps(out, gated8(_mm256_loadu_ps(g), _mm256_loadu_ps(up), bf16));
+        _mm256_storeu_ps(out, gated8(_mm256_loadu_ps(g), _mm256_loadu_ps(up), bf16, gelu));
         memcpy(act + i, out, sizeof(float) * (size_t)(inter - i));
     }
 }
@@ -1226,12 +1273,13 @@ typedef struct {
     const float *gu;
     float *act;
     int64_t inter, ip;
-    int bf16;
+    int bf16, gelu;
 } Gating;
 
 static void gate_tokens(void *ctx, int64_t first, int64_t last) {
     const Gating *G = ctx;
-    for (int64_t t = first; t < last; t++) gate(G->gu + t * 2 * G->inter, G->inter, G->bf16, G->act + t * G->ip);
+    for (int64_t t = first; t < last; t++)
+        gate(G->gu + t * 2 * G->inter, G->inter, G->bf16, G->gelu, G->act + t * G->ip);
 }
 
 /* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */
@@ -1239,12 +1287,13 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     int64_t inter = L->inter, ip = PAD8(inter), hp = PAD8(L->hidden);
     float *gu = P->part[GU];
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
-                                                P->part[XN] + t * hp);
+                                                P->part[XN] + t * hp, L->gemma);
     product(L->gate_up, NULL, L->bf16, P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
-    Gating G = {gu, P->part[ACT], inter, ip, L->bf16};
+    Gating G = {gu, P->part[ACT], inter, ip, L->bf16, L->gelu};
     parallel_for(P->m, 1, P->m * inter >= 8192 ? P->threads : 1, gate_tokens, &G);
     product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
             P->part[BIAS]);
+    if (L->norm4) normalize_rows(L, P, L->norm4, P->part[DOWN_OUT]);
     int64_t i = 0, count = P->m * L->hidden;
     for (; i + 8 <= count; i += 8)
         store8(h_out, i, _mm256_add_ps(_mm256_loadu_ps(P->part[X] + i), _mm256_loadu_ps(P->part[DOWN_OUT] + i)), L->bf16);
@@ -1307,7 +1356,7 @@ static void context_kv(const Layer *L, Pass *P, const Context *X) {
         for (int64_t g = 0; g < L->kv_heads; g++) {
             float *k = X->out + t * width + g * d, *v = k + L->kv_heads * d, *tmp = P->part[TMP];
             if (L->k_norm) {
-                rms_norm(k, L->k_norm, L->qk_eps, d, L->bf16, tmp);
+                rms_norm(k, L->k_norm, L->qk_eps, d, L->bf16, tmp, L->gemma);
                 memcpy(k, tmp, sizeof(float) * (size_t)d);
             }
             rotate(k, cos, sin, d, L->bf16, tmp);
@@ -1332,6 +1381,7 @@ typedef struct {
     size_t floats;
     void *const *features;
     const Context *context; /* a drafter's, else NULL */
+    const void *const *coses, *const *sines; /* RoPE tables by layer type (Layer.rope), else NULL: the pass's one */
 } StackCall;
 
 static void stack_body(void *arg) {
@@ -1347,6 +1397,7 @@ static void stack_body(void *arg) {
         P->keys = (char *)C->keys + i * C->cache_stride * C->elem;
         P->values = (char *)C->values + i * C->cache_stride * C->elem;
         if (C->context) context_kv(&C->layers[i], P, C->context);
+        if (C->coses) P->cos = C->coses[C->layers[i].rope], P->sin = C->sines[C->layers[i].rope];
         layer_pass(&C->layers[i], P, in, out);
         if (C->features && C->features[i]) memcpy(C->features[i], out, C->bytes);
         in = out;
@@ -1363,9 +1414,9 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
                  const void *norm2, float eps, const void *qkv, const void *qkv_bias, const void *q_norm,
                  const void *k_norm, float qk_eps, const void *o, const void *o_bias, const void *gate_up,
                  const void *down, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
-                 float scale) {
+                 float scale, int gemma, int gelu, int64_t window, const void *norm3, const void *norm4) {
     Layer L = {bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps, scale,
-               hidden, heads, kv_heads, d, inter};
+               hidden, heads, kv_heads, d, inter, NULL, gemma, gelu, window, norm3, norm4, 0};
     Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
               .keys = keys, .values = values, .threads = threads};
     set_longest(&P);
@@ -1381,16 +1432,17 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
 }
 
 /* All `count` layers of a model in one call (a Python call between layers ran cold: after a layer has streamed
- * its weights through the caches, the interpreter's own data misses them, ~60 us a layer). Layer i's caches start
+ * its weights through the caches, the interpreter's own data misses them, ~60 us a layer). cos / sin: the RoPE
+ * tables by layer type (Gemma3's local and global layers differ), each layer reading its own (Layer.rope). Layer i's caches start
  * i * cache_stride elements after keys / values; features[i], where not NULL, receives layer i's output. The
  * layers alternate between h_out and `spare` (both [rows, n, hidden] in the model dtype), the last one ending in
  * h_out. Returns nonzero when out of memory (then nothing is written). */
 int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t n, const int64_t *starts,
-                 const void *cos, const void *sin, void *keys, void *values, int64_t cache_stride, int64_t capacity,
-                 int threads, int64_t count, const Layer *layers, void *const *features) {
+                 const void *const *cos, const void *const *sin, void *keys, void *values, int64_t cache_stride,
+                 int64_t capacity, int threads, int64_t count, const Layer *layers, void *const *features) {
     size_t elem = layers[0].bf16 ? 2 : 4, bytes = (size_t)(rows * n * layers[0].hidden) * elem, floats = 0;
-    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
-              .threads = threads};
+    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos[0],
+              .sin = sin[0], .threads = threads};
     set_longest(&P);
     int64_t sizes[PARTS];
     for (int64_t i = 0; i < count; i++) floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));
@@ -1398,7 +1450,7 @@ int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t 
     float *buf = calloc(floats, sizeof(float)); /* one scratch for all layers: fresh pages per layer cost page faults */
     if (!buf) return 1;
     StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, features,
-                   NULL};
+                   NULL, cos, sin};
     with_workers(threads, stack_body, &C);
     free(buf);
     return 0;
@@ -1432,7 +1484,7 @@ int dflash_drafter_stack(const void *h, void *h_out, void *spare, int64_t n, int
     for (int64_t t = 0; t < m; t++)
         for (int64_t i = 0; i < hidden; i++) buf[floats + t * hp + i] = load(ctx, t * hidden + i, bf16);
     StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, NULL,
-                   m > 0 ? &X : NULL};
+                   m > 0 ? &X : NULL, NULL, NULL};
     with_workers(threads, stack_body, &C);
     free(buf);
     return 0;

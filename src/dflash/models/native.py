@@ -111,7 +111,8 @@ def library() -> ctypes.CDLL | None:
             layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
                               + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
                               + [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4
-                              + [ctypes.c_int64] * 5 + [ctypes.c_float])
+                              + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_int64]
+                              + [ctypes.c_void_p] * 2 + [ctypes.c_int64])
             layer.restype = ctypes.c_int
             stack = lib.dflash_stack
             stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
@@ -206,13 +207,16 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
     """The arguments of a decoder layer that do not change between calls (see native.c), made once: `weights`
     holds its norms and biases (tensors in the model dtype, or None) and its products' tiles, `shape` its sizes and
     constants. The tensors must outlive the tuple (the caller keeps them). The first, native.c's `bf16`: 0 float32,
-    1 bfloat16, 2 bfloat16 with its products' tiles in pairs (all four are laid out alike)."""
+    1 bfloat16, 2 bfloat16 with its products' tiles in pairs (all four are laid out alike). Gemma3's layers add
+    `gemma` (unit-offset norms), `gelu`, a sliding `window`, norms 3 and 4 (sandwich) and their RoPE table's index
+    `rope` (shape's keys; absent: a Llama/Qwen layer)."""
     bf16 = 0 if dtype != torch.bfloat16 else 2 if in_pairs(weights["qkv"]) else 1
     return (bf16, _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
             _ptr(weights["qkv"]), _ptr(weights["qkv_bias"]), _ptr(weights["q_norm"]), _ptr(weights["k_norm"]),
             shape["qk_eps"], _ptr(weights["o"]), _ptr(weights["o_bias"]), _ptr(weights["gate_up"]),
             _ptr(weights["down"]), shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"],
-            shape["intermediate"], shape["scale"])
+            shape["intermediate"], shape["scale"], int(shape.get("gemma", False)), int(shape.get("gelu", False)),
+            shape.get("window") or 0, _ptr(weights.get("norm3")), _ptr(weights.get("norm4")), shape.get("rope", 0))
 
 
 def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
@@ -236,7 +240,9 @@ class LayerArgs(ctypes.Structure):
     _fields_ = [("bf16", ctypes.c_int)] + [(name, ctypes.c_void_p) for name in (
         "norm1", "norm2", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "gate_up", "down")] + [
         (name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")] + [
-        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "inter")] + [("kv", ctypes.c_void_p)]
+        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "inter")] + [("kv", ctypes.c_void_p)] + [
+        ("gemma", ctypes.c_int), ("gelu", ctypes.c_int), ("window", ctypes.c_int64), ("norm3", ctypes.c_void_p),
+        ("norm4", ctypes.c_void_p), ("rope", ctypes.c_int64)]
 
 
 def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = None) -> ctypes.Array:
@@ -244,19 +250,20 @@ def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = N
     DFlash drafter's per-layer tiles of its injected-context key/value product (for `drafter_stack`)."""
     def one(c: tuple, kv: torch.Tensor | None) -> LayerArgs:
         (bf16, norm1, norm2, eps, qkv, qkv_bias, q_norm, k_norm, qk_eps, o, o_bias, gate_up, down, hidden, heads,
-         kv_heads, d, inter, scale) = c
+         kv_heads, d, inter, scale, gemma, gelu, window, norm3, norm4, rope) = c
         return LayerArgs(bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps,
-                         scale, hidden, heads, kv_heads, d, inter, _ptr(kv))
+                         scale, hidden, heads, kv_heads, d, inter, _ptr(kv), gemma, gelu, window, norm3, norm4, rope)
     kvs = context_kv or [None] * len(constants)
     return (LayerArgs * len(constants))(*(one(c, kv) for c, kv in zip(constants, kvs)))
 
 
-def stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor,
           values: torch.Tensor, starts: torch.Tensor, feature_layers: tuple[int, ...]
           ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """Every decoder layer in one call (native.c's dflash_stack): h [b, n, hidden] -> (the last layer's output,
-    {i: layer i's output} for `feature_layers`). keys / values: the whole cache [layers, b, kv_heads, capacity,
-    head_dim], each layer's rows contiguous. None where the kernel is not available."""
+    {i: layer i's output} for `feature_layers`). ropes: (cos, sin) by layer type, each layer reading its own (its
+    constants' `rope`). keys / values: the whole cache [layers, b, kv_heads, capacity, head_dim], each layer's rows
+    contiguous. None where the kernel is not available."""
     lib = _library
     if lib is None:
         return None
@@ -264,8 +271,10 @@ def stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch
     features = {i: torch.empty_like(h) for i in feature_layers}
     pointers = (ctypes.c_void_p * len(layers))(*(features[i].data_ptr() if i in features else None
                                                  for i in range(len(layers))))
+    coses = (ctypes.c_void_p * len(ropes))(*(cos.data_ptr() for cos, _ in ropes))
+    sines = (ctypes.c_void_p * len(ropes))(*(sin.data_ptr() for _, sin in ropes))
     status = lib.dflash_stack(h.data_ptr(), out.data_ptr(), spare.data_ptr(), h.shape[0], h.shape[1],
-                              starts.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), keys.data_ptr(),
+                              starts.data_ptr(), ctypes.addressof(coses), ctypes.addressof(sines), keys.data_ptr(),
                               values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(), len(layers),
                               ctypes.addressof(layers), ctypes.addressof(pointers))
     return (out, features) if status == 0 else None

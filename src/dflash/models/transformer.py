@@ -45,6 +45,7 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norms["pre_feedforward_layernorm"]
             self.post_feedforward_layernorm = norms["post_feedforward_layernorm"]
         self.window, self.layer_type, self.softcap = window, layer_type, softcap
+        self.rope_index = 0  # which of the model's RoPE tables (by layer type) it reads: set by Transformer
 
     def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None,
                 starts: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,9 +72,9 @@ class DecoderLayer(nn.Module):
     def native_step(self, h: torch.Tensor, rope, cache: KVCache, index: int,
                     starts: torch.Tensor | None = None) -> torch.Tensor | None:
         """This layer over the new tokens of each row through native.layer, or None where it cannot run there
-        (Gemma's layers, windows, biased MLPs, kernels the plan did not pick for this many rows, mixed dtypes,
-        another device). Without a window the mask the caller built is plain causal by position in each row, which
-        the C layer applies itself."""
+        (soft-capped attention, biased MLPs, kernels the plan did not pick for this many rows, mixed dtypes, another
+        device). The mask the caller built is causal by position in each row (within a sliding window where the
+        layer has one), which the C layer applies itself."""
         rows, tokens = h.shape[0], h.shape[1]
         constants = self._native_constants(h.dtype, rows * tokens)
         keys, values = cache.keys[index], cache.values[index]
@@ -88,12 +89,19 @@ class DecoderLayer(nn.Module):
 
     def _native_constants(self, dtype: torch.dtype, tokens: int) -> tuple | None:
         """The layer's constant arguments for native.layer (layers.native_constants); None for what C does not
-        run: Gemma's sandwich norms, windows, soft-capping."""
-        if self.sandwich or self.window is not None or self.softcap is not None:
+        run: soft-capped attention (Gemma2). Gemma3's sandwich: its pre-MLP norm is C's norm2, the norms after
+        attention and after the MLP C's norms 3 and 4."""
+        if self.softcap is not None:
             return None
         modules = self._modules  # per call: plain dict lookups, not nn.Module.__getattr__
+        if self.sandwich:
+            return native_constants(self, modules["self_attn"], modules["mlp"], modules["input_layernorm"],
+                                    modules["pre_feedforward_layernorm"], dtype, tokens,
+                                    (modules["post_attention_layernorm"], modules["post_feedforward_layernorm"]),
+                                    self.window, self.rope_index)
         return native_constants(self, modules["self_attn"], modules["mlp"], modules["input_layernorm"],
-                                modules["post_attention_layernorm"], dtype, tokens)
+                                modules["post_attention_layernorm"], dtype, tokens, None, self.window,
+                                self.rope_index)
 
 
 class Transformer(nn.Module):
@@ -109,6 +117,8 @@ class Transformer(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = nn.ModuleDict(rotary)
+        for layer in layers:  # the C stack reads each layer's RoPE table by its index among the rotary's
+            layer.rope_index = list(rotary).index(layer.layer_type)
         self.final_softcap = final_softcap
         self.kv_heads = layers[0].self_attn.kv_heads
         self.head_dim = layers[0].self_attn.head_dim
@@ -243,15 +253,15 @@ class Transformer(nn.Module):
 
     def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: torch.Tensor,
                       feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
-        """Every layer in ONE C call (native.stack) where every layer can run in C (see DecoderLayer.native_step)
-        and they share one RoPE: (the last layer's output, the feature layers' outputs); else None (the caller
-        then goes layer by layer, each in C where it can)."""
+        """Every layer in ONE C call (native.stack) where every layer can run in C (see DecoderLayer.native_step),
+        each reading its layer type's RoPE: (the last layer's output, the feature layers' outputs); else None (the
+        caller then goes layer by layer, each in C where it can)."""
         keys, values = cache.keys, cache.values
-        if (len(ropes) != 1 or h.device.type != "cpu" or not h.is_contiguous() or starts.dtype != torch.int64
+        if (h.device.type != "cpu" or not h.is_contiguous() or starts.dtype != torch.int64
                 or not (keys[0].is_contiguous() and values[0].is_contiguous()) or keys.stride() != values.stride()):
             return None
-        rope = next(iter(ropes.values()))
-        if rope[0].dtype != h.dtype or not (rope[0].is_contiguous() and rope[1].is_contiguous()):
+        tables = [ropes[kind] for kind in self.rotary]  # in the order of the layers' rope_index
+        if any(cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous()) for cos, sin in tables):
             return None
         constants = [layer._native_constants(h.dtype, h.shape[0] * h.shape[1]) for layer in self.layers]
         if any(c is None for c in constants):
@@ -260,7 +270,7 @@ class Transformer(nn.Module):
         if cached is None or len(cached[0]) != len(constants) or any(a is not c for a, c in zip(cached[0], constants)):
             cached = (constants, native.stack_args(constants))  # re-made when any layer's constants were
             self.__dict__["_stack_args"] = cached
-        return native.stack(h, cached[1], rope, keys, values, starts, feature_layers)
+        return native.stack(h, cached[1], tables, keys, values, starts, feature_layers)
 
     def logits(self, h: torch.Tensor, logits_at: str | torch.Tensor) -> torch.Tensor | None:
         if isinstance(logits_at, torch.Tensor):
