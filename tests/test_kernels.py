@@ -292,6 +292,9 @@ def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monk
     speed = {name: seconds / 4 for name, seconds in speed.items()}  # the machine was busy when it was recorded
     _, report = measured_draft_precision(target, "m", seconds_in)
     assert report["measured_now"] and min(report["draft_ms"].values()) == pytest.approx(1000 * min(speed.values()))
+    target.model.to(torch.bfloat16)  # the same target in another dtype drafts at other costs: its own record
+    _, report = measured_draft_precision(target, "m", seconds_in)
+    assert report["measured_now"] and "float32" not in report["draft_ms"]
 
 
 def test_a_timing_taken_on_a_busier_machine_is_taken_again(tmp_path, monkeypatch):

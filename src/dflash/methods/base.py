@@ -255,6 +255,8 @@ def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecis
         best = min(timings, key=timings.get)
         return best in names and 1000 * seconds_in(draft_precision(best, target)) >= STALE_RATIO * timings[best]
 
-    timings, measured = cached_measurement(f"{key}:draft-precision", measure, still_valid=still_fits)
+    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not
+    timings, measured = cached_measurement(target.measurement_key(f"{key}:draft-precision"), measure,
+                                           still_valid=still_fits)
     name = min(timings, key=timings.get)
     return draft_precision(name, target), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}
