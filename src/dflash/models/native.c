@@ -206,6 +206,13 @@ static inline __m256 load_w(const void *w, int64_t at, int bf16) {
 #define PREFETCH 16
 #endif
 
+/* A group's share of the next chunk, requested while it works on this one: pf_step bytes per input (NULL: none) */
+static inline __attribute__((always_inline)) void request_share(const char *pf, int64_t i, int64_t pf_step) {
+    if (!pf) return;
+    _mm_prefetch(pf + i * pf_step, _MM_HINT_T0);
+    if (pf_step > 64) _mm_prefetch(pf + i * pf_step + 64, _MM_HINT_T0);
+}
+
 /* out[r * PANEL + c] = sum_i x[r * ldx + i] * w[i * PANEL + c], R and bf16 constants once inlined. The twelve
  * accumulators are named variables: gcc kept an array of them on the stack, storing all twelve every input. */
 #define ACC_ZERO(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0;
@@ -231,10 +238,7 @@ static inline __attribute__((always_inline)) void panel_rows(const void *w, int 
     ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
     ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
     for (int64_t i = 0; i < k8; i++) {
-        if (pf) {
-            _mm_prefetch(pf + i * pf_step, _MM_HINT_T0);
-            if (pf_step > 64) _mm_prefetch(pf + i * pf_step + 64, _MM_HINT_T0);
-        }
+        request_share(pf, i, pf_step);
         __m256 w0 = load_w(w, i * PANEL, bf16), w1 = load_w(w, i * PANEL + 8, bf16), w2 = load_w(w, i * PANEL + 16, bf16);
         ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3)
     }
@@ -336,10 +340,7 @@ PAIRS_TARGET static inline __attribute__((always_inline)) void pair_panel_rows(c
     ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
     ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
     for (int64_t i = 0; i < k2; i++) {
-        if (pf) {
-            _mm_prefetch(pf + i * pf_step, _MM_HINT_T0);
-            if (pf_step > 64) _mm_prefetch(pf + i * pf_step + 64, _MM_HINT_T0);
-        }
+        request_share(pf, i, pf_step);
         __m256bh w0 = load_pairs(w + i * PANEL), w1 = load_pairs(w + i * PANEL + 8), w2 = load_pairs(w + i * PANEL + 16);
 #define PAIR_DP(r)                                                                                                    \
     if (R > r) {                                                                                                      \
