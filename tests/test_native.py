@@ -270,6 +270,32 @@ def test_one_token_layers_roll_back_like_the_cache(monkeypatch):
 
 
 @needs_native
+def test_the_one_call_stack_follows_weights_written_in_place_and_new_plans(monkeypatch):
+    """The C stack's arguments are checked once per pass, not rebuilt: a weight written in place (its version moves)
+    must reach the next pass, and a plan without our kernel must stop the C layers."""
+    from dflash.models.kernels import PLAIN
+
+    ours, theirs = native_and_torch_twins("llama", torch.float32)
+    calls = count_layer_calls(monkeypatch)
+    caches = ours.new_cache(), theirs.new_cache()
+    for target, cache in zip((ours, theirs), caches):
+        target.forward(torch.tensor([[5, 6, 7, 8]]), cache)
+        target.forward(torch.tensor([[9]]), cache)
+    with torch.no_grad():
+        for target in (ours, theirs):
+            target.engine.layers[1].mlp.gate_up.weight.mul_(3.0)  # the fused product's own weight
+    got = ours.forward(torch.tensor([[10]]), caches[0]).logits
+    expected = theirs.forward(torch.tensor([[10]]), caches[1]).logits
+    assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert calls[0] == 3 * ours.num_layers
+    for layer in ours.engine.layers:
+        for lin in (layer.self_attn.qkv, layer.mlp.down_fast):
+            lin.use_plan(PLAIN)
+    ours.forward(torch.tensor([[11]]), caches[0])
+    assert calls[0] == 3 * ours.num_layers  # torch's layers now
+
+
+@needs_native
 def test_passes_wider_than_sixteen_tokens_take_the_torch_layers(monkeypatch):
     target = tiny_target("llama", logit_scale=4.0)
     calls = count_layer_calls(monkeypatch)
