@@ -1,8 +1,9 @@
 """Seconds per training step at several sequences per pass: the same 8 sequences per step, forward and backward,
 run as 8 passes of one, 2 of four, 1 of eight (`--seqs-per-pass`), interleaved.
 
-Usage: .venv/bin/python scripts/time_pass_sizes.py [THREADS] [SIZES] [ANCHORS] [DEVICE] [ROUNDS]
-       (defaults: 2 threads, 1,4,8, 128 anchors, cpu, 3 rounds; on a GPU: 0 512 cuda)
+Usage: .venv/bin/python scripts/time_pass_sizes.py [THREADS] [SIZES] [ANCHORS] [DEVICE] [ROUNDS] [DTYPE]
+       (defaults: 2 threads, 1,4,8, 128 anchors, cpu, 3 rounds, float32; on a GPU: 0 512 cuda; DTYPE bfloat16 on a
+       CPU: a bfloat16 target and bf16 autocast, as `dflash train --dtype bfloat16` runs there)
 
 The shipped DFlash drafter (trainable, float32) on the committed corpus's first sequences, a new group of 8 for each
 round; on CUDA under bf16 autocast like `dflash train`. The trainer chooses by the same measure at its first step on
@@ -31,12 +32,14 @@ def main(argv: list[str]) -> int:
     device = argv[3] if len(argv) > 3 else "cpu"
     rounds = int(argv[4]) if len(argv) > 4 else 3
     cuda = device.startswith("cuda")
-    target = load_target_cached("smollm2-135m", "bfloat16" if cuda else "float32", device=device)
+    dt = argv[5] if len(argv) > 5 else "float32"
+    target = load_target_cached("smollm2-135m", "bfloat16" if cuda else dt, device=device)
     recipe = DFlashTraining()
     drafter = recipe.load_model(Path("src/dflash/drafters/smollm2-135m-dflash"), target).train()
     objective = recipe.objective(drafter, target, trainer.TrainConfig(anchors_per_seq=anchors))
     examples = [e for e in trainer.load_examples("corpus/smollm2-135m")[: 8 * (rounds + 1)] if objective.usable(e)]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
+                else torch.autocast("cpu", dtype=torch.bfloat16) if dt == "bfloat16" else nullcontext())
     seconds = {size: [] for size in sizes}
     for r in range(rounds + 1):  # round 0 warms up
         group = sorted(examples[8 * r: 8 * r + 8], key=lambda e: len(e.input_ids))
