@@ -40,6 +40,29 @@ def test_batched_rows_equal_their_solo_outputs(tiny_targets, arch, max_batch):
             assert seq.result.finish_reason == "length"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_bfloat16_rounds_wider_than_sixteen_tokens_equal_solo_outputs(arch, bf16_layout):
+    """bfloat16 sums tie often, so a batched verify pass must run each row through the chains its steps alone run:
+    4 rows verifying whole blocks of 8 (32 tokens a pass) and random drafts, against each row's solo `ar`."""
+    import torch
+
+    from dflash.models.target import choose_kernels
+    from dflash.testing import tiny_target
+
+    target = tiny_target(arch, logit_scale=0.5, hidden_size=256)  # flat logits, long sums: ties that rounding decides
+    target.model.to(torch.bfloat16)
+    choose_kernels(target, "native")
+    prompts = [target.encode_prompt(p) for p in PROMPTS[:4]]
+    expected = [solo(target, ids, n) for ids, n in zip(prompts, LENGTHS)]
+    for proposer in (RandomProposer(target.vocab_size, 7), make_drafter_proposer(target)):
+        engine = Engine(target, proposer, max_batch=4, adaptive=False)
+        seqs = [engine.submit(ids, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+                for ids, n in zip(prompts, LENGTHS)]
+        engine.run()
+        for seq, reference in zip(seqs, expected):
+            assert seq.result.tokens == reference, f"{proposer.name}: a batched bfloat16 row differs from its solo run"
+
+
 def make_drafter_proposer(target):
     from dflash.methods.dflash.proposer import DFlashProposer
 

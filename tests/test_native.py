@@ -296,17 +296,20 @@ def test_the_one_call_stack_follows_weights_written_in_place_and_new_plans(monke
 
 
 @needs_native
-def test_passes_wider_than_sixteen_tokens_take_the_torch_layers(monkeypatch):
+def test_rows_of_more_than_sixteen_tokens_take_the_torch_layers_batches_do_not(monkeypatch):
+    """A row of 17 new tokens is a prefill: torch's layers. Any number of rows of up to 16 (a batch of steps or of
+    verify passes, here 2 x 9 = 18 tokens) runs in C, so that each row's tokens go through the chains they would
+    alone (test_batching: batched rounds equal solo runs)."""
     target = tiny_target("llama", logit_scale=4.0)
     calls = count_layer_calls(monkeypatch)
-    cache = target.new_cache(batch=2)
-    target.forward(torch.tensor([list(range(5, 14)), list(range(20, 29))]), cache)  # 2 x 9 = 18 tokens
     single = target.new_cache()
     target.forward(torch.tensor([list(range(5, 22))]), single)  # 17 tokens: a prefill
     assert calls[0] == 0
+    cache = target.new_cache(batch=2)
+    target.forward(torch.tensor([list(range(5, 14)), list(range(20, 29))]), cache)  # 2 x 9 = 18 tokens
     target.forward(torch.tensor([[5], [6]]), cache)  # a batched step
     target.forward(torch.tensor([[5, 6, 7]]), single)
-    assert calls[0] == 2 * target.num_layers
+    assert calls[0] == 3 * target.num_layers
 
 
 @needs_native

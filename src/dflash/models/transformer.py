@@ -23,8 +23,11 @@ from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_co
 from .screening import ScreenedHead
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
-MAX_NATIVE_TOKENS = 16  # the most tokens (rows x new tokens) a pass may have to run its layers in C: the row bucket
-# of verify passes, whose kernels are chosen together (kernels.py); wider passes are prefills or large batches
+MAX_NATIVE_TOKENS = 16  # the most new tokens per row a pass may have to run its layers in C (decode steps, verify
+# passes, batches of them, whatever the rows): their products use the kernels chosen for the verify row bucket
+# (kernels.py). Every row's tokens then go through the same chains as a step of that row alone, so a batched round
+# commits the tokens a sequence alone would: through torch's kernels, a batch of 4 rows verifying 4 drafts each
+# (20 tokens) rounded bfloat16 sums differently and changed 3 of 4 GSM8K outputs. Longer rows are prefills.
 
 
 class Unsupported(Exception):
@@ -50,7 +53,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None,
                 starts: torch.Tensor | None = None) -> torch.Tensor:
         """`starts`: each row's cache length before this pass (int64 [b], cache.lengths by default)."""
-        if h.shape[0] * h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes: one C call for the layer
+        if h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes, batched or not: one C call for the layer
             out = self.native_step(h, rope, cache, index, starts)
             if out is not None:
                 return out
@@ -76,7 +79,7 @@ class DecoderLayer(nn.Module):
         device). The mask the caller built is causal by position in each row (within a sliding window where the
         layer has one), which the C layer applies itself."""
         rows, tokens = h.shape[0], h.shape[1]
-        constants = self._native_constants(h.dtype, rows * tokens)
+        constants = self._native_constants(h.dtype, min(rows * tokens, MAX_NATIVE_TOKENS))
         keys, values = cache.keys[index], cache.values[index]
         cos, sin = rope
         if (constants is None or h.device.type != "cpu" or not (keys.is_contiguous() and h.is_contiguous())
@@ -232,7 +235,7 @@ class Transformer(nn.Module):
         masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
         if any(not 0 <= i < len(self.layers) for i in feature_layers):
             raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
-        in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers) if b * n <= MAX_NATIVE_TOKENS else None
+        in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers) if n <= MAX_NATIVE_TOKENS else None
         if in_c is not None:
             h, outputs = in_c
         else:
@@ -290,7 +293,7 @@ class Transformer(nn.Module):
         tables = [ropes[kind] for kind in self.rotary]  # in the order of the layers' rope_index
         if any(cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous()) for cos, sin in tables):
             return None
-        tokens = h.shape[0] * h.shape[1]
+        tokens = min(h.shape[0] * h.shape[1], MAX_NATIVE_TOKENS)  # the verify bucket's kernels for any batch
         state = (h.dtype, row_bucket(tokens), native._pairs)
         cached = self.__dict__.get("_stack_args")
         if cached is None or cached[0] != state or not cached[1].holds():
