@@ -178,3 +178,26 @@ def test_survivors_are_summed_as_the_heads_own_kernel_sums_them(kind, bf16_layou
     other = native.linear(xr, native.tiles(head, pairs=bf16_layout != "pairs"), 2, None).float()
     assert own.argmax(-1) != other.argmax(-1)  # the two chains pick different tokens here
     assert torch.equal(ScreenedHead(head, kind).argmax(xr), own.argmax(-1))
+
+
+def test_a_targets_screen_follows_its_head():
+    """A target keeps one screen per kind, made again when its head is cast (a bfloat16 head is summed otherwise)
+    or its bfloat16 weights are laid out anew."""
+    import torch
+
+    from dflash.testing import tiny_target
+
+    target = tiny_target("llama")
+    first = target.engine.screen("int8")
+    assert first is not None and target.engine.screen("int8") is first
+    target.model.to(torch.bfloat16)
+    cast = target.engine.screen("int8")
+    assert cast is not first and cast.weight.dtype == torch.bfloat16
+    assert len([key for key in target.engine.__dict__["_screens"] if key[0] == "int8"]) == 1
+    if native.library() is not None and native.library().dflash_bf16_pairs():
+        old = native.set_bf16_pairs(not native.bf16_pairs())
+        try:
+            relaid = target.engine.screen("int8")
+            assert relaid is not cast and relaid.bf16_head == (2 if native.bf16_pairs() else 1)
+        finally:
+            native.set_bf16_pairs(old)

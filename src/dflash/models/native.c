@@ -551,10 +551,15 @@ typedef struct {
     int threads;
 } ProductCall;
 
+/* task(ctx, first, last) over the panels of n output rows, CHUNKS_PER_THREAD chunks a thread */
+static void over_panels(int64_t n, int threads, Task task, void *ctx) {
+    int64_t panels = (n + PANEL - 1) / PANEL, grain = panels / (CHUNKS_PER_THREAD * MAX(threads, 1));
+    parallel_for(panels, MAX(grain, 1), threads, task, ctx);
+}
+
 static void product_body(void *arg) {
     ProductCall *C = arg;
-    int64_t panels = (C->W.n + PANEL - 1) / PANEL, grain = panels / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
-    parallel_for(panels, MAX(grain, 1), C->threads, product_panels, &C->W);
+    over_panels(C->W.n, C->threads, product_panels, &C->W);
 }
 
 /* A thread's buffer for a product's input pairs (kept, grown as needed); NULL when out of memory. A layer's caller
@@ -749,8 +754,7 @@ typedef struct {
 
 static void int8_screen_body(void *arg) {
     Int8ScreenCall *C = arg;
-    int64_t panels = (C->S.n + PANEL - 1) / PANEL, grain = panels / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
-    parallel_for(panels, MAX(grain, 1), C->threads, int8_screen_panels, &C->S);
+    over_panels(C->S.n, C->threads, int8_screen_panels, &C->S);
 }
 
 /* a_i +- b_i for tokens i0..i0+3 (sign +1 or -1), b_i = by_norm |w_i| + by_scale s_i, in double precision. */

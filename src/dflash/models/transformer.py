@@ -112,7 +112,7 @@ class ProductsUnchanged:
     check of the C stack's arguments once per pass. Asking each layer (`native_constants`: every product's
     signature and plan) cost ~0.65 ms a bfloat16 step of ~10 on SmolLM2; this compares each weight buffer's
     identity (a move or a cast replaces it), its version (an in-place write bumps it; inference tensors have none
-    and cannot be written outside inference mode) and its plan's per-bucket choices, ~60 us."""
+    and cannot be written outside inference mode) and its plan's per-bucket choices, ~19 us."""
 
     PRODUCTS = (("self_attn", "qkv"), ("self_attn", "o_fast"), ("mlp", "gate_up"), ("mlp", "down_fast"))
 
@@ -331,16 +331,22 @@ class Transformer(nn.Module):
         return cached[1]
 
     def screen(self, kind: str) -> ScreenedHead | None:
-        """The head's screen of `kind` (made on first use, kept), or None where none applies."""
+        """The head's screen of `kind` (made on first use, kept), or None where none applies. Kept per head storage
+        and dtype and per layout of bfloat16 weights, which decides how a bfloat16 head's own kernel sums (and so
+        how the screen must sum its survivors): a moved, cast or re-laid head gets a new screen."""
+        weight = self.lm_head.weight
+        key = (kind, weight.data_ptr(), weight.dtype, native._pairs)
         screens = self.__dict__.setdefault("_screens", {})
-        if kind not in screens:
-            screens[kind] = ScreenedHead(self.lm_head.weight, kind) if self.can_screen else None
-        return screens[kind]
+        if key not in screens:
+            for stale in [k for k in screens if k[0] == kind]:
+                del screens[stale]
+            screens[key] = ScreenedHead(weight, kind) if self.can_screen else None
+        return screens[key]
 
     def keep_screen(self, kind: str | None) -> None:
         """Drop every screen but `kind`'s (each is a copy of the head: 28-56 MB for SmolLM2)."""
         screens = self.__dict__.get("_screens", {})
-        for other in [k for k in screens if k != kind]:
+        for other in [k for k in screens if k[0] != kind]:
             del screens[other]
 
     def greedy(self, h: torch.Tensor, kind: str = "bfloat16") -> torch.Tensor | None:
