@@ -94,6 +94,24 @@ class Rotary(nn.Module):
             config) else ROPE_INIT_FUNCTIONS[kind](config, "cpu")
         return cls(inv_freq, float(scaling))
 
+    def spans(self, starts: list[int], n: int, positions: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(positions) where row r's positions are starts[r] + 0..n-1 (`positions` holds them), read from a
+        table of every position up to the furthest asked so far: a decode step computed its cos/sin anew with ~10
+        small ops. Each position's values are the ones `forward` computes for it (elementwise ops, so where a
+        position sits in the call does not matter), and the same in every pass."""
+        end = max(starts) + n
+        tables = self.__dict__.setdefault("_tables", {})
+        key = (dtype, positions.device)
+        if key not in tables or tables[key][0].shape[0] < end:
+            size = max(256, 1 << (end - 1).bit_length())  # doubling: a long generation re-makes it a few times
+            cos, sin = self(torch.arange(size, device=positions.device)[None], dtype)
+            tables[key] = (cos[0], sin[0])  # [size, 1, head_dim]
+        cos, sin = tables[key]
+        if len(starts) == 1:  # a view: rows of the table are contiguous
+            return cos[starts[0]: end][None], sin[starts[0]: end][None]
+        return cos[positions], sin[positions]
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin), each [batch, seq, 1, head_dim], for `positions` [batch, seq], in `dtype`; the sin's
         first half is negated so that `apply_rotary` needs one roll instead of rotate_half's slices and cat."""

@@ -230,15 +230,15 @@ class Transformer(nn.Module):
         start_tensor = torch.tensor(starts, device=input_ids.device)
         positions = start_tensor[:, None] + torch.arange(n, device=input_ids.device)
         h = self.embed(input_ids)
-        ropes = {t: rotary(positions, h.dtype) for t, rotary in self.rotary.items()}
-        windows = {layer.layer_type: layer.window for layer in self.layers}  # one mask per layer type, not per layer
-        masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
+        ropes = {t: rotary.spans(starts, n, positions, h.dtype) for t, rotary in self.rotary.items()}
         if any(not 0 <= i < len(self.layers) for i in feature_layers):
             raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
         in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers) if n <= MAX_NATIVE_TOKENS else None
         if in_c is not None:
             h, outputs = in_c
         else:
+            windows = {layer.layer_type: layer.window for layer in self.layers}  # one mask per layer type
+            masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
             outputs: dict[int, torch.Tensor] = {}
             for index, layer in enumerate(self.layers):
                 h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor)
