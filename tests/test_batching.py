@@ -8,7 +8,7 @@ from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig
-from test_engine import make_drafter
+from test_engine import make_drafter, with_lookup
 
 PROMPTS = ["w1 w2 w3 w4 w5", "w7 w7 w7", "w20 w31 w9 w9 w40 w12 w3", "w5", "w11 w12 w11 w12 w11", "w40 w41"]
 LENGTHS = [30, 12, 41, 7, 25, 18]  # rows leave at different rounds, so waiting ones join mid-batch
@@ -25,7 +25,8 @@ def test_batched_rows_equal_their_solo_outputs(tiny_targets, arch, max_batch):
     prompts = [target.encode_prompt(p) for p in PROMPTS]
     expected = [solo(target, ids, n) for ids, n in zip(prompts, LENGTHS)]
     proposers = {"ar": None, "ngram": NgramProposer(max_draft=5), "dflash": make_drafter_proposer(target),
-                 "random": RandomProposer(target.vocab_size, 4)}
+                 "random": RandomProposer(target.vocab_size, 4),
+                 "dflash+ngram": with_lookup(make_drafter_proposer(target), NgramProposer(max_draft=7))}
     for name, proposer in proposers.items():
         engine = Engine(target, proposer, max_batch=max_batch)
         seqs = [engine.submit(ids, GenerationConfig(max_new_tokens=n, ignore_eos=True))

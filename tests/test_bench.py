@@ -140,6 +140,7 @@ def test_methods_parsing():
     assert parse_method("dflash@16:whole") == MethodSpec("dflash", 16, True)
     assert parse_method("eagle3:whole") == MethodSpec("eagle3", None, True)
     assert parse_method("eagle3@2") == MethodSpec("eagle3", 2)
+    assert parse_method("dflash+ngram@8") == MethodSpec("dflash+ngram", 8)
     for bad in ("dflash@x", "dflash@1", "eagle3@1", "ngram@4:0.1", "dflash@8:half", "hf@4", "ar@2", "ar:whole"):
         with pytest.raises(UserError):
             parse_method(bad)

@@ -68,3 +68,23 @@ def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--method", "beam", "w1"])
     assert exc.value.code == 2
+
+
+def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys, tmp_path):
+    """NAME+ngram for each method with a drafter: it loads NAME's drafter (--drafter NAME=PATH applies), reports
+    its lookup rounds, and the CLI offers it."""
+    from types import SimpleNamespace
+
+    from dflash.cli import drafter_paths, method_options
+    from dflash.methods import registry
+
+    assert {"dflash+ngram", "eagle3+ngram"} <= set(registry.names()) and "ngram+ngram" not in registry.names()
+    assert registry.get("dflash+ngram").uses_drafter and registry.get("dflash+ngram").training is None
+    assert drafter_paths(["dflash=/a"], ["ar", "dflash+ngram", "dflash"]) == {"dflash": "/a"}
+    assert drafter_paths(["/b"], ["dflash+ngram"]) == {"dflash": "/b"}
+    args = SimpleNamespace(drafter=["dflash+ngram=/c"], block_size=None, draft_dtype="auto")
+    assert method_options(args, "dflash").drafter == "/c" == method_options(args, "dflash+ngram").drafter
+    code, out, err = run(capsys, "--method", "dflash+ngram", "--block-size", "4", "--max-new-tokens", "12", "--json",
+                         "w1 w2 w3 w1 w2 w3 w1 w2")
+    payload = json.loads(out)
+    assert code == 0 and payload["method"] == "dflash+ngram" and "lookup_rounds" in payload

@@ -55,6 +55,18 @@ class RandomlySure(RandomProposer):
         return Draft(draft.tokens, [self.sure] * len(draft.tokens))
 
 
+class SureOracle(OracleProposer):
+    """Always right (the target's own continuation), each draft given the confidence `sure`."""
+
+    def __init__(self, reference: list[int], prompt_len: int, max_draft: int, sure: float):
+        super().__init__(reference, prompt_len, max_draft)
+        self.sure = sure
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        draft = super().propose(sequence, limit)
+        return Draft(draft.tokens, [self.sure] * len(draft.tokens))
+
+
 def ar_tokens(target, ids):
     return SpeculativeDecoder(target).generate(ids, CONFIG).tokens
 
@@ -99,10 +111,14 @@ def test_deterministic_under_a_fixed_clock(tiny_targets, monkeypatch):
     assert first == second
 
 
-def draft_lengths_under(target, ids, proposer, clock, monkeypatch) -> list[int]:
+def generate_under(target, ids, proposer, clock, monkeypatch):
     with monkeypatch.context() as m:
         clock.install(m, target, proposer)
-        return SpeculativeDecoder(target, proposer, timer=clock).generate(ids, CONFIG).stats.draft_lengths
+        return SpeculativeDecoder(target, proposer, timer=clock).generate(ids, CONFIG)
+
+
+def draft_lengths_under(target, ids, proposer, clock, monkeypatch) -> list[int]:
+    return generate_under(target, ids, proposer, clock, monkeypatch).stats.draft_lengths
 
 
 def test_costly_verify_means_shorter_drafts(tiny_targets, monkeypatch):
@@ -110,15 +126,10 @@ def test_costly_verify_means_shorter_drafts(tiny_targets, monkeypatch):
     target = tiny_targets["llama"]
     ids = target.encode_prompt(PROMPTS[0])
     reference = ar_tokens(target, ids)
-
-    class Unsure(OracleProposer):
-        def propose(self, sequence, limit=None, keep_going=None):
-            draft = super().propose(sequence, limit)
-            return Draft(draft.tokens, [0.6] * len(draft.tokens))
-
-    cheap = draft_lengths_under(target, ids, Unsure(reference, len(ids), 7), FakeClock(per_token=0.0001),
+    cheap = draft_lengths_under(target, ids, SureOracle(reference, len(ids), 7, 0.6), FakeClock(per_token=0.0001),
                                 monkeypatch)
-    dear = draft_lengths_under(target, ids, Unsure(reference, len(ids), 7), FakeClock(per_token=0.02), monkeypatch)
+    dear = draft_lengths_under(target, ids, SureOracle(reference, len(ids), 7, 0.6), FakeClock(per_token=0.02),
+                               monkeypatch)
     assert sum(cheap[2:]) / len(cheap[2:]) > sum(dear[2:]) / len(dear[2:])
     assert max(dear[2:]) < 7
 
@@ -405,3 +416,65 @@ def test_reading_in_steps_stops_where_rows_keep_needing_more(tiny_targets):
     never = [one_block(lambda c: False) for _ in range(12)]
     assert never[0] == [proposer.max_draft] and never[-1] == [FIRST_READ]
     assert one_block(None) == [proposer.max_draft]  # no controller to ask: the whole block
+
+
+# ---- a free lookup beside the drafter (NAME+ngram) ---------------------------------------------------------------
+def with_lookup(proposer, lookup):
+    proposer.lookup = lookup
+    return proposer
+
+
+def test_a_free_lookup_is_verified_where_the_drafter_is_worth_less(tiny_targets, monkeypatch):
+    """A costly drafter that is never right, beside a free lookup that always is: most rounds verify the lookup's
+    drafts, many tokens at a time, and the output is still ar's."""
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[2])
+    reference = ar_tokens(target, ids)
+    proposer = with_lookup(RandomProposer(target.vocab_size, 7), OracleProposer(reference, len(ids), 7))
+    result = generate_under(target, ids, proposer, FakeClock(draft=0.05), monkeypatch)
+    assert result.tokens == reference
+    stats = result.stats
+    assert stats.lookup_rounds > stats.num_rounds / 2 and stats.tau > 3
+
+
+def test_a_drafter_worth_more_than_its_lookup_keeps_drafting(tiny_targets, monkeypatch):
+    """The reverse: an always-right, cheap, confident drafter beside a lookup that is never right: the lookup is
+    tried while its calibration is young, then rounds draft."""
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[2])
+    reference = ar_tokens(target, ids)
+    proposer = with_lookup(SureOracle(reference, len(ids), 7, 0.95), RandomProposer(target.vocab_size, 7))
+    result = generate_under(target, ids, proposer, FakeClock(draft=0.001), monkeypatch)
+    assert result.tokens == reference
+    stats = result.stats
+    assert stats.lookup_rounds <= 2 and stats.tau > 4
+
+
+def test_lookup_outcomes_calibrate_the_lookup_alone():
+    """What the target accepted of the lookup's drafts teaches the lookup's calibration, not the drafter's; a
+    round whose lookup is worth more than drafting skips the drafter without starting a streak of skips."""
+    costs = CostModel()
+    costs.observe(1, 0.010)
+    controller = DraftController(7, costs)
+    controller.record(True, [0.9] * 7, 7, 7, 0.002, 0.012)
+    drafter_tried = list(controller.calibration.tried)
+    controller.record(True, [0.9] * 7, 4, 0, 0.002, 0.011, lookup=True)
+    assert controller.calibration.tried == drafter_tried
+    assert controller.lookup_calibration.position_tried[0] == 1 and controller.lookup_calibration.position_accepted[0] == 0
+    controller.gain, controller.rate, costs.drafting = 2.0, 100.0, 0.002  # drafting is worth 2 - 0.2 tokens a round
+    assert controller.should_draft(alternative=1.0)
+    assert not controller.should_draft(alternative=1.9)
+    assert controller.skips_left == 0 and controller.should_draft()
+    assert controller.lookup_choice(0) == (0, 0.0)
+    k, value = controller.lookup_choice(7)
+    assert 0 <= k <= 7 and value >= 0
+
+
+def test_whole_blocks_never_take_the_lookup(tiny_targets):
+    target = tiny_targets["qwen3"]
+    ids = target.encode_prompt(PROMPTS[1])
+    reference = ar_tokens(target, ids)
+    proposer = with_lookup(RandomProposer(target.vocab_size, 5), OracleProposer(reference, len(ids), 5))
+    result = SpeculativeDecoder(target, proposer, adaptive=False).generate(ids, CONFIG)
+    assert result.tokens == reference and result.stats.lookup_rounds == 0
+    assert set(result.stats.draft_lengths[:-1]) == {5}

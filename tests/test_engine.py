@@ -25,6 +25,12 @@ def make_drafter(target, block_size, mask_token_id=2, seed=0):
     return DFlashDrafter.untrained(cfg, seed).freeze()
 
 
+def with_lookup(proposer, lookup):
+    """`proposer` with a free lookup beside it, as NAME+ngram builds it"""
+    proposer.lookup = lookup
+    return proposer
+
+
 def ar_tokens(target, prompt_ids, max_new=MAX_NEW):
     return SpeculativeDecoder(target).generate(prompt_ids, GenerationConfig(max_new_tokens=max_new, ignore_eos=True))
 
@@ -47,6 +53,7 @@ def test_greedy_lossless_every_proposer(tiny_targets, arch, block_size):
             "oracle": OracleProposer(reference.tokens, len(ids), block_size - 1),
             "random": RandomProposer(target.vocab_size, block_size - 1),
             "ngram": NgramProposer(max_draft=block_size - 1),
+            "dflash+ngram": with_lookup(DFlashProposer(drafter, target), NgramProposer(max_draft=block_size - 1)),
         }
         for name, proposer in proposers.items():
             result = SpeculativeDecoder(target, proposer).generate(ids, config)
@@ -297,7 +304,8 @@ def test_seeded_sampling_is_the_same_for_every_method(tiny_targets, arch):
                               sampling=SamplingConfig(temperature=1.0, top_p=0.9, seed=11))
     reference = SpeculativeDecoder(target).generate(ids, config).tokens
     for proposer in (NgramProposer(max_draft=5), DFlashProposer(make_drafter(target, 8), target),
-                     RandomProposer(target.vocab_size, 6), OracleProposer(reference, len(ids), 7)):
+                     RandomProposer(target.vocab_size, 6), OracleProposer(reference, len(ids), 7),
+                     with_lookup(RandomProposer(target.vocab_size, 6), NgramProposer(max_draft=6))):
         for adaptive in (True, False):
             result = SpeculativeDecoder(target, proposer, adaptive=adaptive).generate(ids, config)
             assert result.tokens == reference, f"{proposer.name} adaptive={adaptive}"
@@ -461,3 +469,27 @@ def test_head_saving_is_measured_once_per_machine(tiny_targets, monkeypatch, tmp
     saving = measured_head_saving(target)
     assert saving >= 0 and sorted(set(calls)) == [8, 16] and len(calls) == 16
     assert measured_head_saving(target) == saving and len(calls) == 16  # the second engine reads the cache
+
+
+def test_prompt_lookup_finds_the_latest_match_as_a_plain_search_does():
+    """ngram searches the tokens as 4-byte words in C; a byte match that straddles two tokens must not count. Token
+    values whose bytes repeat (0, 1, 256, 65536, ...) make such straddling matches common."""
+    import random
+
+    def plain(sequence, max_draft, max_ngram=3):
+        for n in range(min(max_ngram, len(sequence) - 1), 0, -1):
+            tail = sequence[-n:]
+            for start in range(len(sequence) - n - 1, -1, -1):
+                if sequence[start: start + n] == tail:
+                    return sequence[start + n: start + n + max_draft]
+        return []
+
+    rng = random.Random(0)
+    values = [0, 1, 256, 257, 65536, 65537, 16777216, 16777472, 49151]
+    proposer = NgramProposer(max_draft=5)
+    for _ in range(3000):
+        sequence = [rng.choice(values[: rng.randint(2, len(values))]) for _ in range(rng.randint(1, 40))]
+        assert proposer.propose(sequence).tokens == plain(sequence, 5), sequence
+    # 65536's bytes (00 00 01 00) occur in those of [0, 1] (00 00 00 00 01 00 00 00), across the two tokens only
+    assert proposer.propose([0, 1, 65536]).tokens == []
+    assert proposer.propose([7, 8, 9, 7, 8], limit=2).tokens == [9, 7]

@@ -171,6 +171,7 @@ class Run:
     accept_lengths: list[int] | None = None  # None for hf (no verify rounds)
     draft_lengths: list[int] | None = None  # drafts verified per round
     skipped_drafting: int = 0
+    lookup_rounds: int = 0  # rounds that verified prompt lookup's drafts (NAME+ngram)
 
 
 class EngineRunner:
@@ -200,7 +201,7 @@ class EngineRunner:
         result = self.decoder.generate(prompt_ids, config)
         stats = result.stats
         return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths),
-                   list(stats.draft_lengths), stats.skipped_drafting)
+                   list(stats.draft_lengths), stats.skipped_drafting, stats.lookup_rounds)
 
 
 class _FirstTokenClock:
@@ -394,6 +395,7 @@ class Totals:
     accept_lengths: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     skipped_drafting: int = 0
+    lookup_rounds: int = 0
 
     def add(self, run: Run) -> None:
         n = len(run.tokens)
@@ -406,6 +408,7 @@ class Totals:
         self.accept_lengths += run.accept_lengths or []
         self.draft_lengths += run.draft_lengths or []
         self.skipped_drafting += run.skipped_drafting
+        self.lookup_rounds += run.lookup_rounds
 
     @property
     def tpot_ms(self) -> float:
@@ -426,6 +429,8 @@ class Totals:
         if parse_method(method).name not in BASELINES:  # hf and llama.cpp run no verify rounds
             out.update(acceptance_stats(self.accept_lengths, self.draft_lengths, self.block_size))
             out["skipped_drafting"] = self.skipped_drafting
+            if self.lookup_rounds:
+                out["lookup_rounds"] = self.lookup_rounds
         return out
 
 
@@ -495,7 +500,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)} (from $DFLASH_DATA_DIR or ../shared/data) "
                    "or a JSONL file with 'prompt' or 'turns'")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--methods", default="ar,ngram,dflash",
+    p.add_argument("--methods", default="ar,ngram,dflash,dflash+ngram",
                    help="comma-separated: the engine's methods and hf (transformers' generate); NAME@B runs a "
                         "method at block size B, NAME@B:whole (or NAME:whole) verifies whole blocks instead of the "
                         "adaptive choice, side by side with the others, e.g. dflash,dflash@8,dflash@16:whole,eagle3@4 "

@@ -93,17 +93,18 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
 
 
 def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str]:
-    """--drafter values as {method: path}. A bare PATH belongs to the only method in `methods` that loads a
-    drafter; METHOD=PATH names it."""
+    """--drafter values as {method: path}, keyed by the method whose drafter it is (dflash for dflash+ngram). A bare
+    PATH belongs to the only drafter that `methods` load; METHOD=PATH names it."""
     from .methods import registry
 
     paths: dict[str, str] = {}
-    drafting = [m for m in dict.fromkeys(methods) if registry.get(m).uses_drafter]
+    drafting = list(dict.fromkeys(registry.drafter_of(m) for m in methods if registry.get(m).uses_drafter))
     for value in values or []:
         method, sep, path = value.partition("=")
         if sep and method in registry.METHODS:
             if not registry.get(method).uses_drafter:
                 raise UserError(f"--drafter {value}: {method} loads no drafter")
+            method = registry.drafter_of(method)
         else:
             if len(drafting) != 1:
                 which = ", ".join(drafting) or "none of the methods asked for"
@@ -119,8 +120,10 @@ def method_options(args, method: str, block_size: int | None = None):
     """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@B override)."""
     from .methods.base import MethodOptions
 
+    from .methods import registry
+
     return MethodOptions(
-        drafter=drafter_paths(args.drafter, [method]).get(method),
+        drafter=drafter_paths(args.drafter, [method]).get(registry.drafter_of(method)),
         block_size=block_size if block_size is not None else args.block_size,
         draft_dtype=args.draft_dtype,
     )
@@ -186,6 +189,7 @@ def run(args) -> int:
             "method": args.method, "tau": stats.tau, "tokens_per_s": stats.tokens_per_s,
             "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
             "draft_length_histogram": stats.draft_length_histogram, "skipped_drafting": stats.skipped_drafting,
+            "lookup_rounds": stats.lookup_rounds,
             "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
@@ -196,8 +200,9 @@ def run(args) -> int:
         print(json.dumps(payload))
         return 0
     print(result.text)
+    lookup = f" ({stats.lookup_rounds} by prompt lookup)" if stats.lookup_rounds else ""
     line = (
-        f"[{args.method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds, "
+        f"[{args.method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}, "
         f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms"
     )
     if ar_result is not None:

@@ -11,8 +11,10 @@ drafter's own confidence in each draft, calibrated online against what the targe
 timing the passes (`CostModel`). k = 0 is a plain decode step. Drafting itself costs time too: when the value the
 chosen drafts were expected to bring in recent rounds (an average, so one unlucky round does not decide) no longer
 covers R * (drafting time), the drafter is skipped, and tried again after a growing number of rounds in case the
-text turned predictable. Lossless whatever it chooses: the target decides
-every token.
+text turned predictable. A drafter may come with a free *lookup* (prompt lookup: `dflash+ngram`): its drafts cost
+no drafting, have a calibration of their own (by position), and a round takes whichever is worth more, the lookup's
+drafts or running the drafter (whose value is the recent rounds' average, net of its drafting time). Lossless
+whatever it chooses: the target decides every token.
 
 Every time comes from an injectable `timer`, so tests are deterministic.
 """
@@ -168,11 +170,15 @@ class DraftController:
     sequence; `whole_blocks` always drafts and verifies every draft (the paper's setting)."""
 
     def __init__(self, max_draft: int, costs: CostModel, whole_blocks: bool = False,
-                 timer: Callable[[], float] = time.perf_counter, calibration: Calibration | None = None):
+                 timer: Callable[[], float] = time.perf_counter, calibration: Calibration | None = None,
+                 lookup_calibration: Calibration | None = None):
         """`calibration`: shared with the other sequences of an engine (how far the drafter's confidence can be
-        trusted is the drafter's, not the text's), so a new sequence does not start from the raw confidence."""
+        trusted is the drafter's, not the text's), so a new sequence does not start from the raw confidence;
+        `lookup_calibration` likewise for the drafts of a free lookup, where the drafter has one."""
         self.max_draft, self.costs, self.whole_blocks, self.timer = max_draft, costs, whole_blocks, timer
         self.calibration = calibration if calibration is not None else Calibration(max(1, max_draft))
+        self.lookup_calibration = lookup_calibration if lookup_calibration is not None else Calibration(
+            max(1, max_draft))
         self.rate: float | None = None  # tokens/s of this sequence's recent rounds
         self.gain: float | None = None  # expected tokens drafted rounds bring beyond plain steps, net of verify time
         self.chosen_value: float | None = None  # the expected value of this round's choice (None: not modelled)
@@ -185,8 +191,17 @@ class DraftController:
         return self.costs.cost(self.rows * width) - self.costs.cost(self.rows)
 
     # ---- before drafting ----------------------------------------------------------------------------------------
-    def should_draft(self) -> bool:
-        """Draft unless recent drafted rounds did not pay for the drafting (then skip, and probe now and then)."""
+    def lookup_choice(self, available: int) -> tuple[int, float]:
+        """(how many of `available` free lookup drafts to verify, the expected value of that), by the lookup's own
+        calibration; (0, 0.0) in whole-block mode and before the costs are known."""
+        if available <= 0 or self.whole_blocks or not self.costs.known:
+            return 0, 0.0
+        self._start_rate()
+        return self._best([self.lookup_calibration.probability(j, None) for j in range(available)])
+
+    def should_draft(self, alternative: float = 0.0) -> bool:
+        """Draft unless recent drafted rounds did not pay for the drafting (then skip, and probe now and then), or
+        this round has an `alternative` (a free lookup's expected value) worth more than drafting is."""
         if self.whole_blocks or self.max_draft == 0:
             return self.max_draft > 0
         if self.skips_left > 0:
@@ -200,7 +215,10 @@ class DraftController:
             return True
         if self.gain > self.rate * draft_seconds:
             self.probe_gap = PROBE_FIRST
-            return True
+            if self.gain - alternative > self.rate * draft_seconds:
+                return True
+            self.stats.skipped_drafting += 1  # the lookup is worth more this round: no skipping streak
+            return False
         # not paying: skip a while, then probe again (a probe refreshes `gain` with one drafted round)
         self.skips_left, self.probe_gap = self.probe_gap - 1, min(self._widest_probe_gap(), 2 * self.probe_gap)
         self.stats.skipped_drafting += 1
@@ -222,16 +240,22 @@ class DraftController:
         self.chosen_value = None
         if self.whole_blocks or not self.costs.known:
             return available
+        self._start_rate()
+        best_k, self.chosen_value = self._best([self.calibration.probability(j, confidences[j] if confidences else None)
+                                                for j in range(available)])
+        return best_k
+
+    def _start_rate(self) -> None:
         if self.rate is None:  # a new sequence: until its own rounds say otherwise, the rate of plain steps
             self.rate = 1 / max(self.costs.cost(self.rows), 1e-9)
-        probabilities = [self.calibration.probability(j, confidences[j] if confidences else None)
-                         for j in range(available)]
+
+    def _best(self, probabilities: list[float]) -> tuple[int, float]:
+        """(k, value) of the most valuable number of drafts to verify; (0, 0.0): none pays."""
         best_k, best_value = 0, 0.0
         for k, value in self._values(probabilities):
             if value > best_value:
                 best_k, best_value = k, value
-        self.chosen_value = best_value
-        return best_k
+        return best_k, best_value
 
     def could_verify_more(self, confidences: list[float]) -> bool:
         """For a drafter that makes every draft in one pass but reads them in steps (DFlash's LM head): could
@@ -278,21 +302,25 @@ class DraftController:
     # ---- after verifying ----------------------------------------------------------------------------------------
     def record(self, drafted: bool, confidences: list[float] | None, verified: int, accepted: int,
                draft_seconds: float, verify_seconds: float, width: int | None = None,
-               catching_up: bool = False) -> None:
+               catching_up: bool = False, lookup: bool = False) -> None:
         """One round's outcome: `verified` drafts checked, `accepted` of them taken; the pass verified `width`
         tokens in all (rows x its widest block; default: this row's block alone). `catching_up`: the drafting
-        also read a long backlog of context (a prompt), so its time says nothing about a steady round's."""
+        also read a long backlog of context (a prompt), so its time says nothing about a steady round's.
+        `lookup`: the verified drafts were the free lookup's (`drafted`: the drafter ran all the same)."""
         self.stats.chosen[verified] = self.stats.chosen.get(verified, 0) + 1
         self.costs.observe(width or verified + 1, verify_seconds)
         seconds = draft_seconds + verify_seconds
         if seconds > 0:
             rate = (accepted + 1) / seconds
             self.rate = rate if self.rate is None else self.rate + SMOOTHING * (rate - self.rate)
+        if lookup:
+            self.lookup_calibration.observe(None, verified, accepted)
         if not drafted:
             return
         if not catching_up:
             self.costs.observe_drafting(draft_seconds)
-        self.calibration.observe(confidences, verified, accepted)
+        if not lookup:
+            self.calibration.observe(confidences, verified, accepted)
         if self.chosen_value is not None:  # the model's expectation: far steadier than one round's luck (rounds
             # before the costs were known verified whole blocks unmodelled: they say nothing about the value)
             self.gain = _ema(self.gain, self.chosen_value, GAIN_SMOOTHING)

@@ -66,6 +66,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus included)
     draft_lengths: list[int] = field(default_factory=list)  # drafts verified per round (the controller's choice)
     skipped_drafting: int = 0  # rounds the controller ran without drafting (drafting did not pay)
+    lookup_rounds: int = 0  # rounds that verified a free lookup's drafts (dflash+ngram) instead of the drafter's
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -124,6 +125,19 @@ class GenerationResult:
     stats: GenerationStats
 
 
+@dataclass
+class Plan:
+    """What a round verifies for one sequence: the first `verified` tokens of `draft`; `drafted`: the drafter ran
+    (for `seconds`); `lookup`: the tokens are a free lookup's (`value`: their expected value, control.py)."""
+
+    draft: Draft
+    verified: int
+    drafted: bool = False
+    seconds: float = 0.0
+    lookup: bool = False
+    value: float = 0.0
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request in flight: its prompt, settings, proposer state, output so far and statistics."""
@@ -160,7 +174,8 @@ class Engine:
         self.max_batch = max_batch
         self.adaptive, self.timer = adaptive, timer
         self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
-        self.calibrations: dict[int, Calibration] = {}  # the drafter's (by its block), shared likewise
+        self.calibrations: dict[tuple[str, int], Calibration] = {}  # the drafter's and its lookup's (by block),
+        # shared likewise
         if getattr(target, "screen_greedy", False) is None:  # decided once per target, before its passes are timed
             target.screen_greedy = measured_screening(target)
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
@@ -189,12 +204,16 @@ class Engine:
         stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
-                                     timer=self.timer, calibration=self.calibrations.setdefault(
-                                         self.proposer.max_draft, Calibration(max(1, self.proposer.max_draft))))
+                                     timer=self.timer, calibration=self._calibration("drafter"),
+                                     lookup_calibration=self._calibration("lookup"))
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
         self.waiting.append(seq)
         return seq
+
+    def _calibration(self, of: str) -> Calibration:
+        blocks = self.proposer.max_draft
+        return self.calibrations.setdefault((of, blocks), Calibration(max(1, blocks)))
 
     def _fresh_proposer(self) -> Proposer:
         # one sequence at a time may use the template itself; a batch needs one drafting state per row
@@ -276,14 +295,15 @@ class Engine:
         if self.batched:
             self.cache.take_lengths(cache, row)
 
-    def _draft_all(self, rows: list[Sequence]) -> tuple[list[tuple[Draft, int, bool, float]], bool]:
-        """(draft, drafts to verify, whether the drafter ran, seconds of drafting it costs) per sequence: the ones
-        whose controller says drafting pays draft together, in one pass where the drafter can; and whether that
-        pass also read a long context backlog."""
-        drafting = []
+    def _draft_all(self, rows: list[Sequence]) -> tuple[list[Plan], bool]:
+        """Each sequence's plan for the round: the ones whose controller says drafting pays draft together, in
+        one pass where the drafter can; a sequence with a free lookup (`proposer.lookup`) verifies the lookup's
+        drafts instead where they are worth more. Also whether the drafting pass read a long context backlog."""
+        drafting, lookups = [], {}
         for seq in rows:
             seq.controller.rows = len(rows)
-            if seq.controller.should_draft():
+            lookups[id(seq)] = self._lookup(seq)
+            if seq.controller.should_draft(lookups[id(seq)].value):
                 drafting.append(seq)
             else:
                 seq.proposer.skip()
@@ -300,19 +320,34 @@ class Engine:
             drafts = {id(s): (d, share) for s, d in zip(drafting, made)}
         planned = []
         for seq in rows:
+            lookup = lookups[id(seq)]
             if id(seq) not in drafts:
-                planned.append((Draft([]), 0, False, 0.0))
+                planned.append(lookup if lookup.verified else Plan(Draft([]), 0))
                 continue
             draft, seconds = drafts[id(seq)]
             available = min(len(draft.tokens), seq.proposer.max_draft)
-            planned.append((draft, seq.controller.choose(draft.confidence, available), True, seconds))
+            plan = Plan(draft, seq.controller.choose(draft.confidence, available), drafted=True, seconds=seconds)
+            drafter_value = seq.controller.chosen_value
+            if lookup.verified and drafter_value is not None and lookup.value > drafter_value:
+                plan.draft, plan.verified, plan.lookup = lookup.draft, lookup.verified, True
+            planned.append(plan)
         return planned, catching_up
+
+    @staticmethod
+    def _lookup(seq: Sequence) -> Plan:
+        """The round's plan with the free lookup's drafts (verified = 0 where there is no lookup or none pays)."""
+        lookup = seq.proposer.lookup
+        if lookup is None or seq.controller.whole_blocks:
+            return Plan(Draft([]), 0)
+        draft = lookup.propose(seq.sequence, limit=seq.proposer.max_draft)
+        verified, value = seq.controller.lookup_choice(len(draft.tokens))
+        return Plan(draft, verified, lookup=True, value=value)
 
     def _round(self) -> None:
         """One propose / verify / accept round over every running sequence, in one target pass."""
         rows = self.running
         planned, catching_up = self._draft_all(rows)
-        drafts = [draft.tokens[:k] for draft, k, _, _ in planned]
+        drafts = [plan.draft.tokens[: plan.verified] for plan in planned]
         blocks = [[seq.sequence[-1]] + d for seq, d in zip(rows, drafts)]
         width = max(len(b) for b in blocks)
         padded = [b + [b[-1]] * (width - len(b)) for b in blocks]  # padding is verified and rolled back
@@ -343,9 +378,11 @@ class Engine:
             lengths.append(starts[i] + accepted + 1)
             features = out.features[i: i + 1, : accepted + 1] if out.features is not None else None
             seq.proposer.commit(blocks[i][: accepted + 1], features)
-            draft, k, drafted, draft_seconds = planned[i]
-            seq.controller.record(drafted, draft.confidence, k, accepted, draft_seconds, verify_seconds,
-                                  width=len(rows) * width, catching_up=catching_up)
+            plan = planned[i]
+            seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted, plan.seconds,
+                                  verify_seconds, width=len(rows) * width, catching_up=catching_up,
+                                  lookup=plan.lookup)
+            seq.stats.lookup_rounds += plan.lookup
             seq.stats.accept_lengths.append(accepted + 1)
             seq.stats.draft_lengths.append(len(drafts[i]))
             new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]

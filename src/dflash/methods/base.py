@@ -38,6 +38,9 @@ class Proposer:
     # whether one more pays for its drafting (EAGLE-3)
     one_pass = False
     report: dict = {}  # how it was set up (e.g. the measured draft dtype), for --json and bench
+    # a free proposer (prompt lookup, `dflash+ngram`) whose drafts a round may verify instead of running this one,
+    # where the controller expects them to be worth more (control.py); None: none
+    lookup: "Proposer | None" = None
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         """Called once after the target's prefill with the prompt's target features."""

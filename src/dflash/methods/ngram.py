@@ -5,6 +5,8 @@ This file is the whole method, and the example docs/METHODS.md walks through for
 
 from __future__ import annotations
 
+from array import array
+
 from .base import Draft, Method, MethodOptions, Proposer
 
 DEFAULT_BLOCK_SIZE = 8
@@ -18,17 +20,26 @@ class NgramProposer(Proposer):
 
     def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
         count = self.max_draft if limit is None else min(limit, self.max_draft)
-        if count <= 0:
+        if count <= 0 or len(sequence) < 2:
             return Draft([])
+        # the search runs over the tokens as 4-byte words in C (bytes.rfind): a Python loop over a 1000-token
+        # sequence without a match took 0.3 ms a round, a sizeable part of a 10 ms step
+        words = array("i", sequence).tobytes()
+        before_last = (len(sequence) - 1) * 4  # a match must end before the tail's last token: drafts follow it
         for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
-            tail = sequence[-n:]
-            # latest match first: recent text predicts the continuation best
-            for start in range(len(sequence) - n - 1, -1, -1):
-                if sequence[start: start + n] == tail:
-                    follow = sequence[start + n: start + n + count]
-                    if follow:
-                        return Draft(follow)
+            start = latest_word_match(words, words[-4 * n:], before_last)
+            if start >= 0:  # latest match first: recent text predicts the continuation best
+                return Draft(sequence[start + n: start + n + count])
         return Draft([])
+
+
+def latest_word_match(words: bytes, tail: bytes, end: int) -> int:
+    """The token index of the latest occurrence of `tail` in words[:end] that starts on a token (4-byte) boundary;
+    -1 if none."""
+    at = words.rfind(tail, 0, end)
+    while at > 0 and at % 4:  # a match across token boundaries: look before it
+        at = words.rfind(tail, 0, at + len(tail) - 1)
+    return at // 4 if at >= 0 else -1
 
 
 def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:

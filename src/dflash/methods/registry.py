@@ -1,24 +1,55 @@
-"""Every drafting method by name. Adding a method: one new module or package exporting METHOD, one line here."""
+"""Every drafting method by name. Adding a method: one new module or package exporting METHOD, one line here.
+
+Each method that loads a drafter also comes as NAME+ngram: the same drafter with prompt lookup beside it, a free
+second source of drafts that a round verifies instead of running the drafter where it expects them to be worth more
+(control.py). It loads the same drafter (`--drafter NAME=PATH` applies to both)."""
 
 from __future__ import annotations
 
 from ..errors import UserError
 from . import ar, dflash, eagle3, ngram
-from .base import Method
+from .base import Method, MethodOptions
 
-METHODS: dict[str, Method] = {m.name: m for m in (
+LOOKUP_SUFFIX = "+ngram"
+
+
+def with_lookup(method: Method) -> Method:
+    """`method` with prompt lookup beside its drafter (see the module docstring)."""
+    def build(target, options: MethodOptions):
+        proposer, note = method.build_proposer(target, options)
+        proposer.lookup = ngram.NgramProposer(max_draft=proposer.max_draft)
+        proposer.name = method.name + LOOKUP_SUFFIX  # what the server reports
+        return proposer, note
+
+    return Method(name=method.name + LOOKUP_SUFFIX, build_proposer=build, uses_drafter=method.uses_drafter,
+                  summary=f"{method.name}, or prompt lookup (ngram) in the rounds where its drafts are worth more",
+                  block_size_help=method.block_size_help)
+
+
+_SINGLE = (
     ar.METHOD,
     ngram.METHOD,
     dflash.METHOD,
     eagle3.METHOD,
+)
+METHODS: dict[str, Method] = {m.name: m for m in (
+    *_SINGLE,
+    *(with_lookup(m) for m in _SINGLE if m.uses_drafter),
 )}
-DEFAULT_METHOD = "dflash"
+# the shipped DFlash drafter with prompt lookup beside it: on every dataset and dtype of the nineteenth session's
+# benches it ran 1.07x-1.91x ar, where dflash alone ran 0.91x-1.23x (docs/RESULTS.md)
+DEFAULT_METHOD = "dflash+ngram"
 
 
 def get(name: str) -> Method:
     if name not in METHODS:
         raise UserError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def drafter_of(name: str) -> str:
+    """The method whose drafter `name` loads: NAME for NAME+ngram, else itself."""
+    return name.removesuffix(LOOKUP_SUFFIX)
 
 
 def names() -> list[str]:
