@@ -478,3 +478,21 @@ def test_whole_blocks_never_take_the_lookup(tiny_targets):
     result = SpeculativeDecoder(target, proposer, adaptive=False).generate(ids, CONFIG)
     assert result.tokens == reference and result.stats.lookup_rounds == 0
     assert set(result.stats.draft_lengths[:-1]) == {5}
+
+
+def test_wide_passes_cost_more_after_a_longer_context():
+    """Relative costs measured after two contexts: each width's grows linearly with the context of the pass (its
+    attention), extrapolates past the longer one, and the online shape corrections still apply."""
+    costs = CostModel()
+    costs.seed({1: 1.0, 4: 1.1, 16: 1.6}, 64, (512, {1: 1.0, 4: 1.3, 16: 2.2}))
+    costs.observe(1, 0.010, context=300)
+    assert costs.cost(4, 64) == pytest.approx(0.011) and costs.cost(4, 512) == pytest.approx(0.013)
+    assert costs.cost(4, 288) == pytest.approx(0.012) and costs.cost(16, 960) == pytest.approx(0.028)
+    assert costs.cost(8, 512) == pytest.approx(0.010 * (1.3 + 0.9 * 4 / 12))  # between measured widths
+    assert costs.cost(1, 2000) == pytest.approx(0.010) and costs.cost(2, 0) >= costs.cost(1, 0)
+    assert costs.cost(4) == pytest.approx(0.011)  # no context given: the reference one
+    controller = DraftController(7, costs)
+    controller.context = 64
+    short = controller._extra_cost(4)
+    controller.context = 1000
+    assert controller._extra_cost(4) > 2 * short

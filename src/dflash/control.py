@@ -86,11 +86,18 @@ class CostModel:
     level, which only passes of that count update, and slowly. A count that has not been chosen for a while (a
     plain step while whole blocks pay, or the reverse) follows the machine's level instead of keeping the absolute
     time of the busy moment it was last measured in; with one absolute EMA per count a single slow plain step could
-    make every wide pass look free, for good. Linear between measured counts, the nearest slope beyond them."""
+    make every wide pass look free, for good. Linear between measured counts, the nearest slope beyond them.
+
+    A wide pass's share of attention grows with the context its tokens attend to: measured after 64 and 512
+    tokens, a 4-token bfloat16 pass cost 1.13x and 1.30x a step, a 16-token one 1.70x and 2.32x (2 Zen 4 cores). So
+    where the costs were measured at two contexts (`seed`), each width's relative cost moves linearly with the
+    context a pass is at; its shape learnt online corrects the value at the reference context."""
 
     def __init__(self):
         self.level: float | None = None  # seconds of a pass of relative cost 1
-        self.relative: dict[int, float] = {}
+        self.relative: dict[int, float] = {}  # width -> relative cost, at the reference context
+        self.growth: dict[int, float] = {}  # width -> relative cost added per token of context (seeded)
+        self.reference = 0  # the context `relative` is at
         self.drafting: float | None = None  # seconds one sequence's drafting adds to a round, in steady state
 
     def observe_drafting(self, seconds: float) -> None:
@@ -99,23 +106,29 @@ class CostModel:
         an estimate that remembered it would keep the drafter switched off for dozens of rounds."""
         self.drafting = _ema(self.drafting, seconds)
 
-    def seed(self, relative: dict[int, float]) -> None:
-        """Start from pass costs measured at load, relative to a 1-token pass (`measured_pass_costs`): learnt
-        online alone, a width first seen at a quiet moment kept looking cheaper than a plain step for hundreds of
-        rounds, and the controller verified 4-7 drafts a round where one paid (0.88x on MATH-500)."""
-        self.relative = dict(relative)
+    def seed(self, relative: dict[int, float], context: int = 0,
+             longer: tuple[int, dict[int, float]] | None = None) -> None:
+        """Start from pass costs measured at load after `context` tokens, relative to a 1-token pass
+        (`measured_pass_costs`): learnt online alone, a width first seen at a quiet moment kept looking cheaper than
+        a plain step for hundreds of rounds, and the controller verified 4-7 drafts a round where one paid (0.88x on
+        MATH-500). `longer`: (a longer context, the relative costs measured after it), for their growth."""
+        self.relative, self.reference = dict(relative), context
+        if longer is not None:
+            long_context, long_relative = longer
+            self.growth = {w: max(0.0, (long_relative[w] - r) / (long_context - context))
+                           for w, r in relative.items() if w in long_relative}
 
-    def observe(self, width: int, seconds: float) -> None:
+    def observe(self, width: int, seconds: float, context: int | None = None) -> None:
         if self.level is None:  # the first reading sets the machine's level; seeded shapes stay as measured
             if not self.relative:
                 self.relative[width] = 1.0
-            self.level = seconds / max(self._relative(width), 1e-12)
+            self.level = seconds / max(self._relative(width, context), 1e-12)
             return
         if width not in self.relative:
-            self.relative[width] = seconds / self.level
+            self.relative[width] = seconds / self.level - self._growth(width, context)
             return
         # clipped: one reading from a moment when another job held the cores moves the estimates a bounded step
-        surprise = min(1.0, max(-0.5, seconds / max(self.cost(width), 1e-12) - 1))
+        surprise = min(1.0, max(-0.5, seconds / max(self.cost(width, context), 1e-12) - 1))
         self.level *= 1 + SMOOTHING * surprise
         self.relative[width] *= 1 + SHAPE_SMOOTHING * surprise
 
@@ -123,37 +136,47 @@ class CostModel:
     def known(self) -> bool:
         return self.level is not None
 
-    def cost(self, width: int) -> float:
+    def cost(self, width: int, context: int | None = None) -> float:
+        """Seconds of a pass of `width` tokens after `context` tokens (None: at the reference context)."""
         if self.level is None:
             return 0.0
-        return self.level * self._relative(width)
+        return self.level * self._relative(width, context)
 
-    def relative_cost(self, width: int) -> float:
+    def relative_cost(self, width: int, context: int | None = None) -> float:
         """A pass of `width` tokens in units of a 1-token pass (1.0 before anything is known)."""
-        return self._relative(width) if self.relative else 1.0
+        return self._relative(width, context) if self.relative else 1.0
 
-    def _relative(self, width: int) -> float:
+    def _relative(self, width: int, context: int | None = None) -> float:
         """Never below a narrower pass's: a wider pass reads the same weights and does more work, so a reading
         that says otherwise is noise, and believing it would make extra drafts look free."""
-        narrower = [r for w, r in self.relative.items() if w < width]
-        return max([self._interpolated(width)] + narrower)
+        narrower = [self._at(w, context) for w in self.relative if w < width]
+        return max([self._at(width, context)] + narrower)
 
-    def _interpolated(self, width: int) -> float:
-        rel = self.relative
-        widths = sorted(rel)
-        if width in rel:
-            return rel[width]
-        lower = [w for w in widths if w < width]
-        upper = [w for w in widths if w > width]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-            return rel[a] + (rel[b] - rel[a]) * (width - a) / (b - a)
-        if len(widths) == 1:  # one width seen: assume what a CPU verify costs per extra token, 5% of a step
-            return rel[widths[0]] * (1 + 0.05 * (width - widths[0]))
-        a, b = (widths[-2], widths[-1]) if upper == [] else (widths[0], widths[1])
-        slope = max(0.0, (rel[b] - rel[a]) / (b - a))
-        edge = widths[-1] if not upper else widths[0]
-        return max(0.0, rel[edge] + slope * (width - edge))
+    def _at(self, width: int, context: int | None) -> float:
+        return _interpolated(self.relative, width) + self._growth(width, context)
+
+    def _growth(self, width: int, context: int | None) -> float:
+        if context is None or not self.growth:
+            return 0.0
+        return max(0.0, _interpolated(self.growth, width)) * (context - self.reference)
+
+
+def _interpolated(values: dict[int, float], width: int) -> float:
+    """values[width], linear between the widths it has, the nearest slope beyond them (one width: 5% a token)."""
+    widths = sorted(values)
+    if width in values:
+        return values[width]
+    lower = [w for w in widths if w < width]
+    upper = [w for w in widths if w > width]
+    if lower and upper:
+        a, b = lower[-1], upper[0]
+        return values[a] + (values[b] - values[a]) * (width - a) / (b - a)
+    if len(widths) == 1:  # one width seen: assume what a CPU verify costs per extra token, 5% of a step
+        return values[widths[0]] * (1 + 0.05 * (width - widths[0]))
+    a, b = (widths[-2], widths[-1]) if upper == [] else (widths[0], widths[1])
+    slope = max(0.0, (values[b] - values[a]) / (b - a))
+    edge = widths[-1] if not upper else widths[0]
+    return max(0.0, values[edge] + slope * (width - edge))
 
 
 @dataclass
@@ -184,11 +207,12 @@ class DraftController:
         self.chosen_value: float | None = None  # the expected value of this round's choice (None: not modelled)
         self.skips_left, self.probe_gap, self.probe_due = 0, PROBE_FIRST, False
         self.rows = 1  # sequences in the current batch: each extra draft widens a pass of that many rows
+        self.context: int | None = None  # tokens the sequence's next pass attends to (set by the engine each round)
         self.stats = ControllerStats()
 
     def _extra_cost(self, width: int) -> float:
         """Seconds a pass `width` tokens wide per row costs beyond a plain step (width 1), at the current batch."""
-        return self.costs.cost(self.rows * width) - self.costs.cost(self.rows)
+        return self.costs.cost(self.rows * width, self.context) - self.costs.cost(self.rows, self.context)
 
     # ---- before drafting ----------------------------------------------------------------------------------------
     def lookup_choice(self, available: int) -> tuple[int, float]:
@@ -228,7 +252,7 @@ class DraftController:
         """Rounds between probes at which probing costs PROBE_BUDGET of the time: a probe that costs a tenth of a
         step may come every few rounds (it finds predictable stretches early), one that costs a whole step rarely.
         A probe costs its drafting and the wider pass that verifies at least one draft."""
-        step = self.costs.cost(self.rows)
+        step = self.costs.cost(self.rows, self.context)
         if step <= 0 or self.costs.drafting is None:
             return PROBE_MAX
         probe = self.costs.drafting + self._extra_cost(2)
@@ -247,7 +271,7 @@ class DraftController:
 
     def _start_rate(self) -> None:
         if self.rate is None:  # a new sequence: until its own rounds say otherwise, the rate of plain steps
-            self.rate = 1 / max(self.costs.cost(self.rows), 1e-9)
+            self.rate = 1 / max(self.costs.cost(self.rows, self.context), 1e-9)
 
     def _best(self, probabilities: list[float]) -> tuple[int, float]:
         """(k, value) of the most valuable number of drafts to verify; (0, 0.0): none pays."""
@@ -308,7 +332,7 @@ class DraftController:
         also read a long backlog of context (a prompt), so its time says nothing about a steady round's.
         `lookup`: the verified drafts were the free lookup's (`drafted`: the drafter ran all the same)."""
         self.stats.chosen[verified] = self.stats.chosen.get(verified, 0) + 1
-        self.costs.observe(width or verified + 1, verify_seconds)
+        self.costs.observe(width or verified + 1, verify_seconds, self.context)
         seconds = draft_seconds + verify_seconds
         if seconds > 0:
             rate = (accepted + 1) / seconds

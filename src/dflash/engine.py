@@ -179,7 +179,8 @@ class Engine:
         if getattr(target, "screen_greedy", False) is None:  # decided once per target, before its passes are timed
             target.screen_greedy = measured_screening(target)
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
-            self.costs.seed(measured_pass_costs(target))
+            (short, relative), *longer = sorted(measured_pass_costs(target).items())
+            self.costs.seed(relative, short, longer[-1] if longer else None)
         # a wide round computes its logits in two steps while rounds that need the second step are rarer than the
         # second step's share of a whole head (untimed test targets: always)
         wide = proposer is not None and proposer.max_draft + 1 > FIRST_LOGITS and target.defers_logits
@@ -301,7 +302,7 @@ class Engine:
         drafts instead where they are worth more. Also whether the drafting pass read a long context backlog."""
         drafting, lookups = [], {}
         for seq in rows:
-            seq.controller.rows = len(rows)
+            seq.controller.rows, seq.controller.context = len(rows), len(seq.sequence) - 1
             lookups[id(seq)] = self._lookup(seq)
             if seq.controller.should_draft(lookups[id(seq)].value):
                 drafting.append(seq)
@@ -493,17 +494,21 @@ class Engine:
 PASS_WIDTHS = (1, 2, 4, 8, 16)
 
 
-def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: int = 64) -> dict[int, float]:
-    """The cost of a target pass of each width relative to a 1-token pass, timed at load (widths interleaved, the
-    fastest of `repeats`: other work only ever adds time; after a `context`-token prompt; never cheaper for a wider
-    pass) and cached per machine, model and kernel choice (`cached_timing`: measured again if taken on a busier
-    machine): about a second, once. The controller's online estimates start from these instead of from their first
-    readings."""
+PASS_CONTEXTS = (64, 512)  # measured after these many tokens: a wide pass's share of attention grows with it
+
+
+def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, contexts=PASS_CONTEXTS
+                        ) -> dict[int, dict[int, float]]:
+    """{context: {width: the cost of a target pass of that width relative to a 1-token pass}} after each of
+    `contexts` tokens, timed at load (widths interleaved, the fastest of `repeats`: other work only ever adds time;
+    never cheaper for a wider pass) and cached per machine, model and kernel choice (`cached_timing`: measured again
+    if taken on a busier machine): a second or two, once. The controller's online estimates start from these
+    instead of from their first readings."""
     from .models.target import cached_timing
 
     screened = target.screens  # greedy rounds read the head's screen (the cost a bench at T=0 meets)
 
-    def measure() -> dict:
+    def at(context: int) -> dict[str, float]:
         cache = target.new_cache(capacity=context + max(widths) + 1)
         target.forward(torch.tensor([[5 + i % 50 for i in range(context)]], device=target.device), cache)
         times: dict[int, list[float]] = {w: [] for w in widths}
@@ -523,12 +528,16 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, context: i
                     times[w].append(time.perf_counter() - started)
                 cache.truncate(context)
         relative = nondecreasing([min(times[w]) / min(times[widths[0]]) for w in widths])
-        return {"relative": {str(w): round(r, 4) for w, r in zip(widths, relative)}}
+        return {str(w): round(r, 4) for w, r in zip(widths, relative)}
+
+    def measure() -> dict:
+        fitting = sorted({max(1, min(c, target.max_context - max(widths) - 1)) for c in contexts})
+        return {"relative": {str(c): at(c) for c in fitting}}
 
     deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
     deferred += ":screened" if screened else ""
-    relative = cached_timing(target, f"pass-costs{deferred}", measure)["relative"]
-    return {int(w): r for w, r in relative.items()}
+    relative = cached_timing(target, f"pass-costs-by-context{deferred}", measure)["relative"]
+    return {int(c): {int(w): r for w, r in by_width.items()} for c, by_width in relative.items()}
 
 
 def nondecreasing(values: list[float]) -> list[float]:
