@@ -76,8 +76,8 @@ def test_lossless_at_every_chosen_length(tiny_targets, arch, monkeypatch):
     """Forced 0 (plain steps), forced block - 1 (whole blocks) and random lengths all give ar's tokens."""
     target = tiny_targets[arch]
     rng = random.Random(0)
-    forced = {"zero": lambda self, conf, available: 0, "all": lambda self, conf, available: available,
-              "random": lambda self, conf, available: rng.randint(0, available)}
+    forced = {"zero": lambda self, conf, available, *_: 0, "all": lambda self, conf, available, *_: available,
+              "random": lambda self, conf, available, *_: rng.randint(0, available)}
     for prompt in PROMPTS:
         ids = target.encode_prompt(prompt)
         reference = ar_tokens(target, ids)
@@ -496,3 +496,18 @@ def test_wide_passes_cost_more_after_a_longer_context():
     short = controller._extra_cost(4)
     controller.context = 1000
     assert controller._extra_cost(4) > 2 * short
+
+
+def test_drafts_without_confidence_are_calibrated_by_their_label():
+    """Prompt lookup's drafts carry the length of the match they copied (their label): a 3-token match that is
+    always right and a 1-token match that never is get probabilities of their own, where position alone would
+    average them."""
+    calibration = Calibration(positions=4)
+    for _ in range(50):
+        calibration.observe(None, verified=3, accepted=3, label=3)
+        calibration.observe(None, verified=3, accepted=0, label=1)
+    assert calibration.probability(0, None, 3) > 0.9 and calibration.probability(2, None, 3) > 0.9
+    assert calibration.probability(0, None, 1) < 0.1
+    assert calibration.probability(0, None) == pytest.approx(0.5)  # unlabelled: still the prior
+    assert NgramProposer(max_draft=4).propose([5, 6, 7, 9, 5, 6, 7]).label == 3
+    assert NgramProposer(max_draft=4).propose([5, 6, 7, 9, 6, 7]).label == 2

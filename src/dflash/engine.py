@@ -327,7 +327,8 @@ class Engine:
                 continue
             draft, seconds = drafts[id(seq)]
             available = min(len(draft.tokens), seq.proposer.max_draft)
-            plan = Plan(draft, seq.controller.choose(draft.confidence, available), drafted=True, seconds=seconds)
+            plan = Plan(draft, seq.controller.choose(draft.confidence, available, draft.label), drafted=True,
+                        seconds=seconds)
             drafter_value = seq.controller.chosen_value
             if lookup.verified and drafter_value is not None and lookup.value > drafter_value:
                 plan.draft, plan.verified, plan.lookup = lookup.draft, lookup.verified, True
@@ -341,7 +342,7 @@ class Engine:
         if lookup is None or seq.controller.whole_blocks:
             return Plan(Draft([]), 0)
         draft = lookup.propose(seq.sequence, limit=seq.proposer.max_draft)
-        verified, value = seq.controller.lookup_choice(len(draft.tokens))
+        verified, value = seq.controller.lookup_choice(len(draft.tokens), draft.label)
         return Plan(draft, verified, lookup=True, value=value)
 
     def _round(self) -> None:
@@ -382,7 +383,7 @@ class Engine:
             plan = planned[i]
             seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted, plan.seconds,
                                   verify_seconds, width=len(rows) * width, catching_up=catching_up,
-                                  lookup=plan.lookup)
+                                  lookup=plan.lookup, label=plan.draft.label)
             seq.stats.lookup_rounds += plan.lookup
             seq.stats.accept_lengths.append(accepted + 1)
             seq.stats.draft_lengths.append(len(drafts[i]))

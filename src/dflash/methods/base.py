@@ -25,6 +25,9 @@ class Draft:
     tokens: list[int]
     # the drafter's probability of each token (its top-1 softmax probability); None for drafters without one
     confidence: list[float] | None = None
+    # for drafts without confidences: what their acceptance is learnt by, beside the position (prompt lookup: the
+    # length of the match it copied from); None: position alone
+    label: int | None = None
 
 
 class Proposer:

@@ -29,7 +29,7 @@ class NgramProposer(Proposer):
         for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
             start = latest_word_match(words, words[-4 * n:], before_last)
             if start >= 0:  # latest match first: recent text predicts the continuation best
-                return Draft(sequence[start + n: start + n + count])
+                return Draft(sequence[start + n: start + n + count], label=n)  # a longer match is surer
         return Draft([])
 
 
