@@ -151,14 +151,14 @@ def against_url(args) -> list[LoadResult]:
     return [asyncio.run(run_load(args.url, card["id"], method, args, level)) for level in args.levels]
 
 
-HEADER = (f"{'method':<8} {'streams':>7} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} "
+HEADER = (f"{'method':<12} {'streams':>7} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} "
           f"{'x 1 stream':>10} {'tau':>5}")
 
 
 def print_row(r: LoadResult, results: list[LoadResult]) -> None:
     single = next((x for x in results if x.method == r.method and x.concurrency == 1), None)
     ratio = f"{r.tokens_per_s / single.tokens_per_s:.2f}x" if single and single.tokens_per_s else "-"
-    print(f"{r.method:<8} {r.concurrency:>7} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} "
+    print(f"{r.method:<12} {r.concurrency:>7} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} "
           f"{r.latency_p50_s:>7.3f} {r.latency_p95_s:>7.3f} {r.tokens_per_s:>8.1f} {ratio:>10} {r.mean_tau:>5.2f}",
           flush=True)
 
