@@ -627,6 +627,7 @@ def test_eagle3_method_mistakes_are_user_errors(eagle3_runs, resume_runs, tmp_pa
     assert "was trained with --method eagle3" in error(as_dflash)
     for method in ("ar", "ngram"):
         assert "needs no training" in error(eagle3_argv(data, tmp_path / "c", "--method", method))
+    assert "train it with --method eagle3" in error(eagle3_argv(data, tmp_path / "d", "--method", "eagle3+ngram"))
     assert "--gamma applies to --method dflash" in error(eagle3_argv(data, tmp_path / "e", "--gamma", "3"))
     assert "has 1 layer" in error(eagle3_argv(data, tmp_path / "f", "--num-layers", "2"))
     assert "not an EAGLE-3 head" in error(eagle3_argv(data, tmp_path / "g", "--init-from", str(dflash_ckpt)))

@@ -110,8 +110,7 @@ class TrainConfig:
         from .methods import registry
 
         if self.method not in registry.trainable():
-            raise UserError(f"--method {self.method} needs no training: `dflash train` trains "
-                            f"{' or '.join(registry.trainable())} drafters")
+            raise not_trainable(self.method)
         for name in ("draft_vocab", "kv_heads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -773,12 +772,21 @@ def start_fresh(out: Path) -> None:
     (out / "log.jsonl").unlink(missing_ok=True)
 
 
+def not_trainable(method: str) -> UserError:
+    from .methods import registry
+
+    drafter = registry.drafter_of(method)
+    if drafter != method and drafter in registry.trainable():
+        return UserError(f"--method {method} uses {drafter}'s drafter: train it with --method {drafter}")
+    return UserError(f"--method {method} needs no training: `dflash train` trains "
+                     f"{' or '.join(registry.trainable())} drafters")
+
+
 def run(args) -> int:
     from .methods import registry
 
     if args.method is not None and args.method not in registry.trainable():
-        raise UserError(f"--method {args.method} needs no training: `dflash train` trains "
-                        f"{' or '.join(registry.trainable())} drafters")
+        raise not_trainable(args.method)
     overrides = cli_overrides(args)
     if args.method is not None:
         overrides["method"] = args.method
