@@ -222,6 +222,28 @@ def test_top_k_top_p_filtering():
     assert probs[0, 0] == 1.0  # the top token always stays
 
 
+def test_top_p_among_the_most_likely_tokens_drops_what_a_full_sort_drops():
+    """top-p looks for the nucleus among the most likely tokens first, and sorts the whole vocabulary only where
+    they hold less than top_p: the same tokens go as with a full sort, sharp rows, flat rows and mixed batches
+    alike (a token whose rank starts within float rounding of top_p may go either way)."""
+    from dflash.sampling import TOP_P_CANDIDATES, outside_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    for scale, rows in ((4.0, 3), (0.05, 2), (1.0, 4)):
+        logits = torch.randn(rows, 3000, generator=generator) * scale
+        logits[0] *= 20 if scale < 1 else 1  # a sharp row beside flat ones: the whole batch sorts
+        for top_p in (0.3, 0.9, 0.999):
+            ranked, order = torch.sort(logits, dim=-1, descending=True)
+            probs = ranked.softmax(-1)
+            before = probs.cumsum(-1) - probs
+            expected = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= top_p)
+            unsure = torch.zeros_like(expected).scatter(-1, order, (before - top_p).abs() < 1e-5)
+            dropped = outside_top_p(logits, top_p)
+            assert ((dropped == expected) | unsure).all()
+            assert (~dropped).sum(-1).min() >= 1
+    assert TOP_P_CANDIDATES < 3000
+
+
 def exact_joint(target, prompt_ids, sampling, depth, support):
     """P(t1..t_depth) of plain sampling, by enumerating the target's filtered distributions."""
     joint = {}

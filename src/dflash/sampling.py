@@ -48,13 +48,27 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass; the first always stays
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= cfg.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(outside_top_p(logits, cfg.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+TOP_P_CANDIDATES = 256  # where the nucleus is looked for first (its top tokens hold top_p of the mass in most rows)
+
+
+def outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True for the tokens top-p drops: a token goes when the tokens ranked above it already hold top_p of the mass
+    (the first always stays). Ranked among the TOP_P_CANDIDATES most likely tokens where they hold top_p in every row
+    (sorting all 49,152 of SmolLM2's took 3.9 ms a row on two CPU cores, most of a sampled step), else among all."""
+    vocab = logits.shape[-1]
+    for candidates in dict.fromkeys((min(TOP_P_CANDIDATES, vocab), vocab)):
+        top, order = torch.topk(logits, candidates, dim=-1) if candidates < vocab else torch.sort(
+            logits, dim=-1, descending=True)
+        probs = (top - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        cumulative = probs.cumsum(-1)
+        if candidates == vocab or bool((cumulative[..., -1] >= top_p).all()):
+            drop_ranked = (cumulative - probs) >= top_p
+            return torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, drop_ranked)
+    raise AssertionError("unreachable: the last candidates are the whole vocabulary")
 
 
 def pick_tokens(logits: torch.Tensor, cfg: SamplingConfig, first_position: int = 0) -> torch.Tensor:
