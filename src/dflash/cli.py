@@ -118,9 +118,8 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
 
 def method_options(args, method: str, block_size: int | None = None):
     """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@B override)."""
-    from .methods.base import MethodOptions
-
     from .methods import registry
+    from .methods.base import MethodOptions
 
     return MethodOptions(
         drafter=drafter_paths(args.drafter, [method]).get(registry.drafter_of(method)),

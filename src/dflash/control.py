@@ -12,9 +12,9 @@ timing the passes (`CostModel`). k = 0 is a plain decode step. Drafting itself c
 chosen drafts were expected to bring in recent rounds (an average, so one unlucky round does not decide) no longer
 covers R * (drafting time), the drafter is skipped, and tried again after a growing number of rounds in case the
 text turned predictable. A drafter may come with a free *lookup* (prompt lookup: `dflash+ngram`): its drafts cost
-no drafting, have a calibration of their own (by position), and a round takes whichever is worth more, the lookup's
-drafts or running the drafter (whose value is the recent rounds' average, net of its drafting time). Lossless
-whatever it chooses: the target decides every token.
+no drafting, have a calibration of their own (by position and match length), and a round takes whichever is worth
+more, the lookup's drafts or running the drafter (whose value is the recent rounds' average, net of its drafting
+time). Lossless whatever it chooses: the target decides every token.
 
 Every time comes from an injectable `timer`, so tests are deterministic.
 """

@@ -174,8 +174,8 @@ class Engine:
         self.max_batch = max_batch
         self.adaptive, self.timer = adaptive, timer
         self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
-        self.calibrations: dict[tuple[str, int], Calibration] = {}  # the drafter's and its lookup's (by block),
-        # shared likewise
+        # the drafter's calibration and its lookup's ("drafter" / "lookup", by drafts a block), shared likewise
+        self.calibrations: dict[tuple[str, int], Calibration] = {}
         if getattr(target, "screen_greedy", False) is None:  # decided once per target, before its passes are timed
             target.screen_greedy = measured_screening(target)
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
@@ -213,8 +213,8 @@ class Engine:
         return seq
 
     def _calibration(self, of: str) -> Calibration:
-        blocks = self.proposer.max_draft
-        return self.calibrations.setdefault((of, blocks), Calibration(max(1, blocks)))
+        drafts = self.proposer.max_draft
+        return self.calibrations.setdefault((of, drafts), Calibration(max(1, drafts)))
 
     def _fresh_proposer(self) -> Proposer:
         # one sequence at a time may use the template itself; a batch needs one drafting state per row

@@ -36,8 +36,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     *_SINGLE,
     *(with_lookup(m) for m in _SINGLE if m.uses_drafter),
 )}
-# the shipped DFlash drafter with prompt lookup beside it: on every dataset and dtype of the nineteenth session's
-# benches it ran 1.07x-1.91x ar, where dflash alone ran 0.91x-1.23x (docs/RESULTS.md)
+# the shipped DFlash drafter with prompt lookup beside it: on the four datasets of the nineteenth session's benches
+# it ran 1.23x-1.69x ar (float32 and bfloat16), where dflash alone ran 0.94x-1.14x (docs/RESULTS.md)
 DEFAULT_METHOD = "dflash+ngram"
 
 
