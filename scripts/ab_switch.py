@@ -19,6 +19,8 @@ Switches (the "on" variant is each one's default):
                     `models/native.py`), against widened to float32 for FMAs. Its outputs may differ: the two kernels
                     round bfloat16 sums differently (each is lossless against its own `ar`), so "identical" is not
                     asked of it. Use with --dtype bfloat16 (a float32 target has no bfloat16 weights)
+  int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
+                    `models/native.c`), against float32 FMAs over its widened weights; both pin the int8 screen
 
 For every prompt and method, the two variants generate in turn, the order flipping every prompt, each with its own
 decoder (its own learnt costs; the switch is set around both its construction and its runs). Prints, per method,
@@ -64,8 +66,15 @@ def set_bf16_pairs(target, on: bool) -> None:
             target.forward(torch.arange(5, 5 + width)[None], cache)
 
 
+def set_int8_vnni(target, on: bool) -> None:
+    target.screen_greedy, target.screen_kind = True, "int8"
+    if native.int8_vnni() != on:
+        native.set_int8_vnni(on)
+        target.engine.screen("int8")  # quantise and lay the head out again now, not inside a timed generation
+
+
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
-            "bf16-pairs": set_bf16_pairs}
+            "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni}
 CHANGES_ROUNDING = {"bf16-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 

@@ -9,20 +9,40 @@ from dflash.models.screening import KINDS, ScreenedHead, bound_factors
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.why_not}")
 
 
+def vnni_runs_here() -> bool:
+    return native.library() is not None and bool(native.library().dflash_int8_vnni())
+
+
+@pytest.fixture(params=["bfloat16", "int8", "int8-vnni"])
+def kind(request):
+    """Each kind of screen, the int8 one twice: float32 FMAs over its widened weights, and integer sums (AVX512-VNNI,
+    where the CPU has it). The int8 screen's way of summing in force for the screens the test makes, restored
+    after."""
+    if request.param == "int8-vnni" and not vnni_runs_here():
+        pytest.skip("no AVX512-VNNI here: the int8 screen sums in float32")
+    old = native.set_int8_vnni(request.param == "int8-vnni")
+    try:
+        yield request.param.removesuffix("-vnni")
+    finally:
+        native.set_int8_vnni(old)
+
+
 def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The float32 head as the engine computes it with our kernel (one FMA chain per logit, in input order)."""
     return native.linear(x, native.tiles(weight), weight.shape[0], None)
 
 
 def screened_logits(x: torch.Tensor, head: ScreenedHead) -> torch.Tensor:
-    """What the screen computes before its bound: bf16(w) . x, or s_i (q_i . x) for int8."""
+    """What the screen computes before its bound: bf16(w) . x, or s_i (q_i . x) for int8 (with x rounded to int16
+    where it sums in integers: native.c computes those)."""
+    if head.vnni:
+        return native.int8_vnni_logits(x, head)[0]
     if head.kind == "bfloat16":
         return native.linear(x, native.tiles(head.weight.to(torch.bfloat16).float()), head.weight.shape[0], None)
     quantized = torch.round(head.weight / head.scales[:, None]).clamp(-127, 127)
     return (x.double() @ quantized.double().T * head.scales.double()).float()
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [64, 61, 576])  # a width that is not a multiple of 8 pads its inputs
 def test_screened_argmax_is_the_float32_heads(kind, k):
     torch.manual_seed(k)
@@ -38,7 +58,6 @@ def test_screened_argmax_is_the_float32_heads(kind, k):
         assert torch.equal(head.argmax(x[row: row + 1]), ids[row: row + 1])
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_near_ties_and_exact_ties_are_decided_in_float32(kind):
     """Rows the screen cannot tell apart (equal, or an ulp apart in each weight) all reach the float32 sums, and the
     winner is the one torch's argmax picks: the first of equal largest logits."""
@@ -59,7 +78,6 @@ def test_near_ties_and_exact_ties_are_decided_in_float32(kind):
     assert int(head.argmax(x)) == int(float32_logits(x, weight).argmax(-1)) == 100
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_rows_closer_than_the_screen_can_tell_apart(kind):
     """Tokens whose logits differ by less than the screen's rounding: its order of them is scrambled, so the winner
     is right only because the bound keeps every one that could win (a screen trusting its own top fails)."""
@@ -74,7 +92,6 @@ def test_rows_closer_than_the_screen_can_tell_apart(kind):
     assert (screened_logits(x, head).argmax(-1) != ids).sum() >= 8  # the screen alone would have picked wrong
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_the_bound_holds_for_every_token(kind):
     """|float32 logit - screened logit| <= the bound, for every token, on inputs with the few huge channels of real
     hidden states: what the screen relies on."""
@@ -89,18 +106,22 @@ def test_the_bound_holds_for_every_token(kind):
     approx = screened_logits(x, head).double()
     norm_factor, l1_factor = bound_factors(kind, k)
     bound = norm_factor * x.double().norm(dim=1, keepdim=True) * weight.double().norm(dim=1)
+    if head.vnni:  # exact integer sums: the inputs' rounding instead of the chain's (native.c)
+        bound = native.int8_vnni_logits(x, head)[1][:, None] * head.bound_norms
     if kind == "int8":
         bound = bound + l1_factor * x.double().abs().sum(dim=1, keepdim=True) * head.scales.double()
     assert ((exact - approx).abs() <= bound).all()
     assert ((exact - approx).abs() > 0.02 * bound).any()  # and it is not loose by orders of magnitude
 
 
-def test_what_the_screen_refuses():
+def test_what_the_screen_refuses(kind):
     weight = torch.randn(50, 16)
-    for kind in KINDS:
-        head = ScreenedHead(weight, kind)
-        assert head.argmax(torch.full((1, 16), float("nan"))) is None
-        assert head.argmax(torch.randn(1, 8)) is None and head.argmax(torch.randn(1, 16).double()) is None
+    head = ScreenedHead(weight, kind)
+    one_inf, one_nan = torch.randn(1, 16), torch.randn(3, 16)
+    one_inf[0, 5], one_nan[2, 3] = float("inf"), float("nan")
+    for rows in (torch.full((1, 16), float("nan")), one_inf, one_nan):
+        assert head.argmax(rows) is None  # a row not finite: the caller computes the logits
+    assert head.argmax(torch.randn(1, 8)) is None and head.argmax(torch.randn(1, 16).double()) is None
     with pytest.raises(ValueError, match="screen kind"):
         ScreenedHead(weight, "int4")
     assert not ScreenedHead.applies(weight, torch.zeros(50))
@@ -108,7 +129,6 @@ def test_what_the_screen_refuses():
     assert ScreenedHead.applies(weight, None) and ScreenedHead.applies(weight.to(torch.bfloat16), None)
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_bfloat16_heads_rounded_ties(kind, bf16_layout):
     """A bfloat16 head's logits are rounded to bfloat16, so the largest often ties with tokens whose sums were a
     little smaller: the screen keeps every token that could round to the max, and picks the first, as torch's
@@ -152,7 +172,6 @@ def test_tokens_that_round_to_the_max_are_kept_however_tight_the_bound(bf16_layo
     assert int(head.argmax(x)) == int(logits.argmax()) == 100
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bf16_layout", ["widened", "pairs"], indirect=True)
 def test_survivors_are_summed_as_the_heads_own_kernel_sums_them(kind, bf16_layout):
     """The two bfloat16 kernels (widened FMAs, pairs) round a few sums to neighbouring bfloat16 values. A head
@@ -201,3 +220,60 @@ def test_a_targets_screen_follows_its_head():
             assert relaid is not cast and relaid.bf16_head == (2 if native.bf16_pairs() else 1)
         finally:
             native.set_bf16_pairs(old)
+
+
+@pytest.mark.parametrize("vocab", [1000, 3001])  # groups of 16 rows: 62.5 and 187.6 of them
+def test_every_number_of_rows_the_integer_screen_blocks(vocab):
+    """The VNNI screen runs one row four groups at a time and more rows in even blocks of up to 8 (9 rows: 4 and 5):
+    every count gives each row's own argmax, that of the float32 head."""
+    if not vnni_runs_here():
+        pytest.skip("no AVX512-VNNI here")
+    torch.manual_seed(vocab)
+    k = 96
+    weight = torch.randn(vocab, k) * 0.05
+    head = ScreenedHead(weight, "int8")
+    assert head.vnni
+    x = torch.randn(17, k) * 2
+    x[:, 11] *= 40  # an outlier channel, as in real hidden states
+    expected = float32_logits(x, weight).argmax(-1)
+    for rows in (1, 2, 3, 5, 8, 9, 12, 16, 17):
+        assert torch.equal(head.argmax(x[:rows]), expected[:rows]), rows
+
+
+def test_the_integer_screens_input_rounding_is_bounded():
+    """Weights that int8 holds exactly leave the rounding of x to int16 as the screen's only error (besides the
+    float32 head's own chain): the bound's term for it, which native.c measures row by row, must hold for every
+    token, and be near what it bounds (dropping it fails the first assertion)."""
+    if not vnni_runs_here():
+        pytest.skip("no AVX512-VNNI here")
+    torch.manual_seed(4)
+    k, vocab = 576, 2000
+    quantized = torch.randint(-127, 128, (vocab, k)).float()
+    quantized[:, 0] = 127  # each row's scale exactly 2^-9: w = s q holds with no rounding
+    weight = quantized * 2.0**-9
+    x = torch.randn(6, k)
+    x[:, 3] *= 300
+    head = ScreenedHead(weight, "int8")
+    assert torch.equal(head.scales, torch.full((vocab,), 2.0**-9))
+    approx, spread = native.int8_vnni_logits(x, head)
+    exact = float32_logits(x, weight).double()
+    chain = 127 * bound_factors("int8", k)[0] * x.double().abs().sum(dim=1, keepdim=True) * head.scales.double()
+    error = (exact - approx.double()).abs()
+    assert (error <= spread[:, None] * head.bound_norms + chain).all()
+    assert (error > 0.05 * spread[:, None] * head.bound_norms).any()
+
+
+def test_integer_sums_at_the_edge_of_int32():
+    """The inputs' int16 scale shrinks with k so that 127 x max|x_q| x k stays below 2^31: a row of +-127 weights
+    all aligned with x (k = 4100, the largest sum the layout can make) is summed exactly, not wrapped."""
+    if not vnni_runs_here():
+        pytest.skip("no AVX512-VNNI here")
+    k = 4100
+    sign = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+    weight = torch.stack([sign * 0.1, sign * 0.1 * 0.999, -sign * 0.1, torch.zeros(k)])
+    x = sign[None] * 2.5
+    head = ScreenedHead(weight, "int8")
+    approx, _ = native.int8_vnni_logits(x, head)
+    assert approx[0, 0] > 0 and torch.allclose(approx[0, :3].double(), float32_logits(x, weight)[0, :3].double(),
+                                               rtol=1e-3)
+    assert int(head.argmax(x)) == 0

@@ -757,6 +757,195 @@ static void int8_screen_body(void *arg) {
     over_panels(C->S.n, C->threads, int8_screen_panels, &C->S);
 }
 
+/* ---- the int8 screen in integers (AVX512-VNNI) --------------------------------------------------------------------
+ * The kernel above widens every int8 weight to float32 for an FMA: at 8-16 rows the screen is bound by those
+ * conversions and FMAs (SmolLM2's 16-row screen took 5.2 ms on 2 Zen 4 cores, ~12 multiply-adds a cycle a core).
+ * VPDPWSSD adds two int16 products to each of sixteen int32 lanes in one instruction. So each row of x is rounded
+ * to integers, x_j ~ sx xq_j (sx = max|x| / X_MAX), each token's int8 weights are widened to int16 once for all
+ * the rows, and the sums are exact integers: X_MAX keeps 127 X_MAX k below 2^31, so the int32 lanes, wrapping
+ * modulo 2^32 on the way, end exact. a_i = s_i sx acc_i. Rounding x costs the bound one more term:
+ *   |e_i - a_i| <= l1_factor s_i |x|_1 + c_i (d + 4u max|x|),   c_i = s_i |q_i|_1,  d = max_j |x_j - sx xq_j|
+ * The first term is the int8 screen's own (it covers the float32 head's chain too: gamma sum_j |w_ij x_j| <=
+ * 127 gamma s_i |x|_1); the second, sum_j s_i q_ij (x_j - sx xq_j), plus 4u for acc_i, s_i sx and their product
+ * rounded to float32. Exact integer sums need no norm term: c_i takes row_norms' place in the screen's bound.
+ * (Rounding x to 8 bits instead, for VPDPBUSD's four products, let ~39,000 of 49,152 tokens through: real hidden
+ * states have channels ~60x their mean.) Layout (native.py, vnni_tiles): groups of 16 tokens, each stored input
+ * pair by input pair, [groups, k2 / 2, 16, 2] int8, k2 = k rounded up to even. */
+#define VNNI_GROUP 16
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 9)
+#define VNNI_BUILT 1
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+typedef struct {
+    const int8_t *tiles;
+    const float *scales;
+    const int32_t *xq; /* [m, pairs]: two int16 inputs a word */
+    const float *sx;   /* [m] */
+    float *out;        /* [m, n] */
+    int64_t m, n, pairs;
+} VnniScreen;
+
+/* Chain c = g R + r of G x R (at most 8) adds one pair of widened weights of group g times row r's input pair,
+ * the weights of each pair widened once for all R rows. In asm with named accumulators: with the intrinsic, gcc
+ * copied every accumulator twice an input, and with an array it stored them all every input. */
+#define VNNI_CHAIN(c)                                                                                                 \
+    if (c < G * R)                                                                                                    \
+        __asm__("vpdpwssd %2%{1to16%}, %1, %0"                                                                        \
+                : "+v"(a##c)                                                                                          \
+                : "v"(c / R == 0 ? w0 : c / R == 1 ? w1 : c / R == 2 ? w2 : w3), "m"(x[(c % R) * pairs + p]));
+VNNI_TARGET static inline __attribute__((always_inline)) void vnni_block(const int8_t *w, int64_t group_bytes,
+                                                                         const int32_t *x, int64_t pairs,
+                                                                         const int G, const int R, __m512i *acc) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t p = 0; p < pairs; p++) {
+        const int8_t *at = w + p * 32;
+        __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)at)), w1 = w0, w2 = w0, w3 = w0;
+        if (G > 1) w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + group_bytes)));
+        if (G > 2) w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + 2 * group_bytes)));
+        if (G > 3) w3 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + 3 * group_bytes)));
+        VNNI_CHAIN(0) VNNI_CHAIN(1) VNNI_CHAIN(2) VNNI_CHAIN(3) VNNI_CHAIN(4) VNNI_CHAIN(5) VNNI_CHAIN(6)
+        VNNI_CHAIN(7)
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
+}
+
+/* the G groups from `group` against rows r0..r0+R-1: a_i = (float)acc_i * (sx_r * s_i), stored */
+VNNI_TARGET static inline __attribute__((always_inline)) void vnni_groups(const VnniScreen *S, int64_t group,
+                                                                          int64_t r0, const int G, const int R) {
+    __m512i acc[8];
+    int64_t group_bytes = S->pairs * 2 * VNNI_GROUP;
+    vnni_block(S->tiles + group * group_bytes, group_bytes, S->xq + r0 * S->pairs, S->pairs, G, R, acc);
+    for (int g = 0; g < G; g++) {
+        int64_t i0 = (group + g) * VNNI_GROUP, valid = MIN(VNNI_GROUP, S->n - i0);
+        __mmask16 lanes = (__mmask16)((1u << valid) - 1);
+        __m512 scales = _mm512_maskz_loadu_ps(lanes, S->scales + i0);
+        for (int r = 0; r < R; r++) {
+            __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[g * R + r]),
+                                     _mm512_mul_ps(_mm512_set1_ps(S->sx[r0 + r]), scales));
+            _mm512_mask_storeu_ps(S->out + (r0 + r) * S->n + i0, lanes, a);
+        }
+    }
+}
+
+/* Rows in blocks of up to 8, one group at a time; a single row takes four groups at once (four chains: one is
+ * bound by the instruction's latency, and two rows with one group each measured as fast as two with two). */
+#define VNNI_ROWS(NAME, G, R)                                                                                         \
+    VNNI_TARGET static void NAME(const VnniScreen *S, int64_t group, int64_t r0) { vnni_groups(S, group, r0, G, R); }
+VNNI_ROWS(vnni_1, 1, 1) VNNI_ROWS(vnni_2, 1, 2) VNNI_ROWS(vnni_3, 1, 3) VNNI_ROWS(vnni_4, 1, 4)
+VNNI_ROWS(vnni_5, 1, 5) VNNI_ROWS(vnni_6, 1, 6) VNNI_ROWS(vnni_7, 1, 7) VNNI_ROWS(vnni_8, 1, 8)
+VNNI_ROWS(vnni_1_by_4, 4, 1)
+typedef void (*VnniRows)(const VnniScreen *S, int64_t group, int64_t r0);
+static const VnniRows vnni_kernels[8] = {vnni_1, vnni_2, vnni_3, vnni_4, vnni_5, vnni_6, vnni_7, vnni_8};
+
+static void vnni_screen_groups(void *ctx, int64_t first, int64_t last) {
+    const VnniScreen *S = ctx;
+    int64_t g = first;
+    if (S->m == 1)
+        for (; g + 4 <= last; g += 4) vnni_1_by_4(S, g, 0);
+    /* blocks of rows as even as can be (9 rows: 4 and 5, not 8 and a latency-bound 1); a group's weights (9 KB for
+     * SmolLM2) stay in L1 across them */
+    int64_t blocks = (S->m + 7) / 8;
+    for (; g < last; g++)
+        for (int64_t b = 0, r0 = 0; b < blocks; b++) {
+            int64_t rows = (S->m - r0) / (blocks - b);
+            vnni_kernels[rows - 1](S, g, r0);
+            r0 += rows;
+        }
+}
+
+typedef struct {
+    VnniScreen S;
+    int threads;
+} VnniScreenCall;
+
+static void vnni_screen_body(void *arg) {
+    VnniScreenCall *C = arg;
+    int64_t groups = (C->S.n + VNNI_GROUP - 1) / VNNI_GROUP;
+    int64_t grain = groups / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
+    parallel_for(groups, MAX(grain, 8), C->threads, vnni_screen_groups, &C->S);
+}
+
+static int cpu_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+}
+#else
+#define VNNI_BUILT 0
+typedef struct {
+    int unused;
+} VnniScreenCall;
+static void vnni_screen_body(void *arg) { (void)arg; }
+static int cpu_has_vnni(void) { return 0; }
+#endif
+
+/* Whether this build and CPU run the int8 screen in integers (native.py lays its weights out for it then). */
+int dflash_int8_vnni(void) { return VNNI_BUILT && cpu_has_vnni(); }
+
+/* Row r of x [m, k] rounded to int16 pairs xq[r] ([pairs] words, zero-padded) with x ~ sx[r] xq; spread[r] =
+ * d + 4u max|x| of the bound above, rounded up (NaN where the row is not finite: it is left undecided). d is
+ * measured, |x_j - sx xq_j| as one rounding of an FMS, so it holds however xq was rounded. */
+#if VNNI_BUILT
+VNNI_TARGET static void vnni_inputs(const float *x, int64_t m, int64_t k, int64_t pairs, int32_t *xq, float *sx,
+                                    double *spread) {
+    float limit = (float)MIN(32767, INT32_MAX / (127 * 2 * pairs));
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        int16_t *q = (int16_t *)(xq + r * pairs);
+        __m512 most = _mm512_setzero_ps();
+        __mmask16 odd = 0; /* NaN or inf */
+        for (int64_t j = 0; j < k; j += 16) {
+            __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << MIN(16, k - j)) - 1), xr + j);
+            __m512 size = _mm512_abs_ps(v);
+            odd |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(size, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+            most = _mm512_max_ps(size, most);
+        }
+        float top = _mm512_reduce_max_ps(most), s = top > 0.0f ? top / limit : 1.0f;
+        float inv = top > 0.0f ? limit / top : 0.0f;
+        __m512 deviation = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; j += 16) {
+            __mmask16 lanes = (__mmask16)((1u << MIN(16, k - j)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(lanes, xr + j);
+            __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            n = _mm512_min_ps(_mm512_max_ps(n, _mm512_set1_ps(-limit)), _mm512_set1_ps(limit));
+            _mm512_mask_cvtepi32_storeu_epi16(q + j, lanes, _mm512_cvtps_epi32(n));
+            deviation = _mm512_max_ps(_mm512_abs_ps(_mm512_fmsub_ps(_mm512_set1_ps(s), n, v)), deviation);
+        }
+        for (int64_t j = k; j < 2 * pairs; j++) q[j] = 0;
+        double d = _mm512_reduce_max_ps(deviation) * (1 + 0x1p-20);
+        sx[r] = s;
+        spread[r] = odd ? NAN : (d + 4 * 0x1p-24 * (double)top) * (1 + 1e-6);
+    }
+}
+#else
+static void vnni_inputs(const float *x, int64_t m, int64_t k, int64_t pairs, int32_t *xq, float *sx, double *spread) {
+    (void)x, (void)k, (void)pairs, (void)xq, (void)sx;
+    for (int64_t r = 0; r < m; r++) spread[r] = NAN;
+}
+#endif
+
+/* The VNNI screen's approximate logits out [m, n] of x [m, k] (a_i above) and each row's rounding term spread [m]
+ * (greedy_screened's, and tests'). Returns nonzero when out of memory. */
+int dflash_int8_vnni_logits(const void *tiles, const float *scales, const float *x, int64_t m, int64_t n, int64_t k,
+                            int threads, float *out, double *spread) {
+    int64_t pairs = (k + 1) / 2;
+    int32_t *xq = malloc(sizeof(int32_t) * m * pairs);
+    float *sx = malloc(sizeof(float) * m);
+    if (!xq || !sx) {
+        free(xq), free(sx);
+        return 1;
+    }
+    vnni_inputs(x, m, k, pairs, xq, sx, spread);
+#if VNNI_BUILT
+    VnniScreenCall C = {{tiles, scales, xq, sx, out, m, n, pairs}, threads};
+    with_workers(threads, vnni_screen_body, &C);
+#else
+    (void)tiles, (void)scales, (void)n, (void)threads, (void)out;
+#endif
+    free(xq), free(sx);
+    return 0;
+}
+
 /* a_i +- b_i for tokens i0..i0+3 (sign +1 or -1), b_i = by_norm |w_i| + by_scale s_i, in double precision. */
 static inline __m256d screen_reach(const float *a, const double *row_norms, const float *scales, double by_norm,
                                    double by_scale, int64_t i0, double sign) {
@@ -779,13 +968,76 @@ static double screen_floor(const float *a, const double *row_norms, const float 
     return floor;
 }
 
+/* The bound's tests and the float32 sums of the survivors, row by row: rows [first, last) of a screen's call. A row
+ * the screen cannot decide (no finite candidate: NaN or inf inputs) gets id -1. */
+typedef struct {
+    const float *approx, *x;
+    const void *weight;
+    const double *row_norms;
+    const float *scales; /* NULL: a bfloat16 screen */
+    const double *spread;
+    double norm_factor, l1_factor;
+    int bf16_head;
+    int64_t n, k, *ids, *screened;
+} ScreenRows;
+
+static void screen_rows(void *ctx, int64_t first, int64_t last) {
+    const ScreenRows *S = ctx;
+    const int64_t n = S->n, k = S->k;
+    const double *row_norms = S->row_norms;
+    const float *scales = S->scales;
+    for (int64_t r = first; r < last; r++) {
+        const float *a = S->approx + r * n, *xr = S->x + r * k;
+        double norm = 0.0, l1 = 0.0;
+        for (int64_t j = 0; j < k; j++) norm += (double)xr[j] * xr[j], l1 += fabs((double)xr[j]);
+        double by_norm = S->spread ? S->spread[r] : S->norm_factor * sqrt(norm);
+        double by_scale = scales ? S->l1_factor * l1 : 0.0;
+        double floor = screen_floor(a, row_norms, scales, by_norm, by_scale, n);
+        /* a step of the max's value, and room (absolute: also for the pairs kernel flushing values under 2^-126 to
+         * zero, at most 2^-125 a step over k < 2^20 steps) */
+        if (S->bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-100;
+        int64_t best = -1, count = 0;
+        float top = 0.0f;
+        for (int64_t i0 = 0; i0 < n; i0 += 4) { /* four tokens a test; the survivors are few */
+            int keep = i0 + 4 <= n ? _mm256_movemask_pd(_mm256_cmp_pd(
+                           screen_reach(a, row_norms, scales, by_norm, by_scale, i0, 1), _mm256_set1_pd(floor),
+                           _CMP_GE_OQ))
+                                   : 0xf;
+            for (int64_t i = i0; keep && i < MIN(i0 + 4, n); i++, keep >>= 1) {
+                if (!(keep & 1)) continue;
+                double bound = by_norm * row_norms[i] + (scales ? by_scale * scales[i] : 0.0);
+                if (!(a[i] + bound >= floor)) continue; /* the tail's tokens, tested one by one */
+                float e = S->bf16_head == 2 ? chain_dot_pairs((const uint16_t *)S->weight + i * k, xr, k)
+                          : S->bf16_head   ? chain_dot_bf16((const uint16_t *)S->weight + i * k, xr, k)
+                                           : chain_dot((const float *)S->weight + i * k, xr, k);
+                count++;
+                if (best < 0 || e > top) best = i, top = e;
+            }
+        }
+        S->ids[r] = best < 0 || !isfinite(top) || !isfinite(floor) ? -1 : best, S->screened[r] = count;
+    }
+}
+
+typedef struct {
+    ScreenRows *rows;
+    int64_t m;
+    int threads;
+} ScreenRowsCall;
+
+static void screen_rows_body(void *arg) {
+    ScreenRowsCall *C = arg;
+    parallel_for(C->m, 1, C->threads, screen_rows, C->rows);
+}
+
 /* ids[r] = argmax of x[r] . weight^T (weight [n, k], rows as stored: float32, or bfloat16 where bf16_head, whose
- * logits its kernel rounds to bfloat16; bf16_head = 2: that kernel sums in pairs), screened through `tiles`: the weight in bfloat16 (int8 = 0) or in int8 with
- * per-row `scales` (int8 = 1), in the kernel's layout. row_norms[i] = |w_i|_2 rounded up; screened[r] = how many
- * tokens were summed exactly. Rounded logits tie within a bfloat16 step: a token whose logit lies within a step of
- * the largest, 2^-7 |max| (1 + 2^-8), below it may round to the same value, so a bfloat16 head keeps those too
- * (`floor` lowered by that much: t - c|t| grows with t, so floor - c|floor| <= max - c|max|). Returns 1 when out of memory, 2 when a row has no
- * finite candidate (NaN or inf inputs): nothing is decided then, the caller computes the logits. */
+ * logits its kernel rounds to bfloat16; bf16_head = 2: that kernel sums in pairs), screened through `tiles`: the
+ * weight in bfloat16 (int8 = 0), or in int8 with per-row `scales`, in the float kernel's layout (int8 = 1) or in
+ * VNNI groups (int8 = 2). row_norms[i] = |w_i|_2 rounded up (int8 = 2: c_i = s_i |q_i|_1 instead); screened[r] =
+ * how many tokens were summed exactly. Rounded logits tie within a bfloat16 step: a token whose logit lies within a
+ * step of the largest, 2^-7 |max| (1 + 2^-8), below it may round to the same value, so a bfloat16 head keeps those
+ * too (`floor` lowered by that much: t - c|t| grows with t, so floor - c|floor| <= max - c|max|). Returns 1 when out
+ * of memory, 2 when a row has no finite candidate (NaN or inf inputs): nothing is decided then, the caller computes
+ * the logits. */
 int dflash_greedy_screened(const void *tiles, int int8, const float *scales, const void *weight, int bf16_head,
                            const double *row_norms, double norm_factor, double l1_factor, const float *x, int64_t m,
                            int64_t n, int64_t k, int threads, int64_t *ids, int64_t *screened) {
@@ -797,44 +1049,26 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
     float *padded = NULL, *approx = kept_buffer(&kept, &kept_size, m * n);
     const float *xf = x;
     if (!approx || (k8 != k && !(xf = padded = padded_input(x, 0, m, k, k8)))) return 1;
-    if (int8) {
+    double *spread = NULL; /* int8 == 2: the bound's input rounding term by row */
+    if (int8 == 2) {
+        if (!(spread = malloc(sizeof(double) * m)) || dflash_int8_vnni_logits(tiles, scales, x, m, n, k, threads,
+                                                                            approx, spread)) {
+            free(spread), free(padded);
+            return 1;
+        }
+    } else if (int8) {
         Int8ScreenCall C = {{tiles, scales, xf, approx, m, n, k8}, threads};
         with_workers(threads, int8_screen_body, &C);
     } else {
         run(tiles, 1, xf, NULL, approx, m, n, k8, threads);
     }
+    ScreenRows R = {approx, x, weight, row_norms, int8 ? scales : NULL, spread, norm_factor, l1_factor, bf16_head, n,
+                    k, ids, screened};
+    if (m > 1) with_workers(threads, screen_rows_body, &(ScreenRowsCall){&R, m, threads});
+    else screen_rows(&R, 0, 1);
     int status = 0;
-    for (int64_t r = 0; r < m && !status; r++) {
-        const float *a = approx + r * n, *xr = x + r * k;
-        double norm = 0.0, l1 = 0.0;
-        for (int64_t j = 0; j < k; j++) norm += (double)xr[j] * xr[j], l1 += fabs((double)xr[j]);
-        double by_norm = norm_factor * sqrt(norm), by_scale = int8 ? l1_factor * l1 : 0.0;
-        double floor = screen_floor(a, row_norms, int8 ? scales : NULL, by_norm, by_scale, n);
-        /* a step of the max's value, and room (absolute: also for the pairs kernel flushing values under 2^-126 to
-         * zero, at most 2^-125 a step over k < 2^20 steps) */
-        if (bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-100;
-        int64_t best = -1, count = 0;
-        float top = 0.0f;
-        for (int64_t i0 = 0; i0 < n; i0 += 4) { /* four tokens a test; the survivors are few */
-            int keep = i0 + 4 <= n ? _mm256_movemask_pd(_mm256_cmp_pd(
-                           screen_reach(a, row_norms, int8 ? scales : NULL, by_norm, by_scale, i0, 1),
-                           _mm256_set1_pd(floor), _CMP_GE_OQ))
-                                   : 0xf;
-            for (int64_t i = i0; keep && i < MIN(i0 + 4, n); i++, keep >>= 1) {
-                if (!(keep & 1)) continue;
-                double bound = by_norm * row_norms[i] + (int8 ? by_scale * scales[i] : 0.0);
-                if (!(a[i] + bound >= floor)) continue; /* the tail's tokens, tested one by one */
-                float e = bf16_head == 2 ? chain_dot_pairs((const uint16_t *)weight + i * k, xr, k)
-                          : bf16_head ? chain_dot_bf16((const uint16_t *)weight + i * k, xr, k)
-                                      : chain_dot((const float *)weight + i * k, xr, k);
-                count++;
-                if (best < 0 || e > top) best = i, top = e;
-            }
-        }
-        if (best < 0 || !isfinite(top) || !isfinite(floor)) status = 2;
-        ids[r] = best, screened[r] = count;
-    }
-    free(padded);
+    for (int64_t r = 0; r < m; r++) status |= ids[r] < 0 ? 2 : 0;
+    free(padded), free(spread);
     return status;
 }
 

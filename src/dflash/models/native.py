@@ -29,10 +29,12 @@ from . import memory
 
 SOURCE = Path(__file__).with_name("native.c")
 PANEL = 24  # output rows per panel of the layout (native.c)
+VNNI_GROUP = 16  # rows per group of the int8 screen's integer layout (native.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
 _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
+_int8_vnni = False  # the int8 screen in integers (see int8_vnni)
 why_not = ""  # why the kernel is unavailable, for reports
 
 
@@ -81,7 +83,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs
+    global _library, _tried, why_not, _pairs, _int8_vnni
     if _tried:
         return _library
     _tried = True
@@ -102,6 +104,10 @@ def library() -> ctypes.CDLL | None:
                     2 if name.endswith("bf16") else 1)
                 fn.restype = ctypes.c_int
             lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
+            lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
+            vnni_logits = lib.dflash_int8_vnni_logits
+            vnni_logits.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+            vnni_logits.restype = ctypes.c_int
             screened = lib.dflash_greedy_screened
             screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                  + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -125,16 +131,19 @@ def library() -> ctypes.CDLL | None:
             drafter.restype = ctypes.c_int
             _library = lib
             _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
+            _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     return _library
 
 
 def build_id() -> str:
-    """Which build of the kernel runs here ("none" where none does): its file name carries the source hash, and
-    "+pairs" where bfloat16 products run in pairs."""
+    """Which build of the kernel runs here ("none" where none does): its file name carries the source hash,
+    "+pairs" where bfloat16 products run in pairs, and "+vnni" where the int8 screen sums in integers."""
     lib = library()
-    return Path(lib._name).stem + ("+pairs" if _pairs else "") if lib is not None else "none"
+    if lib is None:
+        return "none"
+    return Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+vnni" if _int8_vnni else "")
 
 
 def bf16_pairs() -> bool:
@@ -153,6 +162,48 @@ def set_bf16_pairs(on: bool) -> bool:
         raise RuntimeError("this build or CPU cannot multiply bfloat16 in pairs (AVX512-BF16)")
     _pairs = bool(on)
     return old
+
+
+def int8_vnni() -> bool:
+    """Whether int8 screens of the LM head sum in integers with VPDPWSSD (native.c): where this build and CPU have
+    AVX512-VNNI, unless DFLASH_INT8_VNNI=0."""
+    library()
+    return _int8_vnni
+
+
+def set_int8_vnni(on: bool) -> bool:
+    """Switches how int8 screens made from now on sum (for tests and A/B runs); returns the old setting."""
+    global _int8_vnni
+    lib, old = library(), _int8_vnni
+    if on and (lib is None or not lib.dflash_int8_vnni()):
+        raise RuntimeError("this build or CPU cannot sum the int8 screen in integers (AVX512-VNNI)")
+    _int8_vnni = bool(on)
+    return old
+
+
+def vnni_tiles(quantized: torch.Tensor) -> torch.Tensor:
+    """The VNNI screen's layout of int8 weights [n, k] (native.c): zero-padded to 16 rows and an even k, then cut
+    into groups of 16 rows, each stored input pair by input pair ([groups, k2 / 2, 16, 2]), so that one 32-byte
+    load widens to the sixteen rows' two inputs."""
+    n, k = quantized.shape
+    padded = torch.nn.functional.pad(quantized.detach(), (0, k % 2, 0, -n % VNNI_GROUP))
+    groups = padded.view(padded.shape[0] // VNNI_GROUP, VNNI_GROUP, padded.shape[1] // 2, 2).transpose(1, 2)
+    return memory.lasting(tuple(groups.shape), groups.dtype).copy_(groups)
+
+
+def int8_vnni_logits(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
+    """(approximate logits [m, n], each row's input rounding term [m]) of float32 rows x [m, k] through the VNNI
+    screen of `head` (native.c, dflash_int8_vnni_logits): what its bound is about, for tests."""
+    lib = library()
+    if lib is None or not head.vnni:
+        raise RuntimeError("no VNNI screen here")
+    x = x.float().contiguous()
+    m, k = x.shape
+    out, spread = torch.empty(m, head.weight.shape[0]), torch.empty(m, dtype=torch.float64)
+    if lib.dflash_int8_vnni_logits(head.tiles.data_ptr(), head.scales.data_ptr(), x.data_ptr(), m, out.shape[1], k,
+                                   torch.get_num_threads(), out.data_ptr(), spread.data_ptr()):
+        raise MemoryError("out of memory in the VNNI screen")
+    return out, spread
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -312,9 +363,10 @@ def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] 
     ids = torch.empty(m, dtype=torch.int64)
     screened = torch.empty(m, dtype=torch.int64)
     int8 = head.scales is not None
-    status = lib.dflash_greedy_screened(head.tiles.data_ptr(), int(int8), head.scales.data_ptr() if int8 else None,
+    mode = 2 if head.vnni else int(int8)
+    status = lib.dflash_greedy_screened(head.tiles.data_ptr(), mode, head.scales.data_ptr() if int8 else None,
                                         head.weight.data_ptr(), head.bf16_head,
-                                        head.row_norms.data_ptr(), head.norm_factor,
+                                        head.bound_norms.data_ptr(), head.norm_factor,
                                         head.l1_factor, x.data_ptr(), m, head.weight.shape[0], k,
                                         torch.get_num_threads(), ids.data_ptr(), screened.data_ptr())
     return (ids, screened) if status == 0 else None
