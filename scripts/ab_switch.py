@@ -19,6 +19,8 @@ Switches (the "on" variant is each one's default):
                     `models/native.py`), against widened to float32 for FMAs. Its outputs may differ: the two kernels
                     round bfloat16 sums differently (each is lossless against its own `ar`), so "identical" is not
                     asked of it. Use with --dtype bfloat16 (a float32 target has no bfloat16 weights)
+  screen-steps      greedy rounds read the head's screen for engine.FIRST_SCREENED positions first, then the rest
+                    for the rows that accepted them all, against every verified position in one screen
   int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
                     `models/native.c`), against float32 FMAs over its widened weights; both pin the int8 screen
 
@@ -36,6 +38,7 @@ import sys
 import torch
 
 from dflash.bench import parse_method, read_prompts, resolve_dataset
+from dflash import engine
 from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening
 from dflash.loading import build_proposer, load_target_cached
 from dflash.methods.base import MethodOptions
@@ -73,10 +76,15 @@ def set_int8_vnni(target, on: bool) -> None:
         target.engine.screen("int8")  # quantise and lay the head out again now, not inside a timed generation
 
 
+def set_screen_steps(target, on: bool) -> None:
+    engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
+
+
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
-            "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni}
+            "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps}
 CHANGES_ROUNDING = {"bf16-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
+DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
 
 
 def tpot_ms(result) -> float:
