@@ -19,6 +19,8 @@ Switches (the "on" variant is each one's default):
                     `models/native.py`), against widened to float32 for FMAs. Its outputs may differ: the two kernels
                     round bfloat16 sums differently (each is lossless against its own `ar`), so "identical" is not
                     asked of it. Use with --dtype bfloat16 (a float32 target has no bfloat16 weights)
+  continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
+                    frequent continuations (`methods/continuations.py`), against prompt lookup alone
   screen-steps      greedy rounds read the head's screen for engine.FIRST_SCREENED positions first, then the rest
                     for the rows that accepted them all, against every verified position in one screen
   int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
@@ -32,6 +34,7 @@ the switch makes generation faster), and whether every output was identical; --j
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -76,12 +79,17 @@ def set_int8_vnni(target, on: bool) -> None:
         target.engine.screen("int8")  # quantise and lay the head out again now, not inside a timed generation
 
 
+def set_continuations(target, on: bool) -> None:
+    os.environ["DFLASH_CONTINUATIONS"] = "1" if on else "0"  # read when a proposer is built: each variant keeps its own
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
 
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
-            "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps}
+            "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
+            "continuations": set_continuations}
 CHANGES_ROUNDING = {"bf16-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED

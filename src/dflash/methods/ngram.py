@@ -1,4 +1,6 @@
-"""`ngram`: prompt lookup. No model: the drafts are what followed the latest earlier occurrence of the sequence's tail.
+"""`ngram`: prompt lookup. No model: the drafts are what followed the latest earlier occurrence of the sequence's tail,
+and where the sequence has none, the target's own frequent continuation of its last tokens (a table shipped for the
+registry's targets, continuations.py; DFLASH_CONTINUATIONS=0 leaves it out).
 
 This file is the whole method, and the example docs/METHODS.md walks through for adding one.
 """
@@ -8,15 +10,19 @@ from __future__ import annotations
 from array import array
 
 from .base import Draft, Method, MethodOptions, Proposer
+from .continuations import ContinuationTable, shipped_table
 
 DEFAULT_BLOCK_SIZE = 8
+TABLE_LABEL = 0  # the label of the table's drafts: a match of no prompt tokens, calibrated apart (control.py)
 
 
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, max_draft: int = DEFAULT_BLOCK_SIZE - 1, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_draft: int = DEFAULT_BLOCK_SIZE - 1, max_ngram: int = 3, min_ngram: int = 1,
+                 table: ContinuationTable | None = None):
         self.max_draft, self.max_ngram, self.min_ngram = max_draft, max_ngram, min_ngram
+        self.table = table
 
     def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
         count = self.max_draft if limit is None else min(limit, self.max_draft)
@@ -30,6 +36,8 @@ class NgramProposer(Proposer):
             start = latest_word_match(words, words[-4 * n:], before_last)
             if start >= 0:  # latest match first: recent text predicts the continuation best
                 return Draft(sequence[start + n: start + n + count], label=n)  # a longer match is surer
+        if self.table is not None:
+            return Draft(self.table.draft(sequence, count), label=TABLE_LABEL)
         return Draft([])
 
 
@@ -42,9 +50,15 @@ def latest_word_match(words: bytes, tail: bytes, end: int) -> int:
     return at // 4 if at >= 0 else -1
 
 
+def lookup_for(target, max_draft: int) -> NgramProposer:
+    """Prompt lookup for `target`, with the continuation table shipped for it where there is one."""
+    return NgramProposer(max_draft=max_draft, table=shipped_table(target))
+
+
 def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:
-    return NgramProposer(max_draft=(options.block_size or DEFAULT_BLOCK_SIZE) - 1), None
+    return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1), None
 
 
-METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 1-3 tokens",
+METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 1-3 tokens, "
+                "else the target's own frequent continuation",
                 build_proposer=build, block_size_help="the number of copied drafts + 1")

@@ -17,7 +17,7 @@ def with_lookup(method: Method) -> Method:
     """`method` with prompt lookup beside its drafter (see the module docstring)."""
     def build(target, options: MethodOptions):
         proposer, note = method.build_proposer(target, options)
-        proposer.lookup = ngram.NgramProposer(max_draft=proposer.max_draft)
+        proposer.lookup = ngram.lookup_for(target, proposer.max_draft)
         proposer.name = method.name + LOOKUP_SUFFIX  # what the server reports
         return proposer, note
 
