@@ -39,7 +39,8 @@ PROBE_BUDGET = 0.015  # ... but never so far apart that a cheap drafter's probes
 class Calibration:
     """P(draft accepted | every draft before it was) by the drafter's confidence (binned), or by draft position
     for drafters without one (ngram), kept apart by the draft's label where it has one (prompt lookup: the length of
-    its match; in HumanEval a 3-token match's drafts were accepted 79% of the time, a 1-token match's 8%). Starts
+    its match, 0 for the target's continuation table; in HumanEval a 3-token match's drafts were accepted 79% of the
+    time, a 1-token match's 8%). Starts
     from the confidence itself (or 0.5) and learns from every round."""
 
     def __init__(self, positions: int):

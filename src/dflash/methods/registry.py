@@ -36,8 +36,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     *_SINGLE,
     *(with_lookup(m) for m in _SINGLE if m.uses_drafter),
 )}
-# the shipped DFlash drafter with prompt lookup beside it: on the four datasets of the nineteenth session's benches
-# it ran 1.23x-1.69x ar (float32 and bfloat16), where dflash alone ran 0.94x-1.14x (docs/RESULTS.md)
+# the shipped DFlash drafter with prompt lookup (and the target's continuation table) beside it: on the four datasets
+# of the twentieth session's benches it ran 1.29x-1.74x ar (float32 and bfloat16), where dflash alone ran
+# 0.93x-1.11x (docs/RESULTS.md)
 DEFAULT_METHOD = "dflash+ngram"
 
 
