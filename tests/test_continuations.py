@@ -90,3 +90,18 @@ def test_the_table_ships_for_the_registry_target_only(monkeypatch):
     assert shipped_table(SimpleNamespace(name="tiny-llama", vocab_size=49152)) is None
     monkeypatch.setenv("DFLASH_CONTINUATIONS", "0")
     assert shipped_table(smollm) is None
+
+
+def test_reports_say_whether_the_lookup_had_a_table(tiny_targets, monkeypatch):
+    """bench JSON and `generate --json` carry proposer.report: an `ngram` figure must say whether the table was on."""
+    from dflash.loading import build_proposer
+    from dflash.methods.base import MethodOptions
+
+    target = tiny_targets["llama"]
+    assert build_proposer("ngram", target)[0].report == {"continuation_table": "none"}
+    composite, _ = build_proposer("dflash+ngram", target, MethodOptions(block_size=4))
+    assert composite.report["continuation_table"] == "none" and "draft_dtype" in composite.report
+    monkeypatch.setattr(target, "name", "smollm2-135m")
+    monkeypatch.setattr(type(target), "vocab_size", property(lambda self: 49152))
+    report = build_proposer("ngram", target)[0].report["continuation_table"]
+    assert report.startswith("smollm2-135m-continuations (") and "contexts" in report

@@ -38,6 +38,7 @@ class ContinuationTable:
         if vocab_size > 1 << TOKEN_BITS:
             raise ValueError(f"a continuation table holds vocabularies up to {1 << TOKEN_BITS} tokens")
         self.contexts, self.nexts, self.vocab_size = contexts, nexts, vocab_size
+        self.source = "built"  # where it came from, for reports (`load`: the folder's name and size)
         keys = np.zeros(len(contexts), dtype=np.int64)
         for j in range(CONTEXT):
             keys = (keys << TOKEN_BITS) | contexts[:, j].astype(np.int64)
@@ -93,7 +94,9 @@ class ContinuationTable:
         if meta.get("format") != "dflash-continuations-1" or meta.get("context") != CONTEXT:
             raise ValueError(f"{folder} does not hold a continuation table of {CONTEXT}-token contexts")
         with np.load(folder / TABLE_FILE) as arrays:
-            return cls(arrays["contexts"].astype(np.int64), arrays["nexts"].astype(np.int64), int(meta["vocab_size"]))
+            table = cls(arrays["contexts"].astype(np.int64), arrays["nexts"].astype(np.int64), int(meta["vocab_size"]))
+        table.source = f"{folder.name} ({len(table)} contexts)"
+        return table
 
 
 def shipped_table(target) -> ContinuationTable | None:

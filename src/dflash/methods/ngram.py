@@ -51,8 +51,11 @@ def latest_word_match(words: bytes, tail: bytes, end: int) -> int:
 
 
 def lookup_for(target, max_draft: int) -> NgramProposer:
-    """Prompt lookup for `target`, with the continuation table shipped for it where there is one."""
-    return NgramProposer(max_draft=max_draft, table=shipped_table(target))
+    """Prompt lookup for `target`, with the continuation table shipped for it where there is one (which, in its
+    `report`: bench JSON and `generate --json` say whether an `ngram` figure had the table)."""
+    lookup = NgramProposer(max_draft=max_draft, table=shipped_table(target))
+    lookup.report = {"continuation_table": lookup.table.source if lookup.table is not None else "none"}
+    return lookup
 
 
 def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:

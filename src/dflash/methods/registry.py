@@ -18,6 +18,7 @@ def with_lookup(method: Method) -> Method:
     def build(target, options: MethodOptions):
         proposer, note = method.build_proposer(target, options)
         proposer.lookup = ngram.lookup_for(target, proposer.max_draft)
+        proposer.report = {**proposer.report, **proposer.lookup.report}
         proposer.name = method.name + LOOKUP_SUFFIX  # what the server reports
         return proposer, note
 
