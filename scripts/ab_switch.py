@@ -21,6 +21,9 @@ Switches (the "on" variant is each one's default):
                     asked of it. Use with --dtype bfloat16 (a float32 target has no bfloat16 weights)
   continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
                     frequent continuations (`methods/continuations.py`), against prompt lookup alone
+  backoff-contexts  the continuation table drafts from the longest of its 8/5/3/2-token contexts, and before a 1-token
+                    prompt match (`methods/continuations.py`, `ngram.WEAK_MATCH`), against 3-token contexts (built
+                    from the committed corpus with the same thresholds) after every prompt match
   screen-steps      greedy rounds read the head's screen for engine.FIRST_SCREENED positions first, then the rest
                     for the rows that accepted them all, against every verified position in one screen
   int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
@@ -37,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -44,7 +48,9 @@ from dflash.bench import parse_method, read_prompts, resolve_dataset
 from dflash import engine
 from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening
 from dflash.loading import build_proposer, load_target_cached
-from dflash.methods.base import MethodOptions
+from dflash.corpus import read_packed
+from dflash.methods import continuations, ngram
+from dflash.methods.base import SHIPPED_DRAFTERS, MethodOptions
 from dflash.methods.dflash import proposer as dflash_proposer
 from dflash.models import native
 
@@ -83,16 +89,30 @@ def set_continuations(target, on: bool) -> None:
     os.environ["DFLASH_CONTINUATIONS"] = "1" if on else "0"  # read when a proposer is built: each variant keeps its own
 
 
+def set_backoff_contexts(target, on: bool) -> None:
+    ngram.WEAK_MATCH = DEFAULT_WEAK_MATCH if on else 0
+    folder = SHIPPED_DRAFTERS / f"{target.name}-continuations"
+    continuations._SHIPPED.pop(folder, None)  # read when a proposer is built: each variant keeps its own
+    if not on:
+        if folder not in THREE_TOKEN_TABLES:
+            records = read_packed(Path("corpus") / target.name)
+            THREE_TOKEN_TABLES[folder] = continuations.ContinuationTable.build(
+                [r["input_ids"][r["loss_start"]:] for r in records], target.vocab_size, lengths=(3,))
+        continuations._SHIPPED[folder] = THREE_TOKEN_TABLES[folder]
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
 
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
-            "continuations": set_continuations}
+            "continuations": set_continuations, "backoff-contexts": set_backoff_contexts}
 CHANGES_ROUNDING = {"bf16-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
+DEFAULT_WEAK_MATCH = ngram.WEAK_MATCH
+THREE_TOKEN_TABLES = {}
 
 
 def tpot_ms(result) -> float:

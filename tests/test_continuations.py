@@ -17,19 +17,62 @@ def test_the_most_frequent_continuation_is_kept_where_it_is_frequent_enough():
     sequences = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5],  # 4 after 1 2 3: twice of three
                  [7, 8, 9, 10],  # seen once: dropped (MIN_COUNT 2)
                  [5, 6, 7, 1], [5, 6, 7, 1], [5, 6, 7, 2], [5, 6, 7, 2], [5, 6, 7, 3]]  # 2 of 5 each: under MIN_SHARE
-    table = ContinuationTable.build(sequences, vocab_size=16)
+    table = ContinuationTable.build(sequences, vocab_size=16, lengths=(3,))
     assert table.draft([0, 1, 2, 3], 5) == [4]
     assert table.draft([7, 8, 9], 5) == [] and table.draft([5, 6, 7], 5) == []
     assert len(table) == 1
-    assert ContinuationTable.build(sequences, vocab_size=16, min_count=1, min_share=0.0).draft([7, 8, 9], 3) == [10]
+    assert ContinuationTable.build(sequences, vocab_size=16, lengths=(3,), min_count=1,
+                                   min_share=0.0).draft([7, 8, 9], 3) == [10]
+
+
+def test_the_longest_known_context_decides_and_longer_ones_are_kept_only_where_they_differ():
+    sequences = [[1, 2, 3, 4]] * 3 + [[9, 2, 3, 7]] * 2  # after 2 3: 4 (3 of 5); after 9 2 3 always 7
+    table = ContinuationTable.build(sequences, vocab_size=16, lengths=(3, 2))
+    assert table.draft([0, 1, 2, 3], 1) == [4] and table.draft([5, 2, 3], 1) == [4]  # backs off to 2 3
+    assert table.draft([9, 2, 3], 1) == [7]
+    assert table.draft([9, 2], 3) == [3, 7]  # the second draft reads the longest context, its own draft included
+    # 2 tokens: 1 2 -> 3, 2 3 -> 4, 9 2 -> 3; 3 tokens: only 9 2 3 -> 7 (1 2 3 -> 4 is what 2 3 gives anyway)
+    assert len(table) == 4 and len(table.tables[3][1]) == 1
+
+
+def reference_continuation(sequences, window, lengths, min_count=2, min_share=0.5):
+    """The back-off rule spelt out: the longest context of `window` whose most frequent continuation is frequent
+    enough (ties: the smallest token) gives the next token."""
+    for length in sorted(lengths, reverse=True):
+        if len(window) < length:
+            continue
+        context, counts = tuple(window[-length:]), {}
+        for s in sequences:
+            for i in range(len(s) - length):
+                if tuple(s[i: i + length]) == context:
+                    counts[s[i + length]] = counts.get(s[i + length], 0) + 1
+        if counts:
+            token = min(counts, key=lambda t: (-counts[t], t))
+            if counts[token] >= min_count and counts[token] >= min_share * sum(counts.values()):
+                return token
+    return None
+
+
+def test_drafts_equal_the_back_off_rule_spelt_out():
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, 4, size=60).tolist() for _ in range(12)]
+    lengths = (5, 3, 2)
+    table = ContinuationTable.build(sequences, vocab_size=8, lengths=lengths)
+    probes = [rng.integers(0, 4, size=int(rng.integers(1, 9))).tolist() for _ in range(150)]
+    found = 0
+    for window in probes + [s[:k] for s in sequences[:3] for k in range(1, 20)]:
+        assert table.continuation(window) == reference_continuation(sequences, window, lengths)
+        found += table.continuation(window) is not None
+    assert found > 50
 
 
 def test_drafts_chain_the_continuations_up_to_the_count():
     sequences = [[1, 2, 3, 4, 5, 6, 7]] * 2
     table = ContinuationTable.build(sequences, vocab_size=16)
-    assert table.draft([9, 1, 2, 3], 10) == [4, 5, 6, 7]  # then 5 6 7 has no continuation
+    assert table.draft([9, 1, 2, 3], 10) == [4, 5, 6, 7]  # then 6 7 has no continuation
     assert table.draft([1, 2, 3], 2) == [4, 5]
-    assert table.draft([2, 3], 4) == []  # fewer tokens than a context
+    assert table.draft([2, 3], 4) == [4, 5, 6, 7]
+    assert table.draft([3], 4) == []  # fewer tokens than the shortest context
     assert ContinuationTable.build([[1, 2]], vocab_size=16).draft([1, 2, 3], 4) == []  # nothing long enough
 
 
@@ -50,14 +93,36 @@ def test_saved_and_loaded_tables_draft_alike(tmp_path):
         ContinuationTable.build(sequences, vocab_size=(1 << continuations.TOKEN_BITS) + 1)
 
 
+def test_a_table_of_the_first_format_still_loads(tmp_path):
+    """One context length, arrays `contexts` and `nexts` (what the twentieth session shipped)."""
+    np.savez_compressed(tmp_path / continuations.TABLE_FILE, contexts=np.array([[1, 2, 3], [2, 3, 4]], np.uint16),
+                        nexts=np.array([4, 5], np.uint16))
+    (tmp_path / continuations.INFO_FILE).write_text(
+        '{"format": "dflash-continuations-1", "context": 3, "vocab_size": 16}')
+    table = ContinuationTable.load(tmp_path)
+    assert table.draft([0, 1, 2, 3], 5) == [4, 5] and table.draft([2, 3], 5) == []
+
+
 def test_prompt_lookup_first_the_table_where_the_prompt_has_no_match():
-    table = ContinuationTable.build([[4, 5, 6, 7, 8]] * 2, vocab_size=16)
+    table = ContinuationTable.build([[4, 5, 6, 7, 8]] * 2, vocab_size=16, lengths=(3,))
     lookup = NgramProposer(max_draft=3, table=table)
     found = lookup.propose([4, 5, 6, 9, 9, 4, 5, 6])  # 4 5 6 occurred before: prompt lookup, 3-token match
     assert found.tokens == [9, 9, 4] and found.label == 3
     fallback = lookup.propose([1, 2, 4, 5, 6])  # no earlier occurrence of any tail: the table
     assert fallback.tokens == [7, 8] and fallback.label == TABLE_LABEL
     assert NgramProposer(max_draft=3).propose([1, 2, 4, 5, 6]).tokens == []
+
+
+def test_the_table_comes_before_a_one_token_prompt_match():
+    table = ContinuationTable.build([[4, 5, 6, 7, 8]] * 2, vocab_size=16, lengths=(3,))
+    lookup = NgramProposer(max_draft=3, table=table)
+    weak = lookup.propose([6, 1, 2, 4, 5, 6])  # 6 occurred before (a 1-token match), and the table knows 4 5 6
+    assert weak.tokens == [7, 8] and weak.label == TABLE_LABEL
+    assert NgramProposer(max_draft=3).propose([6, 1, 2, 4, 5, 6]).label == 1
+    unknown = lookup.propose([6, 1, 2, 3, 5, 6])  # the table has nothing: the 1-token match after all
+    assert unknown.tokens == [1, 2, 3] and unknown.label == 1
+    strong = lookup.propose([5, 6, 1, 4, 5, 6])  # a 2-token match (5 6) comes before the table
+    assert strong.tokens == [1, 4, 5] and strong.label == 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
