@@ -1,5 +1,6 @@
 """The target's own frequent continuations (methods/continuations.py), prompt lookup's fallback."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -170,3 +171,49 @@ def test_reports_say_whether_the_lookup_had_a_table(tiny_targets, monkeypatch):
     monkeypatch.setattr(type(target), "vocab_size", property(lambda self: 49152))
     report = build_proposer("ngram", target)[0].report["continuation_table"]
     assert report.startswith("smollm2-135m-continuations (") and "contexts" in report
+
+
+def test_a_table_for_your_own_target_from_its_regenerated_corpus(tmp_path, capsys):
+    """`dflash data --out DIR --table FOLDER` builds a table from a target's own regenerated responses, and
+    `--continuations FOLDER` (or none) chooses prompt lookup's table in generate and bench; misuse is one line, exit 2."""
+    from dflash.cli import main
+    from dflash.testing import tiny_target
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"id": "p{i}", "prompt": "w{i} w{i + 1} w{i + 2} w3"}}\n' for i in range(12)))
+    data, folder = tmp_path / "regenerated", tmp_path / "table"
+    common = ["--target", "tiny-llama", "--device", "cpu"]
+    assert main(["data", *common, "--out", str(data), "--input", str(prompts), "--max-new-tokens", "24",
+                 "--batch-size", "4"]) == 0
+    assert main(["data", *common, "--out", str(data), "--table", str(folder)]) == 0
+    table = ContinuationTable.load(folder)
+    assert len(table) > 0 and table.vocab_size == tiny_target("llama").vocab_size
+    capsys.readouterr()
+
+    def generate(*flags):
+        code = main(["generate", *common, "--max-new-tokens", "16", "--json", *flags, "w1 w2 w3"])
+        out, err = capsys.readouterr()
+        return code, (json.loads(out) if code == 0 else err)
+
+    code, payload = generate("--method", "ngram", "--continuations", str(folder))
+    assert code == 0 and payload["drafter"]["continuation_table"].startswith("table (")
+    code, payload = generate("--method", "dflash+ngram", "--block-size", "4", "--continuations", "none")
+    assert code == 0 and payload["drafter"]["continuation_table"] == "none"
+    code, err = generate("--method", "ngram", "--continuations", str(tmp_path / "missing"))
+    assert code == 2 and "no continuation table" in err and len(err.strip().splitlines()) == 1
+    code, err = generate("--method", "dflash", "--continuations", str(folder))
+    assert code == 2 and "applies to prompt lookup" in err
+    table.vocab_size = 70000
+    table.save(tmp_path / "other")
+    code, err = generate("--method", "ngram", "--continuations", str(tmp_path / "other"))
+    assert code == 2 and "vocabulary of 70000" in err
+    code = main(["bench", *common, "--methods", "ar,dflash", "--continuations", str(folder), "--limit", "1",
+                 "--dataset", str(prompts), "--out", str(tmp_path / "bench")])
+    assert code == 2 and "add ngram or NAME+ngram" in capsys.readouterr().err
+    assert main(["bench", *common, "--methods", "ar,ngram", "--continuations", str(folder), "--limit", "2",
+                 "--max-new-tokens", "8", "--dataset", str(prompts), "--out", str(tmp_path / "bench"),
+                 "--no-progress"]) == 0
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    assert results["drafters"]["ngram"]["continuation_table"].startswith("table (")
+    assert f"--continuations {folder}" in results["command"]
+    assert main(["data", *common, "--out", str(data), "--table", str(folder), "--pack", str(tmp_path / "c")]) == 2

@@ -348,9 +348,12 @@ def quantization_of(path: Path) -> str:
 def build_runners(methods: list[str], target, args, sampling) -> dict:
     from .cli import drafter_paths, method_options
     from .loading import build_proposer
+    from .methods import registry
 
     specs = {method: parse_method(method) for method in methods}
     drafter_paths(args.drafter, [spec.name for spec in specs.values() if spec.name not in BASELINES])  # checks them
+    if args.continuations is not None and not any(registry.uses_lookup(spec.name) for spec in specs.values()):
+        raise UserError("--continuations applies to prompt lookup: add ngram or NAME+ngram to --methods")
     runners = {}
     for method, spec in specs.items():
         if spec.name == HF_METHOD:
@@ -359,7 +362,7 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         if spec.name == LLAMACPP_METHOD:
             runners[method] = LlamaCppRunner(target, args.llamacpp_gguf, sampling)
             continue
-        options = method_options(args, spec.name, spec.size)
+        options = method_options(args, spec.name, spec.size, several=True)
         proposer, note = build_proposer(spec.name, target, options)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
@@ -636,6 +639,8 @@ def command_line(args) -> str:
             parts.append(f"{flag} {value}")
     for value in args.drafter or []:
         parts.append(f"--drafter {value}")
+    if args.continuations is not None:
+        parts.append(f"--continuations {args.continuations}")
     if args.kernels != "auto":
         parts.append(f"--kernels {args.kernels}")
     if args.template != "auto":

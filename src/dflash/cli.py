@@ -4,7 +4,7 @@ Each subcommand lives in its own module exposing `add_arguments(parser)` and `ru
 them up and holds the argument groups they share, so the same thing has the same flag everywhere:
 
     target options   --target --dtype --device --kernels            every command that loads a target
-    method options   --method --drafter --block-size --draft-dtype   generate and serve (bench: --methods)
+    method options   --method --drafter --block-size --draft-dtype --continuations   generate and serve (bench: --methods)
     sampling options --max-new-tokens --temperature --top-p --top-k --seed
 
 User mistakes (UserError) print one line and exit with code 2, never a traceback.
@@ -85,6 +85,11 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                             "int8-head: float32 layers on the target's kernels, an int8 LM head; auto = the fastest "
                             "of the target's dtype, bfloat16, int8 and int8-head, timed once per machine (default: "
                             "auto). Drafts never change the output")
+    group.add_argument("--continuations", default=None, metavar="FOLDER|none",
+                       help="the table of the target's own frequent continuations that prompt lookup (ngram, "
+                            "NAME+ngram) drafts from where the text has no earlier match: a folder built by `dflash "
+                            "data --out DATA_FOLDER --table FOLDER`, or none (default: the one shipped for a "
+                            "registry target, none for others)")
     group.add_argument("--whole-blocks", action="store_true",
                        help="draft and verify every draft of every round (the paper's setting). Default: each round "
                             "verifies the number of drafts that maximises tokens/s on this machine, from the drafter's "
@@ -116,15 +121,21 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
     return paths
 
 
-def method_options(args, method: str, block_size: int | None = None):
-    """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@B override)."""
+def method_options(args, method: str, block_size: int | None = None, several: bool = False):
+    """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@B override). Among
+    `several` methods (bench), --continuations goes to those that use prompt lookup; for one, it must be one."""
     from .methods import registry
     from .methods.base import MethodOptions
 
+    asked = getattr(args, "continuations", None)
+    continuations = asked if registry.uses_lookup(method) else None
+    if asked is not None and continuations is None and not several:
+        raise UserError(f"--continuations applies to prompt lookup (ngram, NAME+ngram), not --method {method}")
     return MethodOptions(
         drafter=drafter_paths(args.drafter, [method]).get(registry.drafter_of(method)),
         block_size=block_size if block_size is not None else args.block_size,
         draft_dtype=args.draft_dtype,
+        continuations=continuations,
     )
 
 

@@ -89,6 +89,7 @@ class MethodOptions:
     drafter: str | None = None  # a drafter folder; None: the one shipped for the target, else an untrained one
     block_size: int | None = None  # tokens verified per round at most: the bonus + block_size - 1 drafts
     draft_dtype: str | None = None  # the drafter's dtype; None: the target's; "auto": the faster one, measured
+    continuations: str | None = None  # prompt lookup's continuation table: a folder, "none"; None: the shipped one
 
 
 class TrainingRecipe(Protocol):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import UserError
+
 # Context lengths, longest first. Over SmolLM2's greedy answers to the four benchmarks, drafts from 8/5/3/2-token
 # contexts were accepted 0.05-0.20 tokens a position more than from 3-token ones alone
 # (scripts/corpus_lookup_estimate.py; more lengths, 8/6/5/4/3/2 or up to 12, drafted within 0.02 of these).
@@ -148,6 +150,30 @@ class ContinuationTable:
         table = cls(tables, int(meta["vocab_size"]))
         table.source = f"{folder.name} ({len(table)} contexts)"
         return table
+
+
+OFF = "none"  # --continuations none: prompt lookup alone
+
+
+def table_for(target, choice: str | None = None) -> ContinuationTable | None:
+    """The table prompt lookup drafts from: `choice` names a folder (`dflash data --out DIR --table FOLDER` builds
+    one from a target's regenerated corpus), "none" for none, None for the one shipped for the target."""
+    if choice is None:
+        return shipped_table(target)
+    if choice == OFF:
+        return None
+    folder = Path(choice)
+    if not (folder / INFO_FILE).is_file():
+        raise UserError(f"--continuations {choice}: no continuation table there (no {INFO_FILE}; "
+                        f"`dflash data --out DATA_FOLDER --table {choice}` builds one)")
+    try:
+        table = ContinuationTable.load(folder)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(f"--continuations {choice}: {exc}") from exc
+    if table.vocab_size != target.vocab_size:
+        raise UserError(f"--continuations {choice}: the table is for a vocabulary of {table.vocab_size} tokens, "
+                        f"the target has {target.vocab_size}")
+    return table
 
 
 def shipped_table(target) -> ContinuationTable | None:

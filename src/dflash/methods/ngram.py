@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 
 from .base import Draft, Method, MethodOptions, Proposer
-from .continuations import ContinuationTable, shipped_table
+from .continuations import ContinuationTable, table_for
 
 DEFAULT_BLOCK_SIZE = 8
 TABLE_LABEL = 0  # the label of the table's drafts: a match of no prompt tokens, calibrated apart (control.py)
@@ -57,16 +57,17 @@ def latest_word_match(words: bytes, tail: bytes, end: int) -> int:
     return at // 4 if at >= 0 else -1
 
 
-def lookup_for(target, max_draft: int) -> NgramProposer:
-    """Prompt lookup for `target`, with the continuation table shipped for it where there is one (which, in its
-    `report`: bench JSON and `generate --json` say whether an `ngram` figure had the table)."""
-    lookup = NgramProposer(max_draft=max_draft, table=shipped_table(target))
+def lookup_for(target, max_draft: int, continuations: str | None = None) -> NgramProposer:
+    """Prompt lookup for `target`, with the continuation table `continuations` names (a folder, "none"; default:
+    the one shipped for the target, where there is one). Which, in its `report`: bench JSON and `generate --json`
+    say whether an `ngram` figure had a table."""
+    lookup = NgramProposer(max_draft=max_draft, table=table_for(target, continuations))
     lookup.report = {"continuation_table": lookup.table.source if lookup.table is not None else "none"}
     return lookup
 
 
 def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:
-    return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1), None
+    return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1, options.continuations), None
 
 
 METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 1-3 tokens, "

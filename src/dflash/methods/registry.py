@@ -17,7 +17,7 @@ def with_lookup(method: Method) -> Method:
     """`method` with prompt lookup beside its drafter (see the module docstring)."""
     def build(target, options: MethodOptions):
         proposer, note = method.build_proposer(target, options)
-        proposer.lookup = ngram.lookup_for(target, proposer.max_draft)
+        proposer.lookup = ngram.lookup_for(target, proposer.max_draft, options.continuations)
         proposer.report = {**proposer.report, **proposer.lookup.report}
         proposer.name = method.name + LOOKUP_SUFFIX  # what the server reports
         return proposer, note
@@ -52,6 +52,11 @@ def get(name: str) -> Method:
 def drafter_of(name: str) -> str:
     """The method whose drafter `name` loads: NAME for NAME+ngram, else itself."""
     return name.removesuffix(LOOKUP_SUFFIX)
+
+
+def uses_lookup(name: str) -> bool:
+    """Whether method `name` drafts by prompt lookup (and so reads a continuation table): ngram and NAME+ngram."""
+    return name == ngram.METHOD.name or name.endswith(LOOKUP_SUFFIX)
 
 
 def names() -> list[str]:
