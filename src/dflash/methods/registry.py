@@ -38,8 +38,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     *(with_lookup(m) for m in _SINGLE if m.uses_drafter),
 )}
 # the shipped DFlash drafter with prompt lookup (and the target's continuation table) beside it: on the four datasets
-# of the twentieth session's benches it ran 1.29x-1.74x ar (float32 and bfloat16), where dflash alone ran
-# 0.93x-1.11x (docs/RESULTS.md)
+# of the twenty-first session's benches it ran 1.36x-1.73x ar (float32 and bfloat16), where dflash alone ran
+# 0.93x-1.09x and ngram alone 1.38x-1.72x (docs/RESULTS.md)
 DEFAULT_METHOD = "dflash+ngram"
 
 
