@@ -21,6 +21,9 @@ Switches (the "on" variant is each one's default):
                     asked of it. Use with --dtype bfloat16 (a float32 target has no bfloat16 weights)
   continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
                     frequent continuations (`methods/continuations.py`), against prompt lookup alone
+  attention-pairs   a bfloat16 target whose products run in pairs scores attention with VDPBF16PS too (`native.c`:
+                    block_scores_pairs), against FMAs over widened keys; its outputs may differ in the last bits, as
+                    between the two product kernels. Use with --dtype bfloat16 on an AVX512-BF16 CPU
   backoff-contexts  the continuation table drafts from the longest of its 8/5/3/2-token contexts, and before a 1-token
                     prompt match (`methods/continuations.py`, `ngram.WEAK_MATCH`), against 3-token contexts (built
                     from the committed corpus with the same thresholds) after every prompt match
@@ -101,14 +104,19 @@ def set_backoff_contexts(target, on: bool) -> None:
         continuations._SHIPPED[folder] = THREE_TOKEN_TABLES[folder]
 
 
+def set_attention_pairs(target, on: bool) -> None:
+    native.set_attention_pairs(on)
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
 
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
-            "continuations": set_continuations, "backoff-contexts": set_backoff_contexts}
-CHANGES_ROUNDING = {"bf16-pairs"}  # switches whose variants may differ in output (each lossless on its own)
+            "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
+            "attention-pairs": set_attention_pairs}
+CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
 DEFAULT_WEAK_MATCH = ngram.WEAK_MATCH

@@ -451,6 +451,35 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_steps(arch, dtype, head_dim, 
     assert calls[0] == (1 + len(block)) * target.num_layers
 
 
+@pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: sixteen keys at a time in registers; 16: a masked half vector
+def test_attention_scored_in_pairs_keeps_verify_equal_to_steps_and_close_to_fmas(head_dim, monkeypatch):
+    """A bfloat16 model in pairs scores attention with VDPBF16PS (block_scores_pairs): verifying still gives bitwise
+    the logits of steps (keys scored sixteen at a time, or fewer at a block's end, by one tree per key), and the
+    logits stay within bfloat16 rounding of scoring with FMAs over widened keys."""
+    target = tiny_target("llama", logit_scale=4.0, hidden_size=4 * head_dim)
+    target.model.to(torch.bfloat16)
+    old = native.set_bf16_pairs(True)
+    try:
+        choose_kernels(target, "native")
+        ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 4)[:45]
+        block = [9, 33, 2, 17, 40, 8, 11]
+        logits = {}
+        for pairs in (True, False):
+            native.set_attention_pairs(pairs)
+            together, alone = target.new_cache(), target.new_cache()
+            target.forward(torch.tensor([ids]), together)
+            target.forward(torch.tensor([ids]), alone)
+            wide = target.forward(torch.tensor([block]), together).logits[0]
+            steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+            assert torch.equal(wide, steps)
+            logits[pairs] = wide.float()
+        assert (logits[True] - logits[False]).abs().max() <= TOLERANCE[torch.bfloat16] * logits[False].abs().max()
+    finally:
+        native.set_attention_pairs(True)
+        native.set_bf16_pairs(old)
+
+
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 def test_odd_shapes_decode_like_transformers(arch):

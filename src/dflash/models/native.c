@@ -1218,6 +1218,22 @@ static float exp_shifted(float *x, int64_t n, float shift) {
     return total;
 }
 
+/* max(x[0..n-1]) (-inf for none; NaNs skipped, as `x > top ? x : top` does), eight lanes at a time: a scalar
+ * chain of maxima waited on each one's latency, a tenth of attention after 1000 tokens. Any order gives the same. */
+static inline float largest(const float *x, int64_t n) {
+    __m256 a = _mm256_set1_ps(-INFINITY), b = a;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        a = _mm256_max_ps(_mm256_loadu_ps(x + j), a); /* maxps gives its second operand where the first is NaN */
+        b = _mm256_max_ps(_mm256_loadu_ps(x + j + 8), b);
+    }
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(a, b));
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    for (; j < n; j++) top = x[j] > top ? x[j] : top;
+    return top;
+}
+
 /* out += p * v over d floats */
 static inline void add_scaled(float *out, float p, const float *v, int64_t d) {
     int64_t i = 0;
@@ -1280,6 +1296,76 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
     for (int64_t j = first; j < stop; j++) add_scaled(out, p[j], v + (j - j0) * d, d);
 }
 
+/* s[j] = q . k_j * scale for the keys j0..MIN(j1, n)-1 of a block of bfloat16 keys (`k`: key j0's row), where a
+ * bfloat16 model's products run in pairs (AVX512-BF16): q and k are bfloat16 values (q rounded after RoPE), so
+ * VDPBF16PS takes them as they are, 32 products an instruction, and the cache needs no widening. Each score is ONE
+ * chain of VDPBF16PS over q's pairs in order, then a fixed sum of its 16 lanes, whatever the block: a token's
+ * scores are the same in any pass. (A float32 FMA chain of widened keys took 8 instructions and 8 loads a key, and
+ * after 512 tokens attention was a third of a 16-token pass.) */
+#if PAIRS_BUILT
+#define ATTENTION_PAIRS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+/* lane i of the result: the sum of a[i]'s 16 lanes, by the same tree for every i (within each 128-bit lane
+ * (x0 + x2) + (x1 + x3), then the lanes (L0 + L1) + (L2 + L3)), so a key's score does not depend on its neighbours */
+ATTENTION_PAIRS_TARGET static inline __m512 lane_sums16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d, e, 0x88), _mm512_shuffle_f32x4(d, e, 0xDD));
+}
+
+ATTENTION_PAIRS_TARGET static void block_scores_pairs(const uint16_t *qb, const uint16_t *k, int64_t j0, int64_t j1,
+                                                      int64_t lo, int64_t n, int64_t d, float scale, float *s) {
+    int64_t whole = d / 32 * 32;
+    __mmask32 tail = (__mmask32)((1ull << (d - whole)) - 1);
+    for (int64_t j = MAX(j0, lo), stop = MIN(j1, n); j < stop; j += 16) {
+        int count = (int)MIN(16, stop - j);
+        __m512 acc[16];
+        if (d == 64 && count == 16) { /* heads of 64 (Llama, SmolLM2): sixteen chains of two, in registers */
+            __m512bh q0 = (__m512bh)_mm512_loadu_si512(qb), q1 = (__m512bh)_mm512_loadu_si512(qb + 32);
+            const uint16_t *kr = k + (j - j0) * 64;
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; r++)
+                acc[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0,
+                                                           (__m512bh)_mm512_loadu_si512(kr + r * 64)),
+                                          q1, (__m512bh)_mm512_loadu_si512(kr + r * 64 + 32));
+            _mm512_storeu_ps(s + j, _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
+            continue;
+        }
+        for (int r = 0; r < 16; r++) {
+            acc[r] = _mm512_setzero_ps();
+            if (r >= count) continue;
+            const uint16_t *kr = k + (j + r - j0) * d;
+            for (int64_t i = 0; i < whole; i += 32)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(qb + i),
+                                          (__m512bh)_mm512_loadu_si512(kr + i));
+            if (tail)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(tail, qb + whole),
+                                          (__m512bh)_mm512_maskz_loadu_epi16(tail, kr + whole));
+        }
+        _mm512_mask_storeu_ps(s + j, (__mmask16)((1u << count) - 1),
+                              _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
+    }
+}
+#else
+static void block_scores_pairs(const uint16_t *q, const uint16_t *k, int64_t j0, int64_t j1, int64_t lo,
+                               int64_t n, int64_t d, float scale, float *s) {
+    (void)q, (void)k, (void)j0, (void)j1, (void)lo, (void)n, (void)d, (void)scale, (void)s;
+}
+#endif
+
+static int attention_pairs = 1; /* 0: the FMA chain of widened keys even where pairs run (A/B runs) */
+int dflash_set_attention_pairs(int on) {
+    int old = attention_pairs;
+    attention_pairs = on;
+    return old;
+}
+
 /* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
  * cache positions 0..last, each next one to `step` more: 1 causally, 0 in a drafter's block, where every token
  * sees the whole block; with a sliding `window` > 0, each only to its last `window`): out = softmax(q k^T * scale) v. The cache is read in blocks
@@ -1295,22 +1381,33 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                    int64_t capacity, int64_t d, int64_t last, int64_t step, int64_t window, float scale, int bf16,
                    float *block) {
     int64_t at = g * capacity * d, longest = last + (tokens - 1) * step + 1;
+    int pairs = bf16 == 2 && attention_pairs;
+    uint16_t q16[pairs ? tokens * group * d : 1]; /* the queries as bfloat16 (they are bfloat16 values: exact) */
+    if (pairs)
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t h = 0; h < group; h++)
+                for (int64_t i = 0; i < d; i++) q16[(t * group + h) * d + i] = f32_to_bf16(R.q[t * R.q_token + h * d + i]);
     /* token t sees keys lo(t)..n(t) - 1: all before it, or (a sliding window) its last `window` */
 #define SEEN(t) (last + (t) * step + 1)
 #define FIRST_SEEN(t) (window > 0 ? MAX(0, SEEN(t) - window) : 0)
     for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
-        const float *k = cache_rows(keys, at, j0, j1, d, bf16, block);
+        const float *k = pairs ? NULL : cache_rows(keys, at, j0, j1, d, bf16, block);
         for (int64_t t = 0; t < tokens; t++)
-            for (int64_t h = 0; h < group; h++)
-                block_scores(R.q + t * R.q_token + h * d, k, j0, j1, FIRST_SEEN(t), SEEN(t), d, scale,
-                             R.scores + t * R.score_token + h * R.score_head);
+            for (int64_t h = 0; h < group; h++) {
+                const float *q = R.q + t * R.q_token + h * d;
+                float *s = R.scores + t * R.score_token + h * R.score_head;
+                if (pairs)
+                    block_scores_pairs(q16 + (t * group + h) * d, (const uint16_t *)keys + at + j0 * d, j0, j1, FIRST_SEEN(t), SEEN(t), d,
+                                       scale, s);
+                else
+                    block_scores(q, k, j0, j1, FIRST_SEEN(t), SEEN(t), d, scale, s);
+            }
     }
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             int64_t n = SEEN(t), lo = FIRST_SEEN(t);
-            float *s = R.scores + t * R.score_token + h * R.score_head, top = -INFINITY;
-            for (int64_t j = lo; j < n; j++) top = s[j] > top ? s[j] : top;
+            float *s = R.scores + t * R.score_token + h * R.score_head, top = largest(s + lo, n - lo);
             float inverse = 1.0f / exp_shifted(s + lo, n - lo, top);
             for (int64_t j = lo; j < n; j++) s[j] *= inverse;
             memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);

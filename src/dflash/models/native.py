@@ -105,6 +105,8 @@ def library() -> ctypes.CDLL | None:
                 fn.restype = ctypes.c_int
             lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
             lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
+            lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
+            lib.dflash_set_attention_pairs.restype = ctypes.c_int
             vnni_logits = lib.dflash_int8_vnni_logits
             vnni_logits.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
             vnni_logits.restype = ctypes.c_int
@@ -162,6 +164,16 @@ def set_bf16_pairs(on: bool) -> bool:
         raise RuntimeError("this build or CPU cannot multiply bfloat16 in pairs (AVX512-BF16)")
     _pairs = bool(on)
     return old
+
+
+def set_attention_pairs(on: bool) -> bool:
+    """Whether a bfloat16 model whose products run in pairs also scores attention with VDPBF16PS (native.c; the
+    default) or with FMAs over widened keys (for A/B runs); returns the old setting. Outputs may differ in the last
+    bits between the two, as between the two product kernels."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("no kernel library here")
+    return bool(lib.dflash_set_attention_pairs(int(on)))
 
 
 def int8_vnni() -> bool:
