@@ -137,14 +137,16 @@ def test_table_drafts_leave_greedy_output_unchanged(tiny_targets, arch):
     own = ContinuationTable.build(list(outputs.values()) * 2, vocab_size=target.vocab_size)
     noise = ContinuationTable.build([rng.integers(0, target.vocab_size, 400).tolist()] * 2,
                                     vocab_size=target.vocab_size)
-    accepted = 0
+    accepted = from_table = 0
     for table in (own, noise):
         for prompt, expected in outputs.items():
             proposer = NgramProposer(max_draft=5, table=table)
             result = SpeculativeDecoder(target, proposer).generate(target.encode_prompt(prompt), config)
             assert result.tokens == expected
+            assert result.stats.table_rounds <= result.stats.num_rounds
             accepted += sum(a - 1 for a in result.stats.accept_lengths) if table is own else 0
-    assert accepted > 0
+            from_table += result.stats.table_rounds if table is own else 0
+    assert accepted > 0 and from_table > 0
 
 
 def test_the_table_ships_for_the_registry_target_only(monkeypatch):
@@ -197,6 +199,7 @@ def test_a_table_for_your_own_target_from_its_regenerated_corpus(tmp_path, capsy
 
     code, payload = generate("--method", "ngram", "--continuations", str(folder))
     assert code == 0 and payload["drafter"]["continuation_table"].startswith("table (")
+    assert 0 <= payload["table_rounds"] <= payload["num_rounds"]
     code, payload = generate("--method", "dflash+ngram", "--block-size", "4", "--continuations", "none")
     assert code == 0 and payload["drafter"]["continuation_table"] == "none"
     code, err = generate("--method", "ngram", "--continuations", str(tmp_path / "missing"))

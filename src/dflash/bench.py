@@ -172,6 +172,7 @@ class Run:
     draft_lengths: list[int] | None = None  # drafts verified per round
     skipped_drafting: int = 0
     lookup_rounds: int = 0  # rounds that verified prompt lookup's drafts (NAME+ngram)
+    table_rounds: int = 0  # rounds that verified drafts of the target's continuation table
 
 
 class EngineRunner:
@@ -201,7 +202,7 @@ class EngineRunner:
         result = self.decoder.generate(prompt_ids, config)
         stats = result.stats
         return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths),
-                   list(stats.draft_lengths), stats.skipped_drafting, stats.lookup_rounds)
+                   list(stats.draft_lengths), stats.skipped_drafting, stats.lookup_rounds, stats.table_rounds)
 
 
 class _FirstTokenClock:
@@ -399,6 +400,7 @@ class Totals:
     draft_lengths: list[int] = field(default_factory=list)
     skipped_drafting: int = 0
     lookup_rounds: int = 0
+    table_rounds: int = 0
 
     def add(self, run: Run) -> None:
         n = len(run.tokens)
@@ -412,6 +414,7 @@ class Totals:
         self.draft_lengths += run.draft_lengths or []
         self.skipped_drafting += run.skipped_drafting
         self.lookup_rounds += run.lookup_rounds
+        self.table_rounds += run.table_rounds
 
     @property
     def tpot_ms(self) -> float:
@@ -434,6 +437,8 @@ class Totals:
             out["skipped_drafting"] = self.skipped_drafting
             if self.lookup_rounds:
                 out["lookup_rounds"] = self.lookup_rounds
+            if self.table_rounds:
+                out["table_rounds"] = self.table_rounds
         return out
 
 

@@ -199,7 +199,7 @@ def run(args) -> int:
             "method": args.method, "tau": stats.tau, "tokens_per_s": stats.tokens_per_s,
             "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
             "draft_length_histogram": stats.draft_length_histogram, "skipped_drafting": stats.skipped_drafting,
-            "lookup_rounds": stats.lookup_rounds,
+            "lookup_rounds": stats.lookup_rounds, "table_rounds": stats.table_rounds,
             "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
@@ -210,7 +210,9 @@ def run(args) -> int:
         print(json.dumps(payload))
         return 0
     print(result.text)
-    lookup = f" ({stats.lookup_rounds} by prompt lookup)" if stats.lookup_rounds else ""
+    table = f"{stats.table_rounds} from the continuation table" if stats.table_rounds else ""
+    lookup = (f" ({stats.lookup_rounds} by prompt lookup{', ' + table if table else ''})" if stats.lookup_rounds
+              else f" ({table})" if table else "")
     line = (
         f"[{args.method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}, "
         f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms"

@@ -25,7 +25,7 @@ import torch
 
 from .control import Calibration, CostModel, DraftController
 from .errors import UserError
-from .methods.base import Draft, Proposer
+from .methods.base import TABLE_LABEL, Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
 from .threads import chooser_for
 
@@ -67,6 +67,7 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)  # drafts verified per round (the controller's choice)
     skipped_drafting: int = 0  # rounds the controller ran without drafting (drafting did not pay)
     lookup_rounds: int = 0  # rounds that verified a free lookup's drafts (dflash+ngram) instead of the drafter's
+    table_rounds: int = 0  # rounds that verified drafts of the target's continuation table (ngram's or a lookup's)
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -385,6 +386,7 @@ class Engine:
                                   verify_seconds, width=len(rows) * width, catching_up=catching_up,
                                   lookup=plan.lookup, label=plan.draft.label)
             seq.stats.lookup_rounds += plan.lookup
+            seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
             seq.stats.accept_lengths.append(accepted + 1)
             seq.stats.draft_lengths.append(len(drafts[i]))
             new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]

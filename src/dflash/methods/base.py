@@ -20,6 +20,11 @@ from torch import nn
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
+# the label of drafts from a target's continuation table (methods/continuations.py): a match of no prompt tokens,
+# calibrated apart from prompt lookup's (labelled by their match's length), and counted apart in the stats
+TABLE_LABEL = 0
+
+
 @dataclass
 class Draft:
     tokens: list[int]

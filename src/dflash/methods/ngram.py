@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from array import array
 
-from .base import Draft, Method, MethodOptions, Proposer
+from .base import TABLE_LABEL, Draft, Method, MethodOptions, Proposer
 from .continuations import ContinuationTable, table_for
 
 DEFAULT_BLOCK_SIZE = 8
-TABLE_LABEL = 0  # the label of the table's drafts: a match of no prompt tokens, calibrated apart (control.py)
 # Prompt matches this short come after the table: over SmolLM2's answers to GSM8K, MT-Bench and HumanEval a 1-token
 # match's first draft was right 14-24% of the time, the table's 50-90% (scripts/corpus_lookup_estimate.py).
 WEAK_MATCH = 1
