@@ -275,6 +275,18 @@ def test_disconnected_clients_free_their_slot(target):
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
+def test_metrics_count_the_rounds_of_each_source_of_drafts():
+    from dflash.engine import GenerationStats
+    from dflash.serving.metrics import Metrics
+
+    m = Metrics(block_size=4, queued=lambda: 0, running=lambda: 0)
+    m.observe_generation(GenerationStats(new_tokens=9, accept_lengths=[3, 1, 2, 3], draft_lengths=[3, 1, 2, 3],
+                                         lookup_rounds=3, table_rounds=2))
+    sample = m.registry.get_sample_value
+    assert sample("dflash_lookup_rounds_total") == 3 and sample("dflash_table_rounds_total") == 2
+    assert sample("dflash_verify_rounds_total") == 4
+
+
 def test_metrics_are_prometheus_text(client, url):
     chat(client, PROMPTS[3])
     samples = metrics(url)
@@ -282,6 +294,8 @@ def test_metrics_are_prometheus_text(client, url):
     assert samples["dflash_generated_tokens_total"] > 0
     assert 0 <= samples["dflash_draft_tokens_total"] <= 3 * samples["dflash_verify_rounds_total"]  # adaptive
     assert samples["dflash_mean_tau"] >= 1
+    for name in ("dflash_lookup_rounds_total", "dflash_table_rounds_total"):
+        assert 0 <= samples[name] <= samples["dflash_verify_rounds_total"]
     for k in (1, 2, 3):
         assert 0 <= samples[f'dflash_position_acceptance{{position="{k}"}}'] <= 1
     count = samples["dflash_request_latency_seconds_count"]

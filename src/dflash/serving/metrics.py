@@ -31,6 +31,10 @@ class Metrics:
         self.rounds = Counter("dflash_verify_rounds", "Verify rounds, one per sequence per target pass.",
                               registry=registry)
         self.draft_tokens = Counter("dflash_draft_tokens", "Draft tokens verified.", registry=registry)
+        self.lookup_rounds = Counter("dflash_lookup_rounds", "Verify rounds that took prompt lookup's drafts instead "
+                                     "of the drafter's (NAME+ngram).", registry=registry)
+        self.table_rounds = Counter("dflash_table_rounds", "Verify rounds whose drafts came from the target's "
+                                    "continuation table (ngram, NAME+ngram).", registry=registry)
         self.accepted_tokens = Counter("dflash_accepted_tokens", "Draft tokens accepted by the target.",
                                        registry=registry)
         self.round_tokens = Histogram("dflash_tokens_per_round", "Tokens emitted per verify round (tau per round).",
@@ -75,6 +79,8 @@ class Metrics:
         self.total_rounds += stats.num_rounds
         self.total_round_tokens += sum(stats.accept_lengths)
         self.draft_tokens.inc(sum(stats.draft_lengths))
+        self.lookup_rounds.inc(stats.lookup_rounds)
+        self.table_rounds.inc(stats.table_rounds)
         for emitted in stats.accept_lengths:
             self.round_tokens.observe(emitted)
             accepted = emitted - 1
