@@ -294,6 +294,32 @@ def test_wider_passes_never_look_cheaper_and_measured_costs_seed_the_model():
     assert batched.cost(32) == pytest.approx(0.150) and batched.cost(1) < batched.cost(8) < batched.cost(32)
 
 
+def test_a_batch_wider_than_measured_is_priced_by_its_tokens_and_drafts_only_where_they_pay():
+    """Past the widest width measured for one row, a batch's pass costs in proportion to its tokens (bound by its
+    arithmetic). So in a batch of 16 no draft pays, however confident (each would widen every row's pass by a
+    whole step's worth), where one row alone verifies confident drafts. A level timed at load models the first
+    round too, instead of verifying every draft."""
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
+    costs.seed_batches(16 * 8)
+    assert costs.relative[32] == pytest.approx(3.0) and costs.relative[128] == pytest.approx(12.0)
+    assert not costs.known
+    costs.start_level(0.020)
+    assert costs.known and costs.cost(1) == pytest.approx(0.020) and costs.cost(48) == pytest.approx(0.020 * 4.5)
+    confident = [0.95] * 7
+    alone = DraftController(7, costs)
+    assert alone.choose(confident, 7) >= 3  # modelled from the first round: not simply every draft
+    assert alone.choose([0.95, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05], 7) < 7
+    batch = DraftController(7, costs)
+    batch.rows = 16
+    assert batch.choose(confident, 7) == 0
+    assert batch.lookup_choice(7)[0] == 0
+    assert batch.no_draft_can_pay() and not batch.should_draft()  # nor is the drafter run, even to probe
+    assert not alone.no_draft_can_pay() and alone.should_draft()
+    costs.start_level(0.050)  # only a missing level is set
+    assert costs.cost(1) == pytest.approx(0.020)
+
+
 def test_batched_rows_share_the_cost_model(tiny_targets):
     target = tiny_targets["qwen3"]
     engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)

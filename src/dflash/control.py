@@ -128,6 +128,25 @@ class CostModel:
             self.growth = {w: max(0.0, (long_relative[w] - r) / (long_context - context))
                            for w, r in relative.items() if w in long_relative}
 
+    def seed_batches(self, tokens: int) -> None:
+        """Price the passes of a batch wider than any measured width, up to `tokens`, in proportion to their tokens:
+        past 16 tokens a pass is bound by its arithmetic (float32, 2 cores: 16 rows x 2, 3, 4, 5 tokens took 1.8,
+        2.6, 3.3, 4.1 times 16 rows x 1), where the slope between the widths measured for one row priced 16 x 4 at
+        half of that, and every row of a batch of 16 verified drafts that cost more than they brought."""
+        if not self.relative:
+            return
+        widest = max(self.relative)
+        width = 2 * widest
+        while width <= max(tokens, 2 * widest):
+            self.relative[width] = self.relative[widest] * width / widest
+            width *= 2
+
+    def start_level(self, seconds: float) -> None:
+        """The machine's level from a 1-token pass timed at load, so that the first round is modelled too (with no
+        level it verified every draft: in a batch of 16 rows, 256 tokens, 13 plain steps' time)."""
+        if self.level is None and seconds > 0:
+            self.level = seconds / max(self._relative(1), 1e-12)
+
     def observe(self, width: int, seconds: float, context: int | None = None) -> None:
         if self.level is None:  # the first reading sets the machine's level; seeded shapes stay as measured
             if not self.relative:
@@ -243,6 +262,9 @@ class DraftController:
             self.stats.skipped_drafting += 1
             self.probe_due = self.skips_left == 0
             return False
+        if self.no_draft_can_pay():
+            self.stats.skipped_drafting += 1
+            return False
         draft_seconds = self.costs.drafting
         if self.probe_due or self.gain is None or self.rate is None or draft_seconds is None:
             self.probe_due = False  # a probe: one drafted round refreshes `gain`
@@ -257,6 +279,15 @@ class DraftController:
         self.skips_left, self.probe_gap = self.probe_gap - 1, min(self._widest_probe_gap(), 2 * self.probe_gap)
         self.stats.skipped_drafting += 1
         return False
+
+    def no_draft_can_pay(self) -> bool:
+        """Whether even a draft certain to be accepted would cost more to verify than it brings: where a batch's
+        passes are bound by their arithmetic, one more token a row widens the pass by a whole step's worth (16 rows
+        in float32), so drafting, and probing whether it pays, only costs."""
+        if not self.costs.known:
+            return False
+        self._start_rate()
+        return self.rate * self._extra_cost(2) >= 1.0
 
     def _widest_probe_gap(self) -> int:
         """Rounds between probes at which probing costs PROBE_BUDGET of the time: a probe that costs a tenth of a

@@ -1,0 +1,77 @@
+"""A batch of sequences through the engine with the cost model's batch pricing (`CostModel.seed_batches`, wide
+passes priced by their tokens, and `start_level`, a level timed at load) against without, interleaved in one
+process: seconds for the whole batch, and the passes' widths.
+
+Usage: .venv/bin/python scripts/batch_pricing_ab.py [METHODS] [ROWS] [NEW_TOKENS] [REPEATS]
+(defaults: ar,ngram,dflash+ngram; 16 rows; 32 new tokens; 3 repeats; float32 SmolLM2-135M, greedy, 2 threads)
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+from dflash.control import CostModel
+from dflash.engine import Engine, GenerationConfig
+from dflash.loading import build_proposer, load_target_cached
+
+
+def run_batch(target, proposer, prompts, config) -> tuple[float, list[int], list[list[int]]]:
+    engine = Engine(target, proposer, max_batch=len(prompts))
+    sequences = [engine.submit(ids, config) for ids in prompts]
+    widths, forward = [], target.forward
+
+    def noted(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    target.forward = noted
+    try:
+        start = time.perf_counter()
+        engine.run()
+        seconds = time.perf_counter() - start
+    finally:
+        target.forward = forward
+    return seconds, widths, [seq.result.tokens for seq in sequences]  # in the order submitted
+
+
+def main(argv: list[str]) -> int:
+    methods = (argv[0] if argv else "ar,ngram,dflash+ngram").split(",")
+    rows = int(argv[1]) if len(argv) > 1 else 16
+    new_tokens = int(argv[2]) if len(argv) > 2 else 32
+    repeats = int(argv[3]) if len(argv) > 3 else 3
+    torch.set_num_threads(2)
+    target = load_target_cached("smollm2-135m", "float32")
+    prompts = [target.encode_prompt(f"Tell me about topic number {i} in a few words, please.") for i in range(rows)]
+    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    proposers = {m: build_proposer(m, target)[0] for m in methods}
+    seed_batches, start_level = CostModel.seed_batches, CostModel.start_level
+    times = {(m, v): [] for m in methods for v in ("without", "with")}
+    widths = {}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for method in methods:
+            outputs = []
+            for variant in ("without", "with") if repeat % 2 else ("with", "without"):
+                if variant == "without":
+                    CostModel.seed_batches = CostModel.start_level = lambda self, *args: None
+                try:
+                    seconds, passes, tokens = run_batch(target, proposers[method], prompts, config)
+                finally:
+                    CostModel.seed_batches, CostModel.start_level = seed_batches, start_level
+                outputs.append(tokens)
+                if repeat:
+                    times[method, variant].append(seconds)
+                    widths[method, variant] = passes
+            assert outputs[0] == outputs[1], "the pricing changed an output"
+    print(f"{rows} rows x {new_tokens} new tokens, medians of {repeats}, outputs identical:")
+    for method in methods:
+        without, with_ = (statistics.median(times[method, v]) for v in ("without", "with"))
+        wide = {v: sorted(set(widths[method, v])) for v in ("without", "with")}
+        print(f"{method:14s} without {without:5.2f} s  with {with_:5.2f} s  ({with_ / without:.3f})  "
+              f"pass widths without {wide['without']} with {wide['with']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
