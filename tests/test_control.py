@@ -320,6 +320,21 @@ def test_a_batch_wider_than_measured_is_priced_by_its_tokens_and_drafts_only_whe
     assert costs.cost(1) == pytest.approx(0.020)
 
 
+def test_a_wider_pass_is_charged_for_every_row_it_delays():
+    """A row's drafts widen the pass that every row of the batch waits for: 8 rows x 2 tokens cost 0.3 steps more
+    than 8 x 1, a quarter of a token of each row's time, so a draft a third likely to be accepted pays for one row
+    alone and not for a batch of 8 (charged to its own row only, it was verified, and `ngram` took 1.2x `ar`'s
+    time)."""
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
+    costs.start_level(0.020)
+    unsure = [0.33] * 7
+    alone, batch = DraftController(7, costs), DraftController(7, costs)
+    batch.rows = 8
+    assert alone.choose(unsure, 7) >= 1 and batch.choose(unsure, 7) == 0
+    assert batch.no_draft_can_pay() and not alone.no_draft_can_pay()
+
+
 def test_batched_rows_share_the_cost_model(tiny_targets):
     target = tiny_targets["qwen3"]
     engine = Engine(target, NgramProposer(max_draft=3), max_batch=3)
