@@ -1,6 +1,6 @@
-"""A batch of sequences through the engine with the cost model's batch pricing (`CostModel.seed_batches`, wide
-passes priced by their tokens, and `start_level`, a level timed at load) against without, interleaved in one
-process: seconds for the whole batch, and the passes' widths.
+"""A batch of sequences through the engine with the cost model's batch pricing (`CostModel.seed_batches`: wide
+passes priced by their tokens; `DraftController.no_draft_can_pay`: no drafting where no draft could pay) against
+without, interleaved in one process: seconds for the whole batch, and the passes' widths.
 
 Usage: .venv/bin/python scripts/batch_pricing_ab.py [METHODS] [ROWS] [NEW_TOKENS] [REPEATS]
 (defaults: ar,ngram,dflash+ngram; 16 rows; 32 new tokens; 3 repeats; float32 SmolLM2-135M, greedy, 2 threads)
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dflash.control import CostModel
+from dflash.control import CostModel, DraftController
 from dflash.engine import Engine, GenerationConfig
 from dflash.loading import build_proposer, load_target_cached
 
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     prompts = [target.encode_prompt(f"Tell me about topic number {i} in a few words, please.") for i in range(rows)]
     config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     proposers = {m: build_proposer(m, target)[0] for m in methods}
-    seed_batches, start_level = CostModel.seed_batches, CostModel.start_level
+    seed_batches, no_draft_can_pay = CostModel.seed_batches, DraftController.no_draft_can_pay
     times = {(m, v): [] for m in methods for v in ("without", "with")}
     widths = {}
     for repeat in range(repeats + 1):  # the first round warms up
@@ -54,11 +54,12 @@ def main(argv: list[str]) -> int:
             outputs = []
             for variant in ("without", "with") if repeat % 2 else ("with", "without"):
                 if variant == "without":
-                    CostModel.seed_batches = CostModel.start_level = lambda self, *args: None
+                    CostModel.seed_batches = lambda self, tokens: None
+                    DraftController.no_draft_can_pay = lambda self: False
                 try:
                     seconds, passes, tokens = run_batch(target, proposers[method], prompts, config)
                 finally:
-                    CostModel.seed_batches, CostModel.start_level = seed_batches, start_level
+                    CostModel.seed_batches, DraftController.no_draft_can_pay = seed_batches, no_draft_can_pay
                 outputs.append(tokens)
                 if repeat:
                     times[method, variant].append(seconds)

@@ -297,18 +297,19 @@ def test_wider_passes_never_look_cheaper_and_measured_costs_seed_the_model():
 def test_a_batch_wider_than_measured_is_priced_by_its_tokens_and_drafts_only_where_they_pay():
     """Past the widest width measured for one row, a batch's pass costs in proportion to its tokens (bound by its
     arithmetic). So in a batch of 16 no draft pays, however confident (each would widen every row's pass by a
-    whole step's worth), where one row alone verifies confident drafts. A level timed at load models the first
-    round too, instead of verifying every draft."""
+    whole step's worth), where one row alone verifies confident drafts. Before the machine's level is known, the
+    first round is a plain step that measures it, instead of verifying every draft."""
     costs = CostModel()
     costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
     costs.seed_batches(16 * 8)
     assert costs.relative[32] == pytest.approx(3.0) and costs.relative[128] == pytest.approx(12.0)
-    assert not costs.known
-    costs.start_level(0.020)
+    first = DraftController(7, costs)
+    assert not costs.known and not first.should_draft() and first.lookup_choice(7)[0] == 0  # a plain first step
+    costs.observe(1, 0.020)
     assert costs.known and costs.cost(1) == pytest.approx(0.020) and costs.cost(48) == pytest.approx(0.020 * 4.5)
     confident = [0.95] * 7
     alone = DraftController(7, costs)
-    assert alone.choose(confident, 7) >= 3  # modelled from the first round: not simply every draft
+    assert alone.choose(confident, 7) >= 3
     assert alone.choose([0.95, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05], 7) < 7
     batch = DraftController(7, costs)
     batch.rows = 16
@@ -316,8 +317,6 @@ def test_a_batch_wider_than_measured_is_priced_by_its_tokens_and_drafts_only_whe
     assert batch.lookup_choice(7)[0] == 0
     assert batch.no_draft_can_pay() and not batch.should_draft()  # nor is the drafter run, even to probe
     assert not alone.no_draft_can_pay() and alone.should_draft()
-    costs.start_level(0.050)  # only a missing level is set
-    assert costs.cost(1) == pytest.approx(0.020)
 
 
 def test_a_wider_pass_is_charged_for_every_row_it_delays():
@@ -327,7 +326,7 @@ def test_a_wider_pass_is_charged_for_every_row_it_delays():
     time)."""
     costs = CostModel()
     costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
-    costs.start_level(0.020)
+    costs.observe(1, 0.020)
     unsure = [0.33] * 7
     alone, batch = DraftController(7, costs), DraftController(7, costs)
     batch.rows = 8

@@ -141,12 +141,6 @@ class CostModel:
             self.relative[width] = self.relative[widest] * width / widest
             width *= 2
 
-    def start_level(self, seconds: float) -> None:
-        """The machine's level from a 1-token pass timed at load, so that the first round is modelled too (with no
-        level it verified every draft: in a batch of 16 rows, 256 tokens, 13 plain steps' time)."""
-        if self.level is None and seconds > 0:
-            self.level = seconds / max(self._relative(1), 1e-12)
-
     def observe(self, width: int, seconds: float, context: int | None = None) -> None:
         if self.level is None:  # the first reading sets the machine's level; seeded shapes stay as measured
             if not self.relative:
@@ -262,7 +256,9 @@ class DraftController:
             self.stats.skipped_drafting += 1
             self.probe_due = self.skips_left == 0
             return False
-        if self.no_draft_can_pay():
+        if self.no_draft_can_pay() or (self.costs.relative and not self.costs.known):
+            # with measured pass costs but no level yet, a first plain step measures the machine's level: drafting
+            # unmodelled verified every draft (in a batch of 16 rows, 16 x 16 tokens, 13 plain steps' time)
             self.stats.skipped_drafting += 1
             return False
         draft_seconds = self.costs.drafting

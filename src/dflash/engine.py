@@ -184,8 +184,6 @@ class Engine:
             self.costs.seed(relative, short, longer[-1] if longer else None)
             if max_batch > 1:
                 self.costs.seed_batches(max_batch * (proposer.max_draft + 1))
-            if target._step_ms_now:
-                self.costs.start_level(target._step_ms_now / 1000)
         # a wide round computes its logits in two steps while rounds that need the second step are rarer than the
         # second step's share of a whole head (untimed test targets: always)
         wide = proposer is not None and proposer.max_draft + 1 > FIRST_LOGITS and target.defers_logits
