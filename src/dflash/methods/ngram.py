@@ -69,6 +69,6 @@ def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:
     return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1, options.continuations), None
 
 
-METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 1-3 tokens, "
-                "else the target's own frequent continuation",
+METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 3 or 2 "
+                "tokens, else the target's own frequent continuation, else what followed the last token",
                 build_proposer=build, block_size_help="the number of copied drafts + 1")
