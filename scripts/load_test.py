@@ -115,7 +115,11 @@ async def run_load(url: str, model: str, method: str, args, concurrency: int) ->
 
 
 def in_process(args) -> list[LoadResult]:
-    """One server per method on 127.0.0.1, all sharing one loaded target."""
+    """One server per method on 127.0.0.1, all sharing one loaded target and all up at once, so that each level runs
+    the methods back to back, --repeats times, in alternating order: this machine's speed drifts within minutes,
+    and only methods measured side by side compare."""
+    import contextlib
+
     import torch
 
     from dflash.loading import build_proposer, load_target_cached
@@ -125,19 +129,33 @@ def in_process(args) -> list[LoadResult]:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     target = load_target_cached(args.target, args.dtype, args.device)
+    methods = args.methods.split(",")
     results = []
-    for method in args.methods.split(","):
-        drafter = args.drafter if method == "dflash" else None
-        options = MethodOptions(drafter=drafter, block_size=args.block_size, draft_dtype="auto")
-        proposer, note = build_proposer(method, target, options)
-        if note:
-            print(f"[load_test] {method}: {note}", file=sys.stderr)
-        app = create_app(target, proposer, args.target, max_batch_size=args.max_batch_size, max_queue=args.max_queue)
-        with BackgroundServer(app) as url:
-            for level in args.levels:
-                results.append(asyncio.run(run_load(url, args.target, method, args, level)))
-                print_row(results[-1], results)
+    with contextlib.ExitStack() as servers:
+        urls = {}
+        for method in methods:
+            drafter = args.drafter if method == "dflash" else None
+            options = MethodOptions(drafter=drafter, block_size=args.block_size, draft_dtype="auto")
+            proposer, note = build_proposer(method, target, options)
+            if note:
+                print(f"[load_test] {method}: {note}", file=sys.stderr)
+            app = create_app(target, proposer, args.target, max_batch_size=args.max_batch_size,
+                             max_queue=args.max_queue)
+            urls[method] = servers.enter_context(BackgroundServer(app))
+        for level in args.levels:
+            for repeat in range(args.repeats):
+                for method in methods if repeat % 2 == 0 else methods[::-1]:
+                    results.append(asyncio.run(run_load(urls[method], args.target, method, args, level)))
+                    print_row(results[-1], results)
     return results
+
+
+def medians(results: list[LoadResult]) -> list[LoadResult]:
+    """One row per method and level: the repeat with the median tokens/s."""
+    groups: dict[tuple[str, int], list[LoadResult]] = {}
+    for r in results:
+        groups.setdefault((r.method, r.concurrency), []).append(r)
+    return [sorted(g, key=lambda r: r.tokens_per_s)[(len(g) - 1) // 2] for g in groups.values()]
 
 
 def against_url(args) -> list[LoadResult]:
@@ -178,6 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--methods", default="ar,dflash", help="comma-separated, for in-process servers")
+    p.add_argument("--repeats", type=int, default=1, help="in-process servers: runs of each level, methods in "
+                   "alternating order; the table keeps each method's median (default 1)")
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests per concurrent stream (default 2)")
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts (default 1,4,8)")
     p.add_argument("--max-batch-size", type=int, default=16, help="in-process servers: rows decoded together")
@@ -192,8 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
         p.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
-    if min([args.requests_per_stream, args.max_tokens, *args.levels]) < 1 or args.time_limit <= 0:
-        p.error("--requests-per-stream, --concurrency, --max-tokens and --time-limit must be positive")
+    if min([args.repeats, args.requests_per_stream, args.max_tokens, *args.levels]) < 1 or args.time_limit <= 0:
+        p.error("--repeats, --requests-per-stream, --concurrency, --max-tokens and --time-limit must be positive")
     return args
 
 
@@ -201,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(HEADER, flush=True)
     results = against_url(args) if args.url else in_process(args)
+    table = medians(results)
     print()
-    print_table(results)
-    report = {"command": " ".join(["python", *sys.argv]), "config": vars(args), "results": [asdict(r) for r in results]}
+    print_table(table)
+    report = {"command": " ".join(["python", *sys.argv]), "config": vars(args), "results": [asdict(r) for r in table],
+              "runs": [asdict(r) for r in results]}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(f"[load_test] wrote {args.out}", file=sys.stderr)

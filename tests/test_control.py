@@ -7,7 +7,7 @@ import random
 import pytest
 
 from conftest import ARCHS, OracleProposer, RandomProposer
-from dflash.control import Calibration, CostModel, DraftController
+from dflash.control import Calibration, CostModel, DraftController, _interpolated
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.methods.base import Draft
 from dflash.methods.dflash.proposer import DFlashProposer
@@ -258,6 +258,8 @@ def test_cost_model_interpolates_and_extrapolates():
     assert costs.cost(17) == pytest.approx(0.062)
     costs.observe(1, 0.040)  # an EMA, not the last reading
     assert 0.030 < costs.cost(1) < 0.040
+    values = {2: 1.1, 4: 1.3, 8: 1.5, 16: 2.5}
+    assert [_interpolated(values, w) for w in (1, 2, 3, 6, 12, 20)] == pytest.approx([1.0, 1.1, 1.2, 1.4, 2.0, 3.0])
 
 
 def test_a_busy_moment_does_not_make_wide_passes_look_free():

@@ -21,6 +21,7 @@ Every time comes from an injectable `timer`, so tests are deterministic.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass, field
@@ -186,19 +187,18 @@ class CostModel:
 
 def _interpolated(values: dict[int, float], width: int) -> float:
     """values[width], linear between the widths it has, the nearest slope beyond them (one width: 5% a token)."""
-    widths = sorted(values)
     if width in values:
         return values[width]
-    lower = [w for w in widths if w < width]
-    upper = [w for w in widths if w > width]
-    if lower and upper:
-        a, b = lower[-1], upper[0]
+    widths = sorted(values)
+    at = bisect.bisect(widths, width)  # widths[:at] are below `width`, the rest above
+    if 0 < at < len(widths):
+        a, b = widths[at - 1], widths[at]
         return values[a] + (values[b] - values[a]) * (width - a) / (b - a)
     if len(widths) == 1:  # one width seen: assume what a CPU verify costs per extra token, 5% of a step
         return values[widths[0]] * (1 + 0.05 * (width - widths[0]))
-    a, b = (widths[-2], widths[-1]) if upper == [] else (widths[0], widths[1])
+    a, b = (widths[-2], widths[-1]) if at == len(widths) else (widths[0], widths[1])
+    edge = widths[-1] if at == len(widths) else widths[0]
     slope = max(0.0, (values[b] - values[a]) / (b - a))
-    edge = widths[-1] if not upper else widths[0]
     return max(0.0, values[edge] + slope * (width - edge))
 
 
@@ -241,9 +241,8 @@ class DraftController:
     def lookup_choice(self, available: int, label: int | None = None) -> tuple[int, float]:
         """(how many of `available` free lookup drafts to verify, the expected value of that), by the lookup's own
         calibration (for drafts of its `label`); (0, 0.0) in whole-block mode and before the costs are known."""
-        if available <= 0 or self.whole_blocks or not self.costs.known:
-            return 0, 0.0
-        self._start_rate()
+        if available <= 0 or self.whole_blocks or not self.costs.known or self.no_draft_can_pay():
+            return 0, 0.0  # the last: in a batch bound by its arithmetic, pricing every draft was 5% of a round
         return self._best([self.lookup_calibration.probability(j, None, label) for j in range(available)])
 
     def should_draft(self, alternative: float = 0.0) -> bool:
@@ -349,10 +348,11 @@ class DraftController:
         """(k, the value of verifying k drafts) for k = 1.. len(probabilities), from each draft's probability of
         being accepted given every one before it was."""
         expected, all_right = 0.0, 1.0
+        rate, step = self._batch_rate(), self.costs.cost(self.rows, self.context)
         for k, p in enumerate(probabilities, start=1):
             all_right *= p
             expected += all_right
-            yield k, expected - self._batch_rate() * self._extra_cost(k + 1)
+            yield k, expected - rate * (self.costs.cost(self.rows * (k + 1), self.context) - step)
 
     def keep_going(self, confidences: list[float]) -> bool:
         """For chain drafters (EAGLE-3), after each draft: is one more worth its drafting step? Only if even a
