@@ -181,3 +181,29 @@ def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets, draft_vocab):
             torch.testing.assert_close(torch.tensor(a.confidence[:read]), torch.tensor(c.confidence),
                                        atol=1e-5, rtol=1e-4)
         assert len(set(tuple(d.tokens) for d in solo)) > 1
+
+
+def test_a_batch_verifies_the_drafts_that_pay_for_the_whole_batch(tiny_targets, monkeypatch):
+    """Passes timed on a fake clock as a fixed weight read plus a cost per token: 4 rows with sure drafts (an
+    oracle) gain 4 tokens per draft they verify, for 1.1 tokens of the batch's time. Decided for the batch as a
+    whole, every round after the second verifies drafts in every row (more as the calibration learns they are
+    all accepted); row by row, each row was charged the whole
+    batch's wider pass for its own single token, and no round ever did. Outputs stay each row's solo output."""
+    target = tiny_targets["llama"]
+    ids = target.encode_prompt(PROMPTS[0])
+    reference = solo(target, ids, 40)
+    clock, shapes, forward = [0.0], [], target.forward
+
+    def timed(tokens, *args, **kwargs):
+        clock[0] += 0.010 + 0.001 * tokens.numel()
+        shapes.append(tuple(tokens.shape))
+        return forward(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", timed)
+    engine = Engine(target, OracleProposer(reference, len(ids), 7), max_batch=4, timer=lambda: clock[0])
+    seqs = [engine.submit(ids, GenerationConfig(max_new_tokens=40, ignore_eos=True)) for _ in range(4)]
+    engine.run()
+    assert all(seq.result.tokens == reference for seq in seqs)
+    rounds = [width for rows, width in shapes if rows == 4]
+    # the first round verifies whole blocks (no costs known yet) and the second is priced from that one reading
+    assert len(rounds) >= 4 and min(rounds[2:]) >= 2, rounds

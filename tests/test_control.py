@@ -7,7 +7,7 @@ import random
 import pytest
 
 from conftest import ARCHS, OracleProposer, RandomProposer
-from dflash.control import Calibration, CostModel, DraftController, _interpolated
+from dflash.control import Calibration, CostModel, DraftController, _interpolated, batch_width
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.methods.base import Draft
 from dflash.methods.dflash.proposer import DFlashProposer
@@ -319,22 +319,34 @@ def test_a_batch_wider_than_measured_is_priced_by_its_tokens_and_drafts_only_whe
     assert batch.lookup_choice(7)[0] == 0
     assert batch.no_draft_can_pay() and not batch.should_draft()  # nor is the drafter run, even to probe
     assert not alone.no_draft_can_pay() and alone.should_draft()
+    # the drafting, which every row waits for too: 10 ms a row keeps 8 rows from drafting even a certain block,
+    # while their free lookup's drafts may still pay, and so may one row's drafts alone
+    costs.observe_drafting(0.010)
+    eight = DraftController(7, costs)
+    eight.rows = 8
+    assert eight.no_draft_can_pay() and not eight._widening_cannot_pay() and not alone.no_draft_can_pay()
 
 
-def test_a_wider_pass_is_charged_for_every_row_it_delays():
-    """A row's drafts widen the pass that every row of the batch waits for: 8 rows x 2 tokens cost 0.3 steps more
-    than 8 x 1, a quarter of a token of each row's time, so a draft a third likely to be accepted pays for one row
-    alone and not for a batch of 8 (charged to its own row only, it was verified, and `ngram` took 1.2x `ar`'s
-    time)."""
+def test_a_batch_verifies_drafts_where_they_pay_the_whole_batch():
+    """A batch's pass is as wide as its widest row and every row waits for it: 8 rows x 2 tokens cost 0.3 steps
+    more than 8 x 1, 2 tokens of the batch's time. A draft a third likely to be accepted pays when every row has
+    one (2.6 tokens expected), not when one row alone has it, however sure its drafts: each wider pass costs the
+    batch 2 tokens, more than any one draft brings. Row by row, charged alone for the batch's wider pass, no row
+    ever verified a draft (8 float32 rows on GSM8K); charged its own time only, one unsure row widened every
+    row's pass (`ngram` took 1.2x `ar`'s time)."""
     costs = CostModel()
     costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
     costs.observe(1, 0.020)
-    unsure = [0.33] * 7
-    alone, batch = DraftController(7, costs), DraftController(7, costs)
-    batch.rows = 8
-    assert alone.choose(unsure, 7) >= 1 and batch.choose(unsure, 7) == 0
-    assert batch.no_draft_can_pay() and not alone.no_draft_can_pay()
-
+    rate = 8 / costs.cost(8)  # tokens a second of 8 rows taking plain steps
+    unsure, sure = [0.33] * 7, [0.95] * 7
+    width, value = batch_width([unsure] * 8, costs, rate)
+    assert width == 1 and value == pytest.approx(8 * 0.33 - 2)
+    assert batch_width([unsure] + [[]] * 7, costs, rate) == (0, 0.0)
+    assert batch_width([sure] + [[0.1]] * 7, costs, rate) == (0, 0.0)
+    assert batch_width([sure] * 8, costs, rate)[0] >= 3
+    assert batch_width([sure] * 2 + [[0.95]] * 6, costs, rate)[0] == 1  # the rows with one draft gain no more
+    alone = DraftController(7, costs)
+    assert alone.choose(unsure, 7) >= 1  # a row alone: its draft costs only its own time
 
 def test_batched_rows_share_the_cost_model(tiny_targets):
     target = tiny_targets["qwen3"]
@@ -553,3 +565,19 @@ def test_drafts_without_confidence_are_calibrated_by_their_label():
     assert calibration.probability(0, None) == pytest.approx(0.5)  # unlabelled: still the prior
     assert NgramProposer(max_draft=4).propose([5, 6, 7, 9, 5, 6, 7]).label == 3
     assert NgramProposer(max_draft=4).propose([5, 6, 7, 9, 6, 7]).label == 2
+
+
+def test_a_wider_pass_is_priced_at_least_as_a_narrower_one_at_every_context():
+    """The price of a width is the largest of its own and every narrower width's, each at the context priced (kept
+    per context between readings, dropped at each reading)."""
+    rng = random.Random(3)
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.3, 3: 1.2, 4: 1.5, 8: 1.4, 16: 2.0}, 64,
+               (512, {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.4, 8: 2.2, 16: 2.9}))
+    costs.observe(1, 0.010, 64)
+    for reading in range(30):
+        costs.observe(rng.choice([1, 2, 4, 8, 16, 24]), rng.uniform(0.01, 0.04), rng.choice([None, 64, 300]))
+        for context in (None, 64, 300, 900):
+            for width in (1, 2, 3, 5, 8, 12, 16, 20, 24, 40):
+                naive = max(costs._at(w, context) for w in [width, *costs.relative] if w <= width)
+                assert costs.relative_cost(width, context) == pytest.approx(naive)

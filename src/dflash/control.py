@@ -22,6 +22,7 @@ Every time comes from an injectable `timer`, so tests are deterministic.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,9 @@ class CostModel:
         self.growth: dict[int, float] = {}  # width -> relative cost added per token of context (seeded)
         self.reference = 0  # the context `relative` is at
         self.drafting: float | None = None  # seconds one sequence's drafting adds to a round, in steady state
+        # context -> (the widths in order, the largest relative cost up to each): every row of a batch prices
+        # several widths each round, and recomputing the maximum over narrower widths per price was 3% of a round
+        self._envelopes: dict[int | None, tuple[list[int], list[float]]] = {}
 
     def observe_drafting(self, seconds: float) -> None:
         """One round's drafting time per sequence. Only rounds whose drafter caught up on a few context tokens count:
@@ -124,6 +128,7 @@ class CostModel:
         a plain step for hundreds of rounds, and the controller verified 4-7 drafts a round where one paid (0.88x on
         MATH-500). `longer`: (a longer context, the relative costs measured after it), for their growth."""
         self.relative, self.reference = dict(relative), context
+        self._envelopes.clear()
         if longer is not None:
             long_context, long_relative = longer
             self.growth = {w: max(0.0, (long_relative[w] - r) / (long_context - context))
@@ -141,8 +146,13 @@ class CostModel:
         while width <= max(tokens, 2 * widest):
             self.relative[width] = self.relative[widest] * width / widest
             width *= 2
+        self._envelopes.clear()
 
     def observe(self, width: int, seconds: float, context: int | None = None) -> None:
+        self._learn(width, seconds, context)
+        self._envelopes.clear()  # every reading may move a relative cost
+
+    def _learn(self, width: int, seconds: float, context: int | None) -> None:
         if self.level is None:  # the first reading sets the machine's level; seeded shapes stay as measured
             if not self.relative:
                 self.relative[width] = 1.0
@@ -173,8 +183,18 @@ class CostModel:
     def _relative(self, width: int, context: int | None = None) -> float:
         """Never below a narrower pass's: a wider pass reads the same weights and does more work, so a reading
         that says otherwise is noise, and believing it would make extra drafts look free."""
-        narrower = [self._at(w, context) for w in self.relative if w < width]
-        return max([self._at(width, context)] + narrower)
+        widths, peaks = self._envelope(context)
+        narrower = bisect.bisect_left(widths, width)
+        value = self._at(width, context)
+        return max(value, peaks[narrower - 1]) if narrower else value
+
+    def _envelope(self, context: int | None) -> tuple[list[int], list[float]]:
+        if len(self._envelopes) > 64:  # many contexts between two passes: only the current ones are priced again
+            self._envelopes.clear()
+        if context not in self._envelopes:
+            widths = sorted(self.relative)
+            self._envelopes[context] = widths, list(itertools.accumulate((self._at(w, context) for w in widths), max))
+        return self._envelopes[context]
 
     def _at(self, width: int, context: int | None) -> float:
         return _interpolated(self.relative, width) + self._growth(width, context)
@@ -241,7 +261,7 @@ class DraftController:
     def lookup_choice(self, available: int, label: int | None = None) -> tuple[int, float]:
         """(how many of `available` free lookup drafts to verify, the expected value of that), by the lookup's own
         calibration (for drafts of its `label`); (0, 0.0) in whole-block mode and before the costs are known."""
-        if available <= 0 or self.whole_blocks or not self.costs.known or self.no_draft_can_pay():
+        if available <= 0 or self.whole_blocks or not self.costs.known or self._widening_cannot_pay():
             return 0, 0.0  # the last: in a batch bound by its arithmetic, pricing every draft was 5% of a round
         return self._best([self.lookup_calibration.probability(j, None, label) for j in range(available)])
 
@@ -264,9 +284,10 @@ class DraftController:
         if self.probe_due or self.gain is None or self.rate is None or draft_seconds is None:
             self.probe_due = False  # a probe: one drafted round refreshes `gain`
             return True
-        if self.gain > self.rate * draft_seconds:
+        # drafting delays every row of the batch, not only this one
+        if self.gain > self.rows * self.rate * draft_seconds:
             self.probe_gap = PROBE_FIRST
-            if self.gain - alternative > self.rate * draft_seconds:
+            if self.gain - alternative > self.rows * self.rate * draft_seconds:
                 return True
             self.stats.skipped_drafting += 1  # the lookup is worth more this round: no skipping streak
             return False
@@ -276,29 +297,35 @@ class DraftController:
         return False
 
     def no_draft_can_pay(self) -> bool:
-        """Whether even a draft certain to be accepted would cost more to verify than it brings: where a batch's
-        passes are bound by their arithmetic, one more token a row widens the pass by a whole step's worth (16 rows
-        in float32), so drafting, and probing whether it pays, only costs."""
+        """Whether drafts certain to be accepted in every row of the batch, one or a whole block, would still cost
+        more than they bring: the wider pass and the drafting, both of which every row waits for. Where a batch's
+        passes are bound by their arithmetic, one more token a row costs most of a step (16 rows in float32) and
+        the drafter's pass for 16 rows half a step more, so drafting, and probing whether it pays, only costs
+        (16 rows probing the drafter at their start took `dflash+ngram` from 1.05x to 1.10x `ar`'s time)."""
         if not self.costs.known:
             return False
         self._start_rate()
-        return self._batch_rate() * self._extra_cost(2) >= 1.0
+        drafting = self.rows * (self.costs.drafting or 0.0)
+        return all(self.rate * (self._extra_cost(k + 1) + drafting) >= k for k in {1, max(1, self.max_draft)})
 
-    def _batch_rate(self) -> float:
-        """Tokens a second the whole batch loses per second a pass is widened: every row waits for the wider pass,
-        not only the one whose drafts widen it (counting this row's rate alone, 8 rows verified a draft whenever it
-        was a third likely to be accepted, and `ngram` took 1.2x `ar`'s time)."""
-        return self.rate * self.rows
+    def _widening_cannot_pay(self) -> bool:
+        """Whether a certain draft in every row brings less than the wider pass costs (a free lookup's drafts)."""
+        if not self.costs.known:
+            return False
+        self._start_rate()
+        return self.rate * self._extra_cost(2) >= 1.0
 
     def _widest_probe_gap(self) -> int:
         """Rounds between probes at which probing costs PROBE_BUDGET of the time: a probe that costs a tenth of a
         step may come every few rounds (it finds predictable stretches early), one that costs a whole step rarely.
-        A probe costs its drafting and the wider pass that verifies at least one draft."""
+        A probe costs its drafting and the wider pass that verifies at least one draft. The rows of a batch share
+        the budget, each probing `rows` times as rarely: they probe each on its own count, every probe holds up
+        the whole batch, and a lone row's drafting pass costs most of what the batch's would."""
         step = self.costs.cost(self.rows, self.context)
         if step <= 0 or self.costs.drafting is None:
-            return PROBE_MAX
+            return PROBE_MAX * self.rows
         probe = self.costs.drafting + self._extra_cost(2)
-        return max(PROBE_FIRST, min(PROBE_MAX, math.ceil(probe / (PROBE_BUDGET * step))))
+        return max(PROBE_FIRST, min(PROBE_MAX * self.rows, math.ceil(self.rows * probe / (PROBE_BUDGET * step))))
 
     # ---- after drafting -----------------------------------------------------------------------------------------
     def choose(self, confidences: list[float] | None, available: int, label: int | None = None) -> int:
@@ -310,6 +337,15 @@ class DraftController:
         best_k, self.chosen_value = self._best([
             self.calibration.probability(j, confidences[j] if confidences else None, label) for j in range(available)])
         return best_k
+
+    def acceptance(self, draft_count: int, confidences: list[float] | None, label: int | None = None,
+                   lookup: bool = False) -> list[float]:
+        """P(draft j accepted | every draft before it was), j < draft_count, for the drafter's drafts or (`lookup`)
+        the free lookup's."""
+        if lookup:
+            return [self.lookup_calibration.probability(j, None, label) for j in range(draft_count)]
+        return [self.calibration.probability(j, confidences[j] if confidences else None, label)
+                for j in range(draft_count)]
 
     def _start_rate(self) -> None:
         if self.rate is None:  # a new sequence: until its own rounds say otherwise, the rate of plain steps
@@ -348,7 +384,7 @@ class DraftController:
         """(k, the value of verifying k drafts) for k = 1.. len(probabilities), from each draft's probability of
         being accepted given every one before it was."""
         expected, all_right = 0.0, 1.0
-        rate, step = self._batch_rate(), self.costs.cost(self.rows, self.context)
+        rate, step = self.rate, self.costs.cost(self.rows, self.context)
         for k, p in enumerate(probabilities, start=1):
             all_right *= p
             expected += all_right
@@ -392,6 +428,35 @@ class DraftController:
         if self.chosen_value is not None:  # the model's expectation: far steadier than one round's luck (rounds
             # before the costs were known verified whole blocks unmodelled: they say nothing about the value)
             self.gain = _ema(self.gain, self.chosen_value, GAIN_SMOOTHING)
+
+
+def expected_accepted(probabilities: list[float]) -> list[float]:
+    """[E_0, E_1, ...]: the expected number of accepted drafts when the first k are verified (see the top)."""
+    sums, all_right = [0.0], 1.0
+    for p in probabilities:
+        all_right *= p
+        sums.append(sums[-1] + all_right)
+    return sums
+
+
+def batch_width(acceptances: list[list[float]], costs: CostModel, rate: float,
+                context: int | None = None) -> tuple[int, float]:
+    """(w, value) for a batch whose rows are verified in one pass as wide as its widest row: each row verifies
+    min(w, its drafts) drafts, and w maximises the batch's expected accepted drafts minus the tokens the wider pass
+    costs at `rate` (tokens/s of the whole batch, every row waits for the pass); (0, 0.0): a plain step. Row by
+    row, each row had to pay for widening every row's pass alone: 8 float32 rows never verified a draft, where a
+    draft in each row pays once the batch's first drafts are half likely to be accepted (8 x 2 tokens cost 1.5
+    steps)."""
+    rows = len(acceptances)
+    expected = [expected_accepted(a) for a in acceptances]
+    step = costs.cost(rows, context)
+    best_w, best_value = 0, 0.0
+    for w in range(1, max(map(len, acceptances), default=0) + 1):
+        gain = sum(e[min(w, len(e) - 1)] for e in expected)
+        value = gain - rate * (costs.cost(rows * (w + 1), context) - step)
+        if value > best_value:
+            best_w, best_value = w, value
+    return best_w, best_value
 
 
 def _ema(old: float | None, new: float, weight: float = SMOOTHING) -> float:

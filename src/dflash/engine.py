@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .control import Calibration, CostModel, DraftController
+from .control import Calibration, CostModel, DraftController, batch_width, expected_accepted
 from .errors import UserError
 from .methods.base import TABLE_LABEL, Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
@@ -302,11 +302,13 @@ class Engine:
     def _draft_all(self, rows: list[Sequence]) -> tuple[list[Plan], bool]:
         """Each sequence's plan for the round: the ones whose controller says drafting pays draft together, in
         one pass where the drafter can; a sequence with a free lookup (`proposer.lookup`) verifies the lookup's
-        drafts instead where they are worth more. Also whether the drafting pass read a long context backlog."""
+        drafts instead where they are worth more. Also whether the drafting pass read a long context backlog.
+        In a batch the number of drafts each row verifies is then decided for the batch as a whole (`_share_width`)."""
+        shared = len(rows) > 1 and self.adaptive and self.costs.known
         drafting, lookups = [], {}
         for seq in rows:
             seq.controller.rows, seq.controller.context = len(rows), len(seq.sequence) - 1
-            lookups[id(seq)] = self._lookup(seq)
+            lookups[id(seq)] = self._lookup(seq, shared)
             if seq.controller.should_draft(lookups[id(seq)].value):
                 drafting.append(seq)
             else:
@@ -330,23 +332,56 @@ class Engine:
                 continue
             draft, seconds = drafts[id(seq)]
             available = min(len(draft.tokens), seq.proposer.max_draft)
+            if shared:  # the batch decides how many; the drafts expected to bring more are the candidates
+                plan = Plan(draft, available, drafted=True, seconds=seconds)
+                plan.value = expected_accepted(seq.controller.acceptance(available, draft.confidence, draft.label))[-1]
+                if lookup.verified and lookup.value > plan.value:
+                    plan.draft, plan.verified, plan.lookup, plan.value = lookup.draft, lookup.verified, True, lookup.value
+                planned.append(plan)
+                continue
             plan = Plan(draft, seq.controller.choose(draft.confidence, available, draft.label), drafted=True,
                         seconds=seconds)
             drafter_value = seq.controller.chosen_value
             if lookup.verified and drafter_value is not None and lookup.value > drafter_value:
                 plan.draft, plan.verified, plan.lookup = lookup.draft, lookup.verified, True
             planned.append(plan)
+        if shared:
+            self._share_width(rows, planned)
         return planned, catching_up
 
     @staticmethod
-    def _lookup(seq: Sequence) -> Plan:
-        """The round's plan with the free lookup's drafts (verified = 0 where there is no lookup or none pays)."""
+    def _lookup(seq: Sequence, shared: bool = False) -> Plan:
+        """The round's plan with the free lookup's drafts (verified = 0 where there is no lookup or none pays).
+        `shared`: the batch decides how many to verify; `verified` is every draft, `value` their expected accepted
+        count."""
         lookup = seq.proposer.lookup
         if lookup is None or seq.controller.whole_blocks:
             return Plan(Draft([]), 0)
         draft = lookup.propose(seq.sequence, limit=seq.proposer.max_draft)
+        if shared:
+            count = len(draft.tokens)
+            acceptance = seq.controller.acceptance(count, None, draft.label, lookup=True)
+            return Plan(draft, count, lookup=True, value=expected_accepted(acceptance)[-1])
         verified, value = seq.controller.lookup_choice(len(draft.tokens), draft.label)
         return Plan(draft, verified, lookup=True, value=value)
+
+    def _share_width(self, rows: list[Sequence], planned: list[Plan]) -> None:
+        """Every row waits for a pass as wide as the batch's widest block, so how many drafts the rows verify is
+        one decision (control.batch_width): each row verifies up to the same number, where the drafts it brings
+        the whole batch outweigh the wider pass at the batch's rate. A drafted row's share of that value is what
+        its controller learns drafting is worth (its `chosen_value`)."""
+        acceptances = [seq.controller.acceptance(plan.verified, plan.draft.confidence, plan.draft.label, plan.lookup)
+                       for seq, plan in zip(rows, planned)]
+        context = sum(seq.controller.context for seq in rows) // len(rows)
+        plain = 1 / max(self.costs.cost(len(rows), context), 1e-9)  # a new row's rate: a plain step's
+        rate = sum(plain if seq.controller.rate is None else seq.controller.rate for seq in rows)
+        width, value = batch_width(acceptances, self.costs, rate, context)
+        expected = [expected_accepted(a[:width])[-1] for a in acceptances]
+        total = sum(expected)
+        for seq, plan, gain in zip(rows, planned, expected):
+            plan.verified = min(width, plan.verified)
+            if plan.drafted:
+                seq.controller.chosen_value = value * gain / total if total > 0 else 0.0
 
     def _round(self) -> None:
         """One propose / verify / accept round over every running sequence, in one target pass."""
@@ -387,7 +422,7 @@ class Engine:
             seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted, plan.seconds,
                                   verify_seconds, width=len(rows) * width, catching_up=catching_up,
                                   lookup=plan.lookup, label=plan.draft.label)
-            seq.stats.lookup_rounds += plan.lookup
+            seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
             seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
             seq.stats.accept_lengths.append(accepted + 1)
             seq.stats.draft_lengths.append(len(drafts[i]))
