@@ -601,3 +601,24 @@ def test_a_plain_plan_keeps_the_torch_drafter_layers(monkeypatch):
     with torch.inference_mode():
         theirs(target.embed_tokens(torch.tensor([[7] + [2] * 7])), torch.arange(4, 12)[None],
                torch.randn(1, 4, 3 * 64), torch.arange(0, 4)[None], cache=theirs.new_cache())
+
+
+@needs_native
+def test_a_targets_plan_lays_out_its_weights_before_the_first_pass():
+    """Our kernel for steps and verify passes, oneDNN's packed weights for prompts (what bfloat16 chose on Zen 4):
+    both copies are made when the plan is set, not in the first prompt or step that reads them (a first bfloat16
+    step took 187 ms instead of 7), and a pass then reads those copies."""
+    from dflash.models.kernels import ROW_BUCKETS, KernelPlan, row_bucket
+    from dflash.testing import tiny_target
+
+    target = tiny_target("llama")
+    linears = target.engine.frozen_linears()
+    choices = {shape_key(lin.out_features, lin.in_features, lin.weight.dtype, row_bucket(rows)): kernel
+               for lin in linears for rows, kernel in zip(ROW_BUCKETS, ("native", "native", "packed"))}
+    target.use_kernels(KernelPlan(choices, default="plain"))
+    made = [(lin._tiles, lin._packed) for lin in linears]
+    assert all(tiles is not None and packed is not None for tiles, packed in made)
+    cache = target.new_cache(capacity=64)
+    target.forward(torch.tensor([list(range(3, 40))]), cache)  # a prompt (packed), then a step (ours)
+    target.forward(torch.tensor([[5]]), cache)
+    assert all(lin._tiles is tiles and lin._packed is packed for lin, (tiles, packed) in zip(linears, made))

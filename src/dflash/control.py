@@ -16,6 +16,10 @@ no drafting, have a calibration of their own (by position and match length), and
 more, the lookup's drafts or running the drafter (whose value is the recent rounds' average, net of its drafting
 time). Lossless whatever it chooses: the target decides every token.
 
+In a batch every row waits for one pass as wide as its widest block, so the engine takes the number of drafts a row
+verifies for the batch as a whole (`batch_width`): the width w whose expected accepted drafts, summed over the rows
+(each verifying min(w, its drafts)), most exceed what the wider pass costs at the batch's rate.
+
 Every time comes from an injectable `timer`, so tests are deterministic.
 """
 

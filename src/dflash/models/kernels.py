@@ -188,6 +188,19 @@ class FrozenLinear(nn.Module):
         if "packed" not in self._kernel_by_bucket:
             self._packed, self._packed_for = None, None
 
+    def lay_out(self) -> None:
+        """Make now the laid-out copies the plan's kernels read, rather than in the first call that needs each: in
+        bfloat16 a prompt went through oneDNN's packed weights, and the first decode step then made our kernel's
+        tiles (187 ms instead of 7, counted in the first generation's speed; the first pass of a batch took 400 ms
+        and set the cost model of its rounds wrong)."""
+        for kernel in set(self._kernel_by_bucket):
+            if kernel == "native":
+                self.native_tiles()
+            elif kernel == "packed":
+                self.packed()
+            elif kernel == "int8":
+                self.int8()
+
     @classmethod
     def of(cls, linear: nn.Linear, plan: KernelPlan | None = None) -> "FrozenLinear":
         """A frozen twin sharing `linear`'s weight storage (no copy)."""

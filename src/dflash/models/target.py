@@ -140,6 +140,8 @@ class TargetModel:
         self._step_ms_now = None  # other kernels, another step time
         if isinstance(self.engine, Transformer):
             self.engine.use_plan(plan)
+            for linear in self.engine.frozen_linears():
+                linear.lay_out()
 
     def new_cache(self, batch: int = 1, capacity: int = 256):
         capacity = min(max(capacity, self.graph_capacity), self.max_context)  # a graph never sees its cache grow
