@@ -581,3 +581,23 @@ def test_a_wider_pass_is_priced_at_least_as_a_narrower_one_at_every_context():
             for width in (1, 2, 3, 5, 8, 12, 16, 20, 24, 40):
                 naive = max(costs._at(w, context) for w in [width, *costs.relative] if w <= width)
                 assert costs.relative_cost(width, context) == pytest.approx(naive)
+
+
+def test_a_batch_stops_drafting_once_even_its_best_drafts_could_not_pay():
+    """8 rows, a drafter costing 5 ms a row: a certain block of 7 drafts in every row would pay for its drafting
+    and wider pass (7 tokens a row for 5.7 tokens' time), so a new drafter is tried. Once the verified drafts put
+    every position's chance at 0.6 or less, even a block of the likeliest drafts could not (1.5 tokens), and the
+    batch neither drafts nor probes; a row alone, where drafting and a wider pass cost far less, still drafts."""
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
+    costs.seed_batches(8 * 8)
+    costs.observe(1, 0.020)
+    costs.observe_drafting(0.005)
+    calibration = Calibration(7)
+    batch, alone = DraftController(7, costs, calibration=calibration), DraftController(7, costs, calibration=calibration)
+    batch.rows = 8
+    assert calibration.best() == 1.0 and not batch.no_draft_can_pay() and batch.should_draft()
+    calibration.observe(None, verified=7, accepted=2)
+    assert calibration.best() == pytest.approx(0.6)
+    assert batch.no_draft_can_pay() and not batch.should_draft()
+    assert not alone.no_draft_can_pay() and alone.should_draft()

@@ -54,6 +54,7 @@ class Calibration:
         self.tried = [0.0] * CONFIDENCE_BINS
         self.accepted = [0.0] * CONFIDENCE_BINS
         self.by_label: dict[int | None, tuple[list[float], list[float]]] = {}  # label -> (tried, accepted) by position
+        self.by_confidence: bool | None = None  # whether the drafts verified so far came with confidences
         self.position_tried, self.position_accepted = self._positions(None)
 
     def _positions(self, label: int | None) -> tuple[list[float], list[float]]:
@@ -79,9 +80,21 @@ class Calibration:
         return max((self.accepted[b] + top * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT)
                    for b, top in enumerate(tops))
 
+    def best(self) -> float:
+        """The most `probability` gives any draft (1.0 before a draft was verified): a bound on every draft's
+        chance, by confidence or by position, whichever this calibration has learnt."""
+        if self.by_confidence is None:
+            return 1.0
+        if self.by_confidence:
+            return self.highest_probability()
+        return max((a + 0.5 * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+                   for tried, accepted in self.by_label.values() for t, a in zip(tried, accepted))
+
     def observe(self, confidences: list[float] | None, verified: int, accepted: int, label: int | None = None) -> None:
         """`verified` drafts went to the target and the first `accepted` of them were accepted: each draft up to
         the first rejection counts as a trial (later ones were never reached)."""
+        if verified > 0:
+            self.by_confidence = confidences is not None
         tried, hits = self._positions(label) if confidences is None else (None, None)
         for j in range(min(verified, accepted + 1)):
             hit = 1.0 if j < accepted else 0.0
@@ -301,16 +314,21 @@ class DraftController:
         return False
 
     def no_draft_can_pay(self) -> bool:
-        """Whether drafts certain to be accepted in every row of the batch, one or a whole block, would still cost
+        """Whether drafts in every row of the batch, one or a whole block, each as likely to be accepted as the
+        calibration lets any draft be (`Calibration.best`: certain, until drafts were verified), would still cost
         more than they bring: the wider pass and the drafting, both of which every row waits for. Where a batch's
         passes are bound by their arithmetic, one more token a row costs most of a step (16 rows in float32) and
         the drafter's pass for 16 rows half a step more, so drafting, and probing whether it pays, only costs
-        (16 rows probing the drafter at their start took `dflash+ngram` from 1.05x to 1.10x `ar`'s time)."""
+        (in the load test `dflash+ngram` ran 9-13% behind `ar` at 8 and 16 streams, ran the drafter for rows
+        that never verified a draft)."""
         if not self.costs.known:
             return False
         self._start_rate()
         drafting = self.rows * (self.costs.drafting or 0.0)
-        return all(self.rate * (self._extra_cost(k + 1) + drafting) >= k for k in {1, max(1, self.max_draft)})
+        best = self.calibration.best()
+        expected = [sum(best ** j for j in range(1, k + 1)) for k in range(max(1, self.max_draft) + 1)]
+        return all(self.rate * (self._extra_cost(k + 1) + drafting) >= expected[k]
+                   for k in {1, max(1, self.max_draft)})
 
     def _widening_cannot_pay(self) -> bool:
         """Whether a certain draft in every row brings less than the wider pass costs (a free lookup's drafts)."""
