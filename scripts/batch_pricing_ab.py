@@ -8,32 +8,13 @@ Usage: .venv/bin/python scripts/batch_pricing_ab.py [METHODS] [ROWS] [NEW_TOKENS
 
 import statistics
 import sys
-import time
 
 import torch
+from batch_methods import run_batch  # scripts/ is on the path when a script runs from it
 
 from dflash.control import CostModel, DraftController
-from dflash.engine import Engine, GenerationConfig
+from dflash.engine import GenerationConfig
 from dflash.loading import build_proposer, load_target_cached
-
-
-def run_batch(target, proposer, prompts, config) -> tuple[float, list[int], list[list[int]]]:
-    engine = Engine(target, proposer, max_batch=len(prompts))
-    sequences = [engine.submit(ids, config) for ids in prompts]
-    widths, forward = [], target.forward
-
-    def noted(ids, *args, **kwargs):
-        widths.append(ids.shape[1])
-        return forward(ids, *args, **kwargs)
-
-    target.forward = noted
-    try:
-        start = time.perf_counter()
-        engine.run()
-        seconds = time.perf_counter() - start
-    finally:
-        target.forward = forward
-    return seconds, widths, [seq.result.tokens for seq in sequences]  # in the order submitted
 
 
 def main(argv: list[str]) -> int:
@@ -57,7 +38,7 @@ def main(argv: list[str]) -> int:
                     CostModel.seed_batches = lambda self, tokens: None
                     DraftController.no_draft_can_pay = lambda self: False
                 try:
-                    seconds, passes, tokens = run_batch(target, proposers[method], prompts, config)
+                    seconds, _, passes, tokens = run_batch(target, proposers[method], prompts, config)
                 finally:
                     CostModel.seed_batches, DraftController.no_draft_can_pay = seed_batches, no_draft_can_pay
                 outputs.append(tokens)
