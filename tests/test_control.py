@@ -601,3 +601,19 @@ def test_a_batch_stops_drafting_once_even_its_best_drafts_could_not_pay():
     assert calibration.best() == pytest.approx(0.6)
     assert batch.no_draft_can_pay() and not batch.should_draft()
     assert not alone.no_draft_can_pay() and alone.should_draft()
+
+
+def test_a_row_alone_keeps_probing_whatever_its_calibration_says():
+    """A drafter as dear as a step, whose verified drafts put every chance at 0.5 or less: a batch of two stops
+    drafting, while a row alone keeps the bound of certain drafts (a block of 7 would pay), so its probes can
+    still find out that the text turned predictable."""
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.5})
+    costs.observe(1, 0.020)
+    costs.observe_drafting(0.020)
+    calibration = Calibration(7)
+    calibration.observe(None, verified=7, accepted=0)
+    assert calibration.best() == pytest.approx(0.5)
+    alone, pair = DraftController(7, costs, calibration=calibration), DraftController(7, costs, calibration=calibration)
+    pair.rows = 2
+    assert pair.no_draft_can_pay() and not alone.no_draft_can_pay()

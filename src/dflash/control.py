@@ -315,17 +315,18 @@ class DraftController:
 
     def no_draft_can_pay(self) -> bool:
         """Whether drafts in every row of the batch, one or a whole block, each as likely to be accepted as the
-        calibration lets any draft be (`Calibration.best`: certain, until drafts were verified), would still cost
-        more than they bring: the wider pass and the drafting, both of which every row waits for. Where a batch's
-        passes are bound by their arithmetic, one more token a row costs most of a step (16 rows in float32) and
-        the drafter's pass for 16 rows half a step more, so drafting, and probing whether it pays, only costs
-        (in the load test `dflash+ngram` ran 9-13% behind `ar` at 8 and 16 streams, ran the drafter for rows
-        that never verified a draft)."""
+        calibration lets any draft be (`Calibration.best`; certain for a row alone), would still cost more than
+        they bring: the wider pass and the drafting, both of which every row waits for. Where a batch's passes are
+        bound by their arithmetic, one more token a row costs most of a step (16 rows in float32) and the
+        drafter's pass for 16 rows half a step more, so drafting, and probing whether it pays, only costs (in the
+        load test `dflash+ngram` ran the drafter for rows that never verified a draft)."""
         if not self.costs.known:
             return False
         self._start_rate()
         drafting = self.rows * (self.costs.drafting or 0.0)
-        best = self.calibration.best()
+        # a row alone keeps the bound of certain drafts: its probes are what refresh a calibration that a bad
+        # stretch of text had made too pessimistic (a batch's rows probe again whenever a row runs alone)
+        best = self.calibration.best() if self.rows > 1 else 1.0
         expected = [sum(best ** j for j in range(1, k + 1)) for k in range(max(1, self.max_draft) + 1)]
         return all(self.rate * (self._extra_cost(k + 1) + drafting) >= expected[k]
                    for k in {1, max(1, self.max_draft)})
