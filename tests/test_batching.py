@@ -207,3 +207,23 @@ def test_a_batch_verifies_the_drafts_that_pay_for_the_whole_batch(tiny_targets, 
     rounds = [width for rows, width in shapes if rows == 4]
     # the first round verifies whole blocks (no costs known yet) and the second is priced from that one reading
     assert len(rounds) >= 4 and min(rounds[2:]) >= 2, rounds
+
+
+def test_a_batch_round_is_read_into_the_cost_model_once(tiny_targets, monkeypatch):
+    """The rows of a batch share one pass (and one drafting pass): the shared cost model reads each round once,
+    not once per row (16 rows had moved the machine's level 93% of the way toward every single pass)."""
+    from dflash.control import CostModel
+
+    target = tiny_targets["llama"]
+    prompts = [target.encode_prompt(p) for p in PROMPTS[:4]]
+    readings, drafting, rounds = [], [], []
+    observe, observe_drafting, one_round = CostModel.observe, CostModel.observe_drafting, Engine._round
+    monkeypatch.setattr(CostModel, "observe", lambda self, *a: readings.append(a[0]) or observe(self, *a))
+    monkeypatch.setattr(CostModel, "observe_drafting", lambda self, s: drafting.append(s) or observe_drafting(self, s))
+    monkeypatch.setattr(Engine, "_round", lambda self: rounds.append(len(self.running)) or one_round(self))
+    engine = Engine(target, NgramProposer(max_draft=5), max_batch=4)
+    for ids in prompts:
+        engine.submit(ids, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    engine.run()
+    assert max(rounds) == 4 and len(readings) == len(rounds) and 0 < len(drafting) <= len(rounds)
+    assert all(width % rows == 0 for width, rows in zip(readings, rounds))  # rows x the widest block

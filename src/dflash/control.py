@@ -138,6 +138,14 @@ class CostModel:
         an estimate that remembered it would keep the drafter switched off for dozens of rounds."""
         self.drafting = _ema(self.drafting, seconds)
 
+    def observe_round(self, width: int, seconds: float, context: int | None, drafting: float | None) -> None:
+        """A batch's round, read once: its pass of `width` tokens in all, and (where it counts, see
+        `observe_drafting`) what each drafting row's share of the drafting took. Read row by row, 16 rows moved
+        the machine's level 16 times toward each pass (93% of the way), so one noisy pass set every price."""
+        self.observe(width, seconds, context)
+        if drafting is not None:
+            self.observe_drafting(drafting)
+
     def seed(self, relative: dict[int, float], context: int = 0,
              longer: tuple[int, dict[int, float]] | None = None) -> None:
         """Start from pass costs measured at load after `context` tokens, relative to a 1-token pass
@@ -428,14 +436,17 @@ class DraftController:
     # ---- after verifying ----------------------------------------------------------------------------------------
     def record(self, drafted: bool, confidences: list[float] | None, verified: int, accepted: int,
                draft_seconds: float, verify_seconds: float, width: int | None = None,
-               catching_up: bool = False, lookup: bool = False, label: int | None = None) -> None:
+               catching_up: bool = False, lookup: bool = False, label: int | None = None,
+               costs_read: bool = False) -> None:
         """One round's outcome: `verified` drafts checked, `accepted` of them taken; the pass verified `width`
         tokens in all (rows x its widest block; default: this row's block alone). `catching_up`: the drafting
         also read a long backlog of context (a prompt), so its time says nothing about a steady round's.
         `lookup`: the verified drafts were the free lookup's (`drafted`: the drafter ran all the same); `label`:
-        theirs (see Calibration)."""
+        theirs (see Calibration). `costs_read`: the pass's and the drafting's times are in the shared cost model
+        already (`observe_round`: a batch's rows share one pass)."""
         self.stats.chosen[verified] = self.stats.chosen.get(verified, 0) + 1
-        self.costs.observe(width or verified + 1, verify_seconds, self.context)
+        if not costs_read:
+            self.costs.observe(width or verified + 1, verify_seconds, self.context)
         seconds = draft_seconds + verify_seconds
         if seconds > 0:
             rate = (accepted + 1) / seconds
@@ -444,7 +455,7 @@ class DraftController:
             self.lookup_calibration.observe(None, verified, accepted, label)
         if not drafted:
             return
-        if not catching_up:
+        if not catching_up and not costs_read:
             self.costs.observe_drafting(draft_seconds)
         if not lookup:
             self.calibration.observe(confidences, verified, accepted, label)

@@ -412,6 +412,10 @@ class Engine:
         verify_seconds = self.timer() - started
         if self.threads:
             verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
+        shares = [plan.seconds for plan in planned if plan.drafted]
+        context = sum(len(seq.sequence) - 1 for seq in rows) // len(rows)
+        self.costs.observe_round(len(rows) * width, verify_seconds, context,
+                                 shares[0] if shares and not catching_up else None)
         lengths = []
         for i, seq in enumerate(rows):
             accepted = accept_length(drafts[i], chosen[i])
@@ -421,7 +425,7 @@ class Engine:
             plan = planned[i]
             seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted, plan.seconds,
                                   verify_seconds, width=len(rows) * width, catching_up=catching_up,
-                                  lookup=plan.lookup, label=plan.draft.label)
+                                  lookup=plan.lookup, label=plan.draft.label, costs_read=True)
             seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
             seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
             seq.stats.accept_lengths.append(accepted + 1)
