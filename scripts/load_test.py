@@ -4,9 +4,10 @@ on loopback only, with the `openai`-style chat endpoint.
 Each concurrency level sends level x --requests-per-stream requests, at most `level` at a time, bounded by
 --time-limit (seconds per level); nothing leaves 127.0.0.1.
 
-    # one in-process server per method (continuous batching up to --max-batch-size), levels side by side
-    python scripts/load_test.py --target smollm2-135m --methods ar,ngram,dflash --concurrency 1,4,8,16,64 \
-        --max-tokens 64 --out load.json
+    # one in-process server per method (continuous batching up to --max-batch-size), all up at once; each level
+    # runs the methods in turn, --repeats times in alternating order, and the table keeps each one's median
+    python scripts/load_test.py --target smollm2-135m --methods ar,ngram,dflash+ngram --concurrency 1,4,8,16 \
+        --max-tokens 32 --requests-per-stream 4 --repeats 3 --out load.json
     # or load a server that is already running (`dflash serve ...`) on this machine
     python scripts/load_test.py --url http://127.0.0.1:8000 --concurrency 1,8
 

@@ -129,7 +129,8 @@ class GenerationResult:
 @dataclass
 class Plan:
     """What a round verifies for one sequence: the first `verified` tokens of `draft`; `drafted`: the drafter ran
-    (for `seconds`); `lookup`: the tokens are a free lookup's (`value`: their expected value, control.py)."""
+    (for `seconds`); `lookup`: the tokens are a free lookup's (`value`: their expected value, control.py).
+    `chances`: in a batch, each draft's calibrated chance of acceptance, for the batch's decision."""
 
     draft: Draft
     verified: int
@@ -137,6 +138,7 @@ class Plan:
     seconds: float = 0.0
     lookup: bool = False
     value: float = 0.0
+    chances: list[float] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -333,10 +335,12 @@ class Engine:
             draft, seconds = drafts[id(seq)]
             available = min(len(draft.tokens), seq.proposer.max_draft)
             if shared:  # the batch decides how many; the drafts expected to bring more are the candidates
-                plan = Plan(draft, available, drafted=True, seconds=seconds)
-                plan.value = expected_accepted(seq.controller.acceptance(available, draft.confidence, draft.label))[-1]
+                chances = seq.controller.acceptance(available, draft.confidence, draft.label)
+                plan = Plan(draft, available, drafted=True, seconds=seconds, value=expected_accepted(chances)[-1],
+                            chances=chances)
                 if lookup.verified and lookup.value > plan.value:
-                    plan.draft, plan.verified, plan.lookup, plan.value = lookup.draft, lookup.verified, True, lookup.value
+                    plan.draft, plan.verified, plan.lookup = lookup.draft, lookup.verified, True
+                    plan.value, plan.chances = lookup.value, lookup.chances
                 planned.append(plan)
                 continue
             plan = Plan(draft, seq.controller.choose(draft.confidence, available, draft.label), drafted=True,
@@ -359,9 +363,8 @@ class Engine:
             return Plan(Draft([]), 0)
         draft = lookup.propose(seq.sequence, limit=seq.proposer.max_draft)
         if shared:
-            count = len(draft.tokens)
-            acceptance = seq.controller.acceptance(count, None, draft.label, lookup=True)
-            return Plan(draft, count, lookup=True, value=expected_accepted(acceptance)[-1])
+            chances = seq.controller.acceptance(len(draft.tokens), None, draft.label, lookup=True)
+            return Plan(draft, len(chances), lookup=True, value=expected_accepted(chances)[-1], chances=chances)
         verified, value = seq.controller.lookup_choice(len(draft.tokens), draft.label)
         return Plan(draft, verified, lookup=True, value=value)
 
@@ -370,8 +373,7 @@ class Engine:
         one decision (control.batch_width): each row verifies up to the same number, where the drafts it brings
         the whole batch outweigh the wider pass at the batch's rate. A drafted row's share of that value is what
         its controller learns drafting is worth (its `chosen_value`)."""
-        acceptances = [seq.controller.acceptance(plan.verified, plan.draft.confidence, plan.draft.label, plan.lookup)
-                       for seq, plan in zip(rows, planned)]
+        acceptances = [plan.chances[: plan.verified] for plan in planned]
         context = sum(seq.controller.context for seq in rows) // len(rows)
         plain = 1 / max(self.costs.cost(len(rows), context), 1e-9)  # a new row's rate: a plain step's
         rate = sum(plain if seq.controller.rate is None else seq.controller.rate for seq in rows)
