@@ -480,6 +480,55 @@ def test_attention_scored_in_pairs_keeps_verify_equal_to_steps_and_close_to_fmas
         native.set_bf16_pairs(old)
 
 
+def values_in_registers_here() -> bool:
+    old = native.set_values_in_registers(True)
+    return native.set_values_in_registers(old)  # the setting just made: on only where the CPU has AVX-512F
+
+
+@pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
+@pytest.mark.parametrize("shape", [(4, 2, 64), (8, 1, 64), (2, 1, 128)], ids=["group2", "group8", "head128"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, shape, dtype):
+    """Attention's value sums for several query heads at once in AVX-512 registers (values64) are the very chains
+    of FMAs the head-by-head loop sums: the same logits, bit for bit, for steps, verify passes (a token's keys end
+    one apart), a batch of ragged rows, and Gemma3's sliding window (heads whose keys start apart), with more query
+    heads than one call takes (group 8: 16 heads a work item) and heads of 128 (two calls of 64 columns)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    from dflash.models.target import TargetModel
+    from dflash.testing import tiny_tokenizer
+
+    heads, kv_heads, head_dim = shape
+    extra = {"sliding_window": 8, "query_pre_attn_scalar": head_dim,
+             "layer_types": ["sliding_attention", "full_attention"]} if arch == "gemma3" else {}
+    config = (Gemma3TextConfig if arch == "gemma3" else LlamaConfig)(
+        vocab_size=64, hidden_size=heads * head_dim // 2, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
+        eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, **extra)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(dtype)
+    target = TargetModel(model=model, tokenizer=tiny_tokenizer(64), name=f"values-{arch}", measure=False)
+    choose_kernels(target, "native")
+    ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
+    logits = {}
+    old = native.set_values_in_registers(True)
+    try:
+        for in_registers in (True, False):
+            native.set_values_in_registers(in_registers)
+            cache, batch = target.new_cache(), target.new_cache(3)
+            target.forward(torch.tensor([ids]), cache)
+            target.forward(torch.tensor([ids] * 3), batch)
+            batch.set_lengths([37, 30, 34])
+            outputs = [target.forward(torch.tensor([block]), cache).logits
+                       for block in ([9], [33, 2, 17, 40, 8, 11, 4], [5])]
+            outputs.append(target.forward(torch.tensor([[9, 33, 2], [17, 40, 8], [11, 4, 5]]), batch).logits)
+            logits[in_registers] = outputs
+    finally:
+        native.set_values_in_registers(old)
+    for got, expected in zip(logits[True], logits[False]):
+        assert torch.equal(got, expected)
+
+
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 def test_odd_shapes_decode_like_transformers(arch):

@@ -1370,6 +1370,93 @@ static void block_scores_pairs(const uint16_t *q, const uint16_t *k, int64_t j0,
 }
 #endif
 
+/* The value sums of Q query heads (Q <= VALUE_HEADS) over 64 columns of the cache's values (v: key 0's columns, d
+ * apart; float32, or bfloat16 widened exactly): out[q][0:64] = sum over j in from[q]..to[q]-1 of p[q][j] v_j, each
+ * output ONE chain of FMAs over j in order from zero, exactly the sums block_values makes, so a verify pass is still
+ * bitwise its steps, and outputs do not change with the CPU. The keys all Q heads read run once for all of them,
+ * each value row loaded (widened) once, into registers: block_values widened every block of a bfloat16 cache into
+ * memory for each work item and read it back for each head (with the widening, two thirds of attention in a
+ * 16-token bfloat16 pass). Needs AVX-512F (32 vector registers: up to 24 accumulators). */
+#define VALUE_HEADS 6
+typedef void (*Values64)(const void *v, int64_t d, const float *const *p, const int64_t *from, const int64_t *to,
+                         float *const *out);
+#if PAIRS_BUILT
+#define VALUES_TARGET __attribute__((target("avx512f")))
+VALUES_TARGET static inline __m512 value16(const void *v, int64_t at, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)v + at);
+    __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)v + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#define VALUE_ROW(q, j)                                                                                               \
+    do {                                                                                                              \
+        __m512 pj = _mm512_set1_ps(p[q][j]);                                                                          \
+        for (int i = 0; i < 4; i++) a[q][i] = _mm512_fmadd_ps(value16(v, (j) * d + 16 * i, BF16), pj, a[q][i]);      \
+    } while (0)
+VALUES_TARGET static inline __attribute__((always_inline)) void values64(const void *v, int64_t d, const int Q,
+                                                                         const int BF16, const float *const *p,
+                                                                         const int64_t *from, const int64_t *to,
+                                                                         float *const *out) {
+    __m512 a[VALUE_HEADS][4];
+    int64_t lo = from[0], hi = to[0]; /* the keys every head reads */
+#pragma GCC unroll 6
+    for (int q = 0; q < Q; q++) {
+        lo = MAX(lo, from[q]), hi = MIN(hi, to[q]);
+        for (int i = 0; i < 4; i++) a[q][i] = _mm512_setzero_ps();
+    }
+    int common = lo < hi; /* none in common (sliding windows): each head alone */
+#pragma GCC unroll 6
+    for (int q = 0; q < Q; q++) /* a head's own keys before the common ones (or all of them) */
+        for (int64_t j = from[q], stop = common ? lo : to[q]; j < stop; j++) VALUE_ROW(q, j);
+    for (int64_t j = lo; common && j < hi; j++) {
+        __m512 v0 = value16(v, j * d, BF16), v1 = value16(v, j * d + 16, BF16);
+        __m512 v2 = value16(v, j * d + 32, BF16), v3 = value16(v, j * d + 48, BF16);
+#pragma GCC unroll 6
+        for (int q = 0; q < Q; q++) {
+            __m512 pj = _mm512_set1_ps(p[q][j]);
+            a[q][0] = _mm512_fmadd_ps(v0, pj, a[q][0]), a[q][1] = _mm512_fmadd_ps(v1, pj, a[q][1]);
+            a[q][2] = _mm512_fmadd_ps(v2, pj, a[q][2]), a[q][3] = _mm512_fmadd_ps(v3, pj, a[q][3]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int q = 0; q < Q; q++) {
+        for (int64_t j = hi; common && j < to[q]; j++) VALUE_ROW(q, j); /* and its own keys after them */
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(out[q] + 16 * i, a[q][i]);
+    }
+}
+#undef VALUE_ROW
+#define VALUES64(Q, BF16, NAME)                                                                                       \
+    VALUES_TARGET static void NAME(const void *v, int64_t d, const float *const *p, const int64_t *from,              \
+                                   const int64_t *to, float *const *out) {                                            \
+        values64(v, d, Q, BF16, p, from, to, out);                                                                    \
+    }
+VALUES64(1, 0, values64_f32_1) VALUES64(2, 0, values64_f32_2) VALUES64(3, 0, values64_f32_3)
+VALUES64(4, 0, values64_f32_4) VALUES64(5, 0, values64_f32_5) VALUES64(6, 0, values64_f32_6)
+VALUES64(1, 1, values64_bf16_1) VALUES64(2, 1, values64_bf16_2) VALUES64(3, 1, values64_bf16_3)
+VALUES64(4, 1, values64_bf16_4) VALUES64(5, 1, values64_bf16_5) VALUES64(6, 1, values64_bf16_6)
+static const Values64 values64_of[2][VALUE_HEADS] = {
+    {values64_f32_1, values64_f32_2, values64_f32_3, values64_f32_4, values64_f32_5, values64_f32_6},
+    {values64_bf16_1, values64_bf16_2, values64_bf16_3, values64_bf16_4, values64_bf16_5, values64_bf16_6}};
+static int cpu_has_avx512f(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+#else
+static const Values64 values64_of[2][VALUE_HEADS] = {{NULL}, {NULL}};
+static int cpu_has_avx512f(void) { return 0; }
+#endif
+static int values_in_registers = -1; /* -1: not yet asked (then: where the CPU has AVX-512F); 0: block_values */
+static int values64_here(void) {
+    if (values_in_registers < 0) values_in_registers = cpu_has_avx512f();
+    return values_in_registers;
+}
+/* Whether attention sums values through values64 (on: only where the CPU can); returns the previous setting.
+ * Either way gives the same outputs: for tests and A/B runs. */
+int dflash_set_values_in_registers(int on) {
+    int old = values64_here();
+    values_in_registers = on && cpu_has_avx512f();
+    return old;
+}
+
 static int attention_pairs = 1; /* 0: the FMA chain of widened keys even where pairs run (A/B runs) */
 int dflash_set_attention_pairs(int on) {
     int old = attention_pairs;
@@ -1384,6 +1471,28 @@ int dflash_set_attention_pairs(int on) {
  * streamed the row's whole cache from L2 (~1.5 us per query at 200 positions, SmolLM2, 2 AMD EPYC cores). Every
  * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
  * gives bitwise the attention of single steps. `block`: KEY_BLOCK * d floats of scratch (bf16 widening). */
+/* attend's value sums through values64 (d a multiple of 64): the chunk's query heads, VALUE_HEADS at a time, each
+ * 64 columns at a time */
+static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *values, int64_t at, int64_t d,
+                            int64_t last, int64_t step, int64_t window, int bf16) {
+    const float *p[VALUE_HEADS];
+    float *out[VALUE_HEADS];
+    int64_t from[VALUE_HEADS], to[VALUE_HEADS], heads = tokens * group;
+    for (int64_t first = 0; first < heads; first += VALUE_HEADS) {
+        int count = (int)MIN(VALUE_HEADS, heads - first);
+        for (int64_t c = 0; c < d; c += 64) {
+            for (int q = 0; q < count; q++) {
+                int64_t t = (first + q) / group, h = (first + q) % group, seen = last + t * step + 1;
+                p[q] = R.scores + t * R.score_token + h * R.score_head;
+                out[q] = R.out + t * R.out_token + h * d + c;
+                to[q] = seen, from[q] = window > 0 ? MAX(0, seen - window) : 0;
+            }
+            const void *v = bf16 ? (const void *)((const uint16_t *)values + at + c) : (const float *)values + at + c;
+            values64_of[bf16 != 0][count - 1](v, d, p, from, to, out);
+        }
+    }
+}
+
 #define KEY_BLOCK 32
 /* tokens per work item (attention_items): 2 rather than 4 gives a 4-token pass 6 items instead of 3 on two
  * threads; bf16 SmolLM2 after 600 tokens, three alternating runs: layers of 4- and 8-token passes -4% and -3% */
@@ -1423,6 +1532,10 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
             for (int64_t j = lo; j < n; j++) s[j] *= inverse;
             memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
+    if (d % 64 == 0 && values64_here()) {
+        attend_values64(R, tokens, group, values, at, d, last, step, window, bf16);
+        goto rounded;
+    }
     for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
@@ -1431,6 +1544,7 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                 block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, FIRST_SEEN(t), SEEN(t), d,
                              R.out + t * R.out_token + h * d);
     }
+rounded:
 #undef SEEN
 #undef FIRST_SEEN
     for (int64_t t = 0; t < tokens; t++)

@@ -107,6 +107,9 @@ def library() -> ctypes.CDLL | None:
             lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
             lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
             lib.dflash_set_attention_pairs.restype = ctypes.c_int
+            if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
+                lib.dflash_set_values_in_registers.argtypes = [ctypes.c_int]
+                lib.dflash_set_values_in_registers.restype = ctypes.c_int
             vnni_logits = lib.dflash_int8_vnni_logits
             vnni_logits.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
             vnni_logits.restype = ctypes.c_int
@@ -174,6 +177,16 @@ def set_attention_pairs(on: bool) -> bool:
     if lib is None:
         raise RuntimeError("no kernel library here")
     return bool(lib.dflash_set_attention_pairs(int(on)))
+
+
+def set_values_in_registers(on: bool) -> bool:
+    """Whether attention sums its values for several query heads at once in AVX-512 registers (native.c's
+    values64; the default where the CPU has AVX-512F) or head by head over a widened copy (for tests and A/B runs);
+    returns the old setting. Outputs are bitwise the same either way."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("no kernel library here")
+    return bool(lib.dflash_set_values_in_registers(int(on)))
 
 
 def int8_vnni() -> bool:
