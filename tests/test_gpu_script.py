@@ -35,3 +35,24 @@ def test_the_gpu_script_runs_end_to_end_and_resumes(tmp_path):
     second = run_script(tmp_path, out)  # everything done: data skips every row, training resumes at its end
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stderr and "0 to regenerate" in second.stderr
+
+
+def test_the_lease_bench_script_runs_on_the_cpu_and_sends_its_tables_back(tmp_path):
+    """scripts/lease/bench.sh, the GPU lease's bench call, at tiny scale on the CPU (no graphs there): the tables
+    and logs land in $OUT, and the methods' outputs agree."""
+    script = SCRIPT.parent / "lease" / "bench.sh"
+    prompts = tmp_path / "data"
+    prompts.mkdir()
+    (prompts / "gsm8k_test.jsonl").write_text(
+        "".join(json.dumps({"id": f"g{i}", "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    env = dict(os.environ, PY=sys.executable, DEVICE="cpu", DTYPE="float32", TARGET="tiny-llama", METHODS="ar,ngram",
+               LIMIT="2", NEW="8", DFLASH_DATA_DIR=str(prompts), ROOT=str(tmp_path / "root"), OUT=str(out))
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "eager: rc=0" in done.stdout
+    results = json.loads((out / "eager.results.json").read_text())
+    assert results["greedy_mismatches"] == 0 and set(results["methods"]) == {"ar", "ngram"}
+    assert (out / "eager.results.md").is_file() and (out / "env-and-tests.txt").is_file()
+    assert not (out / "graphs.log").exists()  # CUDA graphs only where CUDA is

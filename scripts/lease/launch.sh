@@ -15,12 +15,7 @@ method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-
 [ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS" ${SEQS:+--seqs-per-pass "$SEQS"})
 LOAD_S=${LOAD_S:-60}  # a CUDA run's start: the target (GGUF tokenizer, weights); ~100 s in stage 11 with a slow corpus read
 : "${DEADLINE:?DEADLINE (epoch seconds by which the run must have ended) is required}"
-if [ -d "$ROOT/g" ] && [ -f .gpu/part03 ]; then
-  mkdir -p "$DFLASH_CACHE/gguf"; cp .gpu/part03 "$ROOT/g/"
-  cat "$ROOT"/g/part0? > "$DFLASH_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
-  sha256sum "$DFLASH_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" \
-    | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 || { echo "GGUF sha mismatch"; exit 3; }
-fi
+ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
 NPROC=${NPROC:-1}
 if [ "$NPROC" -gt 1 ]; then TRAIN=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m dflash train)
 else TRAIN=(python3 -m dflash train); fi

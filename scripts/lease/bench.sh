@@ -1,0 +1,46 @@
+# A call on a lent GPU for the engine issue's GPU figures: the CUDA tests, then `dflash bench` on the GPU, eager and
+# with --cuda-graphs, side by side with transformers' generate (`hf`). Run it with the GGUF joined (this call carrying
+# .gpu/part03 joins it, join.sh) and BEFORE a training starts: a bench beside a running training
+# would time both badly. BUDGET seconds in all (default 240). Back through $OUT (7 files): the software and the
+# tests' summary, each bench's results.md, results.json and log tail.
+# CPU check at tiny scale: PY=.venv/bin/python DEVICE=cpu DTYPE=float32 TARGET=tiny-llama METHODS=ar,ngram LIMIT=1 \
+#   NEW=8 DFLASH_DATA_DIR=../shared/data ROOT=/tmp/x OUT=/tmp/out bash scripts/lease/bench.sh
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
+export DFLASH_DATA_DIR=${DFLASH_DATA_DIR:-/root/data}
+PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; TARGET=${TARGET:-smollm2-135m}
+METHODS=${METHODS:-ar,hf,dflash,dflash+ngram,dflash:whole}; LIMIT=${LIMIT:-8}; NEW=${NEW:-128}
+BUDGET=${BUDGET:-240}; ROOT=${ROOT:-/root}
+: "${OUT:?OUT (the folder that comes back) is required}"
+mkdir -p "$OUT" "$ROOT"
+end=$(($(date +%s) + BUDGET))
+left() { echo $((end - $(date +%s))); }
+
+ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
+  if [ "$DEVICE" = cuda ]; then  # the graph tests capture for real only where CUDA is
+    timeout $(($(left) / 4)) "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py 2>&1 | tail -3
+    echo "graph tests rc=${PIPESTATUS[0]}"
+  fi
+} > "$OUT/env-and-tests.txt" 2>&1
+cat "$OUT/env-and-tests.txt"
+
+for name in eager graphs; do
+  flags=()
+  if [ "$name" = graphs ]; then
+    [ "$DEVICE" = cuda ] || continue
+    flags=(--cuda-graphs)
+  fi
+  share=$(left); [ "$name" = eager ] && [ "$DEVICE" = cuda ] && share=$((share / 2))
+  timeout "$share" "$PY" -m dflash bench --target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" --dataset gsm8k \
+    --limit "$LIMIT" --methods "$METHODS" --max-new-tokens "$NEW" --no-progress "${flags[@]}" \
+    --out "$ROOT/bench-$name" > "$ROOT/bench-$name.log" 2>&1
+  echo "$name: rc=$?"
+  tail -c 60000 "$ROOT/bench-$name.log" > "$OUT/$name.log"
+  for f in results.md results.json; do [ -f "$ROOT/bench-$name/$f" ] && cp "$ROOT/bench-$name/$f" "$OUT/$name.$f"; done
+  [ -f "$OUT/$name.results.md" ] && cat "$OUT/$name.results.md"
+done
+ls -l "$OUT"
