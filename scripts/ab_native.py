@@ -1,8 +1,9 @@
 """Two builds of native.c against each other in ONE process, pass by pass (milliseconds, medians of 15 pairs).
 
-Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|batch] [float32|bfloat16]
+Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|batch] [float32|bfloat16] [CONTEXT]
 
-  verify (default): SmolLM2-135M at 200 cached positions, a decode step and a 16-token verify pass, 2 threads;
+  verify (default): SmolLM2-135M at CONTEXT (200) cached positions, a decode step and a 16-token verify pass, 2
+  threads;
   batch: a decode step of 16 rows at 600 positions each on 1 thread, as `dflash data --threads 1` runs.
 
 Why: on a shared 2-core machine whole-pass timings of one build move by 20-50% within minutes, so builds timed in
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
     mode = argv[2] if len(argv) > 2 else "verify"
     dtype = argv[3] if len(argv) > 3 else "float32"
     rows, context, widths, threads = (16, 600, (1,), 1) if mode == "batch" else (1, 200, (1, 16), 2)
+    context = int(argv[4]) if len(argv) > 4 else context
     torch.set_num_threads(threads)
     target = load_target_cached("smollm2-135m", dtype=dtype)
     cache = target.new_cache(rows, context + 64)
