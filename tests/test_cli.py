@@ -88,3 +88,14 @@ def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys,
                          "w1 w2 w3 w1 w2 w3 w1 w2")
     payload = json.loads(out)
     assert code == 0 and payload["method"] == "dflash+ngram" and "lookup_rounds" in payload
+
+
+def test_an_unknown_target_says_what_it_was_tried_as(capsys, monkeypatch):
+    """A name that is not in the registry, a folder or a .gguf file is tried as a hub id; offline that fails, and
+    the one line says what the name was tried as and which registry names there are."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["generate", "--target", "no-such-model", "hi"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dflash: error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1
+    assert "no-such-model" in errors[0] and "hub id" in errors[0] and "smollm2-135m" in errors[0]

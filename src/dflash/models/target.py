@@ -423,7 +423,10 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
         raise
     except OSError as exc:
         known = ", ".join(REGISTRY)
-        raise UserError(f"could not load target {spec!r} ({exc.__class__.__name__}); registry names: {known}") from exc
+        where = "" if spec in REGISTRY or path.exists() else (
+            " (not a registry name, a model folder or a .gguf file; as a hub id it needs the network)")
+        raise UserError(f"could not load target {spec!r}{where}: {exc.__class__.__name__}; registry names: {known}"
+                        ) from exc
     target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
     choose_kernels(target, kernels)
     return target
