@@ -1464,13 +1464,6 @@ int dflash_set_attention_pairs(int on) {
     return old;
 }
 
-/* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
- * cache positions 0..last, each next one to `step` more: 1 causally, 0 in a drafter's block, where every token
- * sees the whole block; with a sliding `window` > 0, each only to its last `window`): out = softmax(q k^T * scale) v. The cache is read in blocks
- * of KEY_BLOCK keys (then values), each block once for all of the chunk's queries: query by query, every query
- * streamed the row's whole cache from L2 (~1.5 us per query at 200 positions, SmolLM2, 2 AMD EPYC cores). Every
- * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
- * gives bitwise the attention of single steps. `block`: KEY_BLOCK * d floats of scratch (bf16 widening). */
 /* attend's value sums through values64 (d a multiple of 64): the chunk's query heads, VALUE_HEADS at a time, each
  * 64 columns at a time */
 static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *values, int64_t at, int64_t d,
@@ -1493,6 +1486,13 @@ static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *v
     }
 }
 
+/* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
+ * cache positions 0..last, each next one to `step` more: 1 causally, 0 in a drafter's block, where every token
+ * sees the whole block; with a sliding `window` > 0, each only to its last `window`): out = softmax(q k^T * scale) v. The cache is read in blocks
+ * of KEY_BLOCK keys (then values), each block once for all of the chunk's queries: query by query, every query
+ * streamed the row's whole cache from L2 (~1.5 us per query at 200 positions, SmolLM2, 2 AMD EPYC cores). Every
+ * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
+ * gives bitwise the attention of single steps. `block`: KEY_BLOCK * d floats of scratch (bf16 widening). */
 #define KEY_BLOCK 32
 /* tokens per work item (attention_items): 2 rather than 4 gives a 4-token pass 6 items instead of 3 on two
  * threads; bf16 SmolLM2 after 600 tokens, three alternating runs: layers of 4- and 8-token passes -4% and -3% */
