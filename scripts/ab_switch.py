@@ -29,6 +29,8 @@ Switches (the "on" variant is each one's default):
                     from the committed corpus with the same thresholds) after every prompt match
   screen-steps      greedy rounds read the head's screen for engine.FIRST_SCREENED positions first, then the rest
                     for the rows that accepted them all, against every verified position in one screen
+  long-matches      prompt lookup looks for the sequence's last LONG_MATCH (8) tokens first, then fewer, each length
+                    calibrated apart (`ngram.MAX_MATCH`), against 3 tokens at most
   int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
                     `models/native.c`), against float32 FMAs over its widened weights; both pin the int8 screen
 
@@ -108,6 +110,10 @@ def set_attention_pairs(target, on: bool) -> None:
     native.set_attention_pairs(on)
 
 
+def set_long_matches(target, on: bool) -> None:
+    ngram.MAX_MATCH = LONG_MATCH if on else 3  # read when a proposer is built: each variant keeps its own
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
@@ -115,11 +121,12 @@ def set_screen_steps(target, on: bool) -> None:
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
-            "attention-pairs": set_attention_pairs}
+            "attention-pairs": set_attention_pairs, "long-matches": set_long_matches}
 CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
 DEFAULT_WEAK_MATCH = ngram.WEAK_MATCH
+LONG_MATCH = int(os.environ.get("LONG_MATCH", 8))
 THREE_TOKEN_TABLES = {}
 
 

@@ -498,7 +498,7 @@ def test_prompt_lookup_finds_the_latest_match_as_a_plain_search_does():
     values whose bytes repeat (0, 1, 256, 65536, ...) make such straddling matches common."""
     import random
 
-    def plain(sequence, max_draft, max_ngram=3):
+    def plain(sequence, max_draft, max_ngram):
         for n in range(min(max_ngram, len(sequence) - 1), 0, -1):
             tail = sequence[-n:]
             for start in range(len(sequence) - n - 1, -1, -1):
@@ -508,10 +508,26 @@ def test_prompt_lookup_finds_the_latest_match_as_a_plain_search_does():
 
     rng = random.Random(0)
     values = [0, 1, 256, 257, 65536, 65537, 16777216, 16777472, 49151]
-    proposer = NgramProposer(max_draft=5)
+    proposers = {n: NgramProposer(max_draft=5, max_ngram=n) for n in (3, 5, 8)}
     for _ in range(3000):
         sequence = [rng.choice(values[: rng.randint(2, len(values))]) for _ in range(rng.randint(1, 40))]
-        assert proposer.propose(sequence).tokens == plain(sequence, 5), sequence
+        for n, proposer in proposers.items():
+            assert proposer.propose(sequence).tokens == plain(sequence, 5, n), (n, sequence)
+    proposer = NgramProposer(max_draft=5)
     # 65536's bytes (00 00 01 00) occur in those of [0, 1] (00 00 00 00 01 00 00 00), across the two tokens only
     assert proposer.propose([0, 1, 65536]).tokens == []
     assert proposer.propose([7, 8, 9, 7, 8], limit=2).tokens == [9, 7]
+
+
+def test_the_longest_match_wins_and_labels_its_drafts():
+    """A match of the last five tokens beats a later match of the last three (its copy is surer), and the drafts
+    carry the match's length, by which the controller calibrates them apart; none longer than MAX_MATCH is sought."""
+    from dflash.methods import ngram
+
+    five = [1, 2, 3, 4, 5]
+    sequence = five + [60, 61] + [9, 4, 5] + [70, 71] + [3, 4, 5] + [80] + five
+    draft = NgramProposer(max_draft=2, max_ngram=5).propose(sequence)
+    assert (draft.tokens, draft.label) == ([60, 61], 5)
+    draft = NgramProposer(max_draft=2, max_ngram=3).propose(sequence)
+    assert (draft.tokens, draft.label) == ([80, 1], 3)  # the latest 3-token match
+    assert NgramProposer().max_ngram == ngram.MAX_MATCH == 5

@@ -16,14 +16,21 @@ DEFAULT_BLOCK_SIZE = 8
 # Prompt matches this short come after the table: over SmolLM2's answers to GSM8K, MT-Bench and HumanEval a 1-token
 # match's first draft was right 14-24% of the time, the table's 50-90% (scripts/corpus_lookup_estimate.py).
 WEAK_MATCH = 1
+# The longest tail a match is looked for with (the longest first): its length labels the drafts, which the
+# controller calibrates apart. Over SmolLM2's greedy answers a 5-token match's 7 drafts were accepted 2.9-5.1 deep
+# where an exactly-3-token one's were 1.8-2.3 (all under one label before, as "3 or more"); on 8 bfloat16 prompts
+# each, `ngram` took 0.90x the time per token on GSM8K and HumanEval and 0.79x on MT-Bench, `dflash+ngram` 0.99x-1.01x
+# (`scripts/ab_switch.py long-matches D 8 ngram,dflash+ngram 128 --dtype bfloat16`, LONG_MATCH=5; docs/RESULTS.md).
+MAX_MATCH = 5
 
 
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, max_draft: int = DEFAULT_BLOCK_SIZE - 1, max_ngram: int = 3, min_ngram: int = 1,
+    def __init__(self, max_draft: int = DEFAULT_BLOCK_SIZE - 1, max_ngram: int | None = None, min_ngram: int = 1,
                  table: ContinuationTable | None = None):
-        self.max_draft, self.max_ngram, self.min_ngram = max_draft, max_ngram, min_ngram
+        self.max_draft, self.min_ngram = max_draft, min_ngram
+        self.max_ngram = MAX_MATCH if max_ngram is None else max_ngram
         self.table = table
 
     def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
@@ -69,6 +76,6 @@ def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:
     return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1, options.continuations), None
 
 
-METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 3 or 2 "
+METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 5 to 2 "
                 "tokens, else the target's own frequent continuation, else what followed the last token",
                 build_proposer=build, block_size_help="the number of copied drafts + 1")
