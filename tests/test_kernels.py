@@ -297,6 +297,23 @@ def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monk
     assert report["measured_now"] and "float32" not in report["draft_ms"]
 
 
+def test_a_drafting_pass_is_timed_after_a_target_step_as_in_a_round(monkeypatch):
+    """In a round the target's step comes first and evicts the drafter's weights from the caches; drafting passes
+    timed back to back would favour drafters with more bytes. Each timed pass follows a step."""
+    from dflash.methods.base import best_drafting_seconds
+    from dflash.methods.ngram import NgramProposer
+
+    target = tiny_target("llama")
+    order = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: order.append("step") or forward(*a, **k))
+    proposer = NgramProposer(max_draft=3)
+    propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda *a, **k: order.append("draft") or propose(*a, **k))
+    assert best_drafting_seconds(proposer, target, context=8, runs=3) >= 0
+    assert order == ["step", "draft"] * 4  # a warm-up, then three timed
+
+
 def test_a_timing_taken_on_a_busier_machine_is_taken_again(tmp_path, monkeypatch):
     """Relative timings (pass costs, head savings) are cached with the 1-token pass time of their moment: kept while
     today's pass is as slow or slower, measured again when it is much faster (the record was taken under load), and

@@ -671,3 +671,49 @@ def test_a_targets_plan_lays_out_its_weights_before_the_first_pass():
     target.forward(torch.tensor([list(range(3, 40))]), cache)  # a prompt (packed), then a step (ours)
     target.forward(torch.tensor([[5]]), cache)
     assert all(lin._tiles is tiles and lin._packed is packed for lin, (tiles, packed) in zip(linears, made))
+
+
+@needs_native
+@pytest.mark.parametrize("fused_faster", [True, False])
+def test_a_drafter_in_another_dtype_takes_the_one_call_layers_where_that_drafts_faster(tmp_path, monkeypatch,
+                                                                                      fused_faster):
+    """A bfloat16 drafter on a float32 target has shapes the target's plan never measured; whether its layers run
+    as one C call (every product ours) or as the plan had them is decided by timing whole drafting passes (the
+    clock injected here), cached per machine. int8 plans are left alone."""
+    from dflash.methods.dflash.proposer import DFlashProposer, load_drafter, settled_layers
+    from dflash.models.kernels import INT8, PACKED
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_target("llama", logit_scale=4.0)
+    drafter, _ = load_drafter(None, target, torch.bfloat16, PACKED)
+    proposer = DFlashProposer(drafter, target, None, PACKED)
+
+    def in_c() -> bool:
+        return all(lin.kernel_for_rows(16) == "native" for layer in drafter.layers
+                   for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast))
+
+    timed = []
+    fake = lambda p, t: timed.append(in_c()) or (1.0 if in_c() == fused_faster else 2.0)  # noqa: E731
+    chosen = settled_layers(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
+    assert sorted(timed) == [False] * 3 + [True] * 3  # both ways, interleaved
+    assert in_c() == fused_faster and (chosen is not PACKED) == fused_faster
+    stacks = count_drafter_stacks(monkeypatch)
+    ids = target.encode_prompt("w1 w2 w3 w4 w5")
+    proposer.start(ids, torch.randn(1, len(ids), len(proposer.feature_layers) * target.hidden_size))
+    proposer.propose(ids + [7])
+    assert stacks[0] == (1 if fused_faster else 0)
+    settled_layers(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
+    assert len(timed) == 6  # the second engine reads the cache
+    assert settled_layers(proposer, target, INT8, "int8", seconds=fake) is INT8
+
+
+def count_drafter_stacks(monkeypatch) -> list[int]:
+    calls = [0]
+    real = native.drafter_stack
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(native, "drafter_stack", counted)
+    return calls
