@@ -213,8 +213,8 @@ def settled_layers(proposer: DFlashProposer, target, plan: KernelPlan, precision
     timed whole, once per machine (cached like the target's pass costs): where all of a layer's products use ours,
     the drafter's layers run as ONE C call. A drafter in another dtype than the target's has shapes the target's
     plan never measured, and `covering` times those one product at a time: for a bfloat16 drafter on a float32
-    target it gave the MLP products oneDNN's kernel, and the layers went back to ~25 torch ops each, 5.0 ms a drafting
-    pass against 3.7 ms with every product ours (AMD EPYC Zen 4, 2 threads). Not for int8 plans, whose layers are
+    target it gave the MLP products oneDNN's kernel, and the layers went back to ~25 torch ops each: 5.1 ms a drafting
+    pass after a target step against 3.9 ms with every product ours (AMD EPYC Zen 4, 2 threads, draft_cost.py). Not for int8 plans, whose layers are
     meant to run on int8 weights. `seconds(proposer, target)`: one drafting pass's time, injectable for tests."""
     drafter = proposer.drafter
     if plan.float_plan is not None:
