@@ -586,14 +586,7 @@ def drafter_twins(target, dtype: torch.dtype, block_size: int):
     return ours.freeze(NATIVE), theirs.freeze(PLAIN)
 
 
-@needs_native
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_drafter_layers_in_c_match_the_torch_layers(dtype, block_size, monkeypatch):
-    """Rounds of context pieces of 11, 1, 3 and 7 rows, then a block: the C drafter (context keys through each
-    layer's kv product, q/k norms, the block attending both ways) gives the torch drafter's hidden states and
-    cache, and one C call per round runs all its layers."""
-    target = tiny_target("llama", hidden_size=64)
-    ours, theirs = drafter_twins(target, dtype, block_size)
+def count_drafter_stacks(monkeypatch) -> list[int]:
     calls = [0]
     real = native.drafter_stack
 
@@ -602,6 +595,18 @@ def test_drafter_layers_in_c_match_the_torch_layers(dtype, block_size, monkeypat
         return real(*args)
 
     monkeypatch.setattr(native, "drafter_stack", counted)
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_drafter_layers_in_c_match_the_torch_layers(dtype, block_size, monkeypatch):
+    """Rounds of context pieces of 11, 1, 3 and 7 rows, then a block: the C drafter (context keys through each
+    layer's kv product, q/k norms, the block attending both ways) gives the torch drafter's hidden states and
+    cache, and one C call per round runs all its layers."""
+    target = tiny_target("llama", hidden_size=64)
+    ours, theirs = drafter_twins(target, dtype, block_size)
+    calls = count_drafter_stacks(monkeypatch)
     generator = torch.Generator().manual_seed(0)
     caches = ours.new_cache(), theirs.new_cache()
     done = 0
@@ -706,14 +711,3 @@ def test_a_drafter_in_another_dtype_takes_the_one_call_layers_where_that_drafts_
     assert len(timed) == 6  # the second engine reads the cache
     assert settled_layers(proposer, target, INT8, "int8", seconds=fake) is INT8
 
-
-def count_drafter_stacks(monkeypatch) -> list[int]:
-    calls = [0]
-    real = native.drafter_stack
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(native, "drafter_stack", counted)
-    return calls
