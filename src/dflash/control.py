@@ -288,7 +288,7 @@ class DraftController:
         calibration (for drafts of its `label`); (0, 0.0) in whole-block mode and before the costs are known."""
         if available <= 0 or self.whole_blocks or not self.costs.known or self._widening_cannot_pay():
             return 0, 0.0  # the last: in a batch bound by its arithmetic, pricing every draft was 5% of a round
-        return self._best([self.lookup_calibration.probability(j, None, label) for j in range(available)])
+        return self._best(self.acceptance(available, None, label, lookup=True))
 
     def should_draft(self, alternative: float = 0.0) -> bool:
         """Draft unless recent drafted rounds did not pay for the drafting (then skip, and probe now and then), or
@@ -335,8 +335,7 @@ class DraftController:
         # a row alone keeps the bound of certain drafts: its probes are what refresh a calibration that a bad
         # stretch of text had made too pessimistic (a batch's rows probe again whenever a row runs alone)
         best = self.calibration.best() if self.rows > 1 else 1.0
-        expected = [sum(best ** j for j in range(1, k + 1)) for k in range(max(1, self.max_draft) + 1)]
-        return all(self.rate * (self._extra_cost(k + 1) + drafting) >= expected[k]
+        return all(self.rate * (self._extra_cost(k + 1) + drafting) >= sum(best ** j for j in range(1, k + 1))
                    for k in {1, max(1, self.max_draft)})
 
     def _widening_cannot_pay(self) -> bool:
@@ -365,8 +364,7 @@ class DraftController:
         if self.whole_blocks or not self.costs.known:
             return available
         self._start_rate()
-        best_k, self.chosen_value = self._best([
-            self.calibration.probability(j, confidences[j] if confidences else None, label) for j in range(available)])
+        best_k, self.chosen_value = self._best(self.acceptance(available, confidences, label))
         return best_k
 
     def acceptance(self, draft_count: int, confidences: list[float] | None, label: int | None = None,

@@ -1524,27 +1524,26 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                     block_scores(q, k, j0, j1, FIRST_SEEN(t), SEEN(t), d, scale, s);
             }
     }
+    int in_registers = d % 64 == 0 && values64_here(); /* values64 writes its sums whole, from zero */
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             int64_t n = SEEN(t), lo = FIRST_SEEN(t);
             float *s = R.scores + t * R.score_token + h * R.score_head, top = largest(s + lo, n - lo);
             float inverse = 1.0f / exp_shifted(s + lo, n - lo, top);
             for (int64_t j = lo; j < n; j++) s[j] *= inverse;
-            memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
+            if (!in_registers) memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
-    if (d % 64 == 0 && values64_here()) {
+    if (in_registers)
         attend_values64(R, tokens, group, values, at, d, last, step, window, bf16);
-        goto rounded;
-    }
-    for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
-        int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
-        const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
-        for (int64_t t = 0; t < tokens; t++)
-            for (int64_t h = 0; h < group; h++)
-                block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, FIRST_SEEN(t), SEEN(t), d,
-                             R.out + t * R.out_token + h * d);
-    }
-rounded:
+    else
+        for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
+            int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
+            const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
+            for (int64_t t = 0; t < tokens; t++)
+                for (int64_t h = 0; h < group; h++)
+                    block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, FIRST_SEEN(t), SEEN(t),
+                                 d, R.out + t * R.out_token + h * d);
+        }
 #undef SEEN
 #undef FIRST_SEEN
     for (int64_t t = 0; t < tokens; t++)
