@@ -118,6 +118,20 @@ def test_incremental_context_cache_matches_full(tiny_targets):
     torch.testing.assert_close(incremental, full, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafting_pass_reads_rope_from_the_table(tiny_targets, dtype):
+    """A drafting pass's consecutive positions take their cos/sin from the rotary's table: bitwise what computing
+    them gives, anywhere in a long context; other positions are computed as before."""
+    drafter = tiny_drafter(tiny_targets["llama"])
+    for positions in (torch.arange(0, 16)[None], torch.arange(300, 316)[None], torch.arange(5, 6)[None]):
+        table, computed = drafter.rope_of(positions, dtype, from_table=True), drafter.rotary(positions, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(table, computed))
+    scattered = torch.tensor([[3, 9, 4]])
+    assert all(torch.equal(a, b) for a, b in zip(drafter.rope_of(scattered, dtype, from_table=True),
+                                                  drafter.rotary(scattered, dtype)))
+    assert drafter.rope_of(torch.empty(1, 0, dtype=torch.long), dtype, from_table=True)[0].shape[1] == 0
+
+
 def test_block_is_bidirectional_and_context_matters(tiny_targets):
     target = tiny_targets["llama"]
     drafter = tiny_drafter(target)

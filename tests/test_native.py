@@ -679,35 +679,39 @@ def test_a_targets_plan_lays_out_its_weights_before_the_first_pass():
 
 
 @needs_native
-@pytest.mark.parametrize("fused_faster", [True, False])
-def test_a_drafter_in_another_dtype_takes_the_one_call_layers_where_that_drafts_faster(tmp_path, monkeypatch,
-                                                                                      fused_faster):
-    """A bfloat16 drafter on a float32 target has shapes the target's plan never measured; whether its layers run
-    as one C call (every product ours) or as the plan had them is decided by timing whole drafting passes (the
-    clock injected here), cached per machine. int8 plans are left alone."""
-    from dflash.methods.dflash.proposer import DFlashProposer, load_drafter, settled_layers
+@pytest.mark.parametrize("fastest", ["measured", "fused", "fused+head"])
+def test_a_drafter_in_another_dtype_takes_our_kernels_where_that_drafts_faster(tmp_path, monkeypatch, fastest):
+    """A bfloat16 drafter on a float32 target has shapes the target's plan never measured. Whether its layers run
+    as one C call (every product ours), and then whether its LM head runs on ours too, is decided by timing whole
+    drafting passes (the clock injected here), cached per machine. int8 plans are left alone."""
+    from dflash.methods.dflash.proposer import DFlashProposer, load_drafter, settled_kernels
     from dflash.models.kernels import INT8, PACKED
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
-    target = tiny_target("llama", logit_scale=4.0)
+    target = tiny_target("llama", vocab_size=96, logit_scale=4.0)  # a head of no layer product's shape
     drafter, _ = load_drafter(None, target, torch.bfloat16, PACKED)
     proposer = DFlashProposer(drafter, target, None, PACKED)
+    assert proposer.lm_head.weight.dtype == torch.bfloat16 and "native" in proposer.lm_head.kernels()
 
-    def in_c() -> bool:
-        return all(lin.kernel_for_rows(16) == "native" for layer in drafter.layers
-                   for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast))
+    def state() -> str:
+        layers_in_c = all(lin.kernel_for_rows(16) == "native" for layer in drafter.layers
+                          for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up,
+                                      layer.mlp.down_fast))
+        head_ours = proposer.lm_head.kernel_for_rows(4) == "native"
+        return "fused+head" if layers_in_c and head_ours else "fused" if layers_in_c else "measured"
 
     timed = []
-    fake = lambda p, t: timed.append(in_c()) or (1.0 if in_c() == fused_faster else 2.0)  # noqa: E731
-    chosen = settled_layers(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
-    assert sorted(timed) == [False] * 3 + [True] * 3  # both ways, interleaved
-    assert in_c() == fused_faster and (chosen is not PACKED) == fused_faster
+    fake = lambda p, t: timed.append(state()) or (1.0 if state() == fastest else 2.0)  # noqa: E731
+    chosen = settled_kernels(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
+    assert timed == ["measured", "fused", "fused+head"] * 3  # every candidate, interleaved
+    assert state() == fastest and proposer.plan is chosen and (chosen is PACKED) == (fastest == "measured")
     stacks = count_drafter_stacks(monkeypatch)
     ids = target.encode_prompt("w1 w2 w3 w4 w5")
     proposer.start(ids, torch.randn(1, len(ids), len(proposer.feature_layers) * target.hidden_size))
     proposer.propose(ids + [7])
-    assert stacks[0] == (1 if fused_faster else 0)
-    settled_layers(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
-    assert len(timed) == 6  # the second engine reads the cache
-    assert settled_layers(proposer, target, INT8, "int8", seconds=fake) is INT8
+    assert stacks[0] == (0 if fastest == "measured" else 1)
+    settled_kernels(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
+    assert len(timed) == 9  # the second engine reads the cache
+    assert state() == fastest
+    assert settled_kernels(proposer, target, INT8, "int8", seconds=fake) is INT8
 

@@ -325,8 +325,8 @@ class DFlashDrafter(nn.Module):
         dtype = self.fc.weight.dtype
         fc = self.fast_fc if getattr(self, "fast_fc", None) is not None else self.fc
         ctx = self.hidden_norm(fc(context_features.to(dtype)))
-        rope_ctx = self.rotary(context_positions, dtype)
-        rope_block = self.rotary(block_positions, dtype)
+        rope_ctx = self.rope_of(context_positions, dtype, from_table=cache is not None)
+        rope_block = self.rope_of(block_positions, dtype, from_table=cache is not None)
         x = block_embeds.to(dtype)
         if cache is not None:
             cache.reserve(max(cache.lengths) + ctx.shape[1] + x.shape[1])
@@ -340,6 +340,17 @@ class DFlashDrafter(nn.Module):
         if cache is not None:
             cache.advance(ctx.shape[1])
         return self.norm(x)
+
+    def rope_of(self, positions: torch.Tensor, dtype: torch.dtype, from_table: bool) -> tuple:
+        """cos/sin of `positions` [b, n]. A drafting pass's (`from_table`: one sequence, consecutive positions) are
+        rows of the rotary's table (the same values): computing them anew took ~10 small ops, 0.17 ms of a ~3 ms
+        bfloat16 drafting pass (AMD EPYC Zen 4, 2 threads)."""
+        n = positions.shape[1]
+        if from_table and positions.shape[0] == 1 and n:
+            first = int(positions[0, 0])
+            if torch.equal(positions[0], torch.arange(first, first + n, device=positions.device)):
+                return self.rotary.spans([first], n, positions, dtype)
+        return self.rotary(positions, dtype)
 
     def _native_forward(self, x: torch.Tensor, rope_block, ctx: torch.Tensor, rope_ctx, block_positions: torch.Tensor,
                         cache: KVCache) -> torch.Tensor | None:

@@ -72,6 +72,12 @@ class DFlashProposer(FeatureBacklog, Proposer):
         self.prompt_rows: torch.Tensor | None = None
         self.reading = StepwiseReading()
 
+    def use_plan(self, plan: KernelPlan) -> None:
+        """`plan`'s kernels for the drafter's products and its LM head."""
+        self.plan = plan
+        self.drafter.use_plan(plan)
+        self.lm_head.use_plan(plan)
+
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.drafter.new_cache(capacity=len(prompt_ids) + 256)
         self.pending = [features]
@@ -207,42 +213,60 @@ def measured_break_even(proposer: DFlashProposer, target, precision: str, repeat
                          measure)["break_even"]
 
 
-def settled_layers(proposer: DFlashProposer, target, plan: KernelPlan, precision: str, repeats: int = 5,
-                   seconds=best_drafting_seconds) -> KernelPlan:
-    """`plan`, with our kernel for every product of the drafter's layers where a drafting pass runs faster that way,
-    timed whole, once per machine (cached like the target's pass costs): where all of a layer's products use ours,
-    the drafter's layers run as ONE C call. A drafter in another dtype than the target's has shapes the target's
-    plan never measured, and `covering` times those one product at a time: for a bfloat16 drafter on a float32
-    target it gave the MLP products oneDNN's kernel, and the layers went back to ~25 torch ops each: 5.1 ms a drafting
-    pass after a target step against 3.9 ms with every product ours (AMD EPYC Zen 4, 2 threads, draft_cost.py). Not for int8 plans, whose layers are
-    meant to run on int8 weights. `seconds(proposer, target)`: one drafting pass's time, injectable for tests."""
-    drafter = proposer.drafter
+def with_native(plan: KernelPlan, linears: list[FrozenLinear]) -> KernelPlan:
+    """A copy of `plan` with our kernel for each of `linears` that has a form for it, at a drafting pass's widths:
+    its block, whatever its size, and a single row."""
+    native = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
+    for lin in linears:
+        if "native" in lin.kernels():
+            for bucket in (1, 16):
+                native.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = "native"
+    return native
+
+
+def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precision: str, repeats: int = 5,
+                    seconds=best_drafting_seconds) -> KernelPlan:
+    """`plan`, with our kernel for every product of the drafter's layers, and then for its LM head too, where a
+    drafting pass runs faster that way, timed whole after a target step, once per machine (cached like the target's
+    pass costs). Where all of a layer's products use ours, the drafter's layers run as ONE C call.
+
+    A drafter in another dtype than the target's has shapes the target's plan never measured, and `covering` times
+    those one product at a time, hot in the caches:
+    - for a bfloat16 drafter on a float32 target it gave the MLP products oneDNN's kernel, and the layers went back
+      to ~25 torch ops each: 5.1 ms a drafting pass after a target step against 3.9 ms with every product ours;
+    - the LM head (16K rows of SmolLM2's draft vocabulary) was never measured and took oneDNN's: after a target step
+      has evicted it, 4 rows cost 0.77 ms there and 0.65 ms through ours in bfloat16, 1.37 and 1.06 ms in float32
+      (AMD EPYC Zen 4, 2 threads; scripts/draft_cost.py, runs of the head alone).
+    Not for int8 plans, whose products are meant to run on int8 weights. `seconds(proposer, target)`: one drafting
+    pass's time, injectable for tests."""
     if plan.float_plan is not None:
         return plan
+    drafter = proposer.drafter
     products = [lin for layer in drafter.layers
                 for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast)]
-    fused = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
-    for lin in products:
-        if "native" in lin.kernels():
-            for bucket in (1, 16):  # a drafting pass's block, whatever its size, and a one-row draft
-                fused.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = "native"
-    if fused.choices == plan.choices:
+    fused = with_native(plan, products)
+    candidates = {"measured": plan}
+    for name, candidate in (("fused", fused), ("fused+head", with_native(fused, [proposer.lm_head]))):
+        if all(candidate.choices != other.choices for other in candidates.values()):
+            candidates[name] = candidate
+    if len(candidates) == 1:
         return plan
 
     def measure() -> dict:
-        times: dict[str, list[float]] = {"measured": [], "fused": []}
-        for _ in range(repeats):  # interleaved, so that a slower moment weighs on both alike
-            for name, candidate in (("measured", plan), ("fused", fused)):
-                drafter.use_plan(candidate)
+        times: dict[str, list[float]] = {name: [] for name in candidates}
+        for _ in range(repeats):  # interleaved, so that a slower moment weighs on every candidate alike
+            for name, candidate in candidates.items():
+                proposer.use_plan(candidate)
                 times[name].append(seconds(proposer, target))
         return {name: round(1000 * sorted(t)[len(t) // 2], 3) for name, t in times.items()}
 
     from ...models.target import cached_timing
 
-    shapes = sorted({(lin.out_features, lin.in_features) for lin in products})
-    timings = cached_timing(target, f"dflash-drafter-layers:{precision}:{shapes}:after-a-step", measure)
-    chosen = fused if timings["fused"] < timings["measured"] else plan
-    drafter.use_plan(chosen)
+    shapes = sorted({(lin.out_features, lin.in_features) for lin in products + [proposer.lm_head]})
+    timings = cached_timing(target, f"dflash-drafter-kernels:{precision}:{shapes}:{sorted(candidates)}:after-a-step",
+                            measure)
+    chosen = candidates[min((name for name in timings if name in candidates), key=timings.get)]
+    proposer.use_plan(chosen)
     return chosen
 
 
@@ -282,7 +306,7 @@ def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
             drafter.use_plan(plan)
         proposer = DFlashProposer(drafter, target, options.block_size, plan)
         if target.measure and target.device.type == "cpu":
-            proposer.plan = settled_layers(proposer, target, plan, precision.name)
+            settled_kernels(proposer, target, plan, precision.name)
         if target.measure:
             proposer.reading.break_even = measured_break_even(proposer, target, precision.name)
         return proposer, note
