@@ -11,6 +11,7 @@ from conftest import ARCHS, OracleProposer, RandomProposer
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
+from dflash.models import native
 from dflash.models.kernels import (
     INT8,
     PACKED,
@@ -267,6 +268,50 @@ def test_int8_copy_follows_writes_and_other_dtypes_fall_back():
     frozen.to(torch.bfloat16)  # no int8 kernel for bf16 weights: F.linear, exactly
     xb = x.bfloat16()
     assert torch.equal(frozen(xb), F.linear(xb, frozen.weight))
+
+
+needs_vnni = pytest.mark.skipif(not native.int8_vnni(), reason="no AVX512-VNNI kernel here")
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vnni_kernel_is_an_int8_product_within_its_rounding(dtype):
+    """The "vnni" kernel (a drafter's LM head): each weight row rounded to int8 on its own scale s_i, each input row
+    to int16, summed in integers; float32 out whatever the weight's dtype, within the two roundings of the exact
+    product: |error_i| <= s_i / 2 |x|_1 + max|x| / 65534 |w_i|_1 (plus float slack). A bias is added."""
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(100, 72, generator=g) * 0.05).to(dtype)
+    bias = torch.randn(100, generator=g).to(dtype)
+    scales = weight.float().abs().amax(dim=1) / 127
+    for b in (None, bias):
+        frozen = FrozenLinear(weight, b, KernelPlan(default="vnni"))
+        for rows in (1, 3, 4, 9, 16):
+            x = torch.randn(rows, 72, generator=g).to(dtype)
+            got = frozen(x)
+            exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            assert got.dtype == torch.float32 and got.shape == (rows, 100)
+            xs = x.double()
+            bound = (scales.double()[None] / 2 * xs.abs().sum(-1, keepdim=True)
+                     + xs.abs().amax(-1, keepdim=True) / 65534 * weight.double().abs().sum(-1)[None])
+            assert ((got.double() - exact).abs() <= bound * 1.01 + 1e-5).all()
+            assert not torch.equal(got.double(), exact)  # really int8
+
+
+@needs_vnni
+def test_the_vnni_copy_follows_writes_and_goes_where_vnni_does(monkeypatch):
+    """The int8 copy is re-made after an in-place write; where VNNI is off the product is F.linear's, exactly."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32)
+    frozen = FrozenLinear(weight.clone(), None, KernelPlan(default="vnni"))
+    x = torch.randn(3, 32)
+    frozen(x)
+    with torch.no_grad():
+        frozen.weight.mul_(-2)
+    expected = F.linear(x, -2 * weight)
+    assert (frozen(x) - expected).abs().max() < 0.05 * expected.abs().max()  # a stale copy would be off by 3x
+    monkeypatch.setattr(native, "_int8_vnni", False)
+    assert not frozen.has_vnni() and torch.equal(frozen(x), expected)
+    assert KernelPlan({"a": "vnni", "b": "native"}).summary()["vnni"] == 1
 
 
 def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monkeypatch):

@@ -679,13 +679,18 @@ def test_a_targets_plan_lays_out_its_weights_before_the_first_pass():
 
 
 @needs_native
-@pytest.mark.parametrize("fastest", ["measured", "fused", "fused+head"])
+@pytest.mark.parametrize("fastest", ["measured", "fused", "fused+head", "fused+int8-head"])
 def test_a_drafter_in_another_dtype_takes_our_kernels_where_that_drafts_faster(tmp_path, monkeypatch, fastest):
     """A bfloat16 drafter on a float32 target has shapes the target's plan never measured. Whether its layers run
-    as one C call (every product ours), and then whether its LM head runs on ours too, is decided by timing whole
-    drafting passes (the clock injected here), cached per machine. int8 plans are left alone."""
+    as one C call (every product ours), and then whether its LM head runs on ours too (float, or int8 rows where
+    the CPU has VNNI), is decided by timing whole drafting passes (the clock injected here), cached per machine.
+    int8 plans are left alone."""
     from dflash.methods.dflash.proposer import DFlashProposer, load_drafter, settled_kernels
     from dflash.models.kernels import INT8, PACKED
+
+    vnni = native.int8_vnni()
+    if fastest == "fused+int8-head" and not vnni:
+        pytest.skip("no AVX512-VNNI here")
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     target = tiny_target("llama", vocab_size=96, logit_scale=4.0)  # a head of no layer product's shape
@@ -697,13 +702,16 @@ def test_a_drafter_in_another_dtype_takes_our_kernels_where_that_drafts_faster(t
         layers_in_c = all(lin.kernel_for_rows(16) == "native" for layer in drafter.layers
                           for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up,
                                       layer.mlp.down_fast))
-        head_ours = proposer.lm_head.kernel_for_rows(4) == "native"
-        return "fused+head" if layers_in_c and head_ours else "fused" if layers_in_c else "measured"
+        head = proposer.lm_head.kernel_for_rows(4)
+        if layers_in_c and head in ("native", "vnni"):
+            return "fused+head" if head == "native" else "fused+int8-head"
+        return "fused" if layers_in_c else "measured"
 
     timed = []
     fake = lambda p, t: timed.append(state()) or (1.0 if state() == fastest else 2.0)  # noqa: E731
     chosen = settled_kernels(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
-    assert timed == ["measured", "fused", "fused+head"] * 3  # every candidate, interleaved
+    candidates = ["measured", "fused", "fused+head"] + (["fused+int8-head"] if vnni else [])
+    assert timed == candidates * 3  # every candidate, interleaved
     assert state() == fastest and proposer.plan is chosen and (chosen is PACKED) == (fastest == "measured")
     stacks = count_drafter_stacks(monkeypatch)
     ids = target.encode_prompt("w1 w2 w3 w4 w5")
@@ -711,7 +719,7 @@ def test_a_drafter_in_another_dtype_takes_our_kernels_where_that_drafts_faster(t
     proposer.propose(ids + [7])
     assert stacks[0] == (0 if fastest == "measured" else 1)
     settled_kernels(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
-    assert len(timed) == 9  # the second engine reads the cache
+    assert len(timed) == 3 * len(candidates)  # the second engine reads the cache
     assert state() == fastest
     assert settled_kernels(proposer, target, INT8, "int8", seconds=fake) is INT8
 

@@ -274,8 +274,9 @@ def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecis
         best = min(timings, key=timings.get)
         return best in names and 1000 * seconds_in(draft_precision(best, target)) >= STALE_RATIO * timings[best]
 
-    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not
-    timings, measured = cached_measurement(target.measurement_key(f"{key}:draft-precision:after-a-step"), measure,
-                                           still_valid=still_fits)
+    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not; ":heads": timed
+    # since a drafter's LM head may take our kernels (twenty-fourth session), which made float precisions cheaper
+    key = target.measurement_key(f"{key}:draft-precision:after-a-step:heads")
+    timings, measured = cached_measurement(key, measure, still_valid=still_fits)
     name = min(timings, key=timings.get)
     return draft_precision(name, target), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}

@@ -32,7 +32,10 @@ from torch import nn
 
 from . import native
 
-KERNELS = ("plain", "packed", "native")
+KERNELS = ("plain", "packed", "native")  # exact kernels, any of which a plan may pick by measurement
+# Inexact kernels, for drafters only and only where a plan names them: "int8" (fbgemm, float32 weights) and "vnni"
+# (ours: int8 rows against inputs rounded to int16 per row, summed with AVX512-VNNI; float32 outputs whatever the
+# weight's dtype). Drafts never change the output, only how many are accepted.
 # Row buckets by their largest row count: 1 (a decode step), 2-16 (verify passes), more (prefill, batches); each is
 # measured at a typical count of its own (MEASURED_ROWS).
 ROW_BUCKETS = (1, 16, 1 << 30)
@@ -69,7 +72,7 @@ class KernelPlan:
         """How many measured (shape, rows) keys chose each kernel."""
         counts = {k: 0 for k in KERNELS}
         for choice in self.choices.values():
-            counts[choice] += 1
+            counts[choice] = counts.get(choice, 0) + 1
         return counts
 
 
@@ -174,6 +177,8 @@ class FrozenLinear(nn.Module):
         self._int8_for: tuple | None = None
         self._tiles: torch.Tensor | None = None
         self._tiles_for: tuple | None = None
+        self._vnni: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._vnni_for: tuple | None = None
         self.use_plan(plan or PACKED)
 
     def use_plan(self, plan: KernelPlan) -> None:
@@ -187,6 +192,8 @@ class FrozenLinear(nn.Module):
             self._tiles, self._tiles_for = None, None
         if "packed" not in self._kernel_by_bucket:
             self._packed, self._packed_for = None, None
+        if "vnni" not in self._kernel_by_bucket:
+            self._vnni, self._vnni_for = None, None
 
     def lay_out(self) -> None:
         """Make now the laid-out copies the plan's kernels read, rather than in the first call that needs each: in
@@ -200,6 +207,8 @@ class FrozenLinear(nn.Module):
                 self.packed()
             elif kernel == "int8":
                 self.int8()
+            elif kernel == "vnni":
+                self.vnni()
 
     @classmethod
     def of(cls, linear: nn.Linear, plan: KernelPlan | None = None) -> "FrozenLinear":
@@ -257,6 +266,22 @@ class FrozenLinear(nn.Module):
             self._int8, self._int8_for = _quantize(self.weight, self.bias), signature
         return self._int8
 
+    def has_vnni(self) -> bool:
+        """Whether the "vnni" kernel has a form for this weight here."""
+        return native.supports(self.weight) and native.int8_vnni()
+
+    def vnni(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Our int8 form of the CURRENT weight (VNNI tiles, per-row scales; native.py), or None where this build or
+        CPU has no AVX512-VNNI (then the float kernels run)."""
+        signature = self._signature() + (native.int8_vnni(),)
+        if self._vnni_for != signature:
+            form = None
+            if self.has_vnni():
+                quantized, scales = native.int8_rows(self.weight)
+                form = (native.vnni_tiles(quantized), scales)
+            self._vnni, self._vnni_for = form, signature
+        return self._vnni
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if x.dtype != weight.dtype or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
@@ -284,6 +309,12 @@ class FrozenLinear(nn.Module):
             quantized = self.int8()
             if quantized is not None:
                 return _int8_product(x, quantized)
+        elif kernel == "vnni":
+            form = self.vnni()
+            if form is not None:
+                y = native.vnni_product(x.reshape(-1, x.shape[-1]), *form, self.weight.shape[0])[0]
+                y = y.view(*x.shape[:-1], y.shape[-1])
+                return y if self.bias is None else y + self.bias.float()
         return F.linear(x, self.weight, self.bias)
 
     def kernels(self) -> tuple[str, ...]:

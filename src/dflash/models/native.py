@@ -206,6 +206,14 @@ def set_int8_vnni(on: bool) -> bool:
     return old
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantized int8 [n, k], scales float32 [n]) with weight ~ scales[:, None] * quantized: each row rounded to
+    nearest on its own symmetric scale (its largest magnitude / 127)."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
 def vnni_tiles(quantized: torch.Tensor) -> torch.Tensor:
     """The VNNI screen's layout of int8 weights [n, k] (native.c): zero-padded to 16 rows and an even k, then cut
     into groups of 16 rows, each stored input pair by input pair ([groups, k2 / 2, 16, 2]), so that one 32-byte
@@ -219,15 +227,23 @@ def vnni_tiles(quantized: torch.Tensor) -> torch.Tensor:
 def int8_vnni_logits(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
     """(approximate logits [m, n], each row's input rounding term [m]) of float32 rows x [m, k] through the VNNI
     screen of `head` (native.c, dflash_int8_vnni_logits): what its bound is about, for tests."""
-    lib = library()
-    if lib is None or not head.vnni:
+    if library() is None or not head.vnni:
         raise RuntimeError("no VNNI screen here")
+    return vnni_product(x, head.tiles, head.scales, head.weight.shape[0])
+
+
+def vnni_product(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W^T float32 [m, n], each row's input rounding term [m]) of rows x [m, k] (float32 or bfloat16) against
+    int8 rows W ~ scales * quantized laid out by `vnni_tiles`, summed in integers against x rounded to int16 per
+    row (native.c, dflash_int8_vnni_logits; AVX512-VNNI). Inexact: for screens and drafters."""
+    lib = library()
     x = x.float().contiguous()
     m, k = x.shape
-    out, spread = torch.empty(m, head.weight.shape[0]), torch.empty(m, dtype=torch.float64)
-    if lib.dflash_int8_vnni_logits(head.tiles.data_ptr(), head.scales.data_ptr(), x.data_ptr(), m, out.shape[1], k,
+    out, spread = torch.empty(m, n), torch.empty(m, dtype=torch.float64)
+    if lib.dflash_int8_vnni_logits(tiles.data_ptr(), scales.data_ptr(), x.data_ptr(), m, n, k,
                                    torch.get_num_threads(), out.data_ptr(), spread.data_ptr()):
-        raise MemoryError("out of memory in the VNNI screen")
+        raise MemoryError("out of memory in the VNNI kernel")
     return out, spread
 
 

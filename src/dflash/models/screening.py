@@ -53,9 +53,7 @@ class ScreenedHead:
         # int8 summed in integers where the CPU has VNNI: the inputs rounded to int16 (native.c says why)
         self.vnni = kind == "int8" and native.int8_vnni()
         if kind == "int8":
-            weight = self.weight.float()
-            self.scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-            quantized = torch.round(weight / self.scales[:, None]).clamp_(-127, 127).to(torch.int8)
+            quantized, self.scales = native.int8_rows(self.weight)
             self.tiles = native.vnni_tiles(quantized) if self.vnni else native.tiles(quantized)
             if self.vnni:  # c_i = s_i |q_i|_1, rounded up
                 self.bound_norms = (quantized.double().abs().sum(dim=1) * self.scales.double()).mul_(1 + 1e-12)

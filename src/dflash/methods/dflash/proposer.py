@@ -209,26 +209,28 @@ def measured_break_even(proposer: DFlashProposer, target, precision: str, repeat
         return {"break_even": round(max(0.0, (median[whole] - median[first]) / median[whole - first]), 4)}
 
     rows = len(proposer.base_vocab) if proposer.base_vocab is not None else proposer.full_head.shape[0]
-    return cached_timing(target, f"dflash-read:{precision}:{rows}x{target.hidden_size}:{first}/{whole}",
+    head = proposer.lm_head.kernel_for_rows(first)
+    return cached_timing(target, f"dflash-read:{precision}:{head}:{rows}x{target.hidden_size}:{first}/{whole}",
                          measure)["break_even"]
 
 
-def with_native(plan: KernelPlan, linears: list[FrozenLinear]) -> KernelPlan:
-    """A copy of `plan` with our kernel for each of `linears` that has a form for it, at a drafting pass's widths:
-    its block, whatever its size, and a single row."""
-    native = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
+def with_kernel(plan: KernelPlan, linears: list[FrozenLinear], kernel: str = "native") -> KernelPlan:
+    """A copy of `plan` with `kernel` ("native", or "vnni" for an int8 LM head) for each of `linears` that has a form
+    for it, at a drafting pass's widths: its block, whatever its size, and a single row."""
+    chosen = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
     for lin in linears:
-        if "native" in lin.kernels():
+        if (kernel in lin.kernels()) if kernel != "vnni" else lin.has_vnni():
             for bucket in (1, 16):
-                native.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = "native"
-    return native
+                chosen.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = kernel
+    return chosen
 
 
 def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precision: str, repeats: int = 5,
                     seconds=best_drafting_seconds) -> KernelPlan:
-    """`plan`, with our kernel for every product of the drafter's layers, and then for its LM head too, where a
-    drafting pass runs faster that way, timed whole after a target step, once per machine (cached like the target's
-    pass costs). Where all of a layer's products use ours, the drafter's layers run as ONE C call.
+    """`plan`, with our kernel for every product of the drafter's layers, and then for its LM head too (float, or
+    int8 rows summed with VNNI where the CPU has it), where a drafting pass runs faster that way, timed whole after a
+    target step, once per machine (cached like the target's pass costs). Where all of a layer's products use ours,
+    the drafter's layers run as ONE C call.
 
     A drafter in another dtype than the target's has shapes the target's plan never measured, and `covering` times
     those one product at a time, hot in the caches:
@@ -236,7 +238,9 @@ def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precisio
       to ~25 torch ops each: 5.1 ms a drafting pass after a target step against 3.9 ms with every product ours;
     - the LM head (16K rows of SmolLM2's draft vocabulary) was never measured and took oneDNN's: after a target step
       has evicted it, 4 rows cost 0.77 ms there and 0.65 ms through ours in bfloat16, 1.37 and 1.06 ms in float32
-      (AMD EPYC Zen 4, 2 threads; scripts/draft_cost.py, runs of the head alone).
+      (AMD EPYC Zen 4, 2 threads, runs of the head alone); as int8 rows through our VNNI kernel, 0.26 ms. Its
+      drafts may differ from the float head's where two logits are within its rounding (~1e-2): a choice of speed
+      that never changes the output, as a draft dtype is.
     Not for int8 plans, whose products are meant to run on int8 weights. `seconds(proposer, target)`: one drafting
     pass's time, injectable for tests."""
     if plan.float_plan is not None:
@@ -244,9 +248,10 @@ def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precisio
     drafter = proposer.drafter
     products = [lin for layer in drafter.layers
                 for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast)]
-    fused = with_native(plan, products)
+    fused = with_kernel(plan, products)
     candidates = {"measured": plan}
-    for name, candidate in (("fused", fused), ("fused+head", with_native(fused, [proposer.lm_head]))):
+    for name, candidate in (("fused", fused), ("fused+head", with_kernel(fused, [proposer.lm_head])),
+                            ("fused+int8-head", with_kernel(fused, [proposer.lm_head], "vnni"))):
         if all(candidate.choices != other.choices for other in candidates.values()):
             candidates[name] = candidate
     if len(candidates) == 1:
