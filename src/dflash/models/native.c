@@ -801,63 +801,80 @@ typedef struct {
     int64_t m, n, pairs;
 } VnniScreen;
 
-/* Chain c = g R + r of G x R (at most 8) adds one pair of widened weights of group g times row r's input pair,
- * the weights of each pair widened once for all R rows. In asm with named accumulators: with the intrinsic, gcc
- * copied every accumulator twice an input, and with an array it stored them all every input. */
-#define VNNI_CHAIN(c)                                                                                                 \
-    if (c < G * R)                                                                                                    \
-        __asm__("vpdpwssd %2%{1to16%}, %1, %0"                                                                        \
-                : "+v"(a##c)                                                                                          \
-                : "v"(c / R == 0 ? w0 : c / R == 1 ? w1 : c / R == 2 ? w2 : w3), "m"(x[(c % R) * pairs + p]));
-VNNI_TARGET static inline __attribute__((always_inline)) void vnni_block(const int8_t *w, int64_t group_bytes,
-                                                                         const int32_t *x, int64_t pairs,
-                                                                         const int G, const int R, __m512i *acc) {
+/* How far ahead, in input pairs, a block of rows requests its group's weights: 16 (512 bytes) made 8 and 16 rows
+ * 0.86x and 0.92x as long (SmolLM2's head, after a pass evicted it), 1-4 rows the same */
+#ifndef VNNI_PREFETCH
+#define VNNI_PREFETCH 16
+#endif
+
+/* Chain r (of R, at most 8) adds one pair of the group's widened weights times row r's input pair, the weights of
+ * each pair widened once for all R rows. In asm with named accumulators: with the intrinsic, gcc copied every
+ * accumulator twice an input, and with an array it stored them all every input. */
+#define VNNI_CHAIN(r)                                                                                                 \
+    if (r < R) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a##r) : "v"(w0), "m"(x[r * pairs + p]));
+VNNI_TARGET static inline __attribute__((always_inline)) void vnni_block(const int8_t *w, const int32_t *x,
+                                                                         int64_t pairs, const int R, __m512i *acc) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t p = 0; p < pairs; p++) {
-        const int8_t *at = w + p * 32;
-        __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)at)), w1 = w0, w2 = w0, w3 = w0;
-        if (G > 1) w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + group_bytes)));
-        if (G > 2) w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + 2 * group_bytes)));
-        if (G > 3) w3 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(at + 3 * group_bytes)));
+        if ((p & 1) == 0) _mm_prefetch((const char *)(w + (p + VNNI_PREFETCH) * 32), _MM_HINT_T0);
+        __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + p * 32)));
         VNNI_CHAIN(0) VNNI_CHAIN(1) VNNI_CHAIN(2) VNNI_CHAIN(3) VNNI_CHAIN(4) VNNI_CHAIN(5) VNNI_CHAIN(6)
         VNNI_CHAIN(7)
     }
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
 }
 
-/* the G groups from `group` against rows r0..r0+R-1: a_i = (float)acc_i * (sx_r * s_i), stored */
-VNNI_TARGET static inline __attribute__((always_inline)) void vnni_groups(const VnniScreen *S, int64_t group,
-                                                                          int64_t r0, const int G, const int R) {
-    __m512i acc[8];
-    int64_t group_bytes = S->pairs * 2 * VNNI_GROUP;
-    vnni_block(S->tiles + group * group_bytes, group_bytes, S->xq + r0 * S->pairs, S->pairs, G, R, acc);
-    for (int g = 0; g < G; g++) {
-        int64_t i0 = (group + g) * VNNI_GROUP, valid = MIN(VNNI_GROUP, S->n - i0);
-        __mmask16 lanes = (__mmask16)((1u << valid) - 1);
-        __m512 scales = _mm512_maskz_loadu_ps(lanes, S->scales + i0);
-        for (int r = 0; r < R; r++) {
-            __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[g * R + r]),
-                                     _mm512_mul_ps(_mm512_set1_ps(S->sx[r0 + r]), scales));
-            _mm512_mask_storeu_ps(S->out + (r0 + r) * S->n + i0, lanes, a);
-        }
+/* a_i = (float)acc_r * (sx_r * s_i) of the group from `group` against rows r0..r0+R-1, stored */
+VNNI_TARGET static inline __attribute__((always_inline)) void vnni_store(const VnniScreen *S, int64_t group,
+                                                                         int64_t r0, const int R, const __m512i *acc) {
+    int64_t i0 = group * VNNI_GROUP, valid = MIN(VNNI_GROUP, S->n - i0);
+    __mmask16 lanes = (__mmask16)((1u << valid) - 1);
+    __m512 scales = _mm512_maskz_loadu_ps(lanes, S->scales + i0);
+    for (int r = 0; r < R; r++) {
+        __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(S->sx[r0 + r]), scales));
+        _mm512_mask_storeu_ps(S->out + (r0 + r) * S->n + i0, lanes, a);
     }
 }
 
-/* Rows in blocks of up to 8, one group at a time; a single row takes four groups at once (four chains: one is
- * bound by the instruction's latency, and two rows with one group each measured as fast as two with two). */
-#define VNNI_ROWS(NAME, G, R)                                                                                         \
-    VNNI_TARGET static void NAME(const VnniScreen *S, int64_t group, int64_t r0) { vnni_groups(S, group, r0, G, R); }
-VNNI_ROWS(vnni_1, 1, 1) VNNI_ROWS(vnni_2, 1, 2) VNNI_ROWS(vnni_3, 1, 3) VNNI_ROWS(vnni_4, 1, 4)
-VNNI_ROWS(vnni_5, 1, 5) VNNI_ROWS(vnni_6, 1, 6) VNNI_ROWS(vnni_7, 1, 7) VNNI_ROWS(vnni_8, 1, 8)
-VNNI_ROWS(vnni_1_by_4, 4, 1)
+/* One group against rows r0..r0+R-1 */
+#define VNNI_ROWS(NAME, R)                                                                                            \
+    VNNI_TARGET static void NAME(const VnniScreen *S, int64_t group, int64_t r0) {                                    \
+        __m512i acc[8];                                                                                               \
+        vnni_block(S->tiles + group * S->pairs * 2 * VNNI_GROUP, S->xq + r0 * S->pairs, S->pairs, R, acc);           \
+        vnni_store(S, group, r0, R, acc);                                                                             \
+    }
+VNNI_ROWS(vnni_1, 1) VNNI_ROWS(vnni_2, 2) VNNI_ROWS(vnni_3, 3) VNNI_ROWS(vnni_4, 4)
+VNNI_ROWS(vnni_5, 5) VNNI_ROWS(vnni_6, 6) VNNI_ROWS(vnni_7, 7) VNNI_ROWS(vnni_8, 8)
 typedef void (*VnniRows)(const VnniScreen *S, int64_t group, int64_t r0);
 static const VnniRows vnni_kernels[8] = {vnni_1, vnni_2, vnni_3, vnni_4, vnni_5, vnni_6, vnni_7, vnni_8};
+
+/* A single row: one group as four chains over alternate pairs, added at the end. One chain is bound by the
+ * instruction's latency; integer sums are exact in any order, so the outputs are those of one chain. One
+ * sequential stream fed them faster than four groups' streams with a chain each (the kernel before): 0.74-0.89x
+ * as long on SmolLM2's head and a drafter's 16K-row one, after a pass evicted them (AMD EPYC Zen 4, 2 threads). */
+#define ONE_PAIR(a, q)                                                                                                \
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0"                                                                            \
+            : "+v"(a)                                                                                                 \
+            : "v"(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (q) * 32)))), "m"(x[q]));
+VNNI_TARGET static void vnni_one_row(const VnniScreen *S, int64_t group) {
+    const int8_t *w = S->tiles + group * S->pairs * 2 * VNNI_GROUP;
+    const int32_t *x = S->xq;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t p = 0;
+    for (; p + 4 <= S->pairs; p += 4) { ONE_PAIR(a0, p) ONE_PAIR(a1, p + 1) ONE_PAIR(a2, p + 2) ONE_PAIR(a3, p + 3) }
+    for (; p < S->pairs; p++) { ONE_PAIR(a0, p) }
+    __m512i acc[1] = {_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))};
+    vnni_store(S, group, 0, 1, acc);
+}
+#undef ONE_PAIR
 
 static void vnni_screen_groups(void *ctx, int64_t first, int64_t last) {
     const VnniScreen *S = ctx;
     int64_t g = first;
-    if (S->m == 1)
-        for (; g + 4 <= last; g += 4) vnni_1_by_4(S, g, 0);
+    if (S->m == 1) {
+        for (; g < last; g++) vnni_one_row(S, g);
+        return;
+    }
     /* blocks of rows as even as can be (9 rows: 4 and 5, not 8 and a latency-bound 1); a group's weights (9 KB for
      * SmolLM2) stay in L1 across them */
     int64_t blocks = (S->m + 7) / 8;
