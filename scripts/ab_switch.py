@@ -31,6 +31,9 @@ Switches (the "on" variant is each one's default):
                     for the rows that accepted them all, against every verified position in one screen
   long-matches      prompt lookup looks for the sequence's last LONG_MATCH (8) tokens first, then fewer, each length
                     calibrated apart (`ngram.MAX_MATCH`), against 3 tokens at most
+  draft-head        a DFlash drafter's LM head is timed on our float and int8 (VNNI) kernels too, and the fastest
+                    drafting pass kept (`methods/dflash/proposer.py`: settled_kernels), against its plan's kernel
+                    (oneDNN's, for the 16K-row head no plan measured)
   int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
                     `models/native.c`), against float32 FMAs over its widened weights; both pin the int8 screen
 
@@ -90,6 +93,10 @@ def set_int8_vnni(target, on: bool) -> None:
         target.engine.screen("int8")  # quantise and lay the head out again now, not inside a timed generation
 
 
+def set_draft_head(target, on: bool) -> None:
+    dflash_proposer.HEAD_KERNELS = DEFAULT_HEAD_KERNELS if on else {}  # read when a proposer is built
+
+
 def set_continuations(target, on: bool) -> None:
     os.environ["DFLASH_CONTINUATIONS"] = "1" if on else "0"  # read when a proposer is built: each variant keeps its own
 
@@ -121,9 +128,10 @@ def set_screen_steps(target, on: bool) -> None:
 SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps, "screened-head": set_screened_head,
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
-            "attention-pairs": set_attention_pairs, "long-matches": set_long_matches}
+            "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head}
 CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
+DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
 DEFAULT_WEAK_MATCH = ngram.WEAK_MATCH
 LONG_MATCH = int(os.environ.get("LONG_MATCH", 8))

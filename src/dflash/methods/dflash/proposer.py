@@ -214,6 +214,10 @@ def measured_break_even(proposer: DFlashProposer, target, precision: str, repeat
                          measure)["break_even"]
 
 
+# The kernels a drafter's LM head is timed on beside its plan's (settled_kernels), by candidate name
+HEAD_KERNELS = {"native": "fused+head", "vnni": "fused+int8-head"}
+
+
 def with_kernel(plan: KernelPlan, linears: list[FrozenLinear], kernel: str = "native") -> KernelPlan:
     """A copy of `plan` with `kernel` ("native", or "vnni" for an int8 LM head) for each of `linears` that has a form
     for it, at a drafting pass's widths: its block, whatever its size, and a single row."""
@@ -250,8 +254,8 @@ def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precisio
                 for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast)]
     fused = with_kernel(plan, products)
     candidates = {"measured": plan}
-    for name, candidate in (("fused", fused), ("fused+head", with_kernel(fused, [proposer.lm_head])),
-                            ("fused+int8-head", with_kernel(fused, [proposer.lm_head], "vnni"))):
+    heads = [(name, with_kernel(fused, [proposer.lm_head], kernel)) for kernel, name in HEAD_KERNELS.items()]
+    for name, candidate in [("fused", fused)] + heads:
         if all(candidate.choices != other.choices for other in candidates.values()):
             candidates[name] = candidate
     if len(candidates) == 1:
