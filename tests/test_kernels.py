@@ -295,6 +295,7 @@ def test_the_vnni_kernel_is_an_int8_product_within_its_rounding(dtype):
                      + xs.abs().amax(-1, keepdim=True) / 65534 * weight.double().abs().sum(-1)[None])
             assert ((got.double() - exact).abs() <= bound * 1.01 + 1e-5).all()
             assert not torch.equal(got.double(), exact)  # really int8
+        assert frozen(torch.empty(0, 72, dtype=dtype)).shape == (0, 100)
 
 
 @needs_vnni

@@ -241,6 +241,8 @@ def vnni_product(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: 
     x = x.float().contiguous()
     m, k = x.shape
     out, spread = torch.empty(m, n), torch.empty(m, dtype=torch.float64)
+    if m == 0:  # (C would ask for no memory, which may come back NULL)
+        return out, spread
     if lib.dflash_int8_vnni_logits(tiles.data_ptr(), scales.data_ptr(), x.data_ptr(), m, n, k,
                                    torch.get_num_threads(), out.data_ptr(), spread.data_ptr()):
         raise MemoryError("out of memory in the VNNI kernel")
