@@ -12,23 +12,15 @@ COMMIT:src/dflash/models/native.c > /tmp/old.c`.
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from ab_native import load_build
 from dflash.loading import load_target_cached
 from dflash.models import native
 from dflash.models.screening import ScreenedHead
 
 PAIRS = 30
-
-
-def load_build(source: str):
-    native.SOURCE, native._tried, native._library = Path(source), False, None
-    lib = native.library()
-    if lib is None:
-        sys.exit(f"cannot build {source}: {native.why_not}")
-    return lib
 
 
 def main(argv: list[str]) -> int:
