@@ -223,7 +223,8 @@ def with_kernel(plan: KernelPlan, linears: list[FrozenLinear], kernel: str = "na
     for it, at a drafting pass's widths: its block, whatever its size, and a single row."""
     chosen = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
     for lin in linears:
-        if (kernel in lin.kernels()) if kernel != "vnni" else lin.has_vnni():
+        available = lin.has_vnni() if kernel == "vnni" else kernel in lin.kernels()
+        if available:
             for bucket in (1, 16):
                 chosen.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = kernel
     return chosen
