@@ -100,6 +100,9 @@ def test_cheaper_drafter_beside_float32_target(tiny_targets, precision):
     for method in ("dflash", "eagle3"):
         proposer, _ = build_proposer(method, target, MethodOptions(block_size=8, draft_dtype=precision))
         assert proposer.report["draft_dtype"] == precision
+        if method == "dflash":  # the head's kernel is reported too: int8 with the int8 drafter's plan
+            assert proposer.report["draft_head_kernel"] == ("int8" if precision == "int8" else
+                                                            proposer.lm_head.kernel_for_rows(4))
         model = proposer.drafter if method == "dflash" else proposer.head
         assert next(model.parameters()).dtype == (torch.bfloat16 if precision == "bfloat16" else torch.float32)
         if precision == "int8":  # every product of the drafter (its LM head too) runs on int8 weights ...

@@ -50,6 +50,10 @@ class Proposer:
     # where the controller expects them to be worth more (control.py); None: none
     lookup: "Proposer | None" = None
 
+    def setup_report(self) -> dict:
+        """What its set-up chose beyond the draft dtype (e.g. the kernel of a drafter's LM head), for `report`."""
+        return {}
+
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         """Called once after the target's prefill with the prompt's target features."""
 
@@ -177,7 +181,7 @@ def in_draft_dtype(method: str, target, options: MethodOptions,
         precision = draft_precision(options.draft_dtype, target)
         report = {"draft_dtype": precision.name, "measured": False}
     proposer, note = make(precision)
-    proposer.report = report
+    proposer.report = {**report, **proposer.setup_report()}
     return proposer, note
 
 

@@ -78,6 +78,10 @@ class DFlashProposer(FeatureBacklog, Proposer):
         self.drafter.use_plan(plan)
         self.lm_head.use_plan(plan)
 
+    def setup_report(self) -> dict:
+        rows = min(FIRST_READ or self.max_draft, self.max_draft)
+        return {"draft_head_kernel": self.lm_head.kernel_for_rows(rows)}
+
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.drafter.new_cache(capacity=len(prompt_ids) + 256)
         self.pending = [features]
