@@ -29,8 +29,8 @@ Switches (the "on" variant is each one's default):
                     from the committed corpus with the same thresholds) after every prompt match
   screen-steps      greedy rounds read the head's screen for engine.FIRST_SCREENED positions first, then the rest
                     for the rows that accepted them all, against every verified position in one screen
-  long-matches      prompt lookup looks for the sequence's last LONG_MATCH (8) tokens first, then fewer, each length
-                    calibrated apart (`ngram.MAX_MATCH`), against 3 tokens at most
+  long-matches      prompt lookup looks for the sequence's last LONG_MATCH (`ngram.MAX_MATCH`, 5) tokens first, then
+                    fewer, each length calibrated apart, against 3 tokens at most
   draft-head        a DFlash drafter's LM head is timed on our float and int8 (VNNI) kernels too, and the fastest
                     drafting pass kept (`methods/dflash/proposer.py`: settled_kernels), against its plan's kernel
                     (oneDNN's, for the 16K-row head no plan measured)
@@ -134,7 +134,7 @@ DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
 DEFAULT_WEAK_MATCH = ngram.WEAK_MATCH
-LONG_MATCH = int(os.environ.get("LONG_MATCH", 8))
+LONG_MATCH = int(os.environ.get("LONG_MATCH", ngram.MAX_MATCH))
 THREE_TOKEN_TABLES = {}
 
 

@@ -188,9 +188,9 @@ def in_draft_dtype(method: str, target, options: MethodOptions,
 def best_drafting_seconds(proposer: Proposer, target, context: int = 64, runs: int = 3) -> float:
     """Best of `runs` drafting passes (after a warm-up) of a fresh `proposer` after a `context`-token context of
     random target features: what one round's drafting costs, whatever the drafts. Each follows a target step, as
-    in a round: the step's weights evict the drafter's from the caches (SmolLM2's 540 MB against a 32 MB L3), and
-    timed back to back a bfloat16 drafter, whose weights are twice int8's, drafted in 3.5 ms against int8-head's 4.1
-    where after a step it took 3.9 against 3.7 (AMD EPYC Zen 4, 2 threads, scripts/draft_cost.py)."""
+    in a round, since the step's weights evict the drafter's from the caches (SmolLM2's 540 MB against a 32 MB L3).
+    Timed back to back instead, a bfloat16 drafter (twice int8's bytes) looked the cheaper, 3.5 ms against
+    int8-head's 4.1; after a step it took 3.9 against 3.7 (AMD EPYC Zen 4, 2 threads, scripts/draft_cost.py)."""
     import time
 
     width = len(proposer.feature_layers) * target.hidden_size

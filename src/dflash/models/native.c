@@ -850,8 +850,9 @@ static const VnniRows vnni_kernels[8] = {vnni_1, vnni_2, vnni_3, vnni_4, vnni_5,
 
 /* A single row: one group as four chains over alternate pairs, added at the end. One chain is bound by the
  * instruction's latency; integer sums are exact in any order, so the outputs are those of one chain. One
- * sequential stream fed them faster than four groups' streams with a chain each (the kernel before): 0.74-0.89x
- * as long on SmolLM2's head and a drafter's 16K-row one, after a pass evicted them (AMD EPYC Zen 4, 2 threads). */
+ * sequential stream fed them faster than four groups' streams with a chain each (the kernel before): 0.90x as
+ * long on SmolLM2's head and on a drafter's 16K-row one, after a pass evicted them (AMD EPYC Zen 4, 2 threads,
+ * scripts/ab_vnni.py). */
 #define ONE_PAIR(a, q)                                                                                                \
     __asm__("vpdpwssd %2%{1to16%}, %1, %0"                                                                            \
             : "+v"(a)                                                                                                 \
