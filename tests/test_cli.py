@@ -23,6 +23,25 @@ def test_json_output(capsys):
     assert len(payload["tokens"]) <= 12 and payload["tau"] >= 1
 
 
+def test_json_logprobs_are_the_targets(capsys):
+    import torch
+
+    from dflash.testing import tiny_target
+
+    code, out, err = run(capsys, "--method", "ngram", "--max-new-tokens", "6", "--json", "--logprobs", "2", "w1 w2")
+    payload = json.loads(out)
+    assert code == 0 and [e["token"] for e in payload["logprobs"]] == payload["tokens"]
+    target = tiny_target("llama", logit_scale=4.0)  # the CLI's tiny-llama
+    prompt_ids = target.encode_prompt("w1 w2")
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt_ids + payload["tokens"]])).logits[0, len(prompt_ids) - 1: -1]
+    expected = torch.log_softmax(logits, -1)
+    for position, entry in enumerate(payload["logprobs"]):
+        assert entry["logprob"] == pytest.approx(expected[position, entry["token"]].item(), abs=1e-4)
+        assert [t["token"] for t in entry["top"]] == expected[position].topk(2).indices.tolist()
+        assert entry["text"] == target.decode([entry["token"]])
+
+
 def test_text_output_names_untrained_drafter(capsys):
     code, out, err = run(capsys, "--max-new-tokens", "8", "--block-size", "4", "w1 w2")
     assert code == 0 and "UNTRAINED" in err and "tau" in err
@@ -45,6 +64,8 @@ def test_compare_ar(capsys):
     (["--top-p", "0", "w1"], "top_p"),
     (["w1 " * 600], "context"),
     (["--drafter", "/nonexistent/drafter", "w1"], "not found"),
+    (["--logprobs", "2", "w1"], "--logprobs goes with --json"),
+    (["--json", "--logprobs", "21", "w1"], "top logprobs"),
     (["--method", "dflash", "--block-size", "64", "w1"], "block size"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):
@@ -93,7 +114,10 @@ def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys,
 def test_an_unknown_target_says_what_it_was_tried_as(capsys, monkeypatch):
     """A name that is not in the registry, a folder or a .gguf file is tried as a hub id; offline that fails, and
     the one line says what the name was tried as and which registry names there are."""
+    import huggingface_hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import, maybe already done
     code = main(["generate", "--target", "no-such-model", "hi"])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("dflash: error:")]

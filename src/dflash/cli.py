@@ -165,6 +165,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability (the target's, before temperature, top-k and "
+                        "top-p) and the K most likely at its position, K in [0, 20]")
     p.add_argument("--compare-ar", action="store_true",
                    help="also run plain autoregressive decoding and print the speedup (median of 3 interleaved runs)")
     p.add_argument("prompt", help="the prompt text")
@@ -178,7 +181,9 @@ def run(args) -> int:
     if not args.prompt.strip():
         raise UserError("the prompt is empty")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling)
+    if args.logprobs is not None and not args.json:
+        raise UserError("--logprobs goes with --json")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)
     config.validate()
     options = method_options(args, args.method)
     target = target_from_args(args)
@@ -204,6 +209,8 @@ def run(args) -> int:
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
         }
+        if result.logprobs is not None:
+            payload["logprobs"] = [logprob_json(target, entry) for entry in result.logprobs]
         if ar_result is not None:
             payload["ar_tokens_per_s"] = ar_result.stats.tokens_per_s
             payload["speedup"] = stats.tokens_per_s / ar_result.stats.tokens_per_s
@@ -227,6 +234,12 @@ def run(args) -> int:
 
 
 COMPARE_RUNS = 3
+
+
+def logprob_json(target, entry) -> dict:
+    """One token's log-probability as --json prints it: ids with their text, most likely alternatives first."""
+    return {"token": entry.token, "text": target.decode([entry.token]), "logprob": entry.logprob,
+            "top": [{"token": t, "text": target.decode([t]), "logprob": lp} for t, lp in entry.top]}
 
 
 def compare_with_ar(decoder, ar_decoder, prompt_ids, config):

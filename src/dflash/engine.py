@@ -25,6 +25,7 @@ import torch
 
 from .control import Calibration, CostModel, DraftController, batch_width, expected_accepted
 from .errors import UserError
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import TABLE_LABEL, Draft, Proposer
 from .sampling import SamplingConfig, accept_length, pick_tokens
 from .threads import chooser_for
@@ -51,10 +52,14 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the target's EOS ids
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         self.sampling.validate()
 
 
@@ -124,6 +129,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (EOS, stop id or stop string), "length", or "cancelled"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when the config asked for them
 
 
 @dataclass
@@ -156,6 +162,7 @@ class Sequence:
     started: float = 0.0
     sequence: list[int] = field(default_factory=list)  # prompt + emitted tokens (the last one: the pending bonus)
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if the config asks
     finish: str | None = None
     result: GenerationResult | None = None
 
@@ -284,7 +291,7 @@ class Engine:
         seq.stats.ttft_s = time.perf_counter() - seq.started
         seq.sequence = list(seq.prompt_ids) + first
         self.running.append(seq)
-        self._emit(seq, first)
+        self._emit(seq, first, self._logprobs(seq, out.logits[0, -1:], first))
 
     def _row_cache(self, row: int, room: int):
         """A cache for prefilling `row`: a view of the batch cache, or (transformers fallback) a fresh one."""
@@ -434,7 +441,11 @@ class Engine:
             seq.stats.draft_lengths.append(len(drafts[i]))
             new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]
             seq.sequence += new_tokens
-            self._emit(seq, new_tokens)
+            if seq.config.logprobs is not None:  # the logits of the accepted positions, where they were deferred
+                logits = out.logits[i] if not deferred else self.target.logits_of(out.hidden[i, : accepted + 1])
+                self._emit(seq, new_tokens, self._logprobs(seq, logits[: accepted + 1], new_tokens))
+            else:
+                self._emit(seq, new_tokens)
         if width > FIRST_LOGITS:
             overran = max(length - start for length, start in zip(lengths, starts)) > FIRST_LOGITS
             self.head_overrun += OVERRUN_SMOOTHING * (overran - self.head_overrun)
@@ -485,11 +496,20 @@ class Engine:
             start = stop
         return chosen
 
-    def _emit(self, seq: Sequence, new_tokens: list[int]) -> None:
-        """Commit emitted tokens to the output, cut at stops; tell the listener."""
+    @staticmethod
+    def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """The tokens' log-probabilities from the logits that chose them, if the sequence asked for them."""
+        if seq.config.logprobs is None:
+            return None
+        return token_logprobs(logits, tokens, seq.config.logprobs)
+
+    def _emit(self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Commit emitted tokens (and their log-probabilities) to the output, cut at stops; tell the listener."""
         new_tokens, finish = self._check_stops(seq.output, new_tokens, seq.stop_ids, seq.max_new,
                                                seq.config.stop_strings)
         seq.output += new_tokens
+        if logprobs is not None:
+            seq.logprobs += logprobs[: len(new_tokens)]
         if seq.on_tokens is not None and new_tokens and seq.on_tokens(new_tokens) is False:
             finish = finish or "cancelled"
         if finish and seq.finish is None:
@@ -512,7 +532,8 @@ class Engine:
         ends_with_stop_id = finish == "stop" and output and output[-1] in seq.stop_ids
         text = self.target.decode(output[:-1] if ends_with_stop_id else output)
         text = _cut_at_stop_string(text, seq.config.stop_strings)
-        seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats)
+        logprobs = seq.logprobs if seq.config.logprobs is not None else None
+        seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs)
         return seq
 
     def _check_stops(self, output, new_tokens, stop_ids, max_new, stop_strings):
