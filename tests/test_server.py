@@ -43,9 +43,10 @@ def reference(target, proposer):
     """reference(prompt_ids, ...) -> GenerationResult of the engine itself; call it only while the server idles."""
     decoder = SpeculativeDecoder(target, proposer)
 
-    def run(prompt_ids, max_tokens=MAX_TOKENS, stop=(), temperature=0.0, seed=None):
+    def run(prompt_ids, max_tokens=MAX_TOKENS, stop=(), temperature=0.0, seed=None, logprobs=None):
         sampling = SamplingConfig(temperature=temperature, seed=seed)
-        return decoder.generate(prompt_ids, GenerationConfig(max_tokens, sampling, stop_strings=tuple(stop)))
+        return decoder.generate(prompt_ids, GenerationConfig(max_tokens, sampling, stop_strings=tuple(stop),
+                                                             logprobs=logprobs))
 
     return run
 
@@ -145,6 +146,68 @@ def test_stop_strings_cut_the_text(client, target, reference, chat_refs, stream)
     assert text == expected
 
 
+# ---- log-probabilities and several choices ----------------------------------------------------------------------
+def test_chat_logprobs_are_the_engines_streamed_or_not(client, target, reference):
+    prompt = PROMPTS[3]
+    ref = reference(target.encode_messages([{"role": "user", "content": prompt}]), logprobs=3)
+    whole = chat(client, prompt, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    assert [item.token for item in whole] == target.tokenizer.convert_ids_to_tokens(ref.tokens)
+    assert [item.logprob for item in whole] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
+    assert [bytes(item.bytes).decode() for item in whole] == [item.token for item in whole]
+    for item, entry in zip(whole, ref.logprobs):
+        assert [t.token for t in item.top_logprobs] == target.tokenizer.convert_ids_to_tokens([i for i, _ in entry.top])
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([lp for _, lp in entry.top], abs=1e-4)
+    chunks = [c for c in chat(client, prompt, logprobs=True, top_logprobs=3, stream=True) if c.choices]
+    streamed = [item for c in chunks if c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in whole]
+    assert chat(client, prompt).choices[0].logprobs is None  # only when asked
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_and_offsets(client, target, reference, stream):
+    prompt = "w5 w9 w2 w33"
+    ref = reference(target.encode_prompt(prompt, chat=False), logprobs=2)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         logprobs=2, stream=stream)
+    parts = [c.choices[0].logprobs for c in response if c.choices[0].logprobs] if stream else [
+        response.choices[0].logprobs]
+    tokens = [t for part in parts for t in part.tokens]
+    offsets = [o for part in parts for o in part.text_offset]
+    assert tokens == target.tokenizer.convert_ids_to_tokens(ref.tokens)
+    assert [lp for part in parts for lp in part.token_logprobs] == pytest.approx([e.logprob for e in ref.logprobs],
+                                                                                 abs=1e-4)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    tops = [top for part in parts for top in part.top_logprobs]
+    assert [list(top) for top in tops] == [target.tokenizer.convert_ids_to_tokens([i for i, _ in e.top])
+                                           for e in ref.logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_choices_are_seeded_one_after_another(client, target, reference, stream):
+    """n choices sample with seed, seed + 1, ...: each equals the engine's run with its seed."""
+    prompt = "w5 w9 w2 w33"
+    refs = [reference(target.encode_prompt(prompt, chat=False), temperature=1.0, seed=40 + i) for i in range(3)]
+    assert len({tuple(r.tokens) for r in refs}) > 1, "the seeds should give different samples"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0,
+                                         seed=40, n=3, stream=stream, **({"stream_options": {"include_usage": True}}
+                                                                         if stream else {}))
+    texts, finishes, usage = ["", "", ""], [None] * 3, None
+    for chunk in (response if stream else [response]):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [r.text for r in refs] and finishes == [r.finish_reason for r in refs]
+    assert usage.completion_tokens == sum(len(r.tokens) for r in refs)
+
+
+def test_greedy_choices_are_all_the_same(client, chat_refs):
+    response = chat(client, PROMPTS[4], n=2)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [c.message.content for c in response.choices] == [chat_refs[PROMPTS[4]].text] * 2
+    assert response.model_extra["dflash"]["rounds"] == 2 * chat_refs[PROMPTS[4]].stats.num_rounds
+
+
 def test_text_deltas_hold_back_a_possible_stop_string():
     words = {0: "a", 1: "<eos>", 2: "b", 3: "c", 4: "d"}
     deltas = TextDeltas(lambda ids: " ".join(words[i] for i in ids), stop_strings=("b c",), stop_ids={1})
@@ -198,7 +261,10 @@ def test_a_full_server_answers_503_not_a_hang(target, proposer):
 
 # ---- bad input --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, error, fragment", [
-    ({"n": 2}, "BadRequestError", "n must be 1"),
+    ({"n": 0}, "BadRequestError", "n must be in [1, "),
+    ({"n": 999}, "BadRequestError", "n must be in [1, 256]"),
+    ({"top_logprobs": 2}, "BadRequestError", "top_logprobs needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "BadRequestError", "top_logprobs must be in [0, 20]"),
     ({"max_tokens": -3}, "BadRequestError", "max_tokens must be >= 1"),
     ({"temperature": -1}, "BadRequestError", "temperature"),
     ({"top_p": 0}, "BadRequestError", "top_p"),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
 from .metrics import Metrics, MetricsMiddleware
-from .schemas import Exchange, check_fits, completion_prompt_ids, generation_config, openai_error, schemas, sse
+from .schemas import Exchange, check_fits, choice_configs, completion_prompt_ids, openai_error, schemas, sse
 from .streaming import TextDeltas
 from .worker import (
     DISCONNECT_POLL_S,
@@ -32,7 +32,7 @@ from .worker import (
     Job,
     ServerBusy,
     cancel,
-    wait_for_result,
+    wait_for_results,
 )
 
 if TYPE_CHECKING:
@@ -68,54 +68,67 @@ class Service:
             raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.model_name!r}")
 
     async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool):
-        config = generation_config(body, self.default_max_tokens)
+        configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue)
         check_fits(prompt_ids, self.worker.engine)
-        exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids))
+        exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer)
+        stop_ids = set() if configs[0].ignore_eos else set(self.target.eos_token_ids)
         if body.stream:
-            return self.stream(request, body, prompt_ids, config, exchange)
-        job = Job(prompt_ids, config)
-        result = await wait_for_result(job, self.worker.submit(job), request, self.metrics)
-        if result is None:  # nobody is listening any more; a status for the logs only
+            return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
+        jobs = [Job(prompt_ids, config) for config in configs]
+        self.worker.submit(jobs)
+        results = await wait_for_results(jobs, request, self.metrics)
+        if results is None:  # nobody is listening any more; a status for the logs only
             from fastapi.responses import Response
 
             return Response(status_code=499)
-        return exchange.response(job.queue_s, result)
+        return exchange.response(max(job.queue_s for job in jobs), results, stop_ids)
 
-    def stream(self, request: "Request", body, prompt_ids, config, exchange: Exchange):
+    def stream(self, request: "Request", body, prompt_ids, configs, exchange: Exchange, stop_ids: set[int]):
+        """One stream for all the request's choices: each chunk names its choice's index."""
         from fastapi.responses import StreamingResponse
 
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
-        stop_ids = set() if config.ignore_eos else set(self.target.eos_token_ids)
-        deltas = TextDeltas(self.target.decode, config.stop_strings, stop_ids)
-        job = Job(prompt_ids, config, deltas, emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
-        future = self.worker.submit(job)  # queued now, so a busy server answers 503 before the stream starts
+
+        def sink(index: int):
+            return lambda item: loop.call_soon_threadsafe(pieces.put_nowait, (index, item))
+
+        jobs = [Job(prompt_ids, config, TextDeltas(self.target.decode, config.stop_strings, stop_ids), emit=sink(i))
+                for i, config in enumerate(configs)]
+        self.worker.submit(jobs)  # queued now, so a busy server answers 503 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self.stream_events(request, job, future, pieces, exchange, include_usage)
+        events = self.stream_events(request, jobs, pieces, exchange, include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def stream_events(self, request, job, future, pieces, exchange: Exchange, include_usage: bool):
+    async def stream_events(self, request, jobs: list[Job], pieces, exchange: Exchange, include_usage: bool):
         try:
             if exchange.chat:  # OpenAI opens a chat stream with the role
-                yield exchange.chunk(None, delta={"role": "assistant", "content": ""})
-            while (piece := await next_piece(pieces, request)) is not END_OF_STREAM:
-                if piece is None:
-                    return  # the client went away; `finally` cancels the job
-                yield exchange.chunk(piece)
-            try:
-                result = await future
-            except Exception as exc:  # the status line is long gone: report it the way OpenAI streams errors
-                if not isinstance(exc, UserError):
-                    log.exception("streamed generation failed")
-                kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
-                yield sse({"error": {"message": str(exc), "type": kind}})
-                return
-            yield exchange.chunk(None, result.finish_reason, dflash=exchange.extension(job.queue_s, result))
+                for index in range(len(jobs)):
+                    yield exchange.chunk(None, delta={"role": "assistant", "content": ""}, index=index)
+            results, streaming = [None] * len(jobs), len(jobs)
+            while streaming:
+                if (item := await next_piece(pieces, request)) is None:
+                    return  # the client went away; `finally` cancels the jobs
+                index, piece = item
+                if piece is not END_OF_STREAM:
+                    yield exchange.chunk(piece[0], index=index, logprobs=piece[1])
+                    continue
+                try:
+                    results[index] = result = await jobs[index].future
+                except Exception as exc:  # the status line is long gone: report it the way OpenAI streams errors
+                    if not isinstance(exc, UserError):
+                        log.exception("streamed generation failed")
+                    kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
+                    yield sse({"error": {"message": str(exc), "type": kind}})
+                    return
+                streaming -= 1
+                yield exchange.chunk(None, result.finish_reason, index=index,
+                                     dflash=exchange.extension(jobs[index].queue_s, [result]))
             if include_usage:
-                yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": exchange.usage(result)})
+                yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": exchange.usage(results)})
             yield sse("[DONE]")
         finally:
-            cancel(job, future, self.metrics)  # a no-op when the generation finished
+            cancel(jobs, self.metrics)  # a no-op when the generations finished
 
 
 async def next_piece(pieces: asyncio.Queue, request: "Request"):

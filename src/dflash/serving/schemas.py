@@ -4,6 +4,7 @@ pydantic is imported lazily: `dflash --help` must work without the [serve] extra
 annotations` here: pydantic reads the request models' annotations, which name classes built inside `schemas()`.
 """
 
+import copy
 import functools
 import json
 import time
@@ -13,9 +14,11 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
 
 if TYPE_CHECKING:
-    from ..engine import GenerationConfig, GenerationResult
+    from ..engine import GenerationConfig, GenerationResult, GenerationStats
+    from ..logprobs import TokenLogprob
 
 
 @functools.cache
@@ -56,19 +59,48 @@ def schemas() -> SimpleNamespace:
         ignore_eos: bool = False  # extension: fixed-length outputs for benchmarks
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
-        logprobs: bool | int | None = None
         user: str | None = None
 
     class ChatRequest(OpenAIFields):
         messages: list[ChatMessage] = Field(min_length=1)
         max_completion_tokens: int | None = None  # the newer name of max_tokens
+        logprobs: bool = False
+        top_logprobs: int | None = None
 
     class CompletionRequest(OpenAIFields):
         prompt: str | list[int] | list[str]
         echo: bool = False
         suffix: str | None = None
+        logprobs: int | None = None  # the legacy API's: how many most likely tokens beside the chosen one
 
     return SimpleNamespace(ChatRequest=ChatRequest, CompletionRequest=CompletionRequest)
+
+
+def choice_configs(body, default_max_tokens: int, max_choices: int) -> "list[GenerationConfig]":
+    """The engine's config for each of the request's `n` choices. Seeded choices sample with seed, seed + 1, ...
+    (as vLLM seeds them), so each is reproducible and they differ; greedy ones are all the same."""
+    if not 1 <= body.n <= max_choices:
+        raise UserError(f"n must be in [1, {max_choices}] (the server's queue), got {body.n}")
+    config = generation_config(body, default_max_tokens)
+    configs = [config]
+    for i in range(1, body.n):
+        configs.append(copy.deepcopy(config))
+        if config.sampling.seed is not None:
+            configs[-1].sampling.seed = config.sampling.seed + i
+    return configs
+
+
+def requested_logprobs(body) -> int | None:
+    """How many most likely tokens to report beside each chosen one; None: no log-probabilities."""
+    if hasattr(body, "top_logprobs"):  # chat: logprobs is a switch, top_logprobs the count
+        if body.top_logprobs is not None and not body.logprobs:
+            raise UserError("top_logprobs needs logprobs to be true")
+        top, name = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+    else:
+        top, name = body.logprobs, "logprobs"
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise UserError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return top
 
 
 def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
@@ -79,13 +111,11 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
     max_tokens = getattr(body, "max_completion_tokens", None)
     max_tokens = body.max_tokens if max_tokens is None else max_tokens
     checks = [
-        (body.n == 1, f"n must be 1: this server generates one choice per request, got n={body.n}"),
         (max_tokens is None or max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
         (body.temperature >= 0, f"temperature must be >= 0, got {body.temperature}"),
         (0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}"),
         (body.top_k >= 0, f"top_k must be >= 0, got {body.top_k}"),
         (body.presence_penalty == 0 and body.frequency_penalty == 0, "presence/frequency penalties are not supported"),
-        (not body.logprobs, "logprobs are not supported"),
         (not getattr(body, "echo", False) and not getattr(body, "suffix", None), "echo and suffix are not supported"),
     ]
     for ok, message in checks:
@@ -95,7 +125,7 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed)
     config = GenerationConfig(
         max_new_tokens=max_tokens or default_max_tokens, sampling=sampling, stop_strings=tuple(stop),
-        ignore_eos=body.ignore_eos,
+        ignore_eos=body.ignore_eos, logprobs=requested_logprobs(body),
     )
     config.validate()
     return config
@@ -125,14 +155,18 @@ def check_fits(prompt_ids: list[int], engine) -> None:
 # ---- responses --------------------------------------------------------------------------------------------------
 @dataclass
 class Exchange:
-    """One request's identity, shared by its response and all its stream chunks."""
+    """One request's identity, shared by its response and all its stream chunks. `tokenizer` spells out the tokens
+    of log-probabilities; `text_offsets` is where each choice's next token starts in its text (the completions API
+    reports it)."""
 
     chat: bool
     model: str
     method: str
     prompt_tokens: int
+    tokenizer: Any = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    text_offsets: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -142,23 +176,52 @@ class Exchange:
         kind += ".chunk" if chunk and self.chat else ""
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, text: str | None, finish_reason: str | None, chunk: bool) -> dict:
+    def choice(self, text: str | None, finish_reason: str | None, chunk: bool, index: int = 0,
+               logprobs: "list[TokenLogprob] | None" = None) -> dict:
+        shown = None if logprobs is None else self.logprobs(logprobs, index)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": shown, "finish_reason": finish_reason}
         if chunk:  # a delta without content is the closing chunk, which only carries the finish reason
             message = ("delta", {} if text is None else {"content": text})
         else:
             message = ("message", {"role": "assistant", "content": text or ""})
-        return {"index": 0, message[0]: message[1], "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, message[0]: message[1], "logprobs": shown, "finish_reason": finish_reason}
 
-    def usage(self, result: "GenerationResult") -> dict:
-        done = result.stats.new_tokens
+    def logprobs(self, entries: "list[TokenLogprob]", index: int) -> dict:
+        """OpenAI's logprobs object: chat's list of tokens with their top alternatives, or the completions API's
+        parallel lists (offsets continue across a stream's chunks)."""
+        spelled = {}
+
+        def spell(token_id: int) -> tuple[str, bytes]:
+            if token_id not in spelled:
+                raw = token_bytes(self.tokenizer, token_id)
+                spelled[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+            return spelled[token_id]
+
+        if self.chat:
+            def item(token_id: int, logprob: float) -> dict:
+                text, raw = spell(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+            content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                       for e in entries]
+            return {"content": content, "refusal": None}
+        tokens = [spell(e.token)[0] for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{spell(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def usage(self, results: "list[GenerationResult]") -> dict:
+        done = sum(result.stats.new_tokens for result in results)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                 "total_tokens": self.prompt_tokens + done}
 
-    def extension(self, queue_s: float, result: "GenerationResult") -> dict:
-        """The `dflash` object: how speculative decoding went for this request."""
-        stats = result.stats
+    def extension(self, queue_s: float, results: "list[GenerationResult]") -> dict:
+        """The `dflash` object: how speculative decoding went for this request (its choices' rounds together)."""
+        stats = merged_stats([result.stats for result in results])
         return {
             "method": self.method, "tau": stats.tau, "rounds": stats.num_rounds,
             "per_position_acceptance": stats.per_position_acceptance,
@@ -166,17 +229,36 @@ class Exchange:
             "generation_s": stats.total_s,
         }
 
-    def response(self, queue_s: float, result: "GenerationResult") -> dict:
-        return {
-            **self.envelope(chunk=False), "choices": [self.choice(result.text, result.finish_reason, chunk=False)],
-            "usage": self.usage(result), "dflash": self.extension(queue_s, result),
-        }
+    def response(self, queue_s: float, results: "list[GenerationResult]", stop_ids: set[int]) -> dict:
+        choices = [self.choice(result.text, result.finish_reason, chunk=False, index=i,
+                               logprobs=shown_logprobs(result.logprobs, stop_ids))
+                   for i, result in enumerate(results)]
+        return {**self.envelope(chunk=False), "choices": choices, "usage": self.usage(results),
+                "dflash": self.extension(queue_s, results)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, delta: dict | None = None, **extra) -> str:
-        choice = self.choice(text, finish_reason, chunk=True)
+    def chunk(self, text: str | None, finish_reason: str | None = None, delta: dict | None = None, index: int = 0,
+              logprobs: "list[TokenLogprob] | None" = None, **extra) -> str:
+        choice = self.choice(text, finish_reason, chunk=True, index=index, logprobs=logprobs)
         if delta is not None:
             choice["delta"] = delta
         return sse({**self.envelope(chunk=True), "choices": [choice], **extra})
+
+
+def shown_logprobs(entries: "list[TokenLogprob] | None", stop_ids: set[int]) -> "list[TokenLogprob] | None":
+    """The log-probabilities of a result's text: a stop token's is left out, as the token is."""
+    return None if entries is None else [e for e in entries if e.token not in stop_ids]
+
+
+def merged_stats(stats: "list[GenerationStats]") -> "GenerationStats":
+    """One request's statistics over its choices: their rounds together, its first token and its end the last."""
+    if len(stats) == 1:
+        return stats[0]
+    merged = copy.copy(stats[0])
+    merged.accept_lengths = [a for s in stats for a in s.accept_lengths]
+    merged.draft_lengths = [d for s in stats for d in s.draft_lengths]
+    merged.new_tokens = sum(s.new_tokens for s in stats)
+    merged.ttft_s, merged.total_s = max(s.ttft_s for s in stats), max(s.total_s for s in stats)
+    return merged
 
 
 def sse(payload: Any) -> str:

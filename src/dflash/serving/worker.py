@@ -21,13 +21,14 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from ..engine import Engine, GenerationConfig, GenerationResult, Sequence
+    from ..logprobs import TokenLogprob
     from .metrics import Metrics
     from .streaming import TextDeltas
 
 log = logging.getLogger("dflash.server")
 DISCONNECT_POLL_S = 0.2  # how often a waiting handler checks whether its client is still there
 IDLE_WAIT_S = 0.05
-END_OF_STREAM = object()  # what the worker puts on a stream's queue after the last text piece
+END_OF_STREAM = object()  # what the worker puts on a stream's queue after the last piece
 
 
 class ServerBusy(Exception):
@@ -39,13 +40,16 @@ class Job:
     prompt_ids: list[int]
     config: "GenerationConfig"
     deltas: "TextDeltas | None" = None  # set for streaming requests
-    emit: Callable[[object], None] | None = None  # thread-safe sink for text pieces and END_OF_STREAM
+    # thread-safe sink for pieces, (text, log-probabilities of the tokens since the last piece or None), then
+    # END_OF_STREAM
+    emit: Callable[[object], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     future: asyncio.Future | None = None
     loop: asyncio.AbstractEventLoop | None = None
     sequence: "Sequence | None" = None
+    logprobs_sent: int = 0  # of the sequence's log-probabilities, how many went out with a piece
 
     @property
     def queue_s(self) -> float:
@@ -56,16 +60,25 @@ class Job:
         if self.emit is not None:
             piece = self.deltas.push(new_ids)
             if piece:
-                self.emit(piece)
+                self.emit((piece, self._new_logprobs()))
         return not self.cancelled.is_set()
+
+    def _new_logprobs(self) -> "list[TokenLogprob] | None":
+        """The log-probabilities not sent yet (those of tokens whose text a piece held back go with the next piece),
+        without a stop token's: it is not text."""
+        if self.config.logprobs is None:
+            return None
+        entries = self.sequence.logprobs[self.logprobs_sent:]
+        self.logprobs_sent += len(entries)
+        return [e for e in entries if e.token not in self.deltas.stop_ids]
 
     def resolve(self, result: "GenerationResult | None" = None, error: BaseException | None = None) -> None:
         """Hand the outcome to the waiting handler (from the engine thread); a stream also gets its end marker."""
         if self.emit is not None:
             if result is not None and error is None:
-                tail = self.deltas.finish(result.text)
-                if tail:
-                    self.emit(tail)
+                tail, logprobs = self.deltas.finish(result.text), self._new_logprobs()
+                if tail or logprobs:
+                    self.emit((tail, logprobs))
             self.emit(END_OF_STREAM)
 
         def settle() -> None:
@@ -102,17 +115,19 @@ class BatchWorker:
     def running(self) -> int:
         return self._running
 
-    def submit(self, job: Job) -> asyncio.Future:
+    def submit(self, jobs: list[Job]) -> list[asyncio.Future]:
+        """Queue the jobs of one request (one per choice) together, or none of them when they do not all fit."""
         with self._lock:
-            if self._queued + self._running >= self.max_queue:
+            if self._queued + self._running + len(jobs) > self.max_queue:
                 raise ServerBusy(f"the server is busy ({self._queued + self._running} requests queued or running); "
                                  "retry later")
-            job.loop = asyncio.get_running_loop()
-            job.future = job.loop.create_future()
-            self._incoming.append(job)
-            self._queued += 1
+            for job in jobs:
+                job.loop = asyncio.get_running_loop()
+                job.future = job.loop.create_future()
+                self._incoming.append(job)
+                self._queued += 1
         self._wake.set()
-        return job.future
+        return [job.future for job in jobs]
 
     # ---- the engine thread ---------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -193,22 +208,26 @@ class BatchWorker:
                 job.resolve(None)
 
 
-def cancel(job: Job, future: asyncio.Future, metrics: "Metrics") -> None:
-    """The client went away: the engine thread drops the job if it is still queued, stops it after this round if
-    it runs."""
-    if not future.done():
-        job.cancelled.set()
-        metrics.observe_cancel()
+def cancel(jobs: list[Job], metrics: "Metrics") -> None:
+    """The client went away: the engine thread drops each unfinished job if it is still queued, stops it after this
+    round if it runs."""
+    for job in jobs:
+        if not job.future.done():
+            job.cancelled.set()
+            metrics.observe_cancel()
 
 
-async def wait_for_result(job: Job, future: asyncio.Future, request: "Request", metrics: "Metrics"):
-    """The job's result, or None when the client disconnected first (the job is then cancelled)."""
+async def wait_for_results(jobs: list[Job], request: "Request", metrics: "Metrics"):
+    """The jobs' results, or None when the client disconnected first (the jobs are then cancelled). A job that
+    failed raises its error; the others are cancelled."""
     try:
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return future.result()
-            if await request.is_disconnected():
+        pending = {job.future for job in jobs}
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S)
+            for future in done:
+                future.result()  # a failure ends the request now
+            if pending and await request.is_disconnected():
                 return None
+        return [job.future.result() for job in jobs]
     finally:
-        cancel(job, future, metrics)  # a no-op once the result is in
+        cancel(jobs, metrics)  # a no-op once the results are in
