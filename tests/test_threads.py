@@ -6,7 +6,7 @@ import torch
 
 from dflash import threads
 from dflash.engine import GenerationConfig, SpeculativeDecoder
-from dflash.threads import MAX_GAP, PROBE_EVERY, ThreadChooser
+from dflash.threads import FIRST_PROBE, MAX_GAP, PROBE_EVERY, ThreadChooser
 
 from conftest import OracleProposer
 
@@ -48,19 +48,30 @@ def test_a_busy_core_moves_to_one_thread_fewer_and_back_when_it_frees():
     chooser = ThreadChooser((2, 1), machine.set_threads)
     ran = machine.run(chooser, 3 * PROBE_EVERY)
     assert chooser.current == 1 and ran[-PROBE_EVERY:].count(1) >= PROBE_EVERY - 1
-    assert ran.index(1) == PROBE_EVERY - 1 and ran[PROBE_EVERY] == 1  # the 16th pass probes, the 17th confirms
+    assert ran.index(1) == FIRST_PROBE - 1 and ran[FIRST_PROBE:FIRST_PROBE + 2] == [2, 1]  # probe, pass, confirm
     machine.costs = {2: 1.0, 1: 1.6}  # the other job ended
     ran = machine.run(chooser, 2 * MAX_GAP + 2 * PROBE_EVERY)
     assert chooser.current == 2 and chooser.switches == 2 and ran[-PROBE_EVERY:].count(2) >= PROBE_EVERY - 1
 
 
 def test_one_lucky_probe_does_not_switch():
-    costs = iter([1.0] * (PROBE_EVERY - 1) + [0.5] + [1.0] + [1.3] * 200)  # a fast probe, then a slow one
+    costs = iter([1.0] * (FIRST_PROBE - 1) + [0.5] + [1.0] + [1.3] * 200)  # a fast probe, then a slow one
     chooser = ThreadChooser((2, 1), lambda count: None)
     for cost in [next(costs) for _ in range(PROBE_EVERY + 30)]:
         chooser.before_pass()
         chooser.after_pass(cost)
     assert chooser.current == 2 and chooser.switches == 0 and chooser.probes >= 2
+
+
+def test_a_slow_first_pass_on_a_quiet_machine_does_not_switch():
+    """The first pass of a generation can cost several times a steady one; the early probe is held to the
+    cheapest pass before it."""
+    machine = Machine({2: 1.0, 1: 1.6})
+    chooser = ThreadChooser((2, 1), machine.set_threads)
+    chooser.before_pass()
+    chooser.after_pass(4.0)  # a cold start
+    machine.run(chooser, 200)
+    assert chooser.current == 2 and chooser.switches == 0
 
 
 def test_pinned_single_thread_or_gpu_setups_get_no_chooser(monkeypatch):

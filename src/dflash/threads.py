@@ -6,7 +6,10 @@ EPYC cores beside a one-thread `dflash data` job a float32 step took 100-136 ms 
 2 threads win by ~1.6x. Which case holds changes while a job runs, so it is measured, not configured: every so
 often one target pass runs on one thread fewer (a probe), and two probes in a row that beat the current count by
 10% switch to it; probes that lose come half as often, down to one in MAX_GAP passes (under 1% of the time on a
-quiet machine).
+quiet machine). The first probe comes early (FIRST_PROBE): beside a busy core a pass on both threads can cost 5x one
+on a single thread (twenty-fifth session), so a short generation cannot wait long to find out. A count's figure is
+its cheapest pass until it has run MIN_PASSES, not their average, and a winning probe is confirmed only after one
+more pass on the current count: one slow first pass cannot make a probe look good.
 
 Pass times are compared per unit of work: the caller divides a pass's seconds by its relative cost (the engine's
 CostModel: a 16-token verify costs ~1.5-2 steps), so passes of different widths compare. An engine runs each of its
@@ -23,7 +26,9 @@ from typing import Callable
 
 import torch
 
-PROBE_EVERY = 16  # passes between probes at first, and after every switch
+FIRST_PROBE = 2  # the pass that probes first
+MIN_PASSES = 4  # until a count has run this many passes, its figure is its cheapest
+PROBE_EVERY = 16  # passes between probes after the first one, and after every switch
 MAX_GAP = 128  # the most passes between probes: how long a change of load can go unnoticed
 MARGIN = 0.9  # a probe wins when its pass costs under 90% of the current count's average
 WINS_TO_SWITCH = 2  # consecutive winning probes: one lucky pass does not move us
@@ -60,8 +65,9 @@ class ThreadChooser:
         self.current = counts[0]
         self.set_threads = set_threads
         self.average: dict[int, float] = {}  # a pass's cost per unit on each count, smoothed
+        self.measured: dict[int, int] = {}  # passes timed on each count since it became current
         self.gap = PROBE_EVERY
-        self.until_probe = PROBE_EVERY
+        self.until_probe = FIRST_PROBE
         self.wins = 0
         self.probing: int | None = None
         self.probes = self.switches = 0
@@ -78,8 +84,12 @@ class ThreadChooser:
 
     def after_pass(self, cost: float) -> None:
         if self.probing is None:
-            old = self.average.get(self.current)
-            self.average[self.current] = cost if old is None else old + SMOOTHING * (cost - old)
+            old, measured = self.average.get(self.current), self.measured.get(self.current, 0)
+            if old is None or measured < MIN_PASSES:
+                self.average[self.current] = cost if old is None else min(old, cost)
+            else:
+                self.average[self.current] = old + SMOOTHING * (cost - old)
+            self.measured[self.current] = measured + 1
             return
         probed, self.probing = self.probing, None
         if cost < MARGIN * self.average[self.current]:
@@ -87,8 +97,9 @@ class ThreadChooser:
             if self.wins >= WINS_TO_SWITCH:
                 self.current, self.wins, self.switches = probed, 0, self.switches + 1
                 self.average[probed] = cost  # the old average of this count is from another load
+                self.measured[probed] = 1
                 self.gap = PROBE_EVERY
-            self.until_probe = 1 if self.wins else self.gap  # a first win is checked at once
+            self.until_probe = 2 if self.wins else self.gap  # a first win is checked after one more current pass
         else:
             self.wins = 0
             self.gap = min(2 * self.gap, MAX_GAP)
