@@ -107,6 +107,28 @@ def test_logprobs_stop_with_the_output(tiny_targets):
     assert [lp.token for lp in result.logprobs] == result.tokens
 
 
+@pytest.mark.parametrize("deferred", [True, False])
+def test_prompt_logprobs_score_the_prompt_in_chunks(tiny_targets, monkeypatch, deferred):
+    """The prompt's own tokens after the first, as a scoring client (lm-eval's loglikelihood) reads them."""
+    from dflash import engine
+
+    target = tiny_targets["qwen3"]
+    monkeypatch.setattr(engine, "PROMPT_LOGITS_CHUNK", 3)
+    monkeypatch.setattr(target, "defer_logits", deferred)
+    prompt_ids = target.encode_prompt(PROMPTS[2])
+    plain = SpeculativeDecoder(target).generate(prompt_ids, GenerationConfig(MAX_NEW, ignore_eos=True))
+    result = SpeculativeDecoder(target, NgramProposer(max_draft=7)).generate(
+        prompt_ids, GenerationConfig(MAX_NEW, ignore_eos=True, prompt_logprobs=2))
+    assert result.tokens == plain.tokens and result.logprobs is None
+    assert [lp.token for lp in result.prompt_logprobs] == prompt_ids[1:]
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in result.prompt_logprobs]),
+                               expected.gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0], atol=2e-4, rtol=1e-4)
+    assert [[t for t, _ in lp.top] for lp in result.prompt_logprobs] == expected.topk(2, dim=-1).indices.tolist()
+
+
 @pytest.mark.parametrize("bad", [-1, 21])
 def test_too_many_top_logprobs_is_a_clear_error(tiny_targets, bad):
     with pytest.raises(UserError, match="top logprobs"):

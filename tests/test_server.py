@@ -182,6 +182,38 @@ def test_completion_logprobs_and_offsets(client, target, reference, stream):
                                            for e in ref.logprobs]
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, target, reference):
+    """lm-eval's loglikelihood request: the prompt's tokens echoed with their log-probabilities (the first has
+    none), then one generated token; streamed, the same figures arrive in pieces."""
+    import torch
+
+    prompt = "w5 w9 w2 w33 w7"
+    prompt_ids = target.encode_prompt(prompt, chat=False)
+    ref = reference(prompt_ids, max_tokens=3, logprobs=1)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    scored = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
+    for sent, echoed in ((prompt_ids, target.decode(prompt_ids)), (prompt, prompt)):
+        response = client.completions.create(model=MODEL, prompt=sent, max_tokens=3, temperature=0, logprobs=1,
+                                             echo=True)
+        choice = response.choices[0]
+        assert choice.text == echoed + ref.text
+        lp = choice.logprobs
+        assert lp.tokens == target.tokenizer.convert_ids_to_tokens(prompt_ids + ref.tokens)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(scored + [e.logprob for e in ref.logprobs], abs=1e-4)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompt + ref.text
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_several_choices_are_seeded_one_after_another(client, target, reference, stream):
     """n choices sample with seed, seed + 1, ...: each equals the engine's run with its seed."""

@@ -42,6 +42,7 @@ FIRST_LOGITS = 8
 # Greedy rounds on a target that screens its head (models/screening.py) read the screen for this many positions
 # first: up to four rows run against two panels at once, bound by the memory like one row (native.c).
 FIRST_SCREENED = 4
+PROMPT_LOGITS_CHUNK = 256  # prompt positions whose logits are scored at once (GenerationConfig.prompt_logprobs)
 OVERRUN_SMOOTHING = 0.1  # EMA weight of a wide round's "some row needed logits past FIRST_LOGITS"
 
 
@@ -54,12 +55,14 @@ class GenerationConfig:
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise UserError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for top in (self.logprobs, self.prompt_logprobs):
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise UserError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         self.sampling.validate()
 
 
@@ -130,6 +133,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS, stop id or stop string), "length", or "cancelled"
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when the config asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked
 
 
 @dataclass
@@ -163,6 +167,7 @@ class Sequence:
     sequence: list[int] = field(default_factory=list)  # prompt + emitted tokens (the last one: the pending bonus)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if the config asks
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish: str | None = None
     result: GenerationResult | None = None
 
@@ -283,15 +288,20 @@ class Engine:
         """The prompt into the next free row; samples the first token (TTFT)."""
         row = len(self.running)
         cache = self._row_cache(row, len(seq.prompt_ids) + 1)
+        scored = seq.config.prompt_logprobs is not None
+        logits_at = "last" if not scored else "hidden" if self.target.defers_logits else "all"
         out = self.target.forward(torch.tensor([seq.prompt_ids], device=self.target.device), cache,
-                                  seq.proposer.feature_layers, logits_at="last")
+                                  seq.proposer.feature_layers, logits_at=logits_at)
         self._release_row_cache(cache, row)
-        first = pick_tokens(out.logits[0, -1:], seq.config.sampling, len(seq.prompt_ids)).tolist()
+        if scored:
+            seq.prompt_logprobs = self._prompt_logprobs(seq, out)
+        last = out.logits[0, -1:] if out.logits is not None else self.target.logits_of(out.hidden[0, -1:])
+        first = pick_tokens(last, seq.config.sampling, len(seq.prompt_ids)).tolist()
         seq.proposer.start(list(seq.prompt_ids), out.features)
         seq.stats.ttft_s = time.perf_counter() - seq.started
         seq.sequence = list(seq.prompt_ids) + first
         self.running.append(seq)
-        self._emit(seq, first, self._logprobs(seq, out.logits[0, -1:], first))
+        self._emit(seq, first, self._logprobs(seq, last, first))
 
     def _row_cache(self, row: int, room: int):
         """A cache for prefilling `row`: a view of the batch cache, or (transformers fallback) a fresh one."""
@@ -496,6 +506,18 @@ class Engine:
             start = stop
         return chosen
 
+    def _prompt_logprobs(self, seq: Sequence, out) -> list[TokenLogprob]:
+        """The prompt's tokens' log-probabilities after the first, PROMPT_LOGITS_CHUNK positions of logits at a
+        time where the pass left them to `logits_of` (a long prompt's logits would take gigabytes at once)."""
+        prompt, top = seq.prompt_ids, seq.config.prompt_logprobs
+        entries = []
+        for start in range(0, len(prompt) - 1, PROMPT_LOGITS_CHUNK):
+            stop = min(start + PROMPT_LOGITS_CHUNK, len(prompt) - 1)
+            logits = (out.logits[0, start:stop] if out.logits is not None
+                      else self.target.logits_of(out.hidden[0, start:stop]))
+            entries += token_logprobs(logits, prompt[start + 1: stop + 1], top)
+        return entries
+
     @staticmethod
     def _logprobs(seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
         """The tokens' log-probabilities from the logits that chose them, if the sequence asked for them."""
@@ -533,7 +555,8 @@ class Engine:
         text = self.target.decode(output[:-1] if ends_with_stop_id else output)
         text = _cut_at_stop_string(text, seq.config.stop_strings)
         logprobs = seq.logprobs if seq.config.logprobs is not None else None
-        seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs)
+        seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs,
+                                      prompt_logprobs=seq.prompt_logprobs)
         return seq
 
     def _check_stops(self, output, new_tokens, stop_ids, max_new, stop_strings):

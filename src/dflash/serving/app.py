@@ -23,7 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
 from .metrics import Metrics, MetricsMiddleware
-from .schemas import Exchange, check_fits, choice_configs, completion_prompt_ids, openai_error, schemas, sse
+from .schemas import (
+    Exchange,
+    check_fits,
+    choice_configs,
+    completion_prompt_ids,
+    echoed_prompt,
+    openai_error,
+    schemas,
+    sse,
+)
 from .streaming import TextDeltas
 from .worker import (
     DISCONNECT_POLL_S,
@@ -70,7 +79,8 @@ class Service:
     async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool):
         configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue)
         check_fits(prompt_ids, self.worker.engine)
-        exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer)
+        exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
+                            echo=echoed_prompt(self.target, body, prompt_ids))
         stop_ids = set() if configs[0].ignore_eos else set(self.target.eos_token_ids)
         if body.stream:
             return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
@@ -93,8 +103,8 @@ class Service:
         def sink(index: int):
             return lambda item: loop.call_soon_threadsafe(pieces.put_nowait, (index, item))
 
-        jobs = [Job(prompt_ids, config, TextDeltas(self.target.decode, config.stop_strings, stop_ids), emit=sink(i))
-                for i, config in enumerate(configs)]
+        jobs = [Job(prompt_ids, config, TextDeltas(self.target.decode, config.stop_strings, stop_ids), emit=sink(i),
+                    echo=exchange.echo is not None) for i, config in enumerate(configs)]
         self.worker.submit(jobs)  # queued now, so a busy server answers 503 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = self.stream_events(request, jobs, pieces, exchange, include_usage)
@@ -111,7 +121,8 @@ class Service:
                     return  # the client went away; `finally` cancels the jobs
                 index, piece = item
                 if piece is not END_OF_STREAM:
-                    yield exchange.chunk(piece[0], index=index, logprobs=piece[1])
+                    yield (exchange.echo_chunk(index, piece.logprobs) if piece.prompt
+                           else exchange.chunk(piece.text, index=index, logprobs=piece.logprobs))
                     continue
                 try:
                     results[index] = result = await jobs[index].future

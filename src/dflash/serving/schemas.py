@@ -116,16 +116,17 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
         (0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}"),
         (body.top_k >= 0, f"top_k must be >= 0, got {body.top_k}"),
         (body.presence_penalty == 0 and body.frequency_penalty == 0, "presence/frequency penalties are not supported"),
-        (not getattr(body, "echo", False) and not getattr(body, "suffix", None), "echo and suffix are not supported"),
+        (not getattr(body, "suffix", None), "suffix is not supported"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed)
+    top = requested_logprobs(body)
     config = GenerationConfig(
         max_new_tokens=max_tokens or default_max_tokens, sampling=sampling, stop_strings=tuple(stop),
-        ignore_eos=body.ignore_eos, logprobs=requested_logprobs(body),
+        ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
     )
     config.validate()
     return config
@@ -145,6 +146,15 @@ def completion_prompt_ids(target, prompt) -> list[int]:
     return list(prompt)
 
 
+def echoed_prompt(target, body, prompt_ids: list[int]) -> tuple[str, list[int]] | None:
+    """What a completion with `echo` repeats: the prompt's text as sent (decoded where it came as ids), its ids."""
+    if not getattr(body, "echo", False):
+        return None
+    prompt = body.prompt
+    text = prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt[0], str) else target.decode(prompt_ids)
+    return text, prompt_ids
+
+
 def check_fits(prompt_ids: list[int], engine) -> None:
     """Reject a prompt the engine would refuse, before it waits in the queue."""
     if not prompt_ids:
@@ -156,14 +166,15 @@ def check_fits(prompt_ids: list[int], engine) -> None:
 @dataclass
 class Exchange:
     """One request's identity, shared by its response and all its stream chunks. `tokenizer` spells out the tokens
-    of log-probabilities; `text_offsets` is where each choice's next token starts in its text (the completions API
-    reports it)."""
+    of log-probabilities; `echo`: the prompt's text and ids, which a completion with `echo` repeats first;
+    `text_offsets` is where each choice's next token starts in its text (the completions API reports it)."""
 
     chat: bool
     model: str
     method: str
     prompt_tokens: int
     tokenizer: Any = None
+    echo: tuple[str, list[int]] | None = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -187,9 +198,10 @@ class Exchange:
             message = ("message", {"role": "assistant", "content": text or ""})
         return {"index": index, message[0]: message[1], "logprobs": shown, "finish_reason": finish_reason}
 
-    def logprobs(self, entries: "list[TokenLogprob]", index: int) -> dict:
+    def logprobs(self, entries: "list[TokenLogprob]", index: int, unscored: int | None = None) -> dict:
         """OpenAI's logprobs object: chat's list of tokens with their top alternatives, or the completions API's
-        parallel lists (offsets continue across a stream's chunks)."""
+        parallel lists (offsets continue across a stream's chunks). `unscored`: a token before the entries that has
+        no log-probability (an echoed prompt's first)."""
         spelled = {}
 
         def spell(token_id: int) -> tuple[str, bytes]:
@@ -206,13 +218,22 @@ class Exchange:
             content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                        for e in entries]
             return {"content": content, "refusal": None}
-        tokens = [spell(e.token)[0] for e in entries]
+        first = [] if unscored is None else [spell(unscored)[0]]
+        tokens = first + [spell(e.token)[0] for e in entries]
         offsets = []
         for token in tokens:
             offsets.append(self.text_offsets.get(index, 0))
             self.text_offsets[index] = offsets[-1] + len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{spell(t)[0]: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [None] * len(first) + [e.logprob for e in entries],
+                "top_logprobs": [None] * len(first) + [{spell(t)[0]: lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def echo_chunk(self, index: int, prompt_logprobs: "list[TokenLogprob] | None") -> str:
+        """A stream's first chunk for a choice that repeats its prompt."""
+        text, ids = self.echo
+        shown = None if prompt_logprobs is None else self.logprobs(prompt_logprobs, index, unscored=ids[0])
+        return sse({**self.envelope(chunk=True), "choices": [
+            {"index": index, "text": text, "logprobs": shown, "finish_reason": None}]})
 
     def usage(self, results: "list[GenerationResult]") -> dict:
         done = sum(result.stats.new_tokens for result in results)
@@ -230,11 +251,24 @@ class Exchange:
         }
 
     def response(self, queue_s: float, results: "list[GenerationResult]", stop_ids: set[int]) -> dict:
-        choices = [self.choice(result.text, result.finish_reason, chunk=False, index=i,
-                               logprobs=shown_logprobs(result.logprobs, stop_ids))
-                   for i, result in enumerate(results)]
+        choices = [self.whole_choice(i, result, stop_ids) for i, result in enumerate(results)]
         return {**self.envelope(chunk=False), "choices": choices, "usage": self.usage(results),
                 "dflash": self.extension(queue_s, results)}
+
+    def whole_choice(self, index: int, result: "GenerationResult", stop_ids: set[int]) -> dict:
+        """A choice of a whole response; with `echo`, the prompt's text and tokens come before the choice's."""
+        choice = self.choice(result.text, result.finish_reason, chunk=False, index=index)
+        entries = shown_logprobs(result.logprobs, stop_ids)
+        if self.echo is not None:
+            text, ids = self.echo
+            choice["text"] = text + choice["text"]
+            if entries is not None:
+                prompt = self.logprobs(result.prompt_logprobs, index, unscored=ids[0])
+                generated = self.logprobs(entries, index)
+                choice["logprobs"] = {key: prompt[key] + generated[key] for key in prompt}
+        elif entries is not None:
+            choice["logprobs"] = self.logprobs(entries, index)
+        return choice
 
     def chunk(self, text: str | None, finish_reason: str | None = None, delta: dict | None = None, index: int = 0,
               logprobs: "list[TokenLogprob] | None" = None, **extra) -> str:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -31,6 +31,15 @@ IDLE_WAIT_S = 0.05
 END_OF_STREAM = object()  # what the worker puts on a stream's queue after the last piece
 
 
+class Piece(NamedTuple):
+    """What a stream sends next: text, and the log-probabilities of the tokens since the last piece (None unless
+    asked for). `prompt`: the prompt has been read, and `logprobs` are its tokens' (for `echo`)."""
+
+    text: str
+    logprobs: "list[TokenLogprob] | None" = None
+    prompt: bool = False
+
+
 class ServerBusy(Exception):
     """The queue is full; the client should retry later (HTTP 503)."""
 
@@ -40,9 +49,8 @@ class Job:
     prompt_ids: list[int]
     config: "GenerationConfig"
     deltas: "TextDeltas | None" = None  # set for streaming requests
-    # thread-safe sink for pieces, (text, log-probabilities of the tokens since the last piece or None), then
-    # END_OF_STREAM
-    emit: Callable[[object], None] | None = None
+    emit: Callable[[object], None] | None = None  # thread-safe sink for Pieces, then END_OF_STREAM
+    echo: bool = False  # a stream that repeats the prompt: a prompt Piece comes first
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -58,9 +66,11 @@ class Job:
     def on_tokens(self, new_ids: list[int]) -> bool:
         """Called by the engine on its thread; returning False stops the generation."""
         if self.emit is not None:
+            if self.echo and not self.deltas.ids:  # the prompt was read: its log-probabilities are known
+                self.emit(Piece("", self.sequence.prompt_logprobs, prompt=True))
             piece = self.deltas.push(new_ids)
             if piece:
-                self.emit((piece, self._new_logprobs()))
+                self.emit(Piece(piece, self._new_logprobs()))
         return not self.cancelled.is_set()
 
     def _new_logprobs(self) -> "list[TokenLogprob] | None":
@@ -78,7 +88,7 @@ class Job:
             if result is not None and error is None:
                 tail, logprobs = self.deltas.finish(result.text), self._new_logprobs()
                 if tail or logprobs:
-                    self.emit((tail, logprobs))
+                    self.emit(Piece(tail, logprobs))
             self.emit(END_OF_STREAM)
 
         def settle() -> None:
