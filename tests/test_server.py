@@ -212,6 +212,20 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, target, reference):
     assert [o for p in parts for o in p.text_offset] == lp.text_offset
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None
+    # max_tokens 0: the prompt scored, nothing generated
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True,
+                                             stream=stream, **({"stream_options": {"include_usage": True}}
+                                                               if stream else {}))
+        chunks = list(response) if stream else [response]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        figures = [x for p in parts for x in p.token_logprobs]
+        assert figures[0] is None and figures[1:] == pytest.approx(scored, abs=1e-4)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="0 with echo"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
 
 
 @pytest.mark.parametrize("stream", [False, True])

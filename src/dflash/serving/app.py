@@ -29,6 +29,7 @@ from .schemas import (
     choice_configs,
     completion_prompt_ids,
     echoed_prompt,
+    scores_only,
     openai_error,
     schemas,
     sse,
@@ -80,7 +81,7 @@ class Service:
         configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue)
         check_fits(prompt_ids, self.worker.engine)
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
-                            echo=echoed_prompt(self.target, body, prompt_ids))
+                            echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body))
         stop_ids = set() if configs[0].ignore_eos else set(self.target.eos_token_ids)
         if body.stream:
             return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
@@ -121,8 +122,10 @@ class Service:
                     return  # the client went away; `finally` cancels the jobs
                 index, piece = item
                 if piece is not END_OF_STREAM:
-                    yield (exchange.echo_chunk(index, piece.logprobs) if piece.prompt
-                           else exchange.chunk(piece.text, index=index, logprobs=piece.logprobs))
+                    if piece.prompt:
+                        yield exchange.echo_chunk(index, piece.logprobs)
+                    elif not exchange.scores_only:
+                        yield exchange.chunk(piece.text, index=index, logprobs=piece.logprobs)
                     continue
                 try:
                     results[index] = result = await jobs[index].future
@@ -133,7 +136,7 @@ class Service:
                     yield sse({"error": {"message": str(exc), "type": kind}})
                     return
                 streaming -= 1
-                yield exchange.chunk(None, result.finish_reason, index=index,
+                yield exchange.chunk(None, "length" if exchange.scores_only else result.finish_reason, index=index,
                                      dflash=exchange.extension(jobs[index].queue_s, [result]))
             if include_usage:
                 yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": exchange.usage(results)})

@@ -111,7 +111,8 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
     max_tokens = getattr(body, "max_completion_tokens", None)
     max_tokens = body.max_tokens if max_tokens is None else max_tokens
     checks = [
-        (max_tokens is None or max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"),
+        (max_tokens is None or max_tokens >= 1 or scores_only(body),
+         f"max_tokens must be >= 1 (or 0 with echo, to score the prompt), got {max_tokens}"),
         (body.temperature >= 0, f"temperature must be >= 0, got {body.temperature}"),
         (0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}"),
         (body.top_k >= 0, f"top_k must be >= 0, got {body.top_k}"),
@@ -125,7 +126,9 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed)
     top = requested_logprobs(body)
     config = GenerationConfig(
-        max_new_tokens=max_tokens or default_max_tokens, sampling=sampling, stop_strings=tuple(stop),
+        # scoring alone still runs the prefill's step, whose token is dropped
+        max_new_tokens=max(1, default_max_tokens if max_tokens is None else max_tokens), sampling=sampling,
+        stop_strings=tuple(stop),
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
     )
     config.validate()
@@ -144,6 +147,11 @@ def completion_prompt_ids(target, prompt) -> list[int]:
     if bad:
         raise UserError(f"token ids must be in [0, {target.vocab_size}), got {bad[0]}")
     return list(prompt)
+
+
+def scores_only(body) -> bool:
+    """A completion that only scores its prompt: `echo` with max_tokens 0."""
+    return getattr(body, "echo", False) and body.max_tokens == 0
 
 
 def echoed_prompt(target, body, prompt_ids: list[int]) -> tuple[str, list[int]] | None:
@@ -175,6 +183,7 @@ class Exchange:
     prompt_tokens: int
     tokenizer: Any = None
     echo: tuple[str, list[int]] | None = None
+    scores_only: bool = False  # echo with max_tokens 0: the prompt and its log-probabilities, nothing generated
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -236,7 +245,7 @@ class Exchange:
             {"index": index, "text": text, "logprobs": shown, "finish_reason": None}]})
 
     def usage(self, results: "list[GenerationResult]") -> dict:
-        done = sum(result.stats.new_tokens for result in results)
+        done = 0 if self.scores_only else sum(result.stats.new_tokens for result in results)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                 "total_tokens": self.prompt_tokens + done}
 
@@ -259,6 +268,9 @@ class Exchange:
         """A choice of a whole response; with `echo`, the prompt's text and tokens come before the choice's."""
         choice = self.choice(result.text, result.finish_reason, chunk=False, index=index)
         entries = shown_logprobs(result.logprobs, stop_ids)
+        if self.scores_only:
+            choice["text"], choice["finish_reason"] = "", "length"
+            entries = None if entries is None else []
         if self.echo is not None:
             text, ids = self.echo
             choice["text"] = text + choice["text"]
