@@ -42,6 +42,22 @@ def test_json_logprobs_are_the_targets(capsys):
         assert entry["text"] == target.decode([entry["token"]])
 
 
+def test_penalties_reach_the_engine(capsys):
+    from dflash.engine import GenerationConfig, SpeculativeDecoder
+    from dflash.sampling import SamplingConfig
+    from dflash.testing import tiny_target
+
+    args = ["--method", "ngram", "--max-new-tokens", "12", "--json", "--no-chat", "w5 w9 w2 w33"]
+    code, out, err = run(capsys, "--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+                         "--repetition-penalty", "1.8", *args)
+    target = tiny_target("llama", logit_scale=4.0)  # the CLI's tiny-llama
+    sampling = SamplingConfig(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.8)
+    expected = SpeculativeDecoder(target).generate(target.encode_prompt("w5 w9 w2 w33", chat=False),
+                                                   GenerationConfig(12, sampling))
+    assert code == 0 and json.loads(out)["tokens"] == expected.tokens
+    assert json.loads(run(capsys, *args)[1])["tokens"] != expected.tokens
+
+
 def test_text_output_names_untrained_drafter(capsys):
     code, out, err = run(capsys, "--max-new-tokens", "8", "--block-size", "4", "w1 w2")
     assert code == 0 and "UNTRAINED" in err and "tau" in err
@@ -66,6 +82,7 @@ def test_compare_ar(capsys):
     (["--drafter", "/nonexistent/drafter", "w1"], "not found"),
     (["--logprobs", "2", "w1"], "--logprobs goes with --json"),
     (["--json", "--logprobs", "21", "w1"], "top logprobs"),
+    (["--presence-penalty", "3", "w1"], "presence_penalty"),
     (["--method", "dflash", "--block-size", "64", "w1"], "block size"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):

@@ -43,8 +43,8 @@ def reference(target, proposer):
     """reference(prompt_ids, ...) -> GenerationResult of the engine itself; call it only while the server idles."""
     decoder = SpeculativeDecoder(target, proposer)
 
-    def run(prompt_ids, max_tokens=MAX_TOKENS, stop=(), temperature=0.0, seed=None, logprobs=None):
-        sampling = SamplingConfig(temperature=temperature, seed=seed)
+    def run(prompt_ids, max_tokens=MAX_TOKENS, stop=(), temperature=0.0, seed=None, logprobs=None, **penalties):
+        sampling = SamplingConfig(temperature=temperature, seed=seed, **penalties)
         return decoder.generate(prompt_ids, GenerationConfig(max_tokens, sampling, stop_strings=tuple(stop),
                                                              logprobs=logprobs))
 
@@ -247,6 +247,17 @@ def test_several_choices_are_seeded_one_after_another(client, target, reference,
     assert usage.completion_tokens == sum(len(r.tokens) for r in refs)
 
 
+def test_penalties_are_the_engines(client, target, reference):
+    prompt = "w5 w9 w2 w33"
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3)
+    ref = reference(target.encode_prompt(prompt, chat=False), **penalties)
+    assert ref.text != reference(target.encode_prompt(prompt, chat=False)).text
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         presence_penalty=1.2, frequency_penalty=0.5,
+                                         extra_body={"repetition_penalty": 1.3})
+    assert response.choices[0].text == ref.text
+
+
 def test_greedy_choices_are_all_the_same(client, chat_refs):
     response = chat(client, PROMPTS[4], n=2)
     assert [c.index for c in response.choices] == [0, 1]
@@ -310,6 +321,8 @@ def test_a_full_server_answers_503_not_a_hang(target, proposer):
     ({"n": 0}, "BadRequestError", "n must be in [1, "),
     ({"n": 999}, "BadRequestError", "n must be in [1, 256]"),
     ({"top_logprobs": 2}, "BadRequestError", "top_logprobs needs logprobs"),
+    ({"presence_penalty": 2.5}, "BadRequestError", "presence_penalty must be in [-2, 2]"),
+    ({"extra_body": {"repetition_penalty": 0}}, "BadRequestError", "repetition_penalty must be > 0"),
     ({"logprobs": True, "top_logprobs": 21}, "BadRequestError", "top_logprobs must be in [0, 20]"),
     ({"max_tokens": -3}, "BadRequestError", "max_tokens must be >= 1"),
     ({"temperature": -1}, "BadRequestError", "temperature"),

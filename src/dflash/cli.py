@@ -147,6 +147,13 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1 = off)")
     group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0 = off)")
     group.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtracted from the logit of every token generated so far, in [-2, 2] (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtracted once per time a token was generated so far, in [-2, 2] (default: 0)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="divides the positive logits (multiplies the negative) of tokens in the prompt or output, "
+                            "as transformers does (default: 1 = off)")
 
 
 def _cuda() -> bool:
@@ -180,7 +187,8 @@ def run(args) -> int:
 
     if not args.prompt.strip():
         raise UserError("the prompt is empty")
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
+                              args.frequency_penalty, args.repetition_penalty)
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs goes with --json")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)

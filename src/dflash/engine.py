@@ -27,7 +27,7 @@ from .control import Calibration, CostModel, DraftController, batch_width, expec
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import TABLE_LABEL, Draft, Proposer
-from .sampling import SamplingConfig, accept_length, pick_tokens
+from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
 from .threads import chooser_for
 
 # A drafting pass that reads more committed context than this (a new sequence's prompt, or the backlog of many
@@ -296,7 +296,7 @@ class Engine:
         if scored:
             seq.prompt_logprobs = self._prompt_logprobs(seq, out)
         last = out.logits[0, -1:] if out.logits is not None else self.target.logits_of(out.hidden[0, -1:])
-        first = pick_tokens(last, seq.config.sampling, len(seq.prompt_ids)).tolist()
+        first = self._choose(last[None], [seq], [1], drafts=[[]], history=seq.prompt_ids)[0]
         seq.proposer.start(list(seq.prompt_ids), out.features)
         seq.stats.ttft_s = time.perf_counter() - seq.started
         seq.sequence = list(seq.prompt_ids) + first
@@ -419,7 +419,7 @@ class Engine:
         if self.threads:
             self.threads.before_pass()
         started = self.timer()
-        screened = self.target.screens and all(seq.config.sampling.greedy for seq in rows)
+        screened = self.target.screens and all(plain_greedy(seq) for seq in rows)
         deferred = screened or (width > FIRST_LOGITS and self.head_overrun < self.head_saving)
         out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers,
                                   logits_at="hidden" if deferred else "all")
@@ -427,7 +427,7 @@ class Engine:
         if deferred:
             chosen = self._choose_in_steps(out.hidden, rows, drafts, widths, screened)
         else:
-            chosen = self._choose(out.logits, rows, widths)  # the host sync: the pass has run
+            chosen = self._choose(out.logits, rows, widths, drafts=drafts)  # the host sync: the pass has run
         verify_seconds = self.timer() - started
         if self.threads:
             verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
@@ -472,14 +472,22 @@ class Engine:
         return self.threads.average[self.threads.current] * relative if probe else seconds
 
     @staticmethod
-    def _choose(logits: torch.Tensor, rows: list[Sequence], widths: list[int], offset: int = 0) -> list[list[int]]:
+    def _choose(logits: torch.Tensor, rows: list[Sequence], widths: list[int], offset: int = 0,
+                drafts: list[list[int]] | None = None, history: list[int] | None = None) -> list[list[int]]:
         """The target's token at every verified position of every row (logits[i, j] is position offset + j of row
-        i's block), with one host sync when all are greedy."""
-        if all(seq.config.sampling.greedy for seq in rows):
+        i's block, which follows the row's sequence and drafts[i][:offset + j]; `history`: the sequence, where it
+        is not the row's yet), with one host sync when all are greedy without penalties."""
+        if all(plain_greedy(seq) for seq in rows):
             picked = logits.argmax(-1).tolist()
             return [p[:w] for p, w in zip(picked, widths)]
-        return [pick_tokens(logits[i, :w], seq.config.sampling, len(seq.sequence) + offset).tolist()
-                for i, (seq, w) in enumerate(zip(rows, widths))]
+        chosen = []
+        for i, (seq, w) in enumerate(zip(rows, widths)):
+            cfg, row_logits = seq.config.sampling, logits[i, :w]
+            if cfg.penalized:
+                before = (history or seq.sequence) + drafts[i][:offset]
+                row_logits = penalized_logits(row_logits, cfg, before, len(seq.prompt_ids), drafts[i][offset:])
+            chosen.append(pick_tokens(row_logits, cfg, len(history or seq.sequence) + offset).tolist())
+        return chosen
 
     def _choose_in_steps(self, hidden: torch.Tensor, rows: list[Sequence], drafts: list[list[int]],
                          widths: list[int], screened: bool = False) -> list[list[int]]:
@@ -498,7 +506,8 @@ class Engine:
             if screened:
                 picked = [p[:w] for p, w in zip(self.target.greedy_of(rows_hidden).tolist(), cut)]
             else:
-                picked = self._choose(self.target.logits_of(rows_hidden), [rows[i] for i in pending], cut, start)
+                picked = self._choose(self.target.logits_of(rows_hidden), [rows[i] for i in pending], cut, start,
+                                      [drafts[i] for i in pending])
             for i, tokens in zip(pending, picked):
                 chosen[i] += tokens
             pending = [i for i in pending
@@ -732,6 +741,11 @@ class SpeculativeDecoder:
 
     def budget(self, prompt_ids: list[int]) -> int:
         return self.engine.budget(prompt_ids)
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Greedy without penalties: the argmax of the raw logits, which the LM head's screen can find."""
+    return seq.config.sampling.greedy and not seq.config.sampling.penalized
 
 
 def _has_stop_string(text: str, stop_strings) -> bool:

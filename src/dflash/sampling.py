@@ -6,6 +6,11 @@ position before it, up to the first mismatch. With deterministic (one-hot) draft
 rejection sampling, so the output has the target's distribution. Top-k / top-p are applied to the target's
 distribution the same way in every method.
 
+Penalties (OpenAI's presence and frequency penalties over the generated tokens, the repetition penalty of
+transformers and vLLM over prompt and generated tokens) change the target's logits before anything else. At each
+position of a verify block they count the tokens before it, the block's drafts included: a draft after that
+position only matters if every draft up to it is accepted, so the counts are exactly those a plain step would see.
+
 Seeded sampling draws the token at sequence position p by inverting the target's distribution at a uniform number
 that depends only on (seed, p). So a seeded generation is the same whatever drafts were proposed and however many
 were verified: speculative decoding with any method, adaptive or not, batched or not, gives exactly the tokens plain
@@ -27,10 +32,18 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it has been generated
+    frequency_penalty: float = 0.0  # subtracted once for every time it has been generated
+    repetition_penalty: float = 1.0  # divides a positive logit of a token in the prompt or output, multiplies a negative
 
     def validate(self) -> None:
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -39,6 +52,30 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], prompt_len: int,
+                     block: list[int]) -> torch.Tensor:
+    """`logits` [n, vocab] of n consecutive positions with the penalties applied: position j follows `history`
+    (prompt_len prompt tokens, then generated ones) and block[:j]."""
+    vocab, n = logits.shape[-1], logits.shape[0]
+    generated = torch.tensor(history[prompt_len:], dtype=torch.long)
+    prompt = torch.tensor(history[:prompt_len], dtype=torch.long)
+    # counts[j]: how often each token was generated before position j
+    counts = torch.bincount(generated, minlength=vocab)[:vocab].float().repeat(n, 1)
+    for j, token in enumerate(block[: n - 1], start=1):
+        counts[j:, token] += 1
+    logits = logits.float().clone()
+    if cfg.repetition_penalty != 1:
+        seen = counts > 0
+        seen[:, prompt[prompt < vocab]] = True
+        scaled = torch.where(logits > 0, logits / cfg.repetition_penalty, logits * cfg.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    return logits - cfg.presence_penalty * (counts > 0) - cfg.frequency_penalty * counts
 
 
 def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

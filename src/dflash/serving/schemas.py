@@ -59,6 +59,7 @@ def schemas() -> SimpleNamespace:
         ignore_eos: bool = False  # extension: fixed-length outputs for benchmarks
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
+        repetition_penalty: float = 1.0  # extension (as in vLLM and transformers); 1 = off
         user: str | None = None
 
     class ChatRequest(OpenAIFields):
@@ -116,14 +117,14 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
         (body.temperature >= 0, f"temperature must be >= 0, got {body.temperature}"),
         (0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}"),
         (body.top_k >= 0, f"top_k must be >= 0, got {body.top_k}"),
-        (body.presence_penalty == 0 and body.frequency_penalty == 0, "presence/frequency penalties are not supported"),
         (not getattr(body, "suffix", None), "suffix is not supported"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed)
+    sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
+                              body.frequency_penalty, body.repetition_penalty)
     top = requested_logprobs(body)
     config = GenerationConfig(
         # scoring alone still runs the prefill's step, whose token is dropped
