@@ -258,6 +258,20 @@ def test_penalties_are_the_engines(client, target, reference):
     assert response.choices[0].text == ref.text
 
 
+def test_a_growing_conversation_reads_its_history_from_the_prefix_cache(client, url, target, reference):
+    first = [{"role": "user", "content": "w3 w9 w27 w4 w8"}]
+    answer = chat(client, first[0]["content"])
+    turns = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": "w12 w5"}]
+    ref = reference(target.encode_messages(turns))
+    before = metrics(url).get("dflash_cached_prompt_tokens_total", 0)
+    response = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.choices[0].message.content == ref.text
+    cached = response.usage.prompt_tokens_details.cached_tokens
+    assert cached >= answer.usage.prompt_tokens and cached < response.usage.prompt_tokens
+    assert metrics(url)["dflash_cached_prompt_tokens_total"] - before == cached
+
+
 def test_greedy_choices_are_all_the_same(client, chat_refs):
     response = chat(client, PROMPTS[4], n=2)
     assert [c.index for c in response.choices] == [0, 1]

@@ -27,6 +27,7 @@ from .control import Calibration, CostModel, DraftController, batch_width, expec
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import TABLE_LABEL, Draft, Proposer
+from .prefixes import PrefixCache
 from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
 from .threads import chooser_for
 
@@ -69,6 +70,7 @@ class GenerationConfig:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache (prefixes.py)
     new_tokens: int = 0
     block_size: int = 1
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus included)
@@ -178,10 +180,12 @@ class Engine:
 
     `adaptive` (the default) lets each sequence's DraftController choose how many drafts to verify, and whether to
     draft at all, from this machine's measured costs (control.py); `adaptive=False` verifies every draft of every
-    round (the paper's setting). `timer` is injectable for deterministic tests."""
+    round (the paper's setting). `timer` is injectable for deterministic tests. `prefix_cache_bytes` > 0 keeps
+    prompts' keys/values up to that many bytes, so prompts that start alike skip re-reading it (prefixes.py; our
+    forward only, off by default: benchmarks must read every prompt)."""
 
     def __init__(self, target, proposer: Proposer | None = None, max_batch: int = 1, adaptive: bool = True,
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter, prefix_cache_bytes: int = 0):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.target = target
@@ -208,6 +212,8 @@ class Engine:
         self.cache = None
         self.batched = max_batch > 1 or target.backend != "transformers"
         self.threads = chooser_for(target.device)  # None: torch's thread count stays as it is (threads.py)
+        self.prefixes = (PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0
+                         and target.backend != "transformers" else None)
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], config: GenerationConfig | None = None,
@@ -289,10 +295,14 @@ class Engine:
         row = len(self.running)
         cache = self._row_cache(row, len(seq.prompt_ids) + 1)
         scored = seq.config.prompt_logprobs is not None
+        cached, known = self._restore_prefix(seq, row, cache) if not scored else (None, 0)
         logits_at = "last" if not scored else "hidden" if self.target.defers_logits else "all"
-        out = self.target.forward(torch.tensor([seq.prompt_ids], device=self.target.device), cache,
+        out = self.target.forward(torch.tensor([seq.prompt_ids[known:]], device=self.target.device), cache,
                                   seq.proposer.feature_layers, logits_at=logits_at)
         self._release_row_cache(cache, row)
+        if cached is not None and out.features is not None:
+            out.features = torch.cat([cached.features[:, :known], out.features], dim=1)
+        self._store_prefix(seq, row, out.features)
         if scored:
             seq.prompt_logprobs = self._prompt_logprobs(seq, out)
         last = out.logits[0, -1:] if out.logits is not None else self.target.logits_of(out.hidden[0, -1:])
@@ -302,6 +312,25 @@ class Engine:
         seq.sequence = list(seq.prompt_ids) + first
         self.running.append(seq)
         self._emit(seq, first, self._logprobs(seq, last, first))
+
+    def _restore_prefix(self, seq: Sequence, row: int, cache):
+        """Copy the longest stored prefix of the prompt into the row (a view of it: `cache`). Returns the entry and
+        how many prompt tokens it holds, or (None, 0)."""
+        hit = self.prefixes.longest(seq.prompt_ids) if self.prefixes is not None else None
+        if hit is None or (seq.proposer.feature_layers and hit[0].features is None):
+            return None, 0
+        entry, known = hit
+        self.cache.keys[:, row, :, :known] = entry.keys[:, :, :known]
+        self.cache.values[:, row, :, :known] = entry.values[:, :, :known]
+        cache.lengths[0] = known
+        seq.stats.cached_prompt_tokens = known
+        return entry, known
+
+    def _store_prefix(self, seq: Sequence, row: int, features: torch.Tensor | None) -> None:
+        if self.prefixes is not None:
+            length = len(seq.prompt_ids)
+            self.prefixes.store(seq.prompt_ids, self.cache.keys[:, row, :, :length],
+                                self.cache.values[:, row, :, :length], features)
 
     def _row_cache(self, row: int, room: int):
         """A cache for prefilling `row`: a view of the batch cache, or (transformers fallback) a fresh one."""

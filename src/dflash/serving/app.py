@@ -52,6 +52,7 @@ log = logging.getLogger("dflash.server")
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets none: one client must not hold a row for a whole context
 DEFAULT_MAX_BATCH = 8
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 class ModelNotFound(Exception):
@@ -156,9 +157,11 @@ async def next_piece(pieces: asyncio.Queue, request: "Request"):
 
 
 def create_app(target, proposer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True) -> "FastAPI":
+               max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
+               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> "FastAPI":
     """The ASGI app serving `target` with `proposer` under the name `model_name`: up to `max_batch_size` requests
-    decode together (continuous batching), up to `max_queue` are accepted in all before answering 503."""
+    decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
+    keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -169,7 +172,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     if target.backend == "transformers" and max_batch_size > 1:
         log.warning("%s runs through transformers: one request at a time", target.name)
         max_batch_size = 1
-    engine = Engine(target, proposer, max_batch=max_batch_size, adaptive=adaptive)
+    engine = Engine(target, proposer, max_batch=max_batch_size, adaptive=adaptive,
+                    prefix_cache_bytes=int(prefix_cache_mb * 2**20))
     holder: dict = {}
     metrics = Metrics(proposer.max_draft + 1, queued=lambda: holder["worker"].queued,
                       running=lambda: holder["worker"].running)
@@ -319,6 +323,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"requests decoded together in one target pass (continuous batching; default "
                         f"{DEFAULT_MAX_BATCH}); more takes more memory for the KV cache")
     p.add_argument("--max-queue", type=int, default=256, help="requests queued or running before answering 503")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="memory for keys and values of earlier prompts, so a prompt that starts like one of them "
+                        "(a chat's history, a shared system prompt, n choices) reads only the rest "
+                        f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -334,6 +342,8 @@ def run(args) -> int:
 
     if args.default_max_tokens < 1 or args.max_queue < 1 or args.max_batch_size < 1:
         raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
+    if args.prefix_cache_mb < 0:
+        raise UserError("--prefix-cache-mb must be >= 0")
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
     target = target_from_args(args)
@@ -344,7 +354,8 @@ def run(args) -> int:
     SpeculativeDecoder(target, proposer).generate(target.encode_prompt("Hello", chat=True), warm_up)
     name = args.served_model_name or args.target
     app = create_app(target, proposer, name, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
-                     max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks)
+                     max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
+                     prefix_cache_mb=args.prefix_cache_mb)
     port = sock.getsockname()[1]
     print(f"[dflash] serving {name!r} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
     uvicorn_server(app, args.log_level).run(sockets=[sock])

@@ -27,6 +27,8 @@ class Metrics:
         self.cancelled = Counter("dflash_cancelled_requests", "Generations dropped because the client disconnected.",
                                  registry=registry)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed.", registry=registry)
+        self.cached_prompt_tokens = Counter("dflash_cached_prompt_tokens", "Prompt tokens whose keys and values "
+                                            "came from the prefix cache.", registry=registry)
         self.generated_tokens = Counter("dflash_generated_tokens", "Tokens generated.", registry=registry)
         self.rounds = Counter("dflash_verify_rounds", "Verify rounds, one per sequence per target pass.",
                               registry=registry)
@@ -73,6 +75,7 @@ class Metrics:
 
     def observe_generation(self, stats: "GenerationStats") -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.generated_tokens.inc(stats.new_tokens)
         self.ttft.observe(stats.ttft_s)
         self.rounds.inc(stats.num_rounds)

@@ -247,8 +247,9 @@ class Exchange:
 
     def usage(self, results: "list[GenerationResult]") -> dict:
         done = 0 if self.scores_only else sum(result.stats.new_tokens for result in results)
+        cached = min(result.stats.cached_prompt_tokens for result in results)  # what no choice had to read
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+                "total_tokens": self.prompt_tokens + done, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def extension(self, queue_s: float, results: "list[GenerationResult]") -> dict:
         """The `dflash` object: how speculative decoding went for this request (its choices' rounds together)."""

@@ -205,7 +205,8 @@ class BatchWorker:
             job.resolve(None, exc)
         self._jobs.clear()
         old = self.engine
-        self.engine = Engine(old.target, old.proposer, old.max_batch, old.adaptive, old.timer)
+        budget = old.prefixes.budget_bytes if old.prefixes is not None else 0
+        self.engine = Engine(old.target, old.proposer, old.max_batch, old.adaptive, old.timer, budget)
         self._update_counts()
 
     def close(self) -> None:
