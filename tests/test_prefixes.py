@@ -66,6 +66,25 @@ def test_cached_prefixes_change_no_token_and_skip_reading_the_prefix(tiny_target
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
+def test_the_next_turn_reads_only_its_new_tokens(tiny_targets, monkeypatch):
+    """A finished generation keeps its prompt and output (all but the pending last token, which never entered the
+    cache), with the target features of both, so the next turn of the conversation skips them."""
+    started = []
+    start = DFlashProposer.start
+    monkeypatch.setattr(DFlashProposer, "start", lambda self, ids, f: started.append(f) or start(self, ids, f))
+    target = tiny_targets["gemma3"]
+    first = prompts(target)[0]
+    proposer = DFlashProposer(make_drafter(target, 8), target)
+    engine, (answer,) = run(target, proposer, [first], 1 << 30)
+    follow_up = first + answer.tokens + target.encode_prompt("w8 w9", chat=False)
+    seq = engine.submit(follow_up, GenerationConfig(MAX_NEW, ignore_eos=True))
+    engine.run()
+    assert seq.stats.cached_prompt_tokens == len(first) + len(answer.tokens) - 1
+    _, (plain,) = run(target, DFlashProposer(make_drafter(target, 8), target), [follow_up], 0)
+    assert seq.result.tokens == plain.tokens and seq.stats.accept_lengths == plain.stats.accept_lengths
+    torch.testing.assert_close(started[1], started[2], atol=1e-5, rtol=1e-4)  # cached follow-up vs plain
+
+
 def test_prompt_logprobs_read_the_whole_prompt(tiny_targets):
     target = tiny_targets["qwen3"]
     ids = prompts(target)[0]

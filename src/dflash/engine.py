@@ -170,6 +170,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if the config asks
     prompt_logprobs: list[TokenLogprob] | None = None
+    features: list[torch.Tensor] = field(default_factory=list)  # of the cached tokens, kept for the prefix cache
     finish: str | None = None
     result: GenerationResult | None = None
 
@@ -286,6 +287,8 @@ class Engine:
     def _retire(self) -> list[Sequence]:
         done = [seq for seq in self.running if seq.finish is not None]
         for seq in done:
+            if seq.sequence:  # its history, for the prompt of a conversation's next turn
+                self._store_prefix(seq, self.running.index(seq), len(seq.sequence) - 1)
             self._leave(seq)
             self._finish(seq, seq.finish)
         return done
@@ -302,14 +305,17 @@ class Engine:
         self._release_row_cache(cache, row)
         if cached is not None and out.features is not None:
             out.features = torch.cat([cached.features[:, :known], out.features], dim=1)
-        self._store_prefix(seq, row, out.features)
+        if self.prefixes is not None and out.features is not None:
+            seq.features = [out.features]
+        seq.sequence = list(seq.prompt_ids)
+        self._store_prefix(seq, row, len(seq.prompt_ids))
         if scored:
             seq.prompt_logprobs = self._prompt_logprobs(seq, out)
         last = out.logits[0, -1:] if out.logits is not None else self.target.logits_of(out.hidden[0, -1:])
         first = self._choose(last[None], [seq], [1], drafts=[[]], history=seq.prompt_ids)[0]
         seq.proposer.start(list(seq.prompt_ids), out.features)
         seq.stats.ttft_s = time.perf_counter() - seq.started
-        seq.sequence = list(seq.prompt_ids) + first
+        seq.sequence += first
         self.running.append(seq)
         self._emit(seq, first, self._logprobs(seq, last, first))
 
@@ -326,10 +332,11 @@ class Engine:
         seq.stats.cached_prompt_tokens = known
         return entry, known
 
-    def _store_prefix(self, seq: Sequence, row: int, features: torch.Tensor | None) -> None:
+    def _store_prefix(self, seq: Sequence, row: int, length: int) -> None:
+        """Keep the first `length` tokens of the sequence that `row` of the cache holds."""
         if self.prefixes is not None:
-            length = len(seq.prompt_ids)
-            self.prefixes.store(seq.prompt_ids, self.cache.keys[:, row, :, :length],
+            features = torch.cat(seq.features, dim=1)[:, :length] if seq.features else None
+            self.prefixes.store(seq.sequence[:length], self.cache.keys[:, row, :, :length],
                                 self.cache.values[:, row, :, :length], features)
 
     def _row_cache(self, row: int, room: int):
@@ -470,6 +477,8 @@ class Engine:
             lengths.append(starts[i] + accepted + 1)
             features = out.features[i: i + 1, : accepted + 1] if out.features is not None else None
             seq.proposer.commit(blocks[i][: accepted + 1], features)
+            if seq.features and features is not None:
+                seq.features.append(features)
             plan = planned[i]
             seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted, plan.seconds,
                                   verify_seconds, width=len(rows) * width, catching_up=catching_up,
