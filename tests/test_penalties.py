@@ -15,7 +15,8 @@ from test_engine import PROMPTS, make_drafter
 
 MAX_NEW = 32
 PENALTIES = [dict(presence_penalty=1.5), dict(frequency_penalty=0.7), dict(repetition_penalty=1.8),
-             dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3)]
+             dict(presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=1.3),
+             dict(logit_bias={4: -100.0, 9: 2.5, 20: 1.5})]
 
 
 def naive_penalised_greedy(target, prompt_ids, cfg: SamplingConfig, max_new=MAX_NEW) -> list[int]:
@@ -31,6 +32,8 @@ def naive_penalised_greedy(target, prompt_ids, cfg: SamplingConfig, max_new=MAX_
                 logits[token] = value / cfg.repetition_penalty if value > 0 else value * cfg.repetition_penalty
         for token in set(generated):
             logits[token] -= cfg.presence_penalty + cfg.frequency_penalty * generated.count(token)
+        for token, bias in cfg.logit_bias.items():
+            logits[token] += bias
         sequence.append(int(logits.argmax()))
     return sequence[len(prompt_ids):]
 
@@ -103,7 +106,7 @@ def test_a_block_counts_its_own_drafts():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={3: 101}), "logit_bias"),
 ])
 def test_bad_penalties_are_clear_errors(tiny_targets, bad, message):
     with pytest.raises(UserError, match=message):

@@ -249,11 +249,11 @@ def test_several_choices_are_seeded_one_after_another(client, target, reference,
 
 def test_penalties_are_the_engines(client, target, reference):
     prompt = "w5 w9 w2 w33"
-    penalties = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3)
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={7: 4.0})
     ref = reference(target.encode_prompt(prompt, chat=False), **penalties)
     assert ref.text != reference(target.encode_prompt(prompt, chat=False)).text
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         presence_penalty=1.2, frequency_penalty=0.5,
+                                         presence_penalty=1.2, frequency_penalty=0.5, logit_bias={"7": 4.0},
                                          extra_body={"repetition_penalty": 1.3})
     assert response.choices[0].text == ref.text
 
@@ -337,6 +337,8 @@ def test_a_full_server_answers_503_not_a_hang(target, proposer):
     ({"top_logprobs": 2}, "BadRequestError", "top_logprobs needs logprobs"),
     ({"presence_penalty": 2.5}, "BadRequestError", "presence_penalty must be in [-2, 2]"),
     ({"extra_body": {"repetition_penalty": 0}}, "BadRequestError", "repetition_penalty must be > 0"),
+    ({"logit_bias": {"64": 5}}, "BadRequestError", "logit_bias keys must be token ids in [0, 64)"),
+    ({"logit_bias": {"5": 200}}, "BadRequestError", "biases in [-100, 100]"),
     ({"logprobs": True, "top_logprobs": 21}, "BadRequestError", "top_logprobs must be in [0, 20]"),
     ({"max_tokens": -3}, "BadRequestError", "max_tokens must be >= 1"),
     ({"temperature": -1}, "BadRequestError", "temperature"),

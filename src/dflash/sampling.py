@@ -7,7 +7,8 @@ rejection sampling, so the output has the target's distribution. Top-k / top-p a
 distribution the same way in every method.
 
 Penalties (OpenAI's presence and frequency penalties over the generated tokens, the repetition penalty of
-transformers and vLLM over prompt and generated tokens) change the target's logits before anything else. At each
+transformers and vLLM over prompt and generated tokens) and OpenAI's logit_bias change the target's logits before
+anything else. At each
 position of a verify block they count the tokens before it, the block's drafts included: a draft after that
 position only matters if every draft up to it is accepted, so the counts are exactly those a plain step would see.
 
@@ -19,7 +20,7 @@ sampling gives with that seed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,7 @@ class SamplingConfig:
     presence_penalty: float = 0.0  # subtracted from a token's logit once it has been generated
     frequency_penalty: float = 0.0  # subtracted once for every time it has been generated
     repetition_penalty: float = 1.0  # divides a positive logit of a token in the prompt or output, multiplies a negative
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to these tokens' logits (OpenAI's logit_bias)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -44,6 +46,9 @@ class SamplingConfig:
                 raise UserError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise UserError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -100 <= bias <= 100:
+                raise UserError(f"logit_bias takes token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -55,12 +60,13 @@ class SamplingConfig:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
 
 def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], prompt_len: int,
                      block: list[int]) -> torch.Tensor:
-    """`logits` [n, vocab] of n consecutive positions with the penalties applied: position j follows `history`
+    """`logits` [n, vocab] of n consecutive positions, penalised and biased: position j follows `history`
     (prompt_len prompt tokens, then generated ones) and block[:j]."""
     vocab, n = logits.shape[-1], logits.shape[0]
     generated = torch.tensor(history[prompt_len:], dtype=torch.long)
@@ -75,7 +81,11 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
         seen[:, prompt[prompt < vocab]] = True
         scaled = torch.where(logits > 0, logits / cfg.repetition_penalty, logits * cfg.repetition_penalty)
         logits = torch.where(seen, scaled, logits)
-    return logits - cfg.presence_penalty * (counts > 0) - cfg.frequency_penalty * counts
+    logits = logits - cfg.presence_penalty * (counts > 0) - cfg.frequency_penalty * counts
+    for token, bias in cfg.logit_bias.items():
+        if token < vocab:
+            logits[:, token] += bias
+    return logits
 
 
 def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

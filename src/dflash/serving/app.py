@@ -79,7 +79,7 @@ class Service:
             raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.model_name!r}")
 
     async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool):
-        configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue)
+        configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size)
         check_fits(prompt_ids, self.worker.engine)
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
                             echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body))

@@ -60,6 +60,7 @@ def schemas() -> SimpleNamespace:
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         repetition_penalty: float = 1.0  # extension (as in vLLM and transformers); 1 = off
+        logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
         user: str | None = None
 
     class ChatRequest(OpenAIFields):
@@ -77,12 +78,12 @@ def schemas() -> SimpleNamespace:
     return SimpleNamespace(ChatRequest=ChatRequest, CompletionRequest=CompletionRequest)
 
 
-def choice_configs(body, default_max_tokens: int, max_choices: int) -> "list[GenerationConfig]":
+def choice_configs(body, default_max_tokens: int, max_choices: int, vocab_size: int) -> "list[GenerationConfig]":
     """The engine's config for each of the request's `n` choices. Seeded choices sample with seed, seed + 1, ...
     (as vLLM seeds them), so each is reproducible and they differ; greedy ones are all the same."""
     if not 1 <= body.n <= max_choices:
         raise UserError(f"n must be in [1, {max_choices}] (the server's queue), got {body.n}")
-    config = generation_config(body, default_max_tokens)
+    config = generation_config(body, default_max_tokens, vocab_size)
     configs = [config]
     for i in range(1, body.n):
         configs.append(copy.deepcopy(config))
@@ -104,7 +105,17 @@ def requested_logprobs(body) -> int | None:
     return top
 
 
-def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
+def logit_bias(body, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as strings -> biases in [-100, 100]."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.strip().isdigit() or int(key) >= vocab_size:
+            raise UserError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}")
+        bias[int(key)] = value
+    return bias
+
+
+def generation_config(body, default_max_tokens: int, vocab_size: int) -> "GenerationConfig":
     """Check the OpenAI fields (errors name them as OpenAI does) and build the engine's config."""
     from ..engine import GenerationConfig
     from ..sampling import SamplingConfig
@@ -124,7 +135,7 @@ def generation_config(body, default_max_tokens: int) -> "GenerationConfig":
             raise UserError(message)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
-                              body.frequency_penalty, body.repetition_penalty)
+                              body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size))
     top = requested_logprobs(body)
     config = GenerationConfig(
         # scoring alone still runs the prefill's step, whose token is dropped
