@@ -8,6 +8,9 @@ Each concurrency level sends level x --requests-per-stream requests, at most `le
     # runs the methods in turn, --repeats times in alternating order, and the table keeps each one's median
     python scripts/load_test.py --target smollm2-135m --methods ar,ngram,dflash+ngram --concurrency 1,4,8,16 \
         --max-tokens 32 --requests-per-stream 4 --repeats 3 --out load.json
+    # the prefix cache's worth: each method served with and without it, side by side (labels METHOD@SIZEMB)
+    python scripts/load_test.py --target smollm2-135m --methods ar,dflash+ngram --prefix-cache-mb 0,256 \
+        --concurrency 1,8 --max-tokens 32 --requests-per-stream 4 --repeats 2
     # or load a server that is already running (`dflash serve ...`) on this machine
     python scripts/load_test.py --url http://127.0.0.1:8000 --concurrency 1,8
 
@@ -134,19 +137,23 @@ def in_process(args) -> list[LoadResult]:
     results = []
     with contextlib.ExitStack() as servers:
         urls = {}
+        budgets = [float(mb) for mb in str(args.prefix_cache_mb).split(",")]
         for method in methods:
             drafter = args.drafter if method == "dflash" else None
             options = MethodOptions(drafter=drafter, block_size=args.block_size, draft_dtype="auto")
-            proposer, note = build_proposer(method, target, options)
-            if note:
-                print(f"[load_test] {method}: {note}", file=sys.stderr)
-            app = create_app(target, proposer, args.target, max_batch_size=args.max_batch_size,
-                             max_queue=args.max_queue)
-            urls[method] = servers.enter_context(BackgroundServer(app))
+            for mb in budgets:  # each server its own proposer: an engine's drafting state is its own
+                proposer, note = build_proposer(method, target, options)
+                if note:
+                    print(f"[load_test] {method}: {note}", file=sys.stderr)
+                app = create_app(target, proposer, args.target, max_batch_size=args.max_batch_size,
+                                 max_queue=args.max_queue, prefix_cache_mb=mb)
+                label = method if len(budgets) == 1 else f"{method}@{mb:g}MB"
+                urls[label] = servers.enter_context(BackgroundServer(app))
+        labels = list(urls)
         for level in args.levels:
             for repeat in range(args.repeats):
-                for method in methods if repeat % 2 == 0 else methods[::-1]:
-                    results.append(asyncio.run(run_load(urls[method], args.target, method, args, level)))
+                for label in labels if repeat % 2 == 0 else labels[::-1]:
+                    results.append(asyncio.run(run_load(urls[label], args.target, label, args, level)))
                     print_row(results[-1], results)
     return results
 
@@ -170,14 +177,14 @@ def against_url(args) -> list[LoadResult]:
     return [asyncio.run(run_load(args.url, card["id"], method, args, level)) for level in args.levels]
 
 
-HEADER = (f"{'method':<12} {'streams':>7} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} "
+HEADER = (f"{'method':<20} {'streams':>7} {'done':>5} {'err':>4} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'tok/s':>8} "
           f"{'x 1 stream':>10} {'tau':>5}")
 
 
 def print_row(r: LoadResult, results: list[LoadResult]) -> None:
     single = next((x for x in results if x.method == r.method and x.concurrency == 1), None)
     ratio = f"{r.tokens_per_s / single.tokens_per_s:.2f}x" if single and single.tokens_per_s else "-"
-    print(f"{r.method:<12} {r.concurrency:>7} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} "
+    print(f"{r.method:<20} {r.concurrency:>7} {r.completed:>5} {r.errors:>4} {r.requests_per_s:>7.2f} "
           f"{r.latency_p50_s:>7.3f} {r.latency_p95_s:>7.3f} {r.tokens_per_s:>8.1f} {ratio:>10} {r.mean_tau:>5.2f}",
           flush=True)
 
@@ -203,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated stream counts (default 1,4,8)")
     p.add_argument("--max-batch-size", type=int, default=16, help="in-process servers: rows decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="in-process servers: requests accepted in all")
+    p.add_argument("--prefix-cache-mb", default="256", help="in-process servers: the prefix cache's memory; a "
+                   "comma-separated list runs a server per method and size, side by side (e.g. 0,256)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--time-limit", type=float, default=300, help="seconds per concurrency level; later requests "
                    "are skipped")
