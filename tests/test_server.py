@@ -272,6 +272,18 @@ def test_a_growing_conversation_reads_its_history_from_the_prefix_cache(client, 
     assert metrics(url)["dflash_cached_prompt_tokens_total"] - before == cached
 
 
+def test_tokenize_and_detokenize(url, target):
+    messages = [{"role": "user", "content": "w1 w2"}]
+    chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat_ids["tokens"] == target.encode_messages(messages) and chat_ids["count"] == len(chat_ids["tokens"])
+    plain = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "w1 w2"}).json()
+    assert plain["tokens"] == target.encode_prompt("w1 w2", chat=False)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": plain["tokens"]}).json() == {"prompt": "w1 w2"}
+    for path, body in (("/tokenize", {}), ("/detokenize", {"tokens": [64]})):
+        answer = httpx.post(f"{url}{path}", json=body)
+        assert answer.status_code == 400 and "error" in answer.json()
+
+
 def test_greedy_choices_are_all_the_same(client, chat_refs):
     response = chat(client, PROMPTS[4], n=2)
     assert [c.index for c in response.choices] == [0, 1]

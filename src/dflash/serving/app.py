@@ -203,6 +203,21 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         prompt_ids = completion_prompt_ids(target, body.prompt)
         return await service.complete(request, body, prompt_ids, chat=False)
 
+    @app.post("/tokenize")
+    async def tokenize(body: body_types.TokenizeRequest):
+        service.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise UserError("send either prompt or messages")
+        ids = (target.encode_prompt(body.prompt, chat=False) if body.prompt is not None
+               else target.encode_messages([m.as_dict() for m in body.messages]))
+        return {"tokens": ids, "count": len(ids), "max_model_len": target.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: body_types.DetokenizeRequest):
+        service.check_model(body.model)
+        completion_prompt_ids(target, body.tokens)  # the ids are checked as a prompt's are
+        return {"prompt": target.decode(body.tokens)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card(service)]}

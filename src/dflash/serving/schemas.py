@@ -75,7 +75,19 @@ def schemas() -> SimpleNamespace:
         suffix: str | None = None
         logprobs: int | None = None  # the legacy API's: how many most likely tokens beside the chosen one
 
-    return SimpleNamespace(ChatRequest=ChatRequest, CompletionRequest=CompletionRequest)
+    class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt, or chat messages through the template
+        model_config = ConfigDict(extra="ignore")
+        model: str | None = None
+        prompt: str | None = None
+        messages: list[ChatMessage] | None = None
+
+    class DetokenizeRequest(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        model: str | None = None
+        tokens: list[int]
+
+    return SimpleNamespace(ChatRequest=ChatRequest, CompletionRequest=CompletionRequest,
+                           TokenizeRequest=TokenizeRequest, DetokenizeRequest=DetokenizeRequest)
 
 
 def choice_configs(body, default_max_tokens: int, max_choices: int, vocab_size: int) -> "list[GenerationConfig]":
