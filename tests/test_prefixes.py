@@ -85,6 +85,15 @@ def test_the_next_turn_reads_only_its_new_tokens(tiny_targets, monkeypatch):
     torch.testing.assert_close(started[1], started[2], atol=1e-5, rtol=1e-4)  # cached follow-up vs plain
 
 
+def test_one_sequence_at_a_time_keeps_its_prefixes_too(tiny_targets):
+    from dflash.engine import SpeculativeDecoder
+
+    target = tiny_targets["llama"]
+    decoder = SpeculativeDecoder(target, NgramProposer(max_draft=7), prefix_cache_bytes=1 << 30)
+    first, again = (decoder.generate(ids, GenerationConfig(MAX_NEW, ignore_eos=True)) for ids in prompts(target)[:2])
+    assert first.stats.cached_prompt_tokens == 0 and again.stats.cached_prompt_tokens == len(prompts(target)[0])
+
+
 def test_prompt_logprobs_read_the_whole_prompt(tiny_targets):
     target = tiny_targets["qwen3"]
     ids = prompts(target)[0]

@@ -760,10 +760,11 @@ class SpeculativeDecoder:
     token)."""
 
     def __init__(self, target, proposer: Proposer | None = None, adaptive: bool = True,
-                 timer: Callable[[], float] = time.perf_counter):
+                 timer: Callable[[], float] = time.perf_counter, prefix_cache_bytes: int = 0):
         self.target = target
         self.proposer = proposer or Proposer()
-        self.engine = Engine(target, self.proposer, max_batch=1, adaptive=adaptive, timer=timer)
+        self.engine = Engine(target, self.proposer, max_batch=1, adaptive=adaptive, timer=timer,
+                             prefix_cache_bytes=prefix_cache_bytes)
 
     def generate(
         self,
