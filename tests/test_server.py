@@ -272,6 +272,25 @@ def test_a_growing_conversation_reads_its_history_from_the_prefix_cache(client, 
     assert metrics(url)["dflash_cached_prompt_tokens_total"] - before == cached
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids_end_the_text_before_the_token(client, target, chat_refs, stream):
+    prompt = PROMPTS[5]
+    ref = chat_refs[prompt]
+    stop_id = ref.tokens[5]
+    expected = target.decode(ref.tokens[: ref.tokens.index(stop_id)])
+    response = chat(client, prompt, stream=stream, extra_body={"stop_token_ids": [stop_id]}, logprobs=True)
+    if stream:
+        chunks = [c for c in response if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        logprobs = [item for c in chunks if c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    else:
+        text, finish = response.choices[0].message.content, [response.choices[0].finish_reason]
+        logprobs = response.choices[0].logprobs.content
+    assert text == expected and finish == ["stop"]
+    assert len(logprobs) == ref.tokens.index(stop_id)  # the stop token's is left out, as its text is
+
+
 def test_tokenize_and_detokenize(url, target):
     messages = [{"role": "user", "content": "w1 w2"}]
     chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
@@ -351,6 +370,7 @@ def test_a_full_server_answers_503_not_a_hang(target, proposer):
     ({"extra_body": {"repetition_penalty": 0}}, "BadRequestError", "repetition_penalty must be > 0"),
     ({"logit_bias": {"64": 5}}, "BadRequestError", "logit_bias keys must be token ids in [0, 64)"),
     ({"logit_bias": {"5": 200}}, "BadRequestError", "biases in [-100, 100]"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "BadRequestError", "stop_token_ids must be token ids"),
     ({"logprobs": True, "top_logprobs": 21}, "BadRequestError", "top_logprobs must be in [0, 20]"),
     ({"max_tokens": -3}, "BadRequestError", "max_tokens must be >= 1"),
     ({"temperature": -1}, "BadRequestError", "temperature"),

@@ -57,6 +57,7 @@ def schemas() -> SimpleNamespace:
         stream: bool = False
         stream_options: StreamOptions | None = None
         ignore_eos: bool = False  # extension: fixed-length outputs for benchmarks
+        stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the generation too
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         repetition_penalty: float = 1.0  # extension (as in vLLM and transformers); 1 = off
@@ -149,10 +150,13 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
                               body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size))
     top = requested_logprobs(body)
+    stop_ids = tuple(body.stop_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise UserError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {list(stop_ids)}")
     config = GenerationConfig(
         # scoring alone still runs the prefill's step, whose token is dropped
         max_new_tokens=max(1, default_max_tokens if max_tokens is None else max_tokens), sampling=sampling,
-        stop_strings=tuple(stop),
+        stop_strings=tuple(stop), stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
     )
     config.validate()
