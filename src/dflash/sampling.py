@@ -68,9 +68,9 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
                      block: list[int]) -> torch.Tensor:
     """`logits` [n, vocab] of n consecutive positions, penalised and biased: position j follows `history`
     (prompt_len prompt tokens, then generated ones) and block[:j]."""
-    vocab, n = logits.shape[-1], logits.shape[0]
-    generated = torch.tensor(history[prompt_len:], dtype=torch.long)
-    prompt = torch.tensor(history[:prompt_len], dtype=torch.long)
+    vocab, n, device = logits.shape[-1], logits.shape[0], logits.device
+    generated = torch.tensor(history[prompt_len:], dtype=torch.long, device=device)
+    prompt = torch.tensor(history[:prompt_len], dtype=torch.long, device=device)
     # counts[j]: how often each token was generated before position j
     counts = torch.bincount(generated, minlength=vocab)[:vocab].float().repeat(n, 1)
     for j, token in enumerate(block[: n - 1], start=1):
