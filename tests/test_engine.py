@@ -232,9 +232,9 @@ def test_top_p_among_the_most_likely_tokens_drops_what_a_full_sort_drops():
     from dflash.sampling import TOP_P_CANDIDATES, outside_top_p
 
     generator = torch.Generator().manual_seed(0)
-    for scale, rows in ((4.0, 3), (0.05, 2), (1.0, 4)):
-        logits = torch.randn(rows, 3000, generator=generator) * scale
-        logits[0] *= 20 if scale < 1 else 1  # a sharp row beside flat ones: the whole batch sorts
+    for scale, rows, vocab in ((4.0, 3, 3000), (0.05, 2, 3000), (1.0, 4, 3000), (2.5, 4, 10000), (1.5, 3, 10000)):
+        logits = torch.randn(rows, vocab, generator=generator) * scale
+        logits[0] *= 20 if scale < 1 else 1  # a sharp row beside flat ones: each is ranked as far as it needs
         for top_p in (0.3, 0.9, 0.999):
             ranked, order = torch.sort(logits, dim=-1, descending=True)
             probs = ranked.softmax(-1)
@@ -244,7 +244,7 @@ def test_top_p_among_the_most_likely_tokens_drops_what_a_full_sort_drops():
             dropped = outside_top_p(logits, top_p)
             assert ((dropped == expected) | unsure).all()
             assert (~dropped).sum(-1).min() >= 1
-    assert TOP_P_CANDIDATES < 3000
+    assert TOP_P_CANDIDATES[0] < 3000 < TOP_P_CANDIDATES[1] < 10000  # both tiers, then a whole sort
 
 
 def exact_joint(target, prompt_ids, sampling, depth, support):

@@ -99,22 +99,39 @@ def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-TOP_P_CANDIDATES = 256  # where the nucleus is looked for first (its top tokens hold top_p of the mass in most rows)
+TOP_P_CANDIDATES = (256, 4096)  # where the nucleus is looked for first, row by row, before sorting a whole row
 
 
 def outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """True for the tokens top-p drops: a token goes when the tokens ranked above it already hold top_p of the mass
-    (the first always stays). Ranked among the TOP_P_CANDIDATES most likely tokens where they hold top_p in every row
-    (sorting all 49,152 of SmolLM2's took 3.9 ms a row on two CPU cores, most of a sampled step), else among all."""
+    """True for the tokens top-p drops from each row of `logits` [rows, vocab]: a token goes when the tokens ranked
+    above it already hold top_p of the mass (the first always stays). Each row is ranked among its 256 most likely
+    tokens if they hold top_p, else among its 4096, and only else sorted whole: sorting all 49,152 of SmolLM2's
+    takes ~3.4 ms a row on one core, the 4096 likeliest 0.33 ms, and one flat row no longer sorts the others."""
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
-    top, order = torch.topk(logits, min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1)
-    probs = (top - log_total).exp()
-    cumulative = probs.cumsum(-1)
-    if not bool((cumulative[..., -1] >= top_p).all()):  # a flat row: its nucleus reaches past the candidates
-        top, order = torch.sort(logits, dim=-1, descending=True)
-        probs = (top - log_total).exp()
+    outside = torch.ones_like(logits, dtype=torch.bool)
+    pending = None  # every row (no copy of the logits) until some row needs more candidates
+    for candidates in (*TOP_P_CANDIDATES, logits.shape[-1]):
+        rows, totals = (logits, log_total) if pending is None else (logits[pending], log_total[pending])
+        if candidates >= logits.shape[-1]:
+            top, order = torch.sort(rows, dim=-1, descending=True)
+        else:
+            top, order = torch.topk(rows, candidates, dim=-1)
+        probs = (top - totals).exp()
         cumulative = probs.cumsum(-1)
-    return torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, (cumulative - probs) >= top_p)
+        # the whole vocabulary's mass is 1 up to rounding: every row is found there
+        found = cumulative[:, -1] >= top_p if candidates < logits.shape[-1] else torch.ones_like(top[:, 0], dtype=torch.bool)
+        dropped = (cumulative - probs) >= top_p
+        if pending is None and bool(found.all()):
+            return outside.scatter_(-1, order, dropped)
+        if pending is None:
+            pending = torch.arange(logits.shape[0], device=logits.device)
+        done = pending[found]
+        outside[done] = torch.ones((len(done), logits.shape[-1]), dtype=torch.bool, device=logits.device).scatter_(
+            -1, order[found], dropped[found])
+        pending = pending[~found]
+        if len(pending) == 0:
+            break
+    return outside
 
 
 def pick_tokens(logits: torch.Tensor, cfg: SamplingConfig, first_position: int = 0) -> torch.Tensor:
