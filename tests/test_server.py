@@ -291,6 +291,18 @@ def test_stop_token_ids_end_the_text_before_the_token(client, target, chat_refs,
     assert len(logprobs) == ref.tokens.index(stop_id)  # the stop token's is left out, as its text is
 
 
+def test_an_api_key_guards_every_endpoint_but_health_and_metrics(target, proposer):
+    app = create_app(target, proposer, MODEL, api_key="sesame")
+    with BackgroundServer(app) as base:
+        keyed = openai.OpenAI(base_url=f"{base}/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert chat(keyed, PROMPTS[0]).choices[0].message.content
+        wrong = openai.OpenAI(base_url=f"{base}/v1", api_key="open", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+            chat(wrong, PROMPTS[0])
+        assert httpx.post(f"{base}/tokenize", json={"prompt": "w1"}).status_code == 401
+        assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+
+
 def test_tokenize_and_detokenize(url, target):
     messages = [{"role": "user", "content": "w1 w2"}]
     chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()

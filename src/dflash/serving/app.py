@@ -12,6 +12,7 @@ built inside functions, which string annotations could not resolve.
 
 import argparse
 import asyncio
+import hmac
 import logging
 import os
 import socket
@@ -156,9 +157,29 @@ async def next_piece(pieces: asyncio.Queue, request: "Request"):
                 return None
 
 
+class ApiKeyMiddleware:
+    """With an API key set, every endpoint but /health and /metrics wants `Authorization: Bearer KEY` (as OpenAI
+    and vLLM's --api-key); others get OpenAI's 401."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(sent, self.expected):
+            return await self.app(scope, receive, send)
+        response = openai_error(401, "Incorrect API key provided: send it as `Authorization: Bearer KEY`",
+                                kind="invalid_request_error")
+        await response(scope, receive, send)
+
+
 def create_app(target, proposer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
-               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> "FastAPI":
+               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None) -> "FastAPI":
     """The ASGI app serving `target` with `proposer` under the name `model_name`: up to `max_batch_size` requests
     decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
     keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py)."""
@@ -188,6 +209,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
 
     app = FastAPI(title="dflash", version="0.1.0", lifespan=lifespan)
     app.state.service = service
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     add_error_handlers(app)
 
@@ -342,6 +365,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for keys and values of earlier prompts, so a prompt that starts like one of them "
                         "(a chat's history, a shared system prompt, n choices) reads only the rest "
                         f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)")
+    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
+                        "(default: $DFLASH_API_KEY; unset = open)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -370,7 +396,7 @@ def run(args) -> int:
     name = args.served_model_name or args.target
     app = create_app(target, proposer, name, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
-                     prefix_cache_mb=args.prefix_cache_mb)
+                     prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key)
     port = sock.getsockname()[1]
     print(f"[dflash] serving {name!r} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
     uvicorn_server(app, args.log_level).run(sockets=[sock])
