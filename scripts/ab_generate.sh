@@ -2,7 +2,8 @@
 # One `dflash generate --json` command from an old commit and from the working tree, alternating, RUNS times each:
 #   bash scripts/ab_generate.sh OLD_REV RUNS [generate arguments...]
 # e.g. make run's command:  bash scripts/ab_generate.sh 85dffaf 3 --compare-ar --max-new-tokens 128 "$PROMPT"
-# Prints per run: tokens/s, TTFT ms, TPOT ms, tau (and with --compare-ar: ar tokens/s and the speedup).
+# Prints per run: tokens/s, TTFT ms, TPOT ms, tau (and with --compare-ar: ar tokens/s and the speedup), and a
+# hash of the tokens, which must match between the sides wherever the output is deterministic.
 # The old commit is checked out as a worktree in /tmp/dflash-ab-REV (removed at the end); both run on this venv.
 set -euo pipefail
 OLD=$1 RUNS=$2
@@ -19,6 +20,6 @@ for run in $(seq "$RUNS"); do
 import json, sys
 d = json.load(sys.stdin)
 extra = f\" ar {d['ar_tokens_per_s']:.1f} tok/s, {d['speedup']:.2f}x\" if 'speedup' in d else ''
-print(f\"$side: {d['tokens_per_s']:.1f} tok/s, TTFT {d['ttft_ms']:.0f} ms, TPOT {d['tpot_ms']:.1f} ms, tau {d['tau']:.2f}{extra}\")"
+print(f\"$side: {d['tokens_per_s']:.1f} tok/s, TTFT {d['ttft_ms']:.0f} ms, TPOT {d['tpot_ms']:.1f} ms, tau {d['tau']:.2f}{extra}, tokens #{hash(tuple(d['tokens'])) & 0xffff:04x}\")"
   done
 done

@@ -514,17 +514,25 @@ class Engine:
                 drafts: list[list[int]] | None = None, history: list[int] | None = None) -> list[list[int]]:
         """The target's token at every verified position of every row (logits[i, j] is position offset + j of row
         i's block, which follows the row's sequence and drafts[i][:offset + j]; `history`: the sequence, where it
-        is not the row's yet), with one host sync when all are greedy without penalties."""
+        is not the row's yet), with one host sync when all are greedy without penalties. Other rows are picked
+        position by position and stop at their first rejected draft: acceptance reads no further, and processing
+        a distribution (top-k, top-p, the CDF over the vocabulary) costs ~0.5 ms a position on a CPU."""
         if all(plain_greedy(seq) for seq in rows):
             picked = logits.argmax(-1).tolist()
             return [p[:w] for p, w in zip(picked, widths)]
         chosen = []
         for i, (seq, w) in enumerate(zip(rows, widths)):
             cfg, row_logits = seq.config.sampling, logits[i, :w]
+            block = drafts[i][offset:] if drafts is not None else None
             if cfg.penalized:
                 before = (history or seq.sequence) + drafts[i][:offset]
-                row_logits = penalized_logits(row_logits, cfg, before, len(seq.prompt_ids), drafts[i][offset:])
-            chosen.append(pick_tokens(row_logits, cfg, len(history or seq.sequence) + offset).tolist())
+                row_logits = penalized_logits(row_logits, cfg, before, len(seq.prompt_ids), block)
+            first, picked = len(history or seq.sequence) + offset, []
+            for j in range(w):
+                picked += pick_tokens(row_logits[j: j + 1], cfg, first + j).tolist()
+                if block is not None and (j >= len(block) or picked[-1] != block[j]):
+                    break
+            chosen.append(picked)
         return chosen
 
     def _choose_in_steps(self, hidden: torch.Tensor, rows: list[Sequence], drafts: list[list[int]],
