@@ -6,7 +6,7 @@ position where it starts. In float32 a row's logits do not depend on the other r
 can only come from near-ties; the tiny-model tests require zero.
 
 Usage: .venv/bin/python scripts/batch_drift.py [--prompts 100] [--batch 16] [--max-new 48] [--methods ar,dflash]
-       [--json FILE]   (prompts: the first ones of GSM8K, HumanEval, MATH-500 and MT-Bench in turn)
+       [--json FILE] [--threads 2]   (prompts: the first ones of GSM8K, HumanEval, MATH-500 and MT-Bench in turn)
 """
 
 import argparse
@@ -49,9 +49,10 @@ def main() -> None:
     p.add_argument("--max-new", type=int, default=48)
     p.add_argument("--methods", default="ar,dflash")
     p.add_argument("--json", default=None)
+    p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
     count, batch, max_new, methods = a.prompts, a.batch, a.max_new, a.methods.split(",")
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     target = load_target_cached("smollm2-135m")
     prompts = mixed_prompts(target, count)
     started = time.perf_counter()
