@@ -296,6 +296,21 @@ class Engine:
     def _prefill(self, seq: Sequence) -> None:
         """The prompt into the next free row; samples the first token (TTFT)."""
         row = len(self.running)
+        out = self._read_prompt(seq, row)
+        if seq.config.prompt_logprobs is not None:
+            seq.prompt_logprobs = self._prompt_logprobs(seq, out)
+        last = out.logits[0, -1:] if out.logits is not None else self.target.logits_of(out.hidden[0, -1:])
+        first = self._choose(last[None], [seq], [1], drafts=[[]], history=seq.prompt_ids)[0]
+        seq.proposer.start(list(seq.prompt_ids), out.features)
+        seq.stats.ttft_s = time.perf_counter() - seq.started
+        seq.sequence += first
+        self.running.append(seq)
+        self._emit(seq, first, self._logprobs(seq, last, first))
+
+    def _read_prompt(self, seq: Sequence, row: int):
+        """Run the prompt into `row` of the cache, after the longest prefix of it the prefix cache holds (unless it
+        is to be scored: that needs every position's logits). Returns the pass's output, its features the whole
+        prompt's; the prompt becomes the sequence and a prefix cache entry."""
         cache = self._row_cache(row, len(seq.prompt_ids) + 1)
         scored = seq.config.prompt_logprobs is not None
         cached, known = self._restore_prefix(seq, row, cache) if not scored else (None, 0)
@@ -309,15 +324,7 @@ class Engine:
             seq.features = [out.features]
         seq.sequence = list(seq.prompt_ids)
         self._store_prefix(seq, row, len(seq.prompt_ids))
-        if scored:
-            seq.prompt_logprobs = self._prompt_logprobs(seq, out)
-        last = out.logits[0, -1:] if out.logits is not None else self.target.logits_of(out.hidden[0, -1:])
-        first = self._choose(last[None], [seq], [1], drafts=[[]], history=seq.prompt_ids)[0]
-        seq.proposer.start(list(seq.prompt_ids), out.features)
-        seq.stats.ttft_s = time.perf_counter() - seq.started
-        seq.sequence += first
-        self.running.append(seq)
-        self._emit(seq, first, self._logprobs(seq, last, first))
+        return out
 
     def _restore_prefix(self, seq: Sequence, row: int, cache):
         """Copy the longest stored prefix of the prompt into the row (a view of it: `cache`). Returns the entry and
