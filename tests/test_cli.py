@@ -58,6 +58,20 @@ def test_penalties_reach_the_engine(capsys):
     assert json.loads(run(capsys, *args)[1])["tokens"] != expected.tokens
 
 
+def test_a_terminal_sees_the_text_as_it_comes(capsys, monkeypatch):
+    """On a terminal the text is printed in pieces as rounds commit tokens, and adds up to the piped output."""
+    import sys
+
+    args = ["--method", "ngram", "--max-new-tokens", "16", "--no-chat", "w5 w9 w2 w33"]
+    code, piped, _ = run(capsys, *args)
+    pieces = []
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr("builtins.print", lambda *a, end="\n", **k: pieces.append("".join(map(str, a)) + end)
+                        if k.get("file") is None else None)
+    assert run(capsys, *args)[0] == 0
+    assert len([p for p in pieces if p.strip()]) > 2 and "".join(pieces) == piped
+
+
 def test_text_output_names_untrained_drafter(capsys):
     code, out, err = run(capsys, "--max-new-tokens", "8", "--block-size", "4", "w1 w2")
     assert code == 0 and "UNTRAINED" in err and "tau" in err

@@ -201,10 +201,14 @@ def run(args) -> int:
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))  # warm-up
+    streaming = None
     if args.compare_ar and args.method != "ar":
         result, ar_result = compare_with_ar(decoder, SpeculativeDecoder(target), prompt_ids, config)
     else:
-        result, ar_result = decoder.generate(prompt_ids, config), None
+        streaming = None if args.json else live_text(target, config)
+        result, ar_result = decoder.generate(prompt_ids, config, streaming), None
+        if streaming is not None:
+            streaming.finish(result.text)
     stats = result.stats
     if args.json:
         payload = {
@@ -224,7 +228,8 @@ def run(args) -> int:
             payload["speedup"] = stats.tokens_per_s / ar_result.stats.tokens_per_s
         print(json.dumps(payload))
         return 0
-    print(result.text)
+    if streaming is None:
+        print(result.text)
     table = f"{stats.table_rounds} from the continuation table" if stats.table_rounds else ""
     lookup = (f" ({stats.lookup_rounds} by prompt lookup{', ' + table if table else ''})" if stats.lookup_rounds
               else f" ({table})" if table else "")
@@ -242,6 +247,28 @@ def run(args) -> int:
 
 
 COMPARE_RUNS = 3
+
+
+def live_text(target, config) -> "LiveText | None":
+    """Where stdout is a terminal, the text is printed as it is generated; a pipe gets it whole at the end."""
+    return LiveText(target, config) if sys.stdout.isatty() else None
+
+
+class LiveText:
+    """Prints a generation's text as its tokens come: pieces that never show a stop token or the start of a stop
+    string (serving/streaming.py), then the rest of the final text."""
+
+    def __init__(self, target, config):
+        from .serving.streaming import TextDeltas
+
+        stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(target.eos_token_ids))
+        self.deltas = TextDeltas(target.decode, config.stop_strings, stop_ids)
+
+    def __call__(self, new_ids: list[int]) -> None:
+        print(self.deltas.push(new_ids), end="", flush=True)
+
+    def finish(self, text: str) -> None:
+        print(self.deltas.finish(text), flush=True)
 # Enough rounds for the thread chooser's first probe and its confirmation (threads.py), so that beside a busy core
 # the measured generation, its prefill included, already runs on the faster count.
 WARM_UP_TOKENS = 12
