@@ -140,3 +140,12 @@ low_rate_stage 9 10 6 1000
 #     --data corpus/smollm2-135m --anchors-per-seq 512 --eval-fraction 0.006 --epochs 10 --grad-accum 8 \
 #     --lr LR --seed SEED --schedule-steps STEPS --max-steps STEPS --eval-every 500 --out OUT
 # what ships now: 11b's final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
+
+# ---- stage 12 (DFlash), twenty-fifth session: the low-rate CPU recipe on another order (--seed 9), 2600 steps, with
+# the target in bfloat16: on Zen 4 (AVX512-BF16) it ran 0.34 steps/s against 0.20 in float32 (16-step probes from
+# the same start, the same loss to 4 digits). One thread for ~100 minutes, beside the session's other work.
+OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --dtype bfloat16 \
+  --init-from src/dflash/drafters/smollm2-135m-dflash --data corpus/smollm2-135m --out runs/train/dflash-stage12 \
+  --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 --seed 9 --lr 1e-4 --schedule-steps 2600 --max-steps 2600 \
+  --eval-every 100000 --save-every 100000 --save-minutes 10 --keep-checkpoints 2 --no-progress \
+  > runs/train/dflash-stage12.log 2>&1
