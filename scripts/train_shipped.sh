@@ -149,3 +149,4 @@ OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --dtype bfloat16 \
   --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 --seed 9 --lr 1e-4 --schedule-steps 2600 --max-steps 2600 \
   --eval-every 100000 --save-every 100000 --save-minutes 10 --keep-checkpoints 2 --no-progress \
   > runs/train/dflash-stage12.log 2>&1
+# not shipped: its whole-block tau tied stage 11b's (docs/TRAINING.md "Stage 12"); what ships stays 11b's final
