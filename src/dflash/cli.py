@@ -249,6 +249,11 @@ def run(args) -> int:
 COMPARE_RUNS = 3
 
 
+# Enough rounds for the thread chooser's first probe and its confirmation (threads.py), so that beside a busy core
+# the measured generation, its prefill included, already runs on the faster count.
+WARM_UP_TOKENS = 12
+
+
 def live_text(target, config) -> "LiveText | None":
     """Where stdout is a terminal, the text is printed as it is generated; a pipe gets it whole at the end."""
     return LiveText(target, config) if sys.stdout.isatty() else None
@@ -261,17 +266,13 @@ class LiveText:
     def __init__(self, target, config):
         from .serving.streaming import TextDeltas
 
-        stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(target.eos_token_ids))
-        self.deltas = TextDeltas(target.decode, config.stop_strings, stop_ids)
+        self.deltas = TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
 
     def __call__(self, new_ids: list[int]) -> None:
         print(self.deltas.push(new_ids), end="", flush=True)
 
     def finish(self, text: str) -> None:
         print(self.deltas.finish(text), flush=True)
-# Enough rounds for the thread chooser's first probe and its confirmation (threads.py), so that beside a busy core
-# the measured generation, its prefill included, already runs on the faster count.
-WARM_UP_TOKENS = 12
 
 
 def logprob_json(target, entry) -> dict:

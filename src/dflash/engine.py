@@ -58,6 +58,10 @@ class GenerationConfig:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first
 
+    def stop_ids(self, eos_ids) -> set[int]:
+        """The token ids that end a generation: its own stop ids, and the target's EOS ids unless ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -226,7 +230,7 @@ class Engine:
         if not prompt_ids:
             raise UserError("the prompt is empty")
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
-        stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.target.eos_token_ids))
+        stop_ids = config.stop_ids(self.target.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
                                      timer=self.timer, calibration=self._calibration("drafter"),

@@ -84,7 +84,7 @@ class Service:
         check_fits(prompt_ids, self.worker.engine)
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
                             echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body))
-        stop_ids = set(configs[0].stop_token_ids) | (set() if configs[0].ignore_eos else set(self.target.eos_token_ids))
+        stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
             return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
         jobs = [Job(prompt_ids, config) for config in configs]
