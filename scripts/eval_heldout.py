@@ -4,7 +4,8 @@ of DATA with its default --eval-fraction), e.g. to put a run's starting point on
 Usage: .venv/bin/python scripts/eval_heldout.py dflash|eagle3 CHECKPOINT DATA [ANCHORS] [DTYPE] [EVAL_FRACTION]
 (target: smollm2-135m in DTYPE, default bfloat16 under autocast as the shipped drafters trained; float32 runs
 without autocast. EVAL_FRACTION is the run's --eval-fraction (default 0.02). A DFlash drafter with a draft
-vocabulary is scored on it, as `dflash train` does.)
+vocabulary is scored on it, as `dflash train` does. A DFlash drafter also gets eval_decode_tau: the tau of greedy
+whole-block decoding over the first ANCHORS tokens of each held-out response.)
 """
 
 import sys
@@ -35,7 +36,8 @@ def main() -> None:
     objective.model.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
         result = objective.evaluate(heldout, rngs)
-    print(f"{method} {checkpoint}: {len(heldout)} held-out sequences, eval_tau {result['eval_tau']:.3f}, "
+    decode = f", eval_decode_tau {result['eval_decode_tau']:.3f}" if "eval_decode_tau" in result else ""
+    print(f"{method} {checkpoint}: {len(heldout)} held-out sequences, eval_tau {result['eval_tau']:.3f}{decode}, "
           f"eval_loss {result['eval_loss']:.3f}")
 
 

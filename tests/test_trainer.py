@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from dflash import trainer
+from dflash.engine import GenerationConfig
 from dflash.methods.dflash.objective import (
     IGNORE,
     DFlashObjective,
+    accept_lengths,
+    anchor_candidates,
     block_attention_mask,
     build_block_batch,
     default_gamma,
@@ -413,6 +416,99 @@ def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
         ar = SpeculativeDecoder(target).generate(prompt, generation)
         spec = SpeculativeDecoder(target, DFlashProposer(exported.freeze(), target)).generate(prompt, generation)
         assert spec.tokens == ar.tokens
+
+
+OWN_GREEDY = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def own_greedy(target, tmp_path_factory):
+    """The target's own greedy responses (as `dflash data` makes them), 30 to train on and 6 held out, and the
+    folder of a one-layer block-4 drafter trained on them: it predicts some of them, not all."""
+    from dflash.engine import SpeculativeDecoder
+
+    plain, rng, examples = SpeculativeDecoder(target), random.Random(7), []
+    for i in range(36):
+        prompt = [3] + [rng.choice(WORDS) for _ in range(rng.randint(2, 7))]
+        tokens = plain.generate(prompt, OWN_GREEDY).tokens
+        examples.append(trainer.Example(f"own-{i}", torch.tensor(prompt + tokens, dtype=torch.int32), len(prompt)))
+    train, heldout = examples[:30], examples[30:]
+    out = tmp_path_factory.mktemp("own-greedy")
+    objective = DFlashObjective(tiny_drafter(target, num_layers=1, block_size=4), target, anchors_per_seq=64)
+    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=12, lr=3e-3, eval_every=10_000,
+                                 save_every=10_000, log_every=50)
+    trainer.Trainer(objective, config, out, train, heldout, progress=False).fit()
+    return train, heldout, out / "final"
+
+
+def test_decode_rounds_equal_decoding(target, own_greedy):
+    """The held-out decode tau is exact: on responses the target generated greedily, blocks at every position in one
+    training pass, walked round by round (`decode_rounds`), give the accept lengths of whole-block decoding."""
+    from dflash.engine import SpeculativeDecoder
+    from dflash.methods.dflash.proposer import DFlashProposer
+
+    _, heldout, folder = own_greedy
+    drafter = DFlashDrafter.load(folder)
+    objective = DFlashObjective(drafter, target, anchors_per_seq=64)
+    decoder = SpeculativeDecoder(target, DFlashProposer(drafter.freeze(), target), adaptive=False)
+    walked, decoded = [], []
+    for example in heldout:
+        prompt = example.input_ids[: example.loss_start].tolist()
+        walked.append(objective.decoded_rounds(example.input_ids.long(), example.loss_start))
+        decoded.append(decoder.generate(prompt, OWN_GREEDY).stats.accept_lengths)
+    assert sum(map(len, decoded)) < 0.8 * 30 * len(heldout)  # the drafter predicts some of it: not a trivial walk
+    assert walked == decoded
+    assert all(sum(rounds) == 29 for rounds in decoded)  # tau counts committed tokens: the first came from the prefill
+
+
+@pytest.mark.parametrize("window", [64, 12])
+def test_decoded_anchors_are_where_decoding_starts_blocks(target, own_greedy, window):
+    """--anchors decoded trains the blocks decoding would start: in a window of anchors_per_seq positions (all of a
+    shorter response), each block starts where the previous one's committed tokens end, and the loss is that of
+    those blocks."""
+    train, _, folder = own_greedy
+    drafter = DFlashDrafter.load(folder, dtype=torch.float32)
+    objective = DFlashObjective(drafter, target, anchors_per_seq=window, anchor_policy="decoded")
+    examples = train[:4]
+    sequences = [objective.sequence(e.input_ids) for e in examples]
+    starts = [e.loss_start for e in examples]
+    rngs = [np.random.default_rng([0, i]) for i in range(len(examples))]
+    context = objective.target_pass(objective.padded(sequences))
+    anchor_sets = objective.decoded_anchors(sequences, starts, rngs, context)
+    spaced = False
+    for seq, start, anchors in zip(sequences, starts, anchor_sets):
+        candidates = anchor_candidates(seq.shape[0], start)
+        first = int(anchors[0])
+        if window >= len(candidates):
+            assert first == start  # the whole response: decoding's own first block
+        assert candidates.start <= first and int(anchors[-1]) < min(candidates.stop, first + window)
+        end = min(candidates.stop, first + window)
+        lengths = accept_lengths(objective.blocks_result(seq, torch.arange(first, end), start).correct)
+        at, expected = first, []
+        while at < end:
+            expected.append(at)
+            at += min(int(lengths[at - first]), end - at)
+        assert anchors.tolist() == expected
+        spaced |= len(expected) < min(window, len(candidates))
+    assert spaced  # some block accepted drafts: decoding skipped positions
+
+    rngs = [np.random.default_rng([0, i]) for i in range(len(examples))]
+    losses = objective.losses(examples, rngs)
+    for (loss, _), seq, start, anchors in zip(losses, sequences, starts, anchor_sets):
+        torch.testing.assert_close(loss, objective.blocks_result(seq, anchors, start).loss)
+
+
+def test_decoded_anchors_resume_exactly(tmp_path):
+    data = write_shards(tmp_path / "data", counting_records(10, seed=1))
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert trainer.run(train_args(data, straight, "--anchors", "decoded", "--save-every", "100")) == 0
+    assert trainer.run(train_args(data, split, "--anchors", "decoded", "--save-every", "100", "--max-steps", "5")) == 0
+    assert trainer.run(train_args(data, split, "--anchors", "decoded", "--resume", "--save-every", "100")) == 0
+    first, second = checkpoint_weights(straight, 8), checkpoint_weights(split, 8)
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], atol=1e-6, rtol=1e-5)
+    with pytest.raises(UserError, match="anchors must be uniform or decoded"):
+        trainer.TrainConfig().replace({"anchors": "every"})
 
 
 # ---- the command: resume, checkpoints, config ------------------------------------------------------------------------

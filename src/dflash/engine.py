@@ -496,15 +496,16 @@ class Engine:
                                   lookup=plan.lookup, label=plan.draft.label, costs_read=True)
             seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
             seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
-            seq.stats.accept_lengths.append(accepted + 1)
             seq.stats.draft_lengths.append(len(drafts[i]))
             new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]
             seq.sequence += new_tokens
             if seq.config.logprobs is not None:  # the logits of the accepted positions, where they were deferred
                 logits = out.logits[i] if not deferred else self.target.logits_of(out.hidden[i, : accepted + 1])
-                self._emit(seq, new_tokens, self._logprobs(seq, logits[: accepted + 1], new_tokens))
+                committed = self._emit(seq, new_tokens, self._logprobs(seq, logits[: accepted + 1], new_tokens))
             else:
-                self._emit(seq, new_tokens)
+                committed = self._emit(seq, new_tokens)
+            # tau counts committed tokens (DFLASH_SPEC): a round cut by the length limit or a stop counts what it kept
+            seq.stats.accept_lengths.append(committed)
         if width > FIRST_LOGITS:
             overran = max(length - start for length, start in zip(lengths, starts)) > FIRST_LOGITS
             self.head_overrun += OVERRUN_SMOOTHING * (overran - self.head_overrun)
@@ -591,8 +592,9 @@ class Engine:
             return None
         return token_logprobs(logits, tokens, seq.config.logprobs)
 
-    def _emit(self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        """Commit emitted tokens (and their log-probabilities) to the output, cut at stops; tell the listener."""
+    def _emit(self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
+        """Commit emitted tokens (and their log-probabilities) to the output, cut at stops; tell the listener.
+        Returns how many were committed."""
         new_tokens, finish = self._check_stops(seq.output, new_tokens, seq.stop_ids, seq.max_new,
                                                seq.config.stop_strings)
         seq.output += new_tokens
@@ -602,6 +604,7 @@ class Engine:
             finish = finish or "cancelled"
         if finish and seq.finish is None:
             seq.finish = finish
+        return len(new_tokens)
 
     def _leave(self, seq: Sequence) -> None:
         """Free the sequence's row: the last row moves into it, so rows stay packed."""

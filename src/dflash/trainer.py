@@ -71,6 +71,9 @@ class TrainConfig:
     # data
     max_length: int = option(3072, "truncate sequences to this many tokens")
     anchors_per_seq: int = option(512, "dflash: blocks per sequence, re-sampled each epoch")
+    anchors: str = option("uniform", "dflash: where blocks start: uniform (anchors_per_seq positions at random) or "
+                                     "decoded (where greedy decoding with the drafter as it is would start them in "
+                                     "a random window of anchors_per_seq positions: after its rejected drafts)")
     eval_fraction: float = option(0.02, "fraction of sequences held out for the surrogate tau")
     # optimisation
     epochs: int = option(6, "passes over the training data")
@@ -140,6 +143,8 @@ class TrainConfig:
             raise UserError(f"schedule_steps must be >= 1, got {self.schedule_steps}")
         if self.loss not in ("ce", "kl"):
             raise UserError(f"loss must be ce or kl, got {self.loss!r}")
+        if self.anchors not in ("uniform", "decoded"):
+            raise UserError(f"anchors must be uniform or decoded, got {self.anchors!r}")
         if self.loss_vocab not in ("draft", "full"):
             raise UserError(f"loss_vocab must be draft or full, got {self.loss_vocab!r}")
         if self.init not in ("random", "target"):
@@ -629,6 +634,9 @@ def write_plot(log_path: Path, png_path: Path) -> bool:
     axes[1].plot([r["step"] for r in evals], [float(np.mean(r["eval_accuracy"])) for r in evals], label="held-out")
     axes[2].plot([r["step"] for r in train], [r["tau"] for r in train], label="train")
     axes[2].plot([r["step"] for r in evals], [r["eval_tau"] for r in evals], label="held-out")
+    decoded = [r for r in evals if "eval_decode_tau" in r]
+    if decoded:  # what greedy whole-block decoding of the held-out responses gets (DFlash)
+        axes[2].plot([r["step"] for r in decoded], [r["eval_decode_tau"] for r in decoded], label="held-out, decoded")
     for ax, title in zip(axes, ("weighted loss", "mean block accuracy", "surrogate tau")):
         ax.set_title(title)
         ax.set_xlabel("step")
