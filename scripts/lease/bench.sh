@@ -1,6 +1,6 @@
 # A call on a lent GPU for the engine issue's GPU figures: the CUDA tests, then `dflash bench` on the GPU, eager and
-# with --cuda-graphs, side by side with transformers' generate (`hf`). Run it with the GGUF joined (this call carrying
-# .gpu/part03 joins it, join.sh) and BEFORE a training starts: a bench beside a running training
+# with --cuda-graphs, side by side with transformers' generate (`hf`). Run it with the GGUF joined (the call carrying
+# the last part joins it, join.sh) and BEFORE a training starts: a bench beside a running training
 # would time both badly. BUDGET seconds in all (default 240). Back through $OUT (7 files): the software and the
 # tests' summary, each bench's results.md, results.json and log tail.
 # CPU check at tiny scale: PY=.venv/bin/python DEVICE=cpu DTYPE=float32 TARGET=tiny-llama METHODS=ar,ngram LIMIT=1 \

@@ -1,10 +1,10 @@
-# The launch call (carry .gpu/part03; calls 2 and 3 only `cp .gpu/part0N /root/g/`): join and check the GGUF, time
+# The launch call (carrying the last GGUF part, or after the call that did; join.sh): join and check the GGUF, time
 # SMOKE real steps, then start the run in its own session, sized to end by DEADLINE (epoch seconds): the schedule
 # anneals inside the lease. RATE (steps/s) skips the timing, e.g. for a second stage; INIT is the warm start.
 # METHOD=eagle3 trains the shipped EAGLE-3 head instead (RUN=eagle RATE=... beside a DFlash run: both in one lease).
 # NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one process left an H100 47% busy).
 # Each DFlash run times its first step at one sequence per pass and at all of a step's (the log says which won);
-# SEQS=N fixes it instead (--seqs-per-pass).
+# SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to both runs, e.g. FLAGS="--anchors decoded".
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
@@ -21,7 +21,7 @@ if [ "$NPROC" -gt 1 ]; then TRAIN=(python3 -m torch.distributed.run --standalone
 else TRAIN=(python3 -m dflash train); fi
 COMMON=(--target smollm2-135m --device "$DEVICE" --dtype "$DTYPE" --init-from "$INIT" --data corpus/smollm2-135m
   "${method_flags[@]}" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
-  --no-progress --keep-checkpoints 2)
+  --no-progress --keep-checkpoints 2 ${FLAGS:-})
 if [ -z "${RATE:-}" ]; then
   "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN-smoke" --max-steps "$SMOKE" --schedule-steps 1000 \
     --log-every 4 --eval-every 100000 --save-every 100000 > "$ROOT/$RUN-smoke.log" 2>&1 || { tail -30 "$ROOT/$RUN-smoke.log"; exit 4; }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Here, before the first call to a lent GPU machine (the `device` tool): put what the machine lacks into .gpu/
 # (ignored by git, so it travels only when a call names it in `carry`): the pure-Python gguf wheel, two benchmark
-# files, and the target's GGUF in four parts small enough to ride beside the ~41 MB tree (64 MiB a
-# call). docs/TRAINING.md "A lent GPU, call by call" gives the calls that follow.
+# files, and the target's GGUF in parts sized to ride beside the working tree: a call carries 64 MiB in all, and the
+# tree alone is ~42 MiB now (fixed 25 MB parts had fitted a 39 MiB tree, not this one). Each call carries one part
+# (the first with the tools) and runs join.sh, which joins the GGUF once every part is there.
+# docs/TRAINING.md "A lent GPU, call by call" gives the calls that follow.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -12,9 +14,14 @@ mkdir -p .git/info .gpu/tools
 grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
 "$PY" -m pip download --no-deps --only-binary=:all: -q gguf==0.19.0 -d .gpu/tools
 cp "$DATA/gsm8k_test.jsonl" "$DATA/mt_bench.jsonl" .gpu/tools/  # for a CUDA bench: DFLASH_DATA_DIR=/root/data
-rm -f .gpu/part0?
-head -c 22000000 "$GGUF" > .gpu/part00  # the first part rides with the tools, so it is the smallest
-tail -c +22000001 "$GGUF" > .gpu/rest
-split -n 3 -d -a 2 --numeric-suffixes=1 .gpu/rest .gpu/part && rm .gpu/rest
-cat .gpu/part0? | sha256sum
+# what every call carries anyway: the tracked files and the untracked ones git does not ignore
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+tools=$(du -sb .gpu/tools | cut -f1)
+room=$((64 * 1048576 - tree - 1048576))  # a MiB to spare for files written before the call
+[ "$room" -gt $((4 * 1048576)) ] || { echo "the tree ($tree bytes) leaves no room for model parts"; exit 1; }
+rm -f .gpu/part??
+head -c $((room - tools)) "$GGUF" > .gpu/part00  # the first part rides with the tools
+tail -c +$((room - tools + 1)) "$GGUF" | split -b "$room" -d -a 2 --numeric-suffixes=1 - .gpu/part
+cat .gpu/part?? | sha256sum
+echo "tree $tree bytes; $(ls .gpu/part?? | wc -l) parts of at most $room bytes (part00 with the tools)"
 ls -l .gpu .gpu/tools

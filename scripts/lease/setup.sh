@@ -1,11 +1,14 @@
 # Call 1 on the GPU machine (carry .gpu/tools .gpu/part00): install the gguf wheel, keep the first model part and the
 # benchmark files outside the repository copy (a later call that does not carry them removes them from it), report the
 # software, and run scripts/train_gpu.sh on CUDA with a tiny target: a CUDA fault shows here, before the model is in.
+# TINY=0 skips that run (up to 150 s): a 15-minute lease cannot spare it (docs/TRAINING.md "A 15-minute lease").
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/tools/gguf-*.whl
-mkdir -p /root/g /root/data && cp .gpu/part00 /root/g/ && cp .gpu/tools/*.jsonl /root/data/
+mkdir -p /root/data && cp .gpu/tools/*.jsonl /root/data/
+bash scripts/lease/join.sh  # keeps part00
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+[ "${TINY:-1}" = 0 ] && { echo "tiny CUDA run skipped (TINY=0)"; exit 0; }
 mkdir -p /root/tiny && for i in 0 1 2 3 4 5; do echo "{\"id\": $i, \"prompt\": \"w$i w$((i+2)) w$((i+5))\"}"; done \
   > /root/tiny/mine.jsonl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
