@@ -150,3 +150,18 @@ OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --dtype bfloat16 \
   --eval-every 100000 --save-every 100000 --save-minutes 10 --keep-checkpoints 2 --no-progress \
   > runs/train/dflash-stage12.log 2>&1
 # not shipped: its whole-block tau tied stage 11b's (docs/TRAINING.md "Stage 12"); what ships stays 11b's final
+
+# ---- stage 13 (DFlash), twenty-sixth session: two variants of stage 12's recipe from 11b, one core each, side by
+# side (~94 and ~83 minutes): blocks where decoding would start them (--anchors decoded), and the loss's weight moved
+# to the first positions (--gamma 3). Neither moved the benchmarks (docs/TRAINING.md "Stage 13"); neither shipped.
+for variant in "decoded --anchors decoded --schedule-steps 2200 --max-steps 2200" \
+               "gamma3 --gamma 3 --schedule-steps 2000 --max-steps 2000"; do
+  set -- $variant; name=$1; shift
+  OMP_NUM_THREADS=1 $DF train --target smollm2-135m --threads 1 --dtype bfloat16 \
+    --init-from src/dflash/drafters/smollm2-135m-dflash --data corpus/smollm2-135m --out runs/train/dflash-stage13-$name \
+    --anchors-per-seq 128 --eval-fraction 0.006 --epochs 1 --seed 9 --lr 1e-4 "$@" --log-every 50 \
+    --eval-every 100000 --save-every 100000 --save-minutes 10 --keep-checkpoints 2 --no-progress \
+    > runs/train/dflash-stage13-$name.log 2>&1 &
+done
+wait
+# what ships stays 11b's final
