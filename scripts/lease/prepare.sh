@@ -15,7 +15,9 @@ grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/ex
 "$PY" -m pip download --no-deps --only-binary=:all: -q gguf==0.19.0 -d .gpu/tools
 cp "$DATA/gsm8k_test.jsonl" "$DATA/mt_bench.jsonl" .gpu/tools/  # for a CUDA bench: DFLASH_DATA_DIR=/root/data
 # what every call carries anyway: the tracked files and the untracked ones git does not ignore
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+# (a tracked file deleted in the tree counts nothing: stat's failure for it must not stop the script)
+tree=$({ git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null || true; } \
+  | awk '{s += $1} END {print s}')
 tools=$(du -sb .gpu/tools | cut -f1)
 room=$((64 * 1048576 - tree - 1048576))  # a MiB to spare for files written before the call
 [ "$room" -gt $((4 * 1048576)) ] || { echo "the tree ($tree bytes) leaves no room for model parts"; exit 1; }
