@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import native, sdpa_backends
 from .kernels import FrozenLinear
 
 
@@ -209,8 +209,7 @@ class Attention(nn.Module):
         """softmax(q k^T * scale [masked]) v -> [b, s, H * d]. mask: bool, True = may attend, broadcastable to
         [b, H, s, keys]."""
         if softcap is None:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=self.heads != self.kv_heads)
+            out = sdpa_backends.attention(q, keys, values, mask, self.scale, self.heads != self.kv_heads)
         else:
             out = softcapped_attention(q, keys, values, mask, self.scale, softcap)
         b, _, s, _ = out.shape

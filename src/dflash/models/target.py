@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
 from .hf import HFEngine
 from .graphs import PassGraphs
+from . import sdpa_backends
 from .kernels import NATIVE, PACKED, PLAIN, STALE_RATIO, KernelPlan, kernel_plan_for, shape_key
 from .transformer import Transformer, Unsupported
 
@@ -247,7 +248,12 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
         raise UserError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNEL_CHOICES)}")
     if kernels != "auto" or not isinstance(target.engine, Transformer) or target.device.type != "cpu":
         plan = {"plain": PLAIN, "native": NATIVE}.get(kernels, PACKED)
-        target.use_kernels(plan, {"kernels": kernels, "measured": False})
+        report = {"kernels": kernels, "measured": False}
+        if target.device.type == "cuda":  # matmuls are cuBLAS's; what differs there is the attention kernel
+            engine = target.engine
+            report["attention"] = sdpa_backends.choose(target.device, target.dtype, engine.layers[0].self_attn.heads,
+                                                       engine.kv_heads, engine.head_dim)
+        target.use_kernels(plan, report)
         return
     engine = target.engine
     model_key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}"
