@@ -214,3 +214,23 @@ def test_float_copies_of_the_registry_gguf(tmp_path, kind):
     tensors = {t.name: t for t in gguf.GGUFReader(copy).tensors}
     expected = gguf.GGMLQuantizationType.F32 if kind == "f32" else gguf.GGMLQuantizationType.BF16
     assert tensors["blk.0.ffn_up.weight"].tensor_type == expected
+
+
+def test_a_mismatch_reports_the_targets_logit_gap_where_the_outputs_part():
+    import torch
+
+    from dflash.bench import Run, logit_gap, mismatch_summary
+    from dflash.testing import tiny_target
+
+    target = tiny_target("llama", logit_scale=4.0)
+    prompt = [1, 5, 9]
+    with torch.inference_mode():
+        logits = target.forward(torch.tensor([prompt + [7, 3]]), logits_at="last").logits[0, -1]
+    ranked = logits.argsort(descending=True).tolist()
+    reference = Run([7, 3, ranked[0], 4], "", 0.0, 0.0, prompt_ids=prompt)
+    gap = logit_gap(target, reference, [7, 3, ranked[2]], at=2)
+    assert gap == pytest.approx(float(logits[ranked[0]] - logits[ranked[2]]), abs=1e-3) and gap > 0
+    assert logit_gap(target, reference, [7, 3], at=2) is None  # the method merely stopped first
+    assert mismatch_summary([]) == "0"
+    assert mismatch_summary([{"logit_gap": 0.0}, {"logit_gap": -0.125}, {"logit_gap": None}]) == (
+        "3 (largest logit gap at the first difference: 0.125)")

@@ -37,22 +37,36 @@ def test_the_gpu_script_runs_end_to_end_and_resumes(tmp_path):
     assert "resumed from" in second.stderr and "0 to regenerate" in second.stderr
 
 
+def run_lease_script(tmp_path, name: str, prompts: int, **env) -> tuple[Path, str]:
+    """scripts/lease/NAME at tiny scale on the CPU (tiny-llama, ar and ngram, `prompts` GSM8K-shaped prompts);
+    returns the folder that would come back ($OUT) and the script's stdout."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k_test.jsonl").write_text(
+        "".join(json.dumps({"id": f"g{i}", "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(prompts)))
+    out = tmp_path / "out"
+    env = dict(os.environ, PY=sys.executable, DEVICE="cpu", DTYPE="float32", TARGET="tiny-llama", METHODS="ar,ngram",
+               NEW="8", DFLASH_DATA_DIR=str(data), ROOT=str(tmp_path / "root"), OUT=str(out), **env)
+    done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / name)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out, done.stdout
+
+
 def test_the_lease_bench_script_runs_on_the_cpu_and_sends_its_tables_back(tmp_path):
     """scripts/lease/bench.sh, the GPU lease's bench call, at tiny scale on the CPU (no graphs there): the tables
     and logs land in $OUT, and the methods' outputs agree."""
-    script = SCRIPT.parent / "lease" / "bench.sh"
-    prompts = tmp_path / "data"
-    prompts.mkdir()
-    (prompts / "gsm8k_test.jsonl").write_text(
-        "".join(json.dumps({"id": f"g{i}", "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(2)))
-    out = tmp_path / "out"
-    env = dict(os.environ, PY=sys.executable, DEVICE="cpu", DTYPE="float32", TARGET="tiny-llama", METHODS="ar,ngram",
-               LIMIT="2", NEW="8", DFLASH_DATA_DIR=str(prompts), ROOT=str(tmp_path / "root"), OUT=str(out))
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=SCRIPT.parent.parent)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "eager: rc=0" in done.stdout
+    out, stdout = run_lease_script(tmp_path, "bench.sh", prompts=2, LIMIT="2")
+    assert "eager: rc=0" in stdout
     results = json.loads((out / "eager.results.json").read_text())
     assert results["greedy_mismatches"] == 0 and set(results["methods"]) == {"ar", "ngram"}
     assert (out / "eager.results.md").is_file() and (out / "env-and-tests.txt").is_file()
-    assert not (out / "graphs.log").exists()  # CUDA graphs only where CUDA is
+    assert "== eager" in (out / "logs.txt").read_text()
+    assert not (out / "graphs.results.json").exists()  # CUDA graphs only where CUDA is
+
+
+def test_the_lease_profile_script_prints_where_the_time_went(tmp_path):
+    """scripts/lease/profile.sh at tiny scale on the CPU: the profiler's table of ops by host time, also in $OUT."""
+    out, _ = run_lease_script(tmp_path, "profile.sh", prompts=1, FLAGS="")
+    profile = (out / "profile.txt").read_text()
+    assert "Self CPU time total" in profile and "aten::" in profile and "| ngram |" in profile

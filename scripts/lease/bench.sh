@@ -1,8 +1,8 @@
 # A call on a lent GPU for the engine issue's GPU figures: the CUDA tests, then `dflash bench` on the GPU, eager and
 # with --cuda-graphs, side by side with transformers' generate (`hf`). Run it with the GGUF joined (the call carrying
 # the last part joins it, join.sh) and BEFORE a training starts: a bench beside a running training
-# would time both badly. BUDGET seconds in all (default 240). Back through $OUT (7 files): the software and the
-# tests' summary, each bench's results.md, results.json and log tail.
+# would time both badly. BUDGET seconds in all (default 240). Back through $OUT (8 files): the software and the
+# tests' summary, each bench's results.md and results.json, and the logs' tails in one file.
 # CPU check at tiny scale: PY=.venv/bin/python DEVICE=cpu DTYPE=float32 TARGET=tiny-llama METHODS=ar,ngram LIMIT=1 \
 #   NEW=8 DFLASH_DATA_DIR=../shared/data ROOT=/tmp/x OUT=/tmp/out bash scripts/lease/bench.sh
 set -uo pipefail
@@ -28,18 +28,20 @@ ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
 } > "$OUT/env-and-tests.txt" 2>&1
 cat "$OUT/env-and-tests.txt"
 
-for name in eager graphs; do
-  flags=()
-  if [ "$name" = graphs ]; then
-    [ "$DEVICE" = cuda ] || continue
-    flags=(--cuda-graphs)
-  fi
-  share=$(left); [ "$name" = eager ] && [ "$DEVICE" = cuda ] && share=$((share / 2))
-  timeout "$share" "$PY" -m dflash bench --target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" --dataset gsm8k \
-    --limit "$LIMIT" --methods "$METHODS" --max-new-tokens "$NEW" --no-progress "${flags[@]}" \
+# graphs first (the figures), float32 graphs (the lossless check: bfloat16 logits tie often enough that passes of
+# different widths part at exact ties, docs/RESULTS.md, twenty-seventh session), eager last (the measured
+# attention backend); each gets an equal share of what is left
+if [ "$DEVICE" = cuda ]; then runs=("graphs bfloat16 --cuda-graphs" "graphs-f32 float32 --cuda-graphs" "eager $DTYPE")
+else runs=("eager $DTYPE"); fi
+for i in "${!runs[@]}"; do
+  read -r name dtype flags <<< "${runs[$i]}"
+  share=$(( $(left) / (${#runs[@]} - i) ))
+  [ "$share" -gt 20 ] || { echo "$name: no time left"; continue; }
+  timeout "$share" "$PY" -m dflash bench --target "$TARGET" --device "$DEVICE" --dtype "$dtype" --dataset gsm8k \
+    --limit "$LIMIT" --methods "$METHODS" --max-new-tokens "$NEW" --no-progress $flags \
     --out "$ROOT/bench-$name" > "$ROOT/bench-$name.log" 2>&1
   echo "$name: rc=$?"
-  tail -c 60000 "$ROOT/bench-$name.log" > "$OUT/$name.log"
+  { echo "== $name"; tail -c 20000 "$ROOT/bench-$name.log"; } >> "$OUT/logs.txt"  # 8 files at most come back
   for f in results.md results.json; do [ -f "$ROOT/bench-$name/$f" ] && cp "$ROOT/bench-$name/$f" "$OUT/$name.$f"; done
   [ -f "$OUT/$name.results.md" ] && cat "$OUT/$name.results.md"
 done

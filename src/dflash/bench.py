@@ -15,7 +15,9 @@ Aggregates (DFLASH_SPEC.md section 7), pooled over all generations rather than a
 and beside tau, speedup and e2e_speedup their 95% intervals (`*_ci95`): percentiles of the same pooled figures over
 prompts resampled with replacement (paired: a resample draws a prompt's runs of every method together), so a table of
 8 prompts says how far its ratios could move on another 8.
-At T=0 every method's tokens are compared with ar's; any difference is a bug and is counted in greedy_mismatches.
+At T=0 every method's tokens are compared with ar's and differences are counted in greedy_mismatches, each with the
+target's logit gap between the two tokens where they part (`logit_gap`): in float32, and in bfloat16 through our CPU
+kernels (the same sums at every width), any difference is a bug; in bfloat16 on a GPU a near tie can round either way.
 
 Writes DIR/results.json, DIR/results.md (the table, also printed), DIR/per_prompt.jsonl and PNG plots.
 """
@@ -173,6 +175,7 @@ class Run:
     skipped_drafting: int = 0
     lookup_rounds: int = 0  # rounds that verified prompt lookup's drafts (NAME+ngram)
     table_rounds: int = 0  # rounds that verified drafts of the target's continuation table
+    prompt_ids: list[int] | None = None  # what the generation continued (a later turn: the conversation so far)
 
 
 class EngineRunner:
@@ -379,6 +382,7 @@ def run_conversation(runner, target, prompt: BenchPrompt, max_new: int, ignore_e
         messages.append({"role": "user", "content": turn})
         ids = target.encode_prompt(turn) if i == 0 else target.encode_messages(messages)
         run = runner.generate(ids, max_new, ignore_eos)
+        run.prompt_ids = list(ids)
         runs.append(run)
         messages.append({"role": "assistant", "content": run.text})
     return runs
@@ -499,6 +503,25 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
+def logit_gap(target, reference: Run, tokens: list[int], at: int) -> float | None:
+    """How far apart the target's logits put ar's token and the method's at their first difference `at`, from one
+    eager pass over the prompt and ar's tokens before it; None where one output merely ended first. In float32 any
+    difference is a bug; in bfloat16 on a GPU, passes of different widths (a 1-token step, a 16-token verify, a
+    CUDA graph over the whole cache) round differently, and a greedy choice between two tokens this close flips
+    (a near tie: a gap of a few hundredths of a logit); a large gap is a bug there too."""
+    if at >= min(len(tokens), len(reference.tokens)) or reference.prompt_ids is None:
+        return None
+    ids = torch.tensor([reference.prompt_ids + reference.tokens[:at]], device=target.device)
+    logits = target.forward(ids, logits_at="last").logits[0, -1].float()
+    return round(float(logits[reference.tokens[at]] - logits[tokens[at]]), 4)
+
+
+def mismatch_summary(mismatches: list[dict]) -> str:
+    """"3" or "3 (largest logit gap at the first difference: 0.031)" (logit_gap)."""
+    gaps = [abs(m["logit_gap"]) for m in mismatches if m.get("logit_gap") is not None]
+    return f"{len(mismatches)}" + (f" (largest logit gap at the first difference: {max(gaps):.3g})" if gaps else "")
+
+
 # ---- the command ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .cli import add_method_arguments, add_target_arguments
@@ -572,8 +595,9 @@ def run(args) -> int:
                 same = r.tokens == reference
                 # llama.cpp runs other (often quantised) weights: its tokens are not the target's to compare
                 if sampling.greedy and not same and method != LLAMACPP_METHOD:
-                    mismatches.append({"id": prompt.id, "turn": turn, "method": method,
-                                       "first_difference": first_difference(r.tokens, reference)})
+                    at = first_difference(r.tokens, reference)
+                    mismatches.append({"id": prompt.id, "turn": turn, "method": method, "first_difference": at,
+                                       "logit_gap": logit_gap(target, runs["ar"][turn], r.tokens, at)})
                 rows.append(_row(prompt.id, turn, method, r, same))
 
     results = collect_results(args, target, prompts, path, methods, totals, mismatches, sampling.greedy, runners)
@@ -727,7 +751,8 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         "speedup = ar TPOT / method TPOT (decode); e2e speedup = tokens/s ratio including TTFT; in brackets, 95% "
         f"intervals over the prompts (paired bootstrap, {RESAMPLES} resamples).",
         "",
-        f"greedy mismatches vs ar: {mismatches if mismatches is not None else 'not compared (sampling)'}",
+        "greedy mismatches vs ar: "
+        f"{mismatch_summary(results['mismatches']) if mismatches is not None else 'not compared (sampling)'}",
     ]
     if "ar_vs_hf_tokens_per_s" in results:
         lines.append(f"ar vs transformers generate: ar runs at {results['ar_vs_hf_tokens_per_s']:.2f}x hf's tokens/s")
@@ -798,7 +823,8 @@ def write_outputs(out_dir: Path, results: dict, rows: list[dict]) -> None:
     (out_dir / "results.md").write_text(markdown_report(results, plots, note))
     print(markdown_table(results))
     mismatches = results["greedy_mismatches"]
-    print(f"\ngreedy mismatches vs ar: {mismatches if mismatches is not None else 'not compared (sampling)'}")
+    print(f"\ngreedy mismatches vs ar: "
+          f"{mismatch_summary(results['mismatches']) if mismatches is not None else 'not compared (sampling)'}")
     if "ar_vs_hf_tokens_per_s" in results:
         print(f"ar vs transformers generate: {results['ar_vs_hf_tokens_per_s']:.2f}x hf tokens/s")
     print(f"results: {out_dir / 'results.json'}")
