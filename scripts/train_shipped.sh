@@ -165,3 +165,10 @@ for variant in "decoded --anchors decoded --schedule-steps 2200 --max-steps 2200
 done
 wait
 # what ships stays 11b's final
+
+# ---- stage 14 (DFlash), twenty-seventh session: a lent H100 for 15 minutes, ~3 of them training -----------------
+# Not runnable from here (the `device` tool; docs/TRAINING.md "A 15-minute lease" and "Stage 14"):
+#   DEADLINE=$(( $(date +%s) + 575 )) RATE=2.15 bash scripts/lease/launch.sh   (--lr 3e-4 --seed 7 from 11b, 1018 steps)
+# i.e. stage 11's command above with DRAFTER = 11b (what src/dflash/drafters/smollm2-135m-dflash held before this
+# stage; stages 12 and 13 above started from it too), LR 3e-4, SEED 7, STEPS 1018.
+# what ships now: stage 14's final (DFlash) and runs/train/eagle3-stage4/final (EAGLE-3)
