@@ -30,8 +30,9 @@ def main() -> None:
             ax.annotate(f"s{p['stage']}", (p["core_minutes"], p["tau"]), textcoords="offset points", xytext=(4, -10),
                         fontsize=8)
         print(f"| {label} | " + " | ".join(f"{p['core_minutes']} min: {p['tau']:.2f}" for p in points) + " |")
-    for p in data.get("dflash_gpu", []):  # a GPU stage: its CPU core-minutes on the axis, its GPU minutes in words
-        ax.plot([p["core_minutes"]], [p["tau"]], marker="*", markersize=12, linestyle="none", color="C2",
+    # a GPU stage: its CPU core-minutes on the axis, its GPU minutes in words
+    for i, p in enumerate(data.get("dflash_gpu", [])):
+        ax.plot([p["core_minutes"]], [p["tau"]], marker="*", markersize=12, linestyle="none", color=f"C{2 + i}",
                 label=f"DFlash + {p['h100_minutes']} H100-minutes")
         ax.annotate(f"s{p['stage']}", (p["core_minutes"], p["tau"]), textcoords="offset points", xytext=(6, 2),
                     fontsize=8)
