@@ -154,3 +154,26 @@ def test_captured_graphs_on_cuda_equal_the_eager_forward(arch):
         engine.run()
         assert [s.result.tokens for s in seqs] == expected
     assert all(g.graph is not None for g in graphed.graphs.graphs.values())
+
+
+def test_graphs_are_on_by_default_only_where_they_can_run(monkeypatch):
+    """The CLI's default (--cuda-graphs unset): on for a CUDA target through our forward, off on a CPU, through
+    transformers' forward, or compiled; --cuda-graphs / --no-cuda-graphs decide otherwise."""
+    import argparse
+
+    from dflash.cli import add_target_arguments
+    from dflash.loading import graphs_by_default, load_target_cached
+    from dflash.models.target import TargetModel
+
+    target = tiny_target("llama")
+    assert not graphs_by_default(target)  # a CPU target
+    assert load_target_cached("tiny-llama").graphs is None
+    fallback = TargetModel(target.model, target.tokenizer, "tiny", prefer_transformers=True, measure=False)
+    monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("cuda", 0)))
+    assert graphs_by_default(target) and not graphs_by_default(target, compiled=True)
+    assert not graphs_by_default(fallback)
+    parser = argparse.ArgumentParser()
+    add_target_arguments(parser)
+    assert parser.parse_args([]).cuda_graphs is None
+    assert parser.parse_args(["--cuda-graphs"]).cuda_graphs is True
+    assert parser.parse_args(["--no-cuda-graphs"]).cuda_graphs is False

@@ -31,8 +31,8 @@ cat "$OUT/env-and-tests.txt"
 # graphs first (the figures), float32 graphs (the lossless check: bfloat16 logits tie often enough that passes of
 # different widths part at exact ties, docs/RESULTS.md, twenty-seventh session), eager last (the measured
 # attention backend); each gets an equal share of what is left
-if [ "$DEVICE" = cuda ]; then runs=("graphs bfloat16 --cuda-graphs" "graphs-f32 float32 --cuda-graphs" "eager $DTYPE")
-else runs=("eager $DTYPE"); fi
+if [ "$DEVICE" = cuda ]; then runs=("graphs bfloat16 --cuda-graphs" "graphs-f32 float32 --cuda-graphs" "eager $DTYPE --no-cuda-graphs")
+else runs=("eager $DTYPE --no-cuda-graphs"); fi
 for i in "${!runs[@]}"; do
   read -r name dtype flags <<< "${runs[$i]}"
   share=$(( $(left) / (${#runs[@]} - i) ))

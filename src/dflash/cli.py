@@ -54,10 +54,11 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--compile", action="store_true",
                        help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
                             "did not beat the packed eager kernels, see docs/RESULTS.md)")
-    group.add_argument("--cuda-graphs", action="store_true",
-                       help="replay decode steps and verify passes as CUDA graphs (GPU only; each shape captured on "
-                            "first use, caches made at 2048 positions or more; not yet measured on a GPU, so off by "
-                            "default)")
+    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay decode steps and verify passes as CUDA graphs (each shape captured on first use, "
+                            "caches made at 2048 positions or more; default: on for a CUDA target through our "
+                            "forward, where an H100 ran ar 12x faster with them than transformers' generate; "
+                            "--no-cuda-graphs runs eagerly)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                        help="CPU matmul kernels: auto = the fastest of packed oneDNN, plain PyTorch and our AVX2 "
                             "kernel per weight shape and row count, measured once per machine and cached "
