@@ -157,8 +157,8 @@ def test_captured_graphs_on_cuda_equal_the_eager_forward(arch):
 
 
 def test_graphs_are_on_by_default_only_where_they_can_run(monkeypatch):
-    """The CLI's default (--cuda-graphs unset): on for a CUDA target through our forward, off on a CPU, through
-    transformers' forward, or compiled; --cuda-graphs / --no-cuda-graphs decide otherwise."""
+    """The default (--cuda-graphs unset) of generate and bench: on for a CUDA target through our forward; off on a
+    CPU, through transformers' forward, or compiled; --cuda-graphs / --no-cuda-graphs decide otherwise."""
     import argparse
 
     from dflash.cli import add_target_arguments
@@ -177,3 +177,19 @@ def test_graphs_are_on_by_default_only_where_they_can_run(monkeypatch):
     assert parser.parse_args([]).cuda_graphs is None
     assert parser.parse_args(["--cuda-graphs"]).cuda_graphs is True
     assert parser.parse_args(["--no-cuda-graphs"]).cuda_graphs is False
+
+
+def test_commands_that_batch_graph_only_when_asked(monkeypatch):
+    """serve, data and train (target_from_args(many_rows=True)) leave graphs off unless --cuda-graphs asks."""
+    import argparse
+
+    from dflash import loading
+
+    asked = []
+    monkeypatch.setattr(loading, "load_target_cached", lambda *args: asked.append(args[-1]))
+    for graphs in (None, True, False):
+        args = argparse.Namespace(target="tiny-llama", dtype="float32", device="cpu", kernels="auto", compile=False,
+                                  cuda_graphs=graphs)
+        loading.target_from_args(args)
+        loading.target_from_args(args, many_rows=True)
+    assert asked == [None, False, True, True, False, False]  # None: graphs_by_default decides

@@ -56,9 +56,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                             "did not beat the packed eager kernels, see docs/RESULTS.md)")
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps and verify passes as CUDA graphs (each shape captured on first use, "
-                            "caches made at 2048 positions or more; default: on for a CUDA target through our "
-                            "forward, where an H100 ran ar 12x faster with them than transformers' generate; "
-                            "--no-cuda-graphs runs eagerly)")
+                            "caches made at 2048 positions or more; default: on for generate and bench with a CUDA "
+                            "target through our forward, where an H100 ran ar 13x faster than eagerly; off for "
+                            "serve, data and train, whose batches change size; --no-cuda-graphs runs eagerly)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                        help="CPU matmul kernels: auto = the fastest of packed oneDNN, plain PyTorch and our AVX2 "
                             "kernel per weight shape and row count, measured once per machine and cached "

@@ -763,9 +763,7 @@ def build_run(args, overrides: dict, out: Path):
         config = base.replace(overrides)
         explicit = set(values) | set(overrides)
         config = method_config(config, explicit)
-    if getattr(args, "cuda_graphs", None) is None:
-        args.cuda_graphs = False  # training's passes are whole sequences: graphs would only hold cache memory
-    target = target_from_args(args)
+    target = target_from_args(args, many_rows=True)
     recipe = recipe_of(config)
     if resume_from is not None:
         model = recipe.load_model(resume_from, target)
