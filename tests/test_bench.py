@@ -234,3 +234,20 @@ def test_a_mismatch_reports_the_targets_logit_gap_where_the_outputs_part():
     assert mismatch_summary([]) == "0"
     assert mismatch_summary([{"logit_gap": 0.0}, {"logit_gap": -0.125}, {"logit_gap": None}]) == (
         "3 (largest logit gap at the first difference: 0.125)")
+
+
+def test_the_command_and_report_say_how_the_target_ran(tmp_path):
+    """CUDA graphs as asked (or not asked: the device decides) and the measured attention backend."""
+    from dflash.bench import attention_note
+
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6 w7"}])
+    code, out = bench(tmp_path, data, "ar", "--no-cuda-graphs")
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0 and results["cuda_graphs"] is False and "--no-cuda-graphs" in results["command"]
+    code, out = bench(tmp_path, data, "ar", name="default")
+    results = json.loads((out / "results.json").read_text())
+    assert "cuda-graphs" not in results["command"] and "CUDA graphs" not in (out / "results.md").read_text()
+    assert attention_note({"kernels": "auto"}) == ""
+    note = attention_note({"attention": {"sdpa": "flash", "measured": True,
+                                         "ms_per_call": {"default": 1.512, "flash": 0.0412}}})
+    assert note == ", attention: flash (ms per call: default 1.51, flash 0.0412)"

@@ -642,6 +642,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "block_size": args.block_size,
         "adaptive": not args.whole_blocks,  # of methods without their own ':whole'
         "engine": target.backend,
+        "cuda_graphs": target.graphs is not None,  # the target's passes replayed as CUDA graphs (graphs.py)
         "kernels": target.kernel_report,
         # greedy rounds' tokens through a screen of the LM head (models/screening.py), or the whole head (None)
         "greedy_screen": target.screen_kind if target.screens else None,
@@ -672,6 +673,10 @@ def command_line(args) -> str:
         parts.append(f"--continuations {args.continuations}")
     if args.kernels != "auto":
         parts.append(f"--kernels {args.kernels}")
+    if args.compile:
+        parts.append("--compile")
+    if getattr(args, "cuda_graphs", None) is not None:  # unset: the device decides (loading.graphs_by_default)
+        parts.append("--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs")
     if args.template != "auto":
         parts.append(f"--template {args.template}")
     if args.whole_blocks:
@@ -722,6 +727,15 @@ def _between(bounds: list[float] | None, unit: str = "") -> str:
     return "" if not bounds else f" ({bounds[0]:.2f}-{bounds[1]:.2f}{unit})"
 
 
+def attention_note(kernels: dict) -> str:
+    """", attention: flash (measured)" where the load chose the SDPA backends by measurement (a CUDA target)."""
+    attention = kernels.get("attention") or {}
+    if not attention.get("measured"):
+        return ""
+    per_call = ", ".join(f"{name} {ms:.3g}" for name, ms in attention["ms_per_call"].items())
+    return f", attention: {attention['sdpa']} (ms per call: {per_call})"
+
+
 def machine_line(machine: dict) -> str:
     """One line naming what the figures ran on: the GPU, or the CPU with its instruction sets and threads."""
     cpu = machine.get("cpu") or {}
@@ -740,7 +754,9 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         "",
         f"`{results['command']}`",
         "",
-        f"target `{results['target']}` ({results['dtype']}, {results['device']}), {results['num_prompts']} prompts "
+        f"target `{results['target']}` ({results['dtype']}, {results['device']}"
+        f"{', CUDA graphs' if results.get('cuda_graphs') else ''}{attention_note(results.get('kernels') or {})}), "
+        f"{results['num_prompts']} prompts "
         f"({results['num_generations']} generations per method), max {results['max_new_tokens']} new tokens, "
         f"T={results['temperature']}, {results['date']}",
         "",
