@@ -251,3 +251,32 @@ def test_the_command_and_report_say_how_the_target_ran(tmp_path):
     note = attention_note({"attention": {"sdpa": "flash", "measured": True,
                                          "ms_per_call": {"default": 1.512, "flash": 0.0412}}})
     assert note == ", attention: flash (ms per call: default 1.51, flash 0.0412)"
+
+
+def test_a_method_that_changes_the_output_is_caught_with_its_logit_gap(tmp_path, monkeypatch):
+    """A (deliberately broken) method whose third token differs from ar's: counted, located, its gap reported, and
+    the bench exits 1."""
+    from dflash import bench as bench_module
+
+    build = bench_module.build_runners
+
+    def broken_ngram(methods, target, args, sampling):
+        runners = build(methods, target, args, sampling)
+        generate = runners["ngram"].generate
+
+        def wrong_third_token(ids, max_new, ignore_eos):
+            run = generate(ids, max_new, ignore_eos)
+            run.tokens = run.tokens[:2] + [(run.tokens[2] + 1) % 64] + run.tokens[3:]
+            return run
+
+        runners["ngram"].generate = wrong_third_token
+        return runners
+
+    monkeypatch.setattr(bench_module, "build_runners", broken_ngram)
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6 w7"}, {"id": "b", "prompt": "w9"}])
+    code, out = bench(tmp_path, data, "ar,ngram", "--ignore-eos")
+    results = json.loads((out / "results.json").read_text())
+    assert code == 1 and results["greedy_mismatches"] == 2
+    assert {m["method"] for m in results["mismatches"]} == {"ngram"}
+    assert all(m["first_difference"] == 2 and m["logit_gap"] > 0 for m in results["mismatches"])
+    assert "largest logit gap at the first difference" in (out / "results.md").read_text()
