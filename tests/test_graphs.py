@@ -193,3 +193,65 @@ def test_commands_that_batch_graph_only_when_asked(monkeypatch):
         loading.target_from_args(args)
         loading.target_from_args(args, many_rows=True)
     assert asked == [None, False, True, True, False, False]  # None: graphs_by_default decides
+
+
+def test_the_drafters_graphed_pass_equals_its_eager_pass():
+    """DFlashDrafter.forward_static (context padded to a graph width, its padding past the block) computes what
+    forward with a cache computes, round after round, and leaves the cache holding the same keys."""
+    from dflash.methods.dflash.graphs import DrafterGraphs
+    from test_engine import make_drafter
+
+    target = tiny_target("llama", logit_scale=4.0)
+    drafter = make_drafter(target, 8)
+    features = torch.randn(1, 30, len(drafter.config.target_layer_ids) * target.hidden_size)
+    blocks = torch.randn(3, 1, 8, target.hidden_size)
+    eager, static = drafter.new_cache(capacity=96), drafter.new_cache(capacity=96)
+    graphs = DrafterGraphs(drafter, capture=False)
+    with torch.inference_mode():
+        drafter(blocks[0], torch.arange(20, 28)[None], features[:, :20], torch.arange(20)[None], cache=eager)
+        drafter(blocks[0], torch.arange(20, 28)[None], features[:, :20], torch.arange(20)[None], cache=static)
+        for block, (begin, end) in zip(blocks[1:], ((20, 23), (23, 30))):  # 3 new context tokens, then 7
+            expected = drafter(block, torch.arange(end, end + 8)[None], features[:, begin:end],
+                               torch.arange(begin, end)[None], cache=eager)
+            assert graphs.handles(end - begin, static, 8)
+            got = graphs.run(block, features[:, begin:end], static)
+            assert close(got, expected) and static.lengths == eager.lengths == [end]
+            assert close(static.keys[:, :, :, :end], eager.keys[:, :, :, :end])
+    assert graphs.captures == 2  # widths 4 and 8
+    assert not graphs.handles(40, static, 8)  # wider than any graph: the eager pass
+
+
+def test_generation_with_the_drafter_graphed_is_token_identical_and_reuses_its_graphs():
+    """One sequence after another through a graphed target: the DFlash proposer drafts through its graphs, keeps its
+    cache (so the second sequence captures nothing new), and the tokens equal the eager engine's."""
+    eager, graphed = twins("llama")
+    prompts = [eager.encode_prompt(p) for p in PROMPTS[:2]]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    expected = [SpeculativeDecoder(eager).generate(ids, config).tokens for ids in prompts]
+    proposer = make_drafter_proposer(graphed)
+    decoder = SpeculativeDecoder(graphed, proposer, adaptive=False)
+    assert decoder.generate(prompts[0], config).tokens == expected[0]
+    made = proposer.graphs.captures
+    assert made > 0
+    assert decoder.generate(prompts[1], config).tokens == expected[1]
+    assert proposer.graphs.captures == made
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures real graphs)")
+def test_captured_drafter_graphs_on_cuda_keep_generation_identical():
+    """The DFlash drafter's pass captured for real beside the target's: the tokens of the eager engine."""
+    eager, graphed = (tiny_target("llama", logit_scale=4.0) for _ in range(2))
+    for target in (eager, graphed):
+        target.model.to("cuda")
+    graphed.use_graphs(capacity=96)
+    prompts = [eager.encode_prompt(p) for p in PROMPTS[:2]]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    expected = [SpeculativeDecoder(eager).generate(ids, config).tokens for ids in prompts]
+    from dflash.methods.dflash.proposer import DFlashProposer
+    from test_engine import make_drafter
+
+    proposer = DFlashProposer(make_drafter(graphed, 8).to("cuda"), graphed)
+    decoder = SpeculativeDecoder(graphed, proposer, adaptive=False)
+    assert [decoder.generate(ids, config).tokens for ids in prompts] == expected
+    assert proposer.graphs.captures > 0
+    assert all(g.graph is not None for g in proposer.graphs.graphs.values())

@@ -34,45 +34,44 @@ def padded_width(n: int) -> int | None:
     return next((w for w in WIDTHS if w >= n), None)
 
 
-class CapturedPass:
-    """One graphed pass: its static inputs (token ids, positions), static outputs, and how to replay it."""
+class CapturedCall:
+    """One graphed call: its static inputs (buffers the caller fills before each replay), its static outputs (a tuple
+    of tensors or Nones: what `run(**inputs)` returns) and how to replay it. The target's passes are such calls, and
+    so is a DFlash drafter's (methods/dflash/graphs.py)."""
 
-    def __init__(self, run: Callable[[torch.Tensor, torch.Tensor], tuple], rows: int, width: int,
-                 device: torch.device, capture: bool):
-        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.run, self.capture, self.graph = run, capture, None
-        self.logits = self.features = None
+    def __init__(self, run: Callable[..., tuple], inputs: dict[str, torch.Tensor], capture: bool):
+        self.inputs, self.run, self.capture, self.graph = inputs, run, capture, None
+        self.outputs: tuple | None = None
 
     def _capture(self, pool) -> None:
-        """Record the pass. Called with the first call's inputs already in place: the warm-up passes write the
-        keys and values that call writes anyway (at its own positions, past every row's length), never zeros
+        """Record the call. Called with the first call's inputs already in place: the warm-up calls write what that
+        call writes anyway (a pass: keys and values at its own positions, past every row's length), never zeros
         over cached positions."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph: lazy library handles, autotuning
             for _ in range(2):
-                self.run(self.ids, self.positions)
+                self.run(**self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.features = self.run(self.ids, self.positions)
+            self.outputs = self.run(**self.inputs)
 
     def replay(self, pool=None):
-        """Run the pass on the current inputs (capturing it first when due); returns the graph's memory pool."""
+        """Run the call on the current inputs (capturing it first when due); returns the graph's memory pool."""
         if self.capture and self.graph is None:
             self._capture(pool)
         if self.graph is not None:
             self.graph.replay()
             return self.graph.pool()
-        logits, features = self.run(self.ids, self.positions)  # no CUDA: eager, into the same static outputs
-        if self.logits is None:
-            self.logits, self.features = logits, features
+        outputs = self.run(**self.inputs)  # no CUDA: eager, into the same static outputs
+        if self.outputs is None:
+            self.outputs = outputs
         else:  # as a replay overwrites the graph's outputs (what callers must not keep)
             with torch.inference_mode():
-                self.logits.copy_(logits)
-                if features is not None:
-                    self.features.copy_(features)
+                for kept, new in zip(self.outputs, outputs):
+                    if kept is not None:
+                        kept.copy_(new)
         return pool
 
 
@@ -84,7 +83,7 @@ class PassGraphs:
         self.engine = engine
         self.capture = torch.cuda.is_available() if capture is None else capture
         self.max_graphs = max_graphs
-        self.graphs: OrderedDict[tuple, CapturedPass] = OrderedDict()
+        self.graphs: OrderedDict[tuple, CapturedCall] = OrderedDict()
         self.pool = None
         self.captures = 0  # graphs made so far (a report, and what tests count)
 
@@ -104,14 +103,14 @@ class PassGraphs:
         starts = torch.tensor(cache.lengths, dtype=torch.long)
         positions = starts[:, None] + torch.arange(width)
         padded = torch.cat([input_ids, input_ids[:, -1:].expand(rows, width - n)], dim=1) if width > n else input_ids
-        graph.ids.copy_(padded, non_blocking=True)
-        graph.positions.copy_(positions, non_blocking=True)
+        graph.inputs["ids"].copy_(padded, non_blocking=True)
+        graph.inputs["positions"].copy_(positions, non_blocking=True)
         self.pool = graph.replay(self.pool)  # one memory pool shared by every graph
         cache.advance(n)  # the padding's keys lie past the new lengths: never read, overwritten later
-        features = graph.features[:, :n].clone() if graph.features is not None else None
-        return graph.logits[:, :n].clone(), features
+        logits, features = graph.outputs
+        return logits[:, :n].clone(), (features[:, :n].clone() if features is not None else None)
 
-    def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...]) -> CapturedPass:
+    def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...]) -> CapturedCall:
         keys, values = cache.keys, cache.values
         key = (keys.data_ptr(), values.data_ptr(), tuple(keys.shape), tuple(keys.stride()), rows, width,
                feature_layers)
@@ -123,7 +122,8 @@ class PassGraphs:
         def run(ids, positions):
             return self.engine.forward_static(ids, positions, keys, values, feature_layers)
 
-        graph = CapturedPass(run, rows, width, keys.device, self.capture)
+        inputs = {name: torch.zeros(rows, width, dtype=torch.long, device=keys.device) for name in ("ids", "positions")}
+        graph = CapturedCall(run, inputs, self.capture)
         self.captures += 1
         self.graphs[key] = graph
         while len(self.graphs) > self.max_graphs:

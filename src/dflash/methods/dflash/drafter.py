@@ -341,6 +341,37 @@ class DFlashDrafter(nn.Module):
             cache.advance(ctx.shape[1])
         return self.norm(x)
 
+    def forward_static(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                       context_features: torch.Tensor, context_positions: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor) -> torch.Tensor:
+        """`forward` with a cache, for one sequence, as fixed device ops over fixed buffers (a CUDA graph's call,
+        methods/dflash/graphs.py): the new context's keys and values are scattered at `context_positions` [1, W],
+        the block's at `block_positions` [1, B], into `keys`/`values` (a KVCache's whole buffers), and the block
+        attends to every position before its end, as `forward` attends to the cache up to it. Context padding goes
+        past the block's end: never attended, overwritten later. Returns the final hidden states [1, B, hidden];
+        the caller moves the cache's length by the real context's count."""
+        dtype = self.fc.weight.dtype
+        fc = self.fast_fc if getattr(self, "fast_fc", None) is not None else self.fc
+        ctx = self.hidden_norm(fc(context_features.to(dtype)))
+        rope_ctx, rope_block = self.rotary(context_positions, dtype), self.rotary(block_positions, dtype)
+        visible = torch.arange(keys.shape[3], device=keys.device) <= block_positions[:, -1:]  # [1, capacity]
+        mask = visible[:, None, None]
+        heads = torch.arange(keys.shape[2], device=keys.device)[None, :, None]
+
+        def store(layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            keys[layer][0][heads[0], positions] = k[0]
+            values[layer][0][heads[0], positions] = v[0]
+
+        x = block_embeds.to(dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            store(i, context_positions, *attn.context_kv(ctx, rope_ctx))
+            q, k, v = attn.project(layer.input_layernorm(x), rope_block)
+            store(i, block_positions, k, v)
+            x = x + attn.output(attn.attend(q, keys[i], values[i], mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
     def rope_of(self, positions: torch.Tensor, dtype: torch.dtype, from_table: bool) -> tuple:
         """cos/sin of `positions` [b, n]. A drafting pass's (`from_table`: one sequence, consecutive positions) are
         rows of the rotary's table (the same values): computing them anew took ~10 small ops, 0.17 ms of a ~3 ms

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UserError
+from ...models.graphs import WIDTHS
 from ...models.kernels import FrozenLinear, KernelPlan, covering, shape_key
 from ..base import (Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, best_drafting_seconds,
                     in_draft_dtype, shipped_drafter)
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
+from .graphs import DrafterGraphs
 
 
 # Draft positions read before asking the controller whether it could verify a further one (None: always read the
@@ -83,7 +85,7 @@ class DFlashProposer(FeatureBacklog, Proposer):
         return {"draft_head_kernel": self.lm_head.kernel_for_rows(rows)}
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
-        self.cache = self.drafter.new_cache(capacity=len(prompt_ids) + 256)
+        self.cache = self._new_cache(len(prompt_ids) + 256)
         self.pending = [features]
         if self.base_vocab is not None:  # a drafter copies names and numbers from its prompt, however rare
             extra = torch.tensor(sorted(set(prompt_ids) - self.base_set), dtype=torch.long,
@@ -94,6 +96,31 @@ class DFlashProposer(FeatureBacklog, Proposer):
     def commit(self, token_ids: list[int], features: torch.Tensor | None) -> None:
         self.pending.append(features)
 
+    @property
+    def graphs(self) -> DrafterGraphs | None:
+        """The drafter's graphed pass, where the target's passes are graphed too (one per drafter, made at first
+        use, capturing as the target's do)."""
+        target_graphs = getattr(self.target, "graphs", None)
+        if target_graphs is None:
+            return None
+        graphs = self.drafter.__dict__.get("_graphs")
+        if graphs is None or graphs.capture != target_graphs.capture:
+            graphs = self.drafter.__dict__["_graphs"] = DrafterGraphs(self.drafter, target_graphs.capture)
+        return graphs
+
+    def _new_cache(self, capacity: int):
+        """A drafter cache for a new sequence. Under graphs, one made at the target's graph capacity and kept by this
+        proposer from one sequence to the next (a graph belongs to its cache's buffers: a new cache per sequence
+        would capture anew each time); a copy of this proposer (a batch's other rows) makes its own."""
+        if self.graphs is None:
+            return self.drafter.new_cache(capacity=capacity)
+        capacity = max(capacity, self.target.graph_capacity + 2 * self.block_size + max(WIDTHS))
+        kept = self.__dict__.get("_kept_cache")
+        if kept is None or kept[0] != id(self) or kept[1].capacity < capacity:
+            kept = self.__dict__["_kept_cache"] = (id(self), self.drafter.new_cache(capacity=capacity))
+        kept[1].set_lengths([0])
+        return kept[1]
+
     @torch.inference_mode()
     def propose(self, sequence: list[int], limit: int | None = None, keep_going=None) -> Draft:
         start = len(sequence) - 1  # position of the bonus token
@@ -103,13 +130,17 @@ class DFlashProposer(FeatureBacklog, Proposer):
         if done + pending.shape[1] != start:
             raise RuntimeError("drafter context out of step with the target")
         block = torch.tensor([[sequence[-1]] + [self.mask_token_id] * self.max_draft], device=device)
-        hidden = self.drafter(
-            self.target.embed_tokens(block),
-            torch.arange(start, start + self.block_size, device=device)[None],
-            pending,
-            torch.arange(done, start, device=device)[None],
-            cache=self.cache,
-        )
+        graphs = self.graphs
+        if graphs is not None and graphs.handles(pending.shape[1], self.cache, self.block_size):
+            hidden = graphs.run(self.target.embed_tokens(block), pending, self.cache)
+        else:
+            hidden = self.drafter(
+                self.target.embed_tokens(block),
+                torch.arange(start, start + self.block_size, device=device)[None],
+                pending,
+                torch.arange(done, start, device=device)[None],
+                cache=self.cache,
+            )
         self.pending = []
         keep = self.max_draft if limit is None else min(limit, self.max_draft)
         return DFlashProposer._read_in_steps([self], hidden[:, 1: 1 + keep], [keep_going])[0]
