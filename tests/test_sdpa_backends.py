@@ -91,3 +91,22 @@ def test_the_target_forward_attends_under_the_choice_with_the_same_result(flags_
     logits, _ = target.engine.forward(ids, cache)
     assert flags_seen == [False, False]  # both layers
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cuda_targets_load_chooses_attention_through_our_forward_only(monkeypatch):
+    """choose_kernels on a CUDA target (the device faked: the choice itself is tested above) measures attention for
+    our forward with its head shapes, and leaves a transformers-fallback target alone."""
+    from dflash.models.target import TargetModel, choose_kernels
+
+    asked = []
+    monkeypatch.setattr(sdpa_backends, "choose", lambda *args: asked.append(args) or {"sdpa": "flash"})
+    target = tiny_target("llama")
+    fallback = TargetModel(target.model, target.tokenizer, "tiny", prefer_transformers=True, measure=False)
+    monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("cuda", 0)))
+    choose_kernels(target)
+    assert target.kernel_report["attention"] == {"sdpa": "flash"}
+    device, dtype, heads, kv_heads, head_dim = asked[0]
+    attention = target.engine.layers[0].self_attn
+    assert (heads, kv_heads, head_dim) == (attention.heads, attention.kv_heads, attention.head_dim)
+    choose_kernels(fallback)
+    assert len(asked) == 1 and "attention" not in fallback.kernel_report

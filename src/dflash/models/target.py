@@ -249,8 +249,8 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
     if kernels != "auto" or not isinstance(target.engine, Transformer) or target.device.type != "cpu":
         plan = {"plain": PLAIN, "native": NATIVE}.get(kernels, PACKED)
         report = {"kernels": kernels, "measured": False}
-        if target.device.type == "cuda":  # matmuls are cuBLAS's; what differs there is the attention kernel
-            engine = target.engine
+        engine = target.engine
+        if target.device.type == "cuda" and isinstance(engine, Transformer):  # cuBLAS's matmuls; our attention calls
             report["attention"] = sdpa_backends.choose(target.device, target.dtype, engine.layers[0].self_attn.heads,
                                                        engine.kv_heads, engine.head_dim)
         target.use_kernels(plan, report)
