@@ -255,3 +255,23 @@ def test_captured_drafter_graphs_on_cuda_keep_generation_identical():
     assert [decoder.generate(ids, config).tokens for ids in prompts] == expected
     assert proposer.graphs.captures > 0
     assert all(g.graph is not None for g in proposer.graphs.graphs.values())
+
+
+def test_a_batch_runs_at_a_padded_row_count_in_its_free_rows():
+    """Three rows of a four-row batch replay the four-row graph (the free row at length 0, its output dropped) and
+    commit the eager engine's tokens; a view without free rows after it is never widened."""
+    eager, graphed = twins("llama")
+    prompts = [eager.encode_prompt(p) for p in PROMPTS[:3]]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    expected = [SpeculativeDecoder(eager).generate(ids, config).tokens for ids in prompts]
+    engine = Engine(graphed, NgramProposer(max_draft=3), max_batch=4)
+    seqs = [engine.submit(ids, config) for ids in prompts]
+    engine.run()
+    assert [s.result.tokens for s in seqs] == expected
+    row_counts = {key[4] for key in graphed.graphs.graphs}
+    assert 4 in row_counts and 3 not in row_counts
+    cache = graphed.new_cache(batch=4)
+    assert cache.view(0, 3).widened(4) is None  # not known to be free
+    assert cache.view(0, 3, spare_after=True).widened(8) is None  # past the cache
+    wide = cache.view(0, 3, spare_after=True).widened(4)
+    assert wide.batch == 4 and wide.lengths == [0, 0, 0, 0]

@@ -462,7 +462,7 @@ class Engine:
         cache = self.cache
         if self.batched:
             self.cache.reserve(max(starts) + width)
-            cache = self.cache.view(0, len(rows))
+            cache = self.cache.view(0, len(rows), spare_after=True)  # rows stay packed: the rest are free
         if self.threads:
             self.threads.before_pass()
         started = self.timer()

@@ -50,8 +50,8 @@ def graphs_by_default(target: TargetModel, compiled: bool = False) -> bool:
 
 def target_from_args(args, many_rows: bool = False) -> TargetModel:
     """The target the CLI's target arguments (cli.add_target_arguments) describe. `many_rows`: a command whose
-    passes batch a changing number of rows (serving, regeneration, training) runs graphs only when asked: a graph is
-    captured per row count and width, and a batch that changes size would keep capturing (not yet measured)."""
+    passes batch a changing number of rows (serving, regeneration, training) runs graphs only when asked: graphs
+    are kept per row count (padded to powers of two) and width, and how such a load fares is not yet measured."""
     graphs = getattr(args, "cuda_graphs", None)
     return load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile,
                               False if graphs is None and many_rows else graphs)

@@ -109,15 +109,27 @@ class KVCache:
         self.lengths = list(lengths)
 
     # ---- rows ------------------------------------------------------------------------------------------------------
-    def view(self, start: int, stop: int) -> "KVCache":
+    def view(self, start: int, stop: int, spare_after: bool = False) -> "KVCache":
         """Rows start..stop-1 as a cache sharing this one's storage (writes land here). A view cannot grow: reserve
-        room on this cache first. Its lengths are its own list; copy them back with `take_lengths`."""
+        room on this cache first. Its lengths are its own list; copy them back with `take_lengths`. `spare_after`:
+        the rows after it hold nothing (a packed batch's free rows), so a padded pass may write there (`widened`)."""
         view = KVCache.__new__(KVCache)
         view.shape = self.shape
         view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
         view.lengths = self.lengths[start:stop]
         view.max_capacity = self.capacity
+        view.rows_of = (self, start) if spare_after else None  # a graphed pass may widen it (graphs.py)
         return view
+
+    def widened(self, rows: int) -> "KVCache | None":
+        """This view widened to `rows` rows of the cache it views (the rows past its own at length 0: spare rows
+        a padded pass may write into), or None where that cache has no such rows."""
+        parent, start = getattr(self, "rows_of", None) or (None, 0)
+        if parent is None or start + rows > parent.batch:
+            return None
+        wide = parent.view(start, start + rows)
+        wide.lengths = self.lengths + [0] * (rows - self.batch)
+        return wide
 
     def take_lengths(self, view: "KVCache", start: int) -> None:
         """Adopt the lengths a view of rows start.. ended with."""

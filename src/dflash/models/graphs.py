@@ -11,8 +11,10 @@ computed on the device (key position <= query position, within the window). Each
 cache buffers) gets its own graph, captured at first use; widths are padded up to WIDTHS so that the adaptive
 controller's 1..17-token passes need five graphs per batch size, not seventeen (padding tokens are computed and
 dropped, their cache entries lie past the row's length and are overwritten later, as in the engine's ragged
-batches). A cache that grows reallocates its buffers, and the graphs of the old ones are dropped: give the cache
-its final capacity up front (`TargetModel.new_cache` does when graphs are on).
+batches). A batch's rows are padded likewise, to the next power of two, where its cache has free rows after the
+ones in use (the engine keeps its rows packed): a batch that grows and shrinks replays a few graphs a width instead
+of capturing one per row count. A cache that grows reallocates its buffers, and the graphs of the old ones are
+dropped: give the cache its final capacity up front (`TargetModel.new_cache` does when graphs are on).
 
 Without CUDA (`capture=False`), the same buffers and bookkeeping run the eager pass instead of a replay: that is
 how the CPU tests check everything here but the capture itself.
@@ -26,12 +28,18 @@ from typing import Callable
 import torch
 
 WIDTHS = (1, 2, 4, 8, 16, 32)  # a pass of n tokens per row runs in the graph of the smallest width >= n
-MAX_GRAPHS = 32  # graphs kept (least recently used dropped): 6 widths x a few batch sizes
+MAX_GRAPHS = 48  # graphs kept (least recently used dropped): 6 widths x up to 8 row counts (1, 2, 4, .. 128)
 
 
 def padded_width(n: int) -> int | None:
     """The graph width a pass of `n` tokens per row runs at, or None when wider than any (it runs eagerly)."""
     return next((w for w in WIDTHS if w >= n), None)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a batched pass of `rows` rows runs at where its cache has spare rows: the next power of two, so
+    that a batch growing and shrinking between 1 and 64 rows replays 7 graphs a width, not 64."""
+    return 1 << (rows - 1).bit_length()
 
 
 class CapturedCall:
@@ -99,16 +107,21 @@ class PassGraphs:
         are copies: the next replay overwrites the graph's own."""
         rows, n = input_ids.shape
         width = padded_width(n)
-        graph = self._graph(cache, rows, width, tuple(feature_layers))
-        starts = torch.tensor(cache.lengths, dtype=torch.long)
+        # a batch's view with free rows after it runs at a padded row count, its padding rows at length 0
+        wide = cache.widened(padded_rows(rows)) if padded_rows(rows) > rows else None
+        runs_on = wide if wide is not None else cache
+        graph = self._graph(runs_on, runs_on.batch, width, tuple(feature_layers))
+        starts = torch.tensor(runs_on.lengths, dtype=torch.long)
         positions = starts[:, None] + torch.arange(width)
         padded = torch.cat([input_ids, input_ids[:, -1:].expand(rows, width - n)], dim=1) if width > n else input_ids
+        if runs_on.batch > rows:
+            padded = torch.cat([padded, padded[-1:].expand(runs_on.batch - rows, width)])
         graph.inputs["ids"].copy_(padded, non_blocking=True)
         graph.inputs["positions"].copy_(positions, non_blocking=True)
         self.pool = graph.replay(self.pool)  # one memory pool shared by every graph
-        cache.advance(n)  # the padding's keys lie past the new lengths: never read, overwritten later
+        cache.advance(n)  # the padding's keys lie past the new lengths (or in free rows): never read
         logits, features = graph.outputs
-        return logits[:, :n].clone(), (features[:, :n].clone() if features is not None else None)
+        return logits[:rows, :n].clone(), (features[:rows, :n].clone() if features is not None else None)
 
     def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...]) -> CapturedCall:
         keys, values = cache.keys, cache.values
