@@ -1,6 +1,7 @@
 """Where does one drafter beat another? Accept lengths of a block at EVERY one of the first WINDOW response positions
 of each held-out sequence (the tokens a WINDOW-token bench decodes), for two DFlash drafters, split into the
-positions where greedy whole-block decoding starts its blocks (by each drafter's own decoding) and the others.
+positions where greedy whole-block decoding starts its blocks (by each drafter's own decoding) and the others, and
+by depth into the response (128 positions a line).
 
 Usage: .venv/bin/python scripts/gain_by_position.py DRAFTER_A DRAFTER_B [DATA] [WINDOW] [EVAL_FRACTION]
 (defaults: corpus/smollm2-135m, 128, 0.006; target smollm2-135m in bfloat16 under autocast, as the drafters trained)
@@ -16,6 +17,8 @@ from dflash import trainer
 from dflash.loading import load_target_cached
 from dflash.methods import registry
 from dflash.methods.dflash.objective import accept_lengths, anchor_candidates, decode_rounds
+
+BUCKET = 128  # response positions per line of the by-depth table
 
 
 def accept_lengths_by_sequence(target, drafter: Path, data: str, window: int, fraction: float) -> list[list[int]]:
@@ -61,6 +64,11 @@ def main() -> None:
                 kind[1].append(y)
         print(f"decode starts of {starts_of}: " + " | ".join(
             f"{kind} ({len(a)} positions): A {np.mean(a):.3f}, B {np.mean(b):.3f}" for kind, (a, b) in split.items()))
+    for start in range(0, window, BUCKET):  # by depth into the response: where each drafter is strong
+        a = [x for seq in runs["A"] for x in seq[start: start + BUCKET]]
+        b = [x for seq in runs["B"] for x in seq[start: start + BUCKET]]
+        if a:
+            print(f"response positions {start}-{start + BUCKET - 1} ({len(a)}): A {np.mean(a):.3f}, B {np.mean(b):.3f}")
     for name, path in (("A", first), ("B", second)):
         every = [x for seq in runs[name] for x in seq]
         rounds = [r for seq in runs[name] for r in decode_rounds(seq)]
