@@ -25,6 +25,15 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def scatter_index(positions: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The index of a layer's buffer [b, kv_heads, capacity, d] at which keys/values [b, kv_heads, n, d] of tokens at
+    `positions` [b, n] (a device tensor) go: `buffer[index] = k`, no host sync (a graphed pass's write). Made once
+    per pass, used by every layer."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
+    heads = torch.arange(kv_heads, device=positions.device)[None, :, None]
+    return rows, heads, positions[:, None, :]
+
+
 class KVCache:
     """keys/values: [layers, batch, kv_heads, capacity, head_dim]; `lengths[r]`: positions of row r in use."""
 

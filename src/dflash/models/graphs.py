@@ -83,17 +83,43 @@ class CapturedCall:
         return pool
 
 
-class PassGraphs:
+class KeptGraphs:
+    """Graphed calls kept by key (the least recently used dropped past `max_graphs`: a graph holds its cache's
+    buffers and its own outputs), all replayed through one memory pool."""
+
+    def __init__(self, capture: bool, max_graphs: int):
+        self.capture, self.max_graphs = capture, max_graphs
+        self.graphs: OrderedDict[tuple, CapturedCall] = OrderedDict()
+        self.pool = None
+        self.captures = 0  # graphs made so far (a report, and what tests count)
+
+    def kept(self, key: tuple, make: Callable[[], tuple[Callable[..., tuple], dict[str, torch.Tensor]]]
+             ) -> CapturedCall:
+        """The graph kept under `key`, or a new one of `make()`'s (run, static inputs), captured at its first replay."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            return graph
+        graph = CapturedCall(*make(), self.capture)
+        self.captures += 1
+        self.graphs[key] = graph
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return graph
+
+    def replay(self, graph: CapturedCall) -> tuple:
+        """Run `graph` on its current inputs; its outputs (overwritten by its next replay)."""
+        self.pool = graph.replay(self.pool)
+        return graph.outputs
+
+
+class PassGraphs(KeptGraphs):
     """The graphed passes of one target: `run(input_ids, cache, feature_layers)` is `Transformer.forward` for a
     pass of up to max(WIDTHS) tokens per row, through a captured graph of its shape (made on first use)."""
 
     def __init__(self, engine, capture: bool | None = None, max_graphs: int = MAX_GRAPHS):
+        super().__init__(torch.cuda.is_available() if capture is None else capture, max_graphs)
         self.engine = engine
-        self.capture = torch.cuda.is_available() if capture is None else capture
-        self.max_graphs = max_graphs
-        self.graphs: OrderedDict[tuple, CapturedCall] = OrderedDict()
-        self.pool = None
-        self.captures = 0  # graphs made so far (a report, and what tests count)
 
     def handles(self, input_ids: torch.Tensor, cache) -> bool:
         """Whether this pass can run graphed: a pass of at most max(WIDTHS) tokens per row whose padded width still
@@ -118,27 +144,19 @@ class PassGraphs:
             padded = torch.cat([padded, padded[-1:].expand(runs_on.batch - rows, width)])
         graph.inputs["ids"].copy_(padded, non_blocking=True)
         graph.inputs["positions"].copy_(positions, non_blocking=True)
-        self.pool = graph.replay(self.pool)  # one memory pool shared by every graph
+        logits, features = self.replay(graph)
         cache.advance(n)  # the padding's keys lie past the new lengths (or in free rows): never read
-        logits, features = graph.outputs
         return logits[:rows, :n].clone(), (features[:rows, :n].clone() if features is not None else None)
 
     def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...]) -> CapturedCall:
         keys, values = cache.keys, cache.values
-        key = (keys.data_ptr(), values.data_ptr(), tuple(keys.shape), tuple(keys.stride()), rows, width,
-               feature_layers)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            self.graphs.move_to_end(key)
-            return graph
 
-        def run(ids, positions):
-            return self.engine.forward_static(ids, positions, keys, values, feature_layers)
+        def make():
+            def run(ids, positions):
+                return self.engine.forward_static(ids, positions, keys, values, feature_layers)
 
-        inputs = {name: torch.zeros(rows, width, dtype=torch.long, device=keys.device) for name in ("ids", "positions")}
-        graph = CapturedCall(run, inputs, self.capture)
-        self.captures += 1
-        self.graphs[key] = graph
-        while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
-        return graph
+            return run, {name: torch.zeros(rows, width, dtype=torch.long, device=keys.device)
+                         for name in ("ids", "positions")}
+
+        return self.kept((keys.data_ptr(), values.data_ptr(), tuple(keys.shape), tuple(keys.stride()), rows, width,
+                          feature_layers), make)

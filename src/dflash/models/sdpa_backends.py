@@ -31,13 +31,13 @@ CANDIDATES: dict[str, tuple[SDPBackend, ...] | None] = {
 }
 VERIFY_WIDTH = 16  # the masked calls: a verify pass's or a drafter block's queries
 
-_chosen: dict[str, tuple[SDPBackend, ...]] = {}  # str(device) -> the backends its attention calls run under
+_chosen: dict[torch.device, tuple[SDPBackend, ...]] = {}  # device -> the backends its attention calls run under
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """F.scaled_dot_product_attention, under the backends chosen for q's device (none chosen: torch's own)."""
-    backends = _chosen.get(str(q.device)) if _chosen else None
+    backends = _chosen.get(q.device) if _chosen else None
     if backends is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     with sdpa_kernel(list(backends), set_priority=True):
@@ -53,9 +53,9 @@ def use(device: torch.device, name: str) -> None:
     if device.type == "cuda" and device.index is None:  # tensors name their device with its index
         device = torch.device("cuda", torch.cuda.current_device())
     if backends is None:
-        _chosen.pop(str(device), None)
+        _chosen.pop(device, None)
     else:
-        _chosen[str(device)] = backends
+        _chosen[device] = backends
 
 
 def _calls(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, first_length: int,

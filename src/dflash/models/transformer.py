@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
+from .cache import KVCache, scatter_index
 from . import native
 from .kernels import FrozenLinear, KernelPlan, row_bucket
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
@@ -262,14 +262,12 @@ class Transformer(nn.Module):
         capacity = keys.shape[3]
         windows = {layer.layer_type: layer.window for layer in self.layers}
         masks = {kind: causal_mask(positions, capacity, window) for kind, window in windows.items()}
-        rows = torch.arange(b, device=input_ids.device)[:, None, None]
-        heads = torch.arange(self.kv_heads, device=input_ids.device)[None, :, None]
-        at = positions[:, None, :]
+        at = scatter_index(positions, self.kv_heads)
 
         def store(index: int):
             def write(k, v):
-                keys[index][rows, heads, at] = k
-                values[index][rows, heads, at] = v
+                keys[index][at] = k
+                values[index][at] = v
                 return keys[index], values[index]
             return write
 

@@ -27,7 +27,7 @@ from torch import nn
 from ...checkpoint import load_weights, read_folder, write_folder
 from ...errors import UserError
 from ...models import native
-from ...models.cache import KVCache
+from ...models.cache import KVCache, scatter_index
 from ...models.kernels import FrozenLinear
 from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, native_constants
 from ...models.transformer import MAX_NATIVE_TOKENS
@@ -356,18 +356,15 @@ class DFlashDrafter(nn.Module):
         rope_ctx, rope_block = self.rotary(context_positions, dtype), self.rotary(block_positions, dtype)
         visible = torch.arange(keys.shape[3], device=keys.device) <= block_positions[:, -1:]  # [1, capacity]
         mask = visible[:, None, None]
-        heads = torch.arange(keys.shape[2], device=keys.device)[None, :, None]
-
-        def store(layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            keys[layer][0][heads[0], positions] = k[0]
-            values[layer][0][heads[0], positions] = v[0]
+        at_context = scatter_index(context_positions, keys.shape[2])
+        at_block = scatter_index(block_positions, keys.shape[2])
 
         x = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            store(i, context_positions, *attn.context_kv(ctx, rope_ctx))
+            keys[i][at_context], values[i][at_context] = attn.context_kv(ctx, rope_ctx)
             q, k, v = attn.project(layer.input_layernorm(x), rope_block)
-            store(i, block_positions, k, v)
+            keys[i][at_block], values[i][at_block] = k, v
             x = x + attn.output(attn.attend(q, keys[i], values[i], mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

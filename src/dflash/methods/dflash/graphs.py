@@ -14,23 +14,19 @@ everything but the capture.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from ...models.graphs import WIDTHS, CapturedCall, padded_width
+from ...models.graphs import WIDTHS, CapturedCall, KeptGraphs, padded_width
 
 MAX_GRAPHS = 2 * len(WIDTHS)  # a width each, for a cache or two
 
 
-class DrafterGraphs:
+class DrafterGraphs(KeptGraphs):
     """`run` is DFlashDrafter.forward with a cache for one sequence, through a graph of its context width."""
 
     def __init__(self, drafter, capture: bool):
-        self.drafter, self.capture = drafter, capture
-        self.graphs: OrderedDict[tuple, CapturedCall] = OrderedDict()
-        self.pool = None
-        self.captures = 0  # graphs made so far (a report, and what tests count)
+        super().__init__(capture, MAX_GRAPHS)
+        self.drafter = drafter
 
     def handles(self, context_count: int, cache, block_size: int) -> bool:
         """Whether a pass with `context_count` new context tokens can replay: a graph width holds them, and the
@@ -53,33 +49,26 @@ class DrafterGraphs:
         inputs["block_positions"].copy_(torch.arange(start, start + size)[None], non_blocking=True)
         inputs["context_features"][:, :n].copy_(features)
         inputs["context_positions"].copy_(positions[None], non_blocking=True)
-        self.pool = graph.replay(self.pool)
+        hidden, = self.replay(graph)
         cache.advance(n)
-        return graph.outputs[0].clone()
+        return hidden.clone()
 
     def _graph(self, cache, width: int, size: int, block_embeds: torch.Tensor,
                features: torch.Tensor) -> CapturedCall:
         keys, values = cache.keys, cache.values
-        key = (keys.data_ptr(), values.data_ptr(), tuple(keys.shape), width, size, block_embeds.dtype, features.dtype)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            self.graphs.move_to_end(key)
-            return graph
-        device = keys.device
-        inputs = {
-            "block_embeds": torch.zeros(1, size, block_embeds.shape[-1], dtype=block_embeds.dtype, device=device),
-            "block_positions": torch.zeros(1, size, dtype=torch.long, device=device),
-            "context_features": torch.zeros(1, width, features.shape[-1], dtype=features.dtype, device=device),
-            "context_positions": torch.zeros(1, width, dtype=torch.long, device=device),
-        }
 
-        def run(block_embeds, block_positions, context_features, context_positions):
-            return (self.drafter.forward_static(block_embeds, block_positions, context_features, context_positions,
-                                                keys, values),)
+        def make():
+            def run(block_embeds, block_positions, context_features, context_positions):
+                return (self.drafter.forward_static(block_embeds, block_positions, context_features,
+                                                    context_positions, keys, values),)
 
-        graph = CapturedCall(run, inputs, self.capture)
-        self.captures += 1
-        self.graphs[key] = graph
-        while len(self.graphs) > MAX_GRAPHS:
-            self.graphs.popitem(last=False)
-        return graph
+            device = keys.device
+            return run, {
+                "block_embeds": torch.zeros(1, size, block_embeds.shape[-1], dtype=block_embeds.dtype, device=device),
+                "block_positions": torch.zeros(1, size, dtype=torch.long, device=device),
+                "context_features": torch.zeros(1, width, features.shape[-1], dtype=features.dtype, device=device),
+                "context_positions": torch.zeros(1, width, dtype=torch.long, device=device),
+            }
+
+        return self.kept((keys.data_ptr(), values.data_ptr(), tuple(keys.shape), width, size, block_embeds.dtype,
+                          features.dtype), make)
