@@ -119,13 +119,15 @@ def _turns_of(row) -> list[str] | None:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One entry of --methods: NAME, NAME@B, NAME@B:whole or NAME:whole, to run one method at several settings in
-    the same run. B is the block size (tokens verified per round at most: dflash's block, EAGLE-3's depth + 1,
-    ngram's drafts + 1); `whole` verifies every draft every round instead of the adaptive choice."""
+    """One entry of --methods: NAME, NAME@B, NAME@B:whole, NAME:whole or NAME[@B]:treeN, to run one method at
+    several settings in the same run. B is the block size (tokens verified per round at most: dflash's block,
+    EAGLE-3's depth + 1, ngram's drafts + 1); `whole` verifies every draft every round instead of the adaptive
+    choice; `treeN` verifies a tree of N drafts every round (a block drafter's top candidates, trees.py)."""
 
     name: str
     size: int | None = None
     whole_blocks: bool = False
+    tree: int | None = None
 
 
 def known_methods() -> list[str]:
@@ -139,9 +141,15 @@ def parse_method(text: str) -> MethodSpec:
     name, _, size_text = head.partition("@")
     if name not in known_methods():
         raise UserError(f"unknown method {name!r}; choose from {', '.join(known_methods())} "
-                        "(optionally NAME@B, NAME@B:whole)")
-    if colon and mode != "whole":
-        raise UserError(f"bad method setting {text!r}: the only mode is ':whole' (e.g. dflash@16:whole)")
+                        "(optionally NAME@B, NAME@B:whole, NAME:treeN)")
+    tree = None
+    if colon and mode.startswith("tree"):
+        if not mode[4:].isdigit():
+            raise UserError(f"bad method setting {text!r}: use NAME:treeN with an integer N (e.g. dflash:tree15)")
+        tree = int(mode[4:])
+    elif colon and mode != "whole":
+        raise UserError(f"bad method setting {text!r}: the modes are ':whole' and ':treeN' (e.g. dflash@16:whole, "
+                        "dflash:tree15)")
     if (size_text or colon) and name in ("ar", *BASELINES):
         raise UserError(f"{name} takes no setting (got {text!r})")
     size = None
@@ -152,7 +160,7 @@ def parse_method(text: str) -> MethodSpec:
             raise UserError(f"bad method setting {text!r}: use NAME@B with an integer B (e.g. dflash@8)") from None
         if size < 2:
             raise UserError(f"{text!r}: block size must be >= 2 (the bonus token and at least one draft)")
-    return MethodSpec(name, size, bool(colon))
+    return MethodSpec(name, size, bool(colon) and tree is None, tree)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -366,7 +374,7 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         if spec.name == LLAMACPP_METHOD:
             runners[method] = LlamaCppRunner(target, args.llamacpp_gguf, sampling)
             continue
-        options = method_options(args, spec.name, spec.size, several=True)
+        options = method_options(args, spec.name, spec.size, several=True, tree=spec.tree)
         proposer, note = build_proposer(spec.name, target, options)
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
@@ -534,7 +542,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ar,ngram,dflash,dflash+ngram",
                    help="comma-separated: the engine's methods and hf (transformers' generate); NAME@B runs a "
                         "method at block size B, NAME@B:whole (or NAME:whole) verifies whole blocks instead of the "
-                        "adaptive choice, side by side with the others, e.g. dflash,dflash@8,dflash@16:whole,eagle3@4 "
+                        "adaptive choice, NAME:treeN verifies a tree of N drafts a round (dflash), side by side "
+                        "with the others, e.g. dflash,dflash@8,dflash@16:whole,dflash:tree15,eagle3@4 "
                         "(default: ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")
     p.add_argument("--llamacpp-gguf", default=None, metavar="FILE",

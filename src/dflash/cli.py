@@ -91,6 +91,12 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                             "NAME+ngram) drafts from where the text has no earlier match: a folder built by `dflash "
                             "data --out DATA_FOLDER --table FOLDER`, or none (default: the one shipped for a "
                             "registry target, none for others)")
+    if not several:
+        group.add_argument("--tree", type=int, default=None, metavar="N",
+                           help="verify a tree of N drafts a round (1-63): the drafter's top candidates at each block "
+                                "position, kept best first by their probability, checked in one target pass with a "
+                                "tree mask (dflash; our forward). Every node is verified every round. Default: a "
+                                "chain (bench: NAME:treeN)")
     group.add_argument("--whole-blocks", action="store_true",
                        help="draft and verify every draft of every round (the paper's setting). Default: each round "
                             "verifies the number of drafts that maximises tokens/s on this machine, from the drafter's "
@@ -122,9 +128,11 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
     return paths
 
 
-def method_options(args, method: str, block_size: int | None = None, several: bool = False):
-    """MethodOptions for one method from the shared arguments (`block_size`: a bench NAME@B override). Among
-    `several` methods (bench), --continuations goes to those that use prompt lookup; for one, it must be one."""
+def method_options(args, method: str, block_size: int | None = None, several: bool = False,
+                   tree: int | None = None):
+    """MethodOptions for one method from the shared arguments (`block_size`, `tree`: a bench NAME@B:treeN
+    override). Among `several` methods (bench), --continuations goes to those that use prompt lookup; for one, it
+    must be one."""
     from .methods import registry
     from .methods.base import MethodOptions
 
@@ -132,11 +140,15 @@ def method_options(args, method: str, block_size: int | None = None, several: bo
     continuations = asked if registry.uses_lookup(method) else None
     if asked is not None and continuations is None and not several:
         raise UserError(f"--continuations applies to prompt lookup (ngram, NAME+ngram), not --method {method}")
+    tree = tree if tree is not None else getattr(args, "tree", None)
+    if tree is not None and registry.drafter_of(method) != "dflash":
+        raise UserError(f"a tree of drafts needs a block drafter (dflash, dflash+ngram), not {method}")
     return MethodOptions(
         drafter=drafter_paths(args.drafter, [method]).get(registry.drafter_of(method)),
         block_size=block_size if block_size is not None else args.block_size,
         draft_dtype=args.draft_dtype,
         continuations=continuations,
+        tree=tree,
     )
 
 

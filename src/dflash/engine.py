@@ -28,6 +28,7 @@ from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import TABLE_LABEL, Draft, Proposer
 from .prefixes import PrefixCache
+from . import trees
 from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
 from .threads import chooser_for
 
@@ -232,7 +233,8 @@ class Engine:
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = config.stop_ids(self.target.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
-        controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
+        whole = not self.adaptive or self.proposer.tree_nodes is not None  # a tree verifies every node
+        controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=whole,
                                      timer=self.timer, calibration=self._calibration("drafter"),
                                      lookup_calibration=self._calibration("lookup"))
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
@@ -258,9 +260,10 @@ class Engine:
 
     def budget(self, prompt_ids: list[int]) -> int:
         """How many tokens may follow `prompt_ids` (a verify block must still fit the context); UserError if none."""
-        budget = self.target.max_context - len(prompt_ids) - self.proposer.max_draft - 1
+        widest = max(self.proposer.max_draft, self.proposer.tree_nodes or 0)
+        budget = self.target.max_context - len(prompt_ids) - widest - 1
         if budget < 1:
-            limit = self.target.max_context - self.proposer.max_draft - 2
+            limit = self.target.max_context - widest - 2
             raise UserError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the target's context of {self.target.max_context} "
                 f"(at most {limit} prompt tokens with this method); shorten the prompt"
@@ -397,7 +400,7 @@ class Engine:
                 planned.append(lookup if lookup.verified else Plan(Draft([]), 0))
                 continue
             draft, seconds = drafts[id(seq)]
-            available = min(len(draft.tokens), seq.proposer.max_draft)
+            available = min(len(draft.tokens), seq.proposer.tree_nodes or seq.proposer.max_draft)
             if shared:  # the batch decides how many; the drafts expected to bring more are the candidates
                 chances = seq.controller.acceptance(available, draft.confidence, draft.label)
                 plan = Plan(draft, available, drafted=True, seconds=seconds, value=expected_accepted(chances)[-1],
@@ -453,6 +456,8 @@ class Engine:
         """One propose / verify / accept round over every running sequence, in one target pass."""
         rows = self.running
         planned, catching_up = self._draft_all(rows)
+        if any(plan.draft.parents is not None and plan.verified for plan in planned):
+            return self._tree_round(rows, planned, catching_up)
         drafts = [plan.draft.tokens[: plan.verified] for plan in planned]
         blocks = [[seq.sequence[-1]] + d for seq, d in zip(rows, drafts)]
         width = max(len(b) for b in blocks)
@@ -487,29 +492,107 @@ class Engine:
             accepted = accept_length(drafts[i], chosen[i])
             lengths.append(starts[i] + accepted + 1)
             features = out.features[i: i + 1, : accepted + 1] if out.features is not None else None
-            seq.proposer.commit(blocks[i][: accepted + 1], features)
-            if seq.features and features is not None:
-                seq.features.append(features)
-            plan = planned[i]
-            seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted, plan.seconds,
-                                  verify_seconds, width=len(rows) * width, catching_up=catching_up,
-                                  lookup=plan.lookup, label=plan.draft.label, costs_read=True)
-            seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
-            seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
-            seq.stats.draft_lengths.append(len(drafts[i]))
-            new_tokens = drafts[i][:accepted] + [chosen[i][accepted]]
-            seq.sequence += new_tokens
             if seq.config.logprobs is not None:  # the logits of the accepted positions, where they were deferred
                 logits = out.logits[i] if not deferred else self.target.logits_of(out.hidden[i, : accepted + 1])
-                committed = self._emit(seq, new_tokens, self._logprobs(seq, logits[: accepted + 1], new_tokens))
+                logits = logits[: accepted + 1]
             else:
-                committed = self._emit(seq, new_tokens)
-            # tau counts committed tokens (DFLASH_SPEC): a round cut by the length limit or a stop counts what it kept
-            seq.stats.accept_lengths.append(committed)
+                logits = None
+            self._settle(seq, planned[i], blocks[i][: accepted + 1], chosen[i][accepted], features, logits,
+                         verify_seconds, len(rows) * width, catching_up)
         if width > FIRST_LOGITS:
             overran = max(length - start for length, start in zip(lengths, starts)) > FIRST_LOGITS
             self.head_overrun += OVERRUN_SMOOTHING * (overran - self.head_overrun)
         cache.set_lengths(lengths)
+        if self.batched:
+            self.cache.take_lengths(cache, 0)
+
+    def _settle(self, seq: Sequence, plan: Plan, kept: list[int], bonus: int, features: torch.Tensor | None,
+                logits: torch.Tensor | None, verify_seconds: float, width: int, catching_up: bool) -> None:
+        """A row's round is decided: `kept` (the old bonus and the accepted drafts) entered the target's cache with
+        their `features`, `bonus` is the target's next token; `logits` (where the row asked for log-probabilities)
+        chose the emitted tokens. Tells the proposer and the controller, emits, and counts."""
+        accepted = len(kept) - 1
+        seq.proposer.commit(kept, features)
+        if seq.features and features is not None:
+            seq.features.append(features)
+        # a tree's nodes are not a chain's positions: the calibration (control.py) learns from chains only
+        tree = plan.draft.parents is not None
+        seq.controller.record(plan.drafted and not tree, plan.draft.confidence, plan.verified, accepted,
+                              plan.seconds, verify_seconds, width=width, catching_up=catching_up,
+                              lookup=plan.lookup, label=plan.draft.label, costs_read=True)
+        seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
+        seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
+        seq.stats.draft_lengths.append(min(plan.verified, len(plan.draft.tokens)))
+        new_tokens = kept[1:] + [bonus]
+        seq.sequence += new_tokens
+        logprobs = self._logprobs(seq, logits, new_tokens) if logits is not None else None
+        committed = self._emit(seq, new_tokens, logprobs)
+        # tau counts committed tokens (DFLASH_SPEC): a round cut by the length limit or a stop counts what it kept
+        seq.stats.accept_lengths.append(committed)
+
+    def _tree_round(self, rows: list[Sequence], planned: list[Plan], catching_up: bool) -> None:
+        """A round where some row verifies a tree of drafts (trees.py): every row's nodes in ONE pass with a tree
+        mask (a chain is a tree too), each row walking its tree from the root; the accepted path's keys and values
+        then move into consecutive slots. Every node's logits are computed: a tree's accepted nodes are not a
+        prefix of its block, so the stepped head of a chain round does not apply."""
+        nodes, parents = [], []
+        for seq, plan in zip(rows, planned):
+            tokens = plan.draft.tokens[: plan.verified]
+            nodes.append([seq.sequence[-1]] + tokens)
+            parents.append([-1] + (plan.draft.parents[: plan.verified] if plan.draft.parents is not None
+                                   else list(range(len(tokens)))))
+        width = max(len(n) for n in nodes)
+        for n, p in zip(nodes, parents):  # padding: leaves under the root, rolled back with the rejected nodes
+            p += [0] * (width - len(n))
+            n += [n[0]] * (width - len(n))
+        starts = [len(seq.sequence) - 1 for seq in rows]
+        cache = self.cache
+        if self.batched:
+            self.cache.reserve(max(starts) + width)
+            cache = self.cache.view(0, len(rows), spare_after=True)
+        if self.threads:
+            self.threads.before_pass()
+        started = self.timer()
+        screened = self.target.screens and all(plain_greedy(seq) for seq in rows)
+        device = self.target.device
+        out = self.target.forward(torch.tensor(nodes, device=device), cache, rows[0].proposer.feature_layers,
+                                  logits_at="hidden" if screened or self.target.defers_logits else "all",
+                                  tree=torch.tensor(parents))
+        logits, greedy = out.logits, None
+        if screened:
+            greedy = self.target.greedy_of(out.hidden).tolist()  # the host sync: the pass has run
+        else:
+            logits = logits if logits is not None else self.target.logits_of(out.hidden)
+            if any(plain_greedy(seq) for seq in rows):
+                greedy = logits.argmax(-1).tolist()
+        walked = []
+        for i, seq in enumerate(rows):
+            if plain_greedy(seq):
+                walked.append(trees.walk(parents[i], nodes[i], lambda path, i=i: greedy[i][path[-1]]))
+                continue
+
+            def pick(path, i=i, seq=seq):  # sampled given the path, seeded by its sequence position
+                history = seq.sequence + [nodes[i][k] for k in path[1:]]
+                at = logits[i: i + 1, path[-1]: path[-1] + 1]
+                return self._choose(at, [seq], [1], drafts=[[]], history=history)[0][0]
+            walked.append(trees.walk(parents[i], nodes[i], pick))
+        verify_seconds = self.timer() - started
+        if self.threads:
+            verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
+        shares = [plan.seconds for plan in planned if plan.drafted]
+        context = sum(starts) // len(rows)
+        self.costs.observe_round(len(rows) * width, verify_seconds, context,
+                                 shares[0] if shares and not catching_up else None)
+        for i, (seq, (path, bonus)) in enumerate(zip(rows, walked)):
+            cache.keep_path(i, starts[i], path)
+            features = out.features[i: i + 1, path] if out.features is not None else None
+            row_logits = None
+            if seq.config.logprobs is not None:
+                row_logits = (logits[i, path] if logits is not None
+                              else self.target.logits_of(out.hidden[i, path]))
+            self._settle(seq, planned[i], [nodes[i][k] for k in path], bonus, features, row_logits,
+                         verify_seconds, len(rows) * width, catching_up)
+        cache.set_lengths([start + len(path) for start, (path, _) in zip(starts, walked)])
         if self.batched:
             self.cache.take_lengths(cache, 0)
 

@@ -33,6 +33,9 @@ class Draft:
     # for drafts without confidences: what their acceptance is learnt by, beside the position (prompt lookup: the
     # length of the match it copied from); None: position alone
     label: int | None = None
+    # a tree of drafts (trees.py): parents[i] is draft i's parent, by block index (0: the bonus, j: draft j - 1),
+    # each below its child's; None: a chain
+    parents: list[int] | None = None
 
 
 class Proposer:
@@ -49,6 +52,9 @@ class Proposer:
     # a free proposer (prompt lookup, `dflash+ngram`) whose drafts a round may verify instead of running this one,
     # where the controller expects them to be worth more (control.py); None: none
     lookup: "Proposer | None" = None
+    # drafts a tree of this many nodes a round (trees.py), every node verified (the controller prices chains only);
+    # None: a chain
+    tree_nodes: int | None = None
 
     def setup_report(self) -> dict:
         """What its set-up chose beyond the draft dtype (e.g. the kernel of a drafter's LM head), for `report`."""
@@ -99,6 +105,7 @@ class MethodOptions:
     block_size: int | None = None  # tokens verified per round at most: the bonus + block_size - 1 drafts
     draft_dtype: str | None = None  # the drafter's dtype; None: the target's; "auto": the faster one, measured
     continuations: str | None = None  # prompt lookup's continuation table: a folder, "none"; None: the shipped one
+    tree: int | None = None  # verify a tree of this many drafts a round (a block drafter's top candidates); None: a chain
 
 
 class TrainingRecipe(Protocol):

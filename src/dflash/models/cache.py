@@ -117,6 +117,18 @@ class KVCache:
             raise ValueError(f"cannot roll lengths {self.lengths} to {lengths}: rollback only shortens")
         self.lengths = list(lengths)
 
+    def keep_path(self, row: int, start: int, path: list[int]) -> None:
+        """After a tree pass from slot `start` of `row`: move the keys/values of the accepted path's nodes (their
+        indices in the pass, increasing) into consecutive slots start, start + 1, ... (each already sits at the
+        position of its depth; gathered before written, so a node's move never overwrites one still to move)."""
+        if path == list(range(len(path))):
+            return
+        device = self.keys.device
+        source = torch.tensor([start + node for node in path], device=device)
+        dest = torch.arange(start, start + len(path), device=device)
+        self.keys[:, row, :, dest] = self.keys[:, row, :, source]
+        self.values[:, row, :, dest] = self.values[:, row, :, source]
+
     # ---- rows ------------------------------------------------------------------------------------------------------
     def view(self, start: int, stop: int, spare_after: bool = False) -> "KVCache":
         """Rows start..stop-1 as a cache sharing this one's storage (writes land here). A view cannot grow: reserve

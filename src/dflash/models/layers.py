@@ -94,9 +94,10 @@ class Rotary(nn.Module):
             config) else ROPE_INIT_FUNCTIONS[kind](config, "cpu")
         return cls(inv_freq, float(scaling))
 
-    def spans(self, starts: list[int], n: int, positions: torch.Tensor, dtype: torch.dtype
+    def spans(self, starts: list[int], n: int, positions: torch.Tensor, dtype: torch.dtype, in_order: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(positions) where row r's positions are starts[r] + 0..n-1 (`positions` holds them), read from a
+        """forward(positions) where row r's positions are starts[r] + 0..n-1 (`positions` holds them; `in_order`
+        False: any positions below starts[r] + n, as a tree pass's depths), read from a
         table of every position up to the furthest asked so far: a decode step computed its cos/sin anew with ~10
         small ops. Each position's values are the ones `forward` computes for it (elementwise ops, so where a
         position sits in the call does not matter), and the same in every pass."""
@@ -108,7 +109,7 @@ class Rotary(nn.Module):
             cos, sin = self(torch.arange(size, device=positions.device)[None], dtype)
             tables[key] = (cos[0], sin[0])  # [size, 1, head_dim]
         cos, sin = tables[key]
-        if len(starts) == 1:  # a view: rows of the table are contiguous
+        if len(starts) == 1 and in_order:  # a view: rows of the table are contiguous
             return cos[starts[0]: end][None], sin[starts[0]: end][None]
         return cos[positions], sin[positions]
 

@@ -1517,7 +1517,7 @@ static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *v
 #define ATTEND_CHUNK 2
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
                    int64_t capacity, int64_t d, int64_t last, int64_t step, int64_t window, float scale, int bf16,
-                   float *block) {
+                   float *block, const uint64_t *tree, int64_t tree_start) {
     int64_t at = g * capacity * d, longest = last + (tokens - 1) * step + 1;
     int pairs = bf16 == 2 && attention_pairs;
     uint16_t q16[pairs ? tokens * group * d : 1]; /* the queries as bfloat16 (they are bfloat16 values: exact) */
@@ -1546,9 +1546,15 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             int64_t n = SEEN(t), lo = FIRST_SEEN(t);
-            float *s = R.scores + t * R.score_token + h * R.score_head, top = largest(s + lo, n - lo);
-            float inverse = 1.0f / exp_shifted(s + lo, n - lo, top);
+            float *s = R.scores + t * R.score_token + h * R.score_head;
+            if (tree) /* a tree pass: of the pass's own keys, a node sees its ancestors and itself */
+                for (int64_t j = MAX(lo, tree_start); j < n; j++)
+                    if (!(tree[t] >> (j - tree_start) & 1)) s[j] = -INFINITY;
+            float top = largest(s + lo, n - lo), inverse = 1.0f / exp_shifted(s + lo, n - lo, top);
             for (int64_t j = lo; j < n; j++) s[j] *= inverse;
+            if (tree) /* exp8 clamps: a hidden key's weight is ~1e-38 there, made exactly 0 */
+                for (int64_t j = MAX(lo, tree_start); j < n; j++)
+                    if (!(tree[t] >> (j - tree_start) & 1)) s[j] = 0.0f;
             if (!in_registers) memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
     if (in_registers)
@@ -1593,6 +1599,9 @@ enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS 
 typedef struct { /* one pass: `rows` sequences of n new tokens (m in all), their caches, and float32 scratch */
     int64_t rows, n, m, longest, capacity;
     int block; /* 0: causal; 1: a drafter's block, each token attends to all of its row's tokens in the pass */
+    /* a tree pass (NULL: none): token t sees the pass's own token i of its row iff bit i of tree[t] is set (its
+     * ancestors and itself), and every cached position before the pass */
+    const uint64_t *tree;
     const int64_t *starts;
     const void *cos, *sin;
     void *keys, *values;
@@ -1691,10 +1700,11 @@ static void attention_items(void *ctx, int64_t first, int64_t last) {
         Rows R = {.q = P->part[QKV] + t * width + head * L->d, .q_token = width,
                   .scores = P->part[SCORES] + (t * L->heads + head) * P->longest, .score_token = L->heads * P->longest,
                   .score_head = P->longest, .out = P->part[ATT] + t * ap + head * L->d, .out_token = ap};
-        int64_t last = P->block ? P->starts[r] + P->n - 1 : position_of(P, t);
+        int whole = P->block || P->tree; /* every token's range reaches the pass's last key */
+        int64_t last = whole ? P->starts[r] + P->n - 1 : position_of(P, t);
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
-               g, P->capacity, L->d, last, !P->block, L->window, L->scale, L->bf16,
-               P->part[ROW] + item * KEY_BLOCK * L->d);
+               g, P->capacity, L->d, last, !whole, L->window, L->scale, L->bf16,
+               P->part[ROW] + item * KEY_BLOCK * L->d, P->tree ? P->tree + t : NULL, P->starts[r]);
     }
 }
 
@@ -1916,13 +1926,17 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
  * tables by layer type (Gemma3's local and global layers differ), each layer reading its own (Layer.rope). Layer i's caches start
  * i * cache_stride elements after keys / values; features[i], where not NULL, receives layer i's output. The
  * layers alternate between h_out and `spare` (both [rows, n, hidden] in the model dtype), the last one ending in
- * h_out. Returns nonzero when out of memory (then nothing is written). */
+ * h_out. `tree` (NULL: causal): a tree pass of n <= 64 tokens a row, token t of the pass (row-major) seeing its
+ * row's cache before the pass and the pass's tokens whose bits tree[t] sets (the caller's RoPE tables place each
+ * node at its depth). Returns nonzero when out of memory or asked what it cannot do (then nothing is written). */
 int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t n, const int64_t *starts,
                  const void *const *cos, const void *const *sin, void *keys, void *values, int64_t cache_stride,
-                 int64_t capacity, int threads, int64_t count, const Layer *layers, void *const *features) {
+                 int64_t capacity, int threads, int64_t count, const Layer *layers, void *const *features,
+                 const uint64_t *tree) {
     size_t elem = layers[0].bf16 ? 2 : 4, bytes = (size_t)(rows * n * layers[0].hidden) * elem, floats = 0;
-    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos[0],
-              .sin = sin[0], .threads = threads};
+    if (tree && n > 64) return 1; /* a tree's visibility is one 64-bit word a token */
+    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .tree = tree, .starts = starts,
+              .cos = cos[0], .sin = sin[0], .threads = threads};
     set_longest(&P);
     int64_t sizes[PARTS];
     for (int64_t i = 0; i < count; i++) floats = MAX(floats, scratch_parts(&layers[i], &P, sizes));

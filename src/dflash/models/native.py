@@ -127,7 +127,7 @@ def library() -> ctypes.CDLL | None:
             layer.restype = ctypes.c_int
             stack = lib.dflash_stack
             stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
-                              + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p])
+                              + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 3)
             stack.restype = ctypes.c_int
             drafter = lib.dflash_drafter_stack
             drafter.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
@@ -352,12 +352,13 @@ def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = N
 
 
 def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor,
-          values: torch.Tensor, starts: torch.Tensor, feature_layers: tuple[int, ...]
-          ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+          values: torch.Tensor, starts: torch.Tensor, feature_layers: tuple[int, ...],
+          tree: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """Every decoder layer in one call (native.c's dflash_stack): h [b, n, hidden] -> (the last layer's output,
     {i: layer i's output} for `feature_layers`). ropes: (cos, sin) by layer type, each layer reading its own (its
     constants' `rope`). keys / values: the whole cache [layers, b, kv_heads, capacity, head_dim], each layer's rows
-    contiguous. None where the kernel is not available."""
+    contiguous. `tree`: int64 [b, n] visibility bits of a tree pass (`tree_visibility`), None: causal. None where
+    the kernel is not available."""
     lib = _library
     if lib is None:
         return None
@@ -370,7 +371,8 @@ def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor,
     status = lib.dflash_stack(h.data_ptr(), out.data_ptr(), spare.data_ptr(), h.shape[0], h.shape[1],
                               starts.data_ptr(), ctypes.addressof(coses), ctypes.addressof(sines), keys.data_ptr(),
                               values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(), len(layers),
-                              ctypes.addressof(layers), ctypes.addressof(pointers))
+                              ctypes.addressof(layers), ctypes.addressof(pointers),
+                              None if tree is None else tree.data_ptr())
     return (out, features) if status == 0 else None
 
 

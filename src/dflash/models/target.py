@@ -203,10 +203,19 @@ class TargetModel:
         return self.logits_of(hidden).argmax(-1)
 
     def forward(self, input_ids: torch.Tensor, cache=None, feature_layers: tuple[int, ...] = (),
-                logits_at: str | torch.Tensor = "all") -> TargetOutput:
+                logits_at: str | torch.Tensor = "all", tree: torch.Tensor | None = None) -> TargetOutput:
         """Run `input_ids` [batch, seq] after what `cache` holds (a fresh sequence when None); return the logits at
         `logits_at` ("all", "last", "none" or one position per row; "hidden" where `defers_logits`: no logits,
-        the last layer's outputs instead) and the chosen layers' outputs."""
+        the last layer's outputs instead) and the chosen layers' outputs. `tree`: the parents [batch, seq] of a
+        tree pass (trees.py; our forward only, never graphed)."""
+        if tree is not None:
+            if isinstance(self.engine, HFEngine):
+                raise UserError("tree verification needs our own forward (Llama, Qwen3, Gemma3 targets), not the "
+                                "transformers fallback")
+            logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at, tree)
+            if logits_at == "hidden":
+                return TargetOutput(logits=None, features=features, hidden=logits)
+            return TargetOutput(logits=logits, features=features)
         if logits_at == "hidden" and not self.defers_logits:
             raise ValueError("logits_at='hidden' needs a target that defers logits (see defers_logits)")
         for layer_id in feature_layers:

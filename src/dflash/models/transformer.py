@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import trees
 from .cache import KVCache, scatter_index
 from . import native
 from .kernels import FrozenLinear, KernelPlan, row_bucket
@@ -51,9 +52,10 @@ class DecoderLayer(nn.Module):
         self.rope_index = 0  # which of the model's RoPE tables (by layer type) it reads: set by Transformer
 
     def forward(self, h: torch.Tensor, rope, cache: KVCache, index: int, mask: torch.Tensor | None,
-                starts: torch.Tensor | None = None) -> torch.Tensor:
-        """`starts`: each row's cache length before this pass (int64 [b], cache.lengths by default)."""
-        if h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes, batched or not: one C call for the layer
+                starts: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+        """`starts`: each row's cache length before this pass (int64 [b], cache.lengths by default). `causal`:
+        False for a tree pass, whose mask only torch applies layer by layer (the C stack takes it whole)."""
+        if causal and h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes, batched or not: one C call for the layer
             out = self.native_step(h, rope, cache, index, starts)
             if out is not None:
                 return out
@@ -216,32 +218,46 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...] = (),
-                logits_at: str | torch.Tensor = "all") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                logits_at: str | torch.Tensor = "all", tree: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run `input_ids` [b, n], row r at positions cache.lengths[r] onward, and advance every row by n.
 
         Returns (logits [b, m, vocab] float32, features [b, n, len(feature_layers) * hidden]): the feature of layer
         i is the OUTPUT of decoder layer i. logits_at: "all" (m = n), "last" (m = 1), "none" (no logits), a
         LongTensor [b] of one position per row (m = 1; e.g. each row's last real token in a padded prefill), or
-        "hidden": the last layer's outputs [b, n, hidden] in place of logits, for `logits` to finish later."""
+        "hidden": the last layer's outputs [b, n, hidden] in place of logits, for `logits` to finish later.
+
+        `tree`: int64 [b, n] parents of a tree pass (trees.py): token i of row r goes into cache slot lengths[r] + i
+        as before, but sits at the position of its depth and attends to the cached positions and its ancestors."""
         b, n = input_ids.shape
         starts = cache.lengths
         end = max(starts) + n
         cache.reserve(end)
         start_tensor = torch.tensor(starts, device=input_ids.device)
-        positions = start_tensor[:, None] + torch.arange(n, device=input_ids.device)
+        if tree is None:
+            positions = start_tensor[:, None] + torch.arange(n, device=input_ids.device)
+        else:
+            positions = start_tensor[:, None] + torch.tensor([trees.depths(row) for row in tree.tolist()],
+                                                             device=input_ids.device)
         h = self.embed(input_ids)
-        ropes = {t: rotary.spans(starts, n, positions, h.dtype) for t, rotary in self.rotary.items()}
+        ropes = {t: rotary.spans(starts, n, positions, h.dtype, in_order=tree is None)
+                 for t, rotary in self.rotary.items()}
         if any(not 0 <= i < len(self.layers) for i in feature_layers):
             raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
-        in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers) if n <= MAX_NATIVE_TOKENS else None
+        in_c = None
+        if n <= MAX_NATIVE_TOKENS and (tree is None or self._tree_in_c(n, end)):
+            bits = None if tree is None else trees.as_int64([trees.visibility(row) for row in tree.tolist()])
+            in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers, bits)
         if in_c is not None:
             h, outputs = in_c
         else:
             windows = {layer.layer_type: layer.window for layer in self.layers}  # one mask per layer type
-            masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
+            masks = {kind: self._mask(positions, starts, n, end, window) if tree is None
+                     else trees.tree_mask(tree, starts, end, window).to(input_ids.device) for kind, window in windows.items()}
             outputs: dict[int, torch.Tensor] = {}
             for index, layer in enumerate(self.layers):
-                h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor)
+                h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor,
+                          causal=tree is None)
                 if index in feature_layers:
                     outputs[index] = h
         cache.advance(n)
@@ -279,8 +295,15 @@ class Transformer(nn.Module):
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return self.logits(h, "all"), features
 
+    def _tree_in_c(self, n: int, end: int) -> bool:
+        """Whether the C stack can run a tree pass: one visibility word a token, and no sliding window reached
+        (C would count a window from the pass's last slot, not from each node's depth)."""
+        windows = [layer.window for layer in self.layers if layer.window is not None]
+        return n <= trees.MAX_TREE_TOKENS and all(end <= window for window in windows)
+
     def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: torch.Tensor,
-                      feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+                      feature_layers: tuple[int, ...], tree: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
         """Every layer in ONE C call (native.stack) where every layer can run in C (see DecoderLayer.native_step),
         each reading its layer type's RoPE: (the last layer's output, the feature layers' outputs); else None (the
         caller then goes layer by layer, each in C where it can)."""
@@ -300,7 +323,7 @@ class Transformer(nn.Module):
                 return None
             cached = (state, ProductsUnchanged(self.layers), native.stack_args(constants), constants)
             self.__dict__["_stack_args"] = cached
-        return native.stack(h, cached[2], tables, keys, values, starts, feature_layers)
+        return native.stack(h, cached[2], tables, keys, values, starts, feature_layers, tree)
 
     def logits(self, h: torch.Tensor, logits_at: str | torch.Tensor) -> torch.Tensor | None:
         if isinstance(logits_at, torch.Tensor):

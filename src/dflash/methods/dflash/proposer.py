@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UserError
+from ...trees import MAX_TREE_TOKENS, best_first
 from ...models.graphs import WIDTHS
 from ...models.kernels import FrozenLinear, KernelPlan, covering, shape_key
 from ..base import (Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, best_drafting_seconds,
@@ -22,6 +23,7 @@ from .graphs import DrafterGraphs
 # A second read costs its own fixed part (float32: 3.1 ms for 4, 6.2 ms for 15), so whether stepping pays is
 # measured: `StepwiseReading`.
 FIRST_READ: int | None = 4
+TREE_TOP_K = 8  # candidates per block position a tree may branch into (scripts/tree_estimate.py: 15x8 > 15x4)
 READ_SMOOTHING = 0.1  # EMA weight of a row's "needed drafts past FIRST_READ"
 
 
@@ -45,11 +47,15 @@ class DFlashProposer(FeatureBacklog, Proposer):
     name = "dflash"
     one_pass = True
 
-    def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None, plan=None):
+    def __init__(self, drafter: DFlashDrafter, target, block_size: int | None = None, plan=None,
+                 tree: int | None = None):
         trained = drafter.config.block_size
         self.block_size = block_size or trained
         if not 2 <= self.block_size <= trained:
             raise UserError(f"block size must be in [2, {trained}] for this drafter (trained with {trained})")
+        if tree is not None and not 1 <= tree < MAX_TREE_TOKENS:
+            raise UserError(f"a tree has 1 to {MAX_TREE_TOKENS - 1} drafts (nodes), got {tree}")
+        self.tree_nodes = tree
         drafter.check_fits(target)
         self.drafter, self.target = drafter, target
         self.plan = plan or target.kernel_plan  # the drafter's kernels: int8 ones, or the target's
@@ -142,8 +148,24 @@ class DFlashProposer(FeatureBacklog, Proposer):
                 cache=self.cache,
             )
         self.pending = []
+        if self.tree_nodes:
+            return self.tree_draft(hidden[:, 1:])
         keep = self.max_draft if limit is None else min(limit, self.max_draft)
         return DFlashProposer._read_in_steps([self], hidden[:, 1: 1 + keep], [keep_going])[0]
+
+    def tree_draft(self, hidden: torch.Tensor) -> Draft:
+        """A tree of `tree_nodes` drafts from one row's hidden states at the draft positions [1, drafts, width]: the
+        top TREE_TOP_K tokens of each position, kept best first by their probabilities' product along a path."""
+        logits = self.base_logits(hidden)
+        if self.prompt_rows is not None:
+            logits = torch.cat([logits, F.linear(hidden.reshape(-1, hidden.shape[-1]), self.prompt_rows).float()],
+                               dim=-1)
+        probabilities, ids = logits.softmax(-1).topk(min(TREE_TOP_K, self.tree_nodes), dim=-1)
+        if self.vocab_ids is not None:
+            ids = self.vocab_ids[ids]
+        candidates = [list(zip(i, p)) for i, p in zip(ids.tolist(), probabilities.tolist())]
+        tokens, parents, confidence = best_first(candidates, self.tree_nodes)
+        return Draft(tokens, confidence, parents=parents)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows * positions, base vocabulary] of the shared base head, the same for every row."""
@@ -184,6 +206,8 @@ class DFlashProposer(FeatureBacklog, Proposer):
         positions = starts[:, None] + torch.arange(first.block_size, device=device)
         hidden = first.drafter.forward_rows(first.target.embed_tokens(blocks), positions, contexts,
                                             [p.cache for p in proposers])
+        if first.tree_nodes:
+            return [p.tree_draft(hidden[r: r + 1, 1:]) for r, p in enumerate(proposers)]
         return DFlashProposer._read_in_steps(proposers, hidden[:, 1:], keep_goings)
 
     @staticmethod
@@ -343,13 +367,16 @@ def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = No
 
 
 def build(target, options: MethodOptions) -> tuple[DFlashProposer, str | None]:
+    if options.tree is not None and target.backend == "transformers":
+        raise UserError("a tree of drafts needs our own forward (Llama, Qwen3, Gemma3 targets), not the transformers "
+                        "fallback this target runs on")
     def make(precision: DraftPrecision) -> tuple[DFlashProposer, str | None]:
         plan = precision.plan_for(target)
         drafter, note = load_drafter(options.drafter, target, precision.dtype, plan)
         if target.measure and target.device.type == "cpu":  # the drafter's own shapes: its feature product, its head
             plan = covering(plan, drafter.frozen_linears(), target.measurement_key("dflash-drafter-kernels"))
             drafter.use_plan(plan)
-        proposer = DFlashProposer(drafter, target, options.block_size, plan)
+        proposer = DFlashProposer(drafter, target, options.block_size, plan, options.tree)
         if target.measure and target.device.type == "cpu":
             settled_kernels(proposer, target, plan, precision.name)
         if target.measure:

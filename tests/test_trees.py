@@ -1,0 +1,189 @@
+"""Tree verification (trees.py): a tree pass computes at every node what a causal pass over the node's path does,
+the accepted path's cache is what a chain would have left, and tree rounds change no output, greedy or seeded
+sampled, alone or batched."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from dflash import trees
+from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.methods.base import Draft, Proposer
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.methods.dflash.proposer import DFlashProposer
+from dflash.models.transformer import Transformer
+from dflash.sampling import SamplingConfig
+
+PROMPT = [5, 9, 12, 7, 3, 22, 40, 17, 8]
+# a tree with branches at every depth, a deep path through later siblings, and a lone leaf at the end
+PARENTS = [-1, 0, 0, 1, 2, 2, 4, 3, 6, 0, 8]
+
+
+class OracleTree(Proposer):
+    """Random trees that hold the target's known continuation as a path of random depth, its nodes among random
+    siblings (before and after them), plus random branches: the accepted path skips slots at every depth."""
+
+    name = "oracle-tree"
+
+    def __init__(self, reference: list[int], prompt_len: int, nodes: int, vocab_size: int, seed: int = 0):
+        self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab_size
+        self.tree_nodes, self.max_draft = nodes, 8
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _random(self, high: int) -> int:
+        return int(torch.randint(0, high, (), generator=self.generator))
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        done = len(sequence) - self.prompt_len
+        truth = self.reference[done: done + self._random(self.max_draft + 1)]
+        tokens, parents, at = [], [], 0  # `at`: the block index of the path's last node (0: the bonus)
+        for token in truth:
+            if len(tokens) + 2 > self.tree_nodes:
+                break
+            decoys = self._random(3)
+            first = self._random(decoys + 1)
+            for k in range(decoys + 1):
+                tokens.append(token if k == first else (token + 1 + k) % self.vocab)
+                parents.append(at)
+            at = len(tokens) - decoys + first
+        while len(tokens) < self.tree_nodes:
+            parents.append(self._random(len(tokens) + 1))
+            tokens.append(self._random(self.vocab))
+        return Draft(tokens, [0.5] * len(tokens), parents=parents)
+
+
+def causal_last_logits(target, ids):
+    cache = target.new_cache(capacity=len(ids) + 1)
+    return target.forward(torch.tensor([ids]), cache).logits[0, -1]
+
+
+def test_best_first_keeps_the_most_probable_paths():
+    generator = torch.Generator().manual_seed(0)
+    candidates = [[(10 * d + k, float(p)) for k, p in enumerate(torch.rand(3, generator=generator).sort(
+        descending=True).values)] for d in range(4)]
+    tokens, parents, probabilities = trees.best_first(candidates, 12)
+    paths = {}
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        assert parent <= i  # a parent's block index comes before its child's (i + 1)
+        paths[i + 1] = (paths[parent] if parent else ()) + (token,)
+    every = {}
+    for depth in range(1, 5):
+        for picks in itertools.product(*(range(3) for _ in range(depth))):
+            path = tuple(candidates[d][k][0] for d, k in enumerate(picks))
+            every[path] = math.prod(candidates[d][k][1] for d, k in enumerate(picks))
+    best = sorted(every, key=every.get, reverse=True)[:12]
+    assert set(paths.values()) == set(best)
+    assert probabilities == sorted(probabilities, reverse=True)
+    assert probabilities == pytest.approx([every[paths[i + 1]] for i in range(12)])
+
+
+def test_walk_descends_by_the_targets_tokens():
+    tokens = [99, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    chosen = {0: 5, 2: 7, 4: 9, 6: 2}  # node -> the target's token there
+    path, bonus = trees.walk(PARENTS, tokens, lambda path: chosen.get(path[-1], 0))
+    assert path == [0, 2, 4, 6, 8] and bonus == 0
+    assert trees.walk(PARENTS, tokens, lambda path: 77) == ([0], 77)
+    assert trees.visibility([-1, 0, 0, 1])[3] == 0b1011
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("in_c", [True, False])
+def test_tree_pass_logits_equal_causal_passes_over_each_path(tiny_targets, arch, in_c, monkeypatch):
+    """Every node's logits and features are those of a causal pass over the prompt and the node's path, through
+    the C stack and through torch's layers (Gemma3's sliding window of 16 reached, as the context passes it)."""
+    if not in_c:
+        monkeypatch.setattr(Transformer, "_tree_in_c", lambda self, n, end: False)
+    target = tiny_targets[arch]
+    prompt = PROMPT + ([11] * 12 if arch == "gemma3" else [])
+    tokens = [PROMPT[-1]] + [(3 * i + 1) % target.vocab_size for i in range(1, len(PARENTS))]
+    cache = target.new_cache(capacity=64)
+    target.forward(torch.tensor([prompt[:-1]]), cache)
+    out = target.forward(torch.tensor([tokens]), cache, (1, 2), tree=torch.tensor([PARENTS]))
+    for node in range(len(PARENTS)):
+        path = [node]
+        while PARENTS[path[-1]] > 0:
+            path.append(PARENTS[path[-1]])
+        ids = prompt[:-1] + [tokens[0]] + [tokens[k] for k in reversed(path) if k]
+        chain = target.new_cache(capacity=len(ids) + 1)
+        causal = target.forward(torch.tensor([ids]), chain, (1, 2))
+        assert torch.allclose(out.logits[0, node], causal.logits[0, -1], atol=1e-4, rtol=1e-4), node
+        assert torch.allclose(out.features[0, node], causal.features[0, -1], atol=1e-4, rtol=1e-4), node
+
+
+def test_tree_pass_in_bfloat16_matches_the_causal_pass():
+    """The C stack's bfloat16 tree pass (in pairs where the CPU has them) against a causal pass over one path."""
+    from dflash.models.target import TargetModel
+    from dflash.testing import NATIVE, tiny_target
+
+    tiny = tiny_target("llama", logit_scale=4.0)
+    target = TargetModel(model=tiny.model.to(torch.bfloat16), tokenizer=tiny.tokenizer, name="tiny-llama-bf16",
+                         measure=False, kernel_plan=NATIVE)
+    tokens = [PROMPT[-1]] + [(5 * i) % target.vocab_size for i in range(1, len(PARENTS))]
+    cache = target.new_cache(capacity=64)
+    target.forward(torch.tensor([PROMPT[:-1]]), cache)
+    logits = target.forward(torch.tensor([tokens]), cache, tree=torch.tensor([PARENTS])).logits
+    causal = causal_last_logits(target, PROMPT[:-1] + [tokens[0], tokens[2], tokens[4], tokens[6]])
+    assert (logits[0, 6] - causal).abs().max() < 0.03 * causal.abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kept_path_leaves_the_cache_a_chain_would(tiny_targets, arch):
+    target = tiny_targets[arch]
+    tokens = [PROMPT[-1]] + [(7 * i + 2) % target.vocab_size for i in range(1, len(PARENTS))]
+    cache = target.new_cache(capacity=64)
+    target.forward(torch.tensor([PROMPT[:-1]]), cache)
+    start = len(cache)
+    target.forward(torch.tensor([tokens]), cache, tree=torch.tensor([PARENTS]))
+    path = [0, 2, 4, 6, 8, 10]
+    cache.keep_path(0, start, path)
+    cache.truncate(start + len(path))
+    ids = PROMPT[:-1] + [tokens[k] for k in path]
+    chain = target.new_cache(capacity=64)
+    target.forward(torch.tensor([ids]), chain)
+    step = torch.tensor([[13]])
+    assert torch.allclose(target.forward(step, cache).logits, target.forward(step, chain).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(temperature=1.0, top_p=0.9, seed=11)])
+def test_tree_rounds_change_no_output(tiny_targets, arch, sampling):
+    """Greedy and seeded sampled outputs are plain decoding's with trees that hold the answer at random places,
+    alone and in a batch beside a chain-drafting row; the trees are accepted deep (the moved cache is right)."""
+    target = tiny_targets[arch]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=sampling or SamplingConfig())
+    reference = SpeculativeDecoder(target).generate(PROMPT, config).tokens
+    result = SpeculativeDecoder(target, OracleTree(reference, len(PROMPT), 15, target.vocab_size)).generate(
+        PROMPT, config)
+    assert result.tokens == reference
+    assert result.stats.tau > 2.5
+    other = [3, 4, 5]
+    other_reference = SpeculativeDecoder(target).generate(other, config).tokens
+    engine = Engine(target, OracleTree(reference, len(PROMPT), 15, target.vocab_size, seed=1), max_batch=3)
+    seqs = [engine.submit(PROMPT, config), engine.submit(other, config), engine.submit(PROMPT, config)]
+    for seq, ref in zip(seqs, (reference, other_reference, reference)):  # each row its own oracle
+        seq.proposer = OracleTree(ref, len(seq.prompt_ids), 7 + 8 * (seq is seqs[1]), target.vocab_size)
+    engine.run()
+    assert [s.result.tokens for s in seqs] == [reference, other_reference, reference]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dflash_tree_drafts_change_no_output(tiny_targets, arch):
+    target = tiny_targets[arch]
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, 2, num_layers=1, block_size=8, num_features=2)
+    drafter = DFlashDrafter.untrained(cfg, 0).freeze()
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    reference = SpeculativeDecoder(target).generate(PROMPT, config).tokens
+    proposer = DFlashProposer(drafter, target, tree=20)
+    result = SpeculativeDecoder(target, proposer).generate(PROMPT, config)
+    assert result.tokens == reference
+    assert result.stats.draft_lengths and set(result.stats.draft_lengths) == {20}
+    proposer.start(PROMPT, target.forward(torch.tensor([PROMPT]), None, proposer.feature_layers).features)
+    draft = proposer.propose(PROMPT + [reference[0]])
+    assert len(draft.tokens) == 20 and all(0 <= p <= i for i, p in enumerate(draft.parents))
+    assert draft.confidence == sorted(draft.confidence, reverse=True)
+    with pytest.raises(UserError, match="1 to 63"):
+        DFlashProposer(drafter, target, tree=64)
