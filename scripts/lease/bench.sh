@@ -9,7 +9,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
 export DFLASH_DATA_DIR=${DFLASH_DATA_DIR:-/root/data}
 PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; TARGET=${TARGET:-smollm2-135m}
-METHODS=${METHODS:-ar,hf,dflash,dflash+ngram,dflash:whole}; LIMIT=${LIMIT:-8}; NEW=${NEW:-128}
+METHODS=${METHODS:-ar,hf,dflash,dflash+ngram,dflash:whole,dflash:tree15,dflash:tree63}; LIMIT=${LIMIT:-8}; NEW=${NEW:-128}
 BUDGET=${BUDGET:-240}; ROOT=${ROOT:-/root}
 : "${OUT:?OUT (the folder that comes back) is required}"
 mkdir -p "$OUT" "$ROOT"
