@@ -8,6 +8,7 @@ import torch
 from conftest import OracleProposer, RandomProposer
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.loading import build_proposer
+from dflash.methods.base import MethodOptions
 from dflash.methods.dflash.proposer import DFlashProposer, untrained_drafter
 
 pytestmark = pytest.mark.real_model
@@ -51,6 +52,7 @@ def test_greedy_identical_to_transformers_generate(target, prompt):
         "oracle": OracleProposer(reference.tokens, len(ids), 15),
         "random": RandomProposer(target.vocab_size, 15),
         "shipped dflash": build_proposer("dflash", target)[0],
+        "shipped dflash, a tree of 15": build_proposer("dflash", target, MethodOptions(tree=15))[0],
     }
     for name, proposer in proposers.items():
         result = SpeculativeDecoder(target, proposer).generate(ids, config)
@@ -60,6 +62,8 @@ def test_greedy_identical_to_transformers_generate(target, prompt):
     if prompt == PROMPTS[0]:  # GSM8K style: the shipped drafter must be accepted (a broken checkpoint gives ~1.0)
         shipped = SpeculativeDecoder(target, proposers["shipped dflash"], adaptive=False).generate(ids, config)
         assert shipped.stats.tau > 1.2
+        tree = SpeculativeDecoder(target, proposers["shipped dflash, a tree of 15"]).generate(ids, config)
+        assert tree.stats.tau > shipped.stats.tau  # the same 15 drafts a round, accepted deeper as a tree
 
 
 def test_chat_template_and_eos(target):
