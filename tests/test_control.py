@@ -73,16 +73,21 @@ def ar_tokens(target, ids):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lossless_at_every_chosen_length(tiny_targets, arch, monkeypatch):
-    """Forced 0 (plain steps), forced block - 1 (whole blocks) and random lengths all give ar's tokens."""
+    """Forced 0 (plain steps), forced block - 1 (whole blocks) and random lengths all give ar's tokens, for
+    chains and for trees (whose first k nodes are a tree)."""
+    from test_trees import OracleTree
+
     target = tiny_targets[arch]
     rng = random.Random(0)
-    forced = {"zero": lambda self, conf, available, *_: 0, "all": lambda self, conf, available, *_: available,
-              "random": lambda self, conf, available, *_: rng.randint(0, available)}
+    forced = {"zero": lambda self, conf, available, *_, **__: 0,
+              "all": lambda self, conf, available, *_, **__: available,
+              "random": lambda self, conf, available, *_, **__: rng.randint(0, available)}
     for prompt in PROMPTS:
         ids = target.encode_prompt(prompt)
         reference = ar_tokens(target, ids)
         proposers = [DFlashProposer(make_drafter(target, 8), target), NgramProposer(max_draft=7),
-                     RandomProposer(target.vocab_size, 7), OracleProposer(reference, len(ids), 7)]
+                     RandomProposer(target.vocab_size, 7), OracleProposer(reference, len(ids), 7),
+                     OracleTree(reference, len(ids), 12, target.vocab_size)]
         for name, choose in forced.items():
             monkeypatch.setattr(DraftController, "choose", choose)
             for proposer in proposers:

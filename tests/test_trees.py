@@ -156,13 +156,14 @@ def test_tree_rounds_change_no_output(tiny_targets, arch, sampling):
     target = tiny_targets[arch]
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=sampling or SamplingConfig())
     reference = SpeculativeDecoder(target).generate(PROMPT, config).tokens
-    result = SpeculativeDecoder(target, OracleTree(reference, len(PROMPT), 15, target.vocab_size)).generate(
-        PROMPT, config)
+    result = SpeculativeDecoder(target, OracleTree(reference, len(PROMPT), 15, target.vocab_size),
+                                adaptive=False).generate(PROMPT, config)
     assert result.tokens == reference
     assert result.stats.tau > 2.5
     other = [3, 4, 5]
     other_reference = SpeculativeDecoder(target).generate(other, config).tokens
-    engine = Engine(target, OracleTree(reference, len(PROMPT), 15, target.vocab_size, seed=1), max_batch=3)
+    engine = Engine(target, OracleTree(reference, len(PROMPT), 15, target.vocab_size, seed=1), max_batch=3,
+                    adaptive=False)
     seqs = [engine.submit(PROMPT, config), engine.submit(other, config), engine.submit(PROMPT, config)]
     for seq, ref in zip(seqs, (reference, other_reference, reference)):  # each row its own oracle
         seq.proposer = OracleTree(ref, len(seq.prompt_ids), 7 + 8 * (seq is seqs[1]), target.vocab_size)
@@ -178,12 +179,104 @@ def test_dflash_tree_drafts_change_no_output(tiny_targets, arch):
     config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     reference = SpeculativeDecoder(target).generate(PROMPT, config).tokens
     proposer = DFlashProposer(drafter, target, tree=20)
-    result = SpeculativeDecoder(target, proposer).generate(PROMPT, config)
+    result = SpeculativeDecoder(target, proposer, adaptive=False).generate(PROMPT, config)
     assert result.tokens == reference
     assert result.stats.draft_lengths and set(result.stats.draft_lengths) == {20}
+    assert SpeculativeDecoder(target, proposer).generate(PROMPT, config).tokens == reference
     proposer.start(PROMPT, target.forward(torch.tensor([PROMPT]), None, proposer.feature_layers).features)
     draft = proposer.propose(PROMPT + [reference[0]])
     assert len(draft.tokens) == 20 and all(0 <= p <= i for i, p in enumerate(draft.parents))
     assert draft.confidence == sorted(draft.confidence, reverse=True)
     with pytest.raises(UserError, match="1 to 63"):
         DFlashProposer(drafter, target, tree=64)
+
+
+def test_tree_calibration_learns_and_prices_nodes_as_their_paths_chances():
+    from dflash.control import CostModel, DraftController, TreeCalibration
+
+    calibration = TreeCalibration()
+    assert calibration.probability(0.3) == pytest.approx(0.3)  # the prior: the drafter's own path probability
+    for i in range(200):  # paths the drafter gives 0.3 are accepted half the time, those it gives 0.02 never
+        calibration.observe([0.3, 0.02], {1} if i % 2 else set())
+    assert calibration.probability(0.3) == pytest.approx(0.5, abs=0.01)
+    assert calibration.probability(0.02) < 0.001
+    chances = calibration.chances([0.3, 0.3, 0.02])
+    assert math.prod(chances[:2]) == pytest.approx(calibration.probability(0.3))  # Q_2 = c_1 c_2
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 16: 1.8})
+    costs.observe(1, 0.020)
+    controller = DraftController(15, costs, tree_calibration=TreeCalibration())
+    controller.rate = 1 / 0.020
+    # best-first path probabilities: two likely nodes, then a tail that costs more than it brings
+    nodes = [0.9, 0.6, 0.5, 0.3] + [0.01] * 11
+    chosen = controller.choose(nodes, 15, tree=True)
+    assert 2 <= chosen <= 4
+    assert controller.chosen_value == pytest.approx(
+        sum(nodes[:chosen]) - controller.rate * (costs.cost(chosen + 1) - costs.cost(1)))
+    assert DraftController(15, costs, whole_blocks=True).choose(nodes, 15, tree=True) == 15
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_adaptive_trees_choose_their_size_and_change_no_output(tiny_targets, arch):
+    """With the costs known (a fake clock that makes every token of a pass cost), the controller verifies a
+    prefix of each tree, never more nodes than it drafted, and the output stays plain decoding's."""
+    from test_control import FakeClock
+
+    target = tiny_targets[arch]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    reference = SpeculativeDecoder(target).generate(PROMPT, config).tokens
+    proposer = OracleTree(reference, len(PROMPT), 31, target.vocab_size)
+    clock = FakeClock(base=0.010, per_token=0.004, draft=0.001)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        clock.install(monkeypatch, target, proposer)
+        decoder = SpeculativeDecoder(target, proposer, timer=clock)
+        decoder.engine.costs.seed({1: 1.0, 2: 1.4, 4: 2.2, 8: 3.8, 16: 7.0})
+        result = decoder.generate(PROMPT, config)
+    assert result.tokens == reference
+    lengths = result.stats.draft_lengths
+    assert max(lengths) <= 31 and min(lengths) < 31  # some rounds verified part of their tree
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphed_tree_passes_equal_the_eager_ones(arch):
+    """A tree pass through the CUDA-graph path (replayed eagerly here: its device-side mask, depth positions and
+    slot writes), padded to the graph's width, past Gemma3's window, gives the eager tree pass's logits and
+    features, and tree rounds through graphs change no output."""
+    from dflash.testing import tiny_target
+
+    eager, graphed = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    graphed.use_graphs(capacity=96, capture=False)
+    prompt = PROMPT + [11] * 12
+    tokens = [prompt[-1]] + [(3 * i + 1) % eager.vocab_size for i in range(1, len(PARENTS))]
+    caches = eager.new_cache(capacity=96), graphed.new_cache()
+    for target, cache in zip((eager, graphed), caches):
+        target.forward(torch.tensor([prompt[:-1]]), cache)
+    outs = [target.forward(torch.tensor([tokens]), cache, (1, 2), tree=torch.tensor([PARENTS]))
+            for target, cache in zip((eager, graphed), caches)]
+    assert graphed.graphs.captures == 2  # the prompt's pass and the tree's (width 16, its own graph)
+    assert torch.allclose(outs[0].logits, outs[1].logits, atol=1e-5)
+    assert torch.allclose(outs[0].features, outs[1].features, atol=1e-5)
+    assert caches[0].lengths == caches[1].lengths
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    reference = SpeculativeDecoder(eager).generate(PROMPT, config).tokens
+    tree = OracleTree(reference, len(PROMPT), 12, eager.vocab_size)
+    result = SpeculativeDecoder(graphed, tree, adaptive=False).generate(PROMPT, config)
+    assert result.tokens == reference and result.stats.tau > 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures real graphs)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_tree_graphs_on_cuda_change_no_output(arch):
+    from dflash.testing import tiny_target
+
+    eager, graphed = (tiny_target(arch, logit_scale=4.0) for _ in range(2))
+    for target in (eager, graphed):
+        target.model.to("cuda")
+    graphed.use_graphs(capacity=96)
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    reference = SpeculativeDecoder(eager).generate(PROMPT, config).tokens
+    for target in (eager, graphed):
+        tree = OracleTree(reference, len(PROMPT), 12, target.vocab_size)
+        result = SpeculativeDecoder(target, tree, adaptive=False).generate(PROMPT, config)
+        assert result.tokens == reference and result.stats.tau > 2
+    assert graphed.graphs.captures and all(g.graph is not None for g in graphed.graphs.graphs.values())

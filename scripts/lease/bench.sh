@@ -9,7 +9,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
 export DFLASH_DATA_DIR=${DFLASH_DATA_DIR:-/root/data}
 PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; TARGET=${TARGET:-smollm2-135m}
-METHODS=${METHODS:-ar,hf,dflash,dflash+ngram,dflash:whole,dflash:tree15,dflash:tree63}; LIMIT=${LIMIT:-8}; NEW=${NEW:-128}
+METHODS=${METHODS:-ar,hf,dflash,dflash+ngram,dflash:whole,dflash:tree15,dflash:tree63:whole}; LIMIT=${LIMIT:-8}; NEW=${NEW:-128}
 BUDGET=${BUDGET:-240}; ROOT=${ROOT:-/root}
 : "${OUT:?OUT (the folder that comes back) is required}"
 mkdir -p "$OUT" "$ROOT"
@@ -22,7 +22,7 @@ ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
   if [ "$DEVICE" = cuda ]; then  # the graph tests capture for real only where CUDA is
-    timeout $(($(left) / 4)) "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py 2>&1 | tail -3
+    timeout $(($(left) / 4)) "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_trees.py 2>&1 | tail -3
     echo "graph tests rc=${PIPESTATUS[0]}"
   fi
 } > "$OUT/env-and-tests.txt" 2>&1

@@ -119,10 +119,11 @@ def _turns_of(row) -> list[str] | None:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One entry of --methods: NAME, NAME@B, NAME@B:whole, NAME:whole or NAME[@B]:treeN, to run one method at
-    several settings in the same run. B is the block size (tokens verified per round at most: dflash's block,
-    EAGLE-3's depth + 1, ngram's drafts + 1); `whole` verifies every draft every round instead of the adaptive
-    choice; `treeN` verifies a tree of N drafts every round (a block drafter's top candidates, trees.py)."""
+    """One entry of --methods: NAME, NAME@B, NAME@B:whole, NAME:whole, NAME[@B]:treeN or NAME[@B]:treeN:whole, to
+    run one method at several settings in the same run. B is the block size (tokens verified per round at most:
+    dflash's block, EAGLE-3's depth + 1, ngram's drafts + 1); `whole` verifies every draft every round instead of
+    the adaptive choice; `treeN` drafts a tree of N nodes (a block drafter's top candidates, trees.py), of which
+    the controller verifies the most valuable first ones (`whole`: all)."""
 
     name: str
     size: int | None = None
@@ -142,14 +143,16 @@ def parse_method(text: str) -> MethodSpec:
     if name not in known_methods():
         raise UserError(f"unknown method {name!r}; choose from {', '.join(known_methods())} "
                         "(optionally NAME@B, NAME@B:whole, NAME:treeN)")
-    tree = None
-    if colon and mode.startswith("tree"):
-        if not mode[4:].isdigit():
-            raise UserError(f"bad method setting {text!r}: use NAME:treeN with an integer N (e.g. dflash:tree15)")
-        tree = int(mode[4:])
-    elif colon and mode != "whole":
+    modes = mode.split(":") if colon else []
+    trees = [m for m in modes if m.startswith("tree")]
+    if any(m != "whole" and not m.startswith("tree") for m in modes) or len(trees) > 1 or len(set(modes)) < len(modes):
         raise UserError(f"bad method setting {text!r}: the modes are ':whole' and ':treeN' (e.g. dflash@16:whole, "
-                        "dflash:tree15)")
+                        "dflash:tree15, dflash:tree15:whole)")
+    tree = None
+    if trees:
+        if not trees[0][4:].isdigit():
+            raise UserError(f"bad method setting {text!r}: use NAME:treeN with an integer N (e.g. dflash:tree15)")
+        tree = int(trees[0][4:])
     if (size_text or colon) and name in ("ar", *BASELINES):
         raise UserError(f"{name} takes no setting (got {text!r})")
     size = None
@@ -160,7 +163,7 @@ def parse_method(text: str) -> MethodSpec:
             raise UserError(f"bad method setting {text!r}: use NAME@B with an integer B (e.g. dflash@8)") from None
         if size < 2:
             raise UserError(f"{text!r}: block size must be >= 2 (the bonus token and at least one draft)")
-    return MethodSpec(name, size, bool(colon) and tree is None, tree)
+    return MethodSpec(name, size, "whole" in modes, tree)
 
 
 def parse_methods(text: str) -> list[str]:
@@ -542,7 +545,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ar,ngram,dflash,dflash+ngram",
                    help="comma-separated: the engine's methods and hf (transformers' generate); NAME@B runs a "
                         "method at block size B, NAME@B:whole (or NAME:whole) verifies whole blocks instead of the "
-                        "adaptive choice, NAME:treeN verifies a tree of N drafts a round (dflash), side by side "
+                        "adaptive choice, NAME:treeN drafts a tree of N nodes a round (dflash; :treeN:whole verifies them "
+                        "all), side by side "
                         "with the others, e.g. dflash,dflash@8,dflash@16:whole,dflash:tree15,eagle3@4 "
                         "(default: ar,ngram,dflash)")
     p.add_argument("--template", default="auto", choices=["auto", *TEMPLATES], help="prompt template")

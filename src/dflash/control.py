@@ -107,6 +107,47 @@ class Calibration:
                 self.accepted[b] += hit
 
 
+class TreeCalibration:
+    """P(a tree node's whole path is accepted) by the drafter's probability of that path (trees.py: the product
+    of its tokens' probabilities), in bins of halving probability: a tree's nodes range from near-certain first
+    drafts to deep paths of a few percent, where a chain's ten linear bins would lump everything under 0.1
+    together. Starts from the probability itself and learns from every tree round: each verified node is a trial,
+    a hit where it lies on the accepted path."""
+
+    BINS = 12  # the last one holds every path below 2^-11
+
+    def __init__(self):
+        self.tried = [0.0] * self.BINS
+        self.accepted = [0.0] * self.BINS
+
+    def _bin(self, probability: float) -> int:
+        return self.BINS - 1 if probability <= 0 else min(self.BINS - 1, max(0, int(-math.log2(probability))))
+
+    def probability(self, path_probability: float) -> float:
+        b = self._bin(path_probability)
+        return (self.accepted[b] + path_probability * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT)
+
+    def observe(self, path_probabilities: list[float], accepted_nodes: set[int]) -> None:
+        """`path_probabilities` of the verified drafts (draft i is the tree's node i + 1); `accepted_nodes`: the
+        nodes of the accepted path, the root excluded."""
+        for i, p in enumerate(path_probabilities):
+            b = self._bin(p)
+            self.tried[b] += 1
+            self.accepted[b] += (i + 1) in accepted_nodes
+
+    def chances(self, path_probabilities: list[float]) -> list[float]:
+        """The tree's nodes, in best-first order, as a chain's chances (P(draft j accepted | the ones before it
+        were)): c_j = Q_j / Q_{j-1} of the calibrated path probabilities Q, so a chain's expected accepted count
+        over the first k, the sum of the chances' running products, is the tree's: the sum of Q_1..Q_k, each node
+        adding the chance that its path is accepted. The controller then prices k nodes as it prices k drafts."""
+        out, before = [], 1.0
+        for p in path_probabilities:
+            q = self.probability(p)
+            out.append(q / before if before > 0 else 0.0)
+            before = q
+        return out
+
+
 class CostModel:
     """Seconds a target pass takes by the tokens it verifies (rows x width), learned from the passes themselves.
 
@@ -262,12 +303,14 @@ class DraftController:
 
     def __init__(self, max_draft: int, costs: CostModel, whole_blocks: bool = False,
                  timer: Callable[[], float] = time.perf_counter, calibration: Calibration | None = None,
-                 lookup_calibration: Calibration | None = None):
+                 lookup_calibration: Calibration | None = None, tree_calibration: TreeCalibration | None = None):
         """`calibration`: shared with the other sequences of an engine (how far the drafter's confidence can be
         trusted is the drafter's, not the text's), so a new sequence does not start from the raw confidence;
-        `lookup_calibration` likewise for the drafts of a free lookup, where the drafter has one."""
+        `lookup_calibration` likewise for the drafts of a free lookup, where the drafter has one, and
+        `tree_calibration` for a drafter's trees."""
         self.max_draft, self.costs, self.whole_blocks, self.timer = max_draft, costs, whole_blocks, timer
         self.calibration = calibration if calibration is not None else Calibration(max(1, max_draft))
+        self.tree_calibration = tree_calibration if tree_calibration is not None else TreeCalibration()
         self.lookup_calibration = lookup_calibration if lookup_calibration is not None else Calibration(
             max(1, max_draft))
         self.rate: float | None = None  # tokens/s of this sequence's recent rounds
@@ -358,19 +401,24 @@ class DraftController:
         return max(PROBE_FIRST, min(PROBE_MAX * self.rows, math.ceil(self.rows * probe / (PROBE_BUDGET * step))))
 
     # ---- after drafting -----------------------------------------------------------------------------------------
-    def choose(self, confidences: list[float] | None, available: int, label: int | None = None) -> int:
-        """How many of the `available` drafts to verify (`label`: the drafts', see Calibration)."""
+    def choose(self, confidences: list[float] | None, available: int, label: int | None = None,
+               tree: bool = False) -> int:
+        """How many of the `available` drafts to verify (`label`: the drafts', see Calibration; `tree`: they are
+        a tree's nodes in best-first order, their confidences the paths' probabilities, and the first k of them a
+        tree too)."""
         self.chosen_value = None
         if self.whole_blocks or not self.costs.known:
             return available
         self._start_rate()
-        best_k, self.chosen_value = self._best(self.acceptance(available, confidences, label))
+        best_k, self.chosen_value = self._best(self.acceptance(available, confidences, label, tree=tree))
         return best_k
 
     def acceptance(self, draft_count: int, confidences: list[float] | None, label: int | None = None,
-                   lookup: bool = False) -> list[float]:
+                   lookup: bool = False, tree: bool = False) -> list[float]:
         """P(draft j accepted | every draft before it was), j < draft_count, for the drafter's drafts or (`lookup`)
-        the free lookup's."""
+        the free lookup's; for a tree's nodes, their chain-equivalent chances (TreeCalibration.chances)."""
+        if tree:
+            return self.tree_calibration.chances(confidences[:draft_count])
         if lookup:
             return [self.lookup_calibration.probability(j, None, label) for j in range(draft_count)]
         return [self.calibration.probability(j, confidences[j] if confidences else None, label)
@@ -435,13 +483,14 @@ class DraftController:
     def record(self, drafted: bool, confidences: list[float] | None, verified: int, accepted: int,
                draft_seconds: float, verify_seconds: float, width: int | None = None,
                catching_up: bool = False, lookup: bool = False, label: int | None = None,
-               costs_read: bool = False) -> None:
+               costs_read: bool = False, accepted_nodes: list[int] | None = None) -> None:
         """One round's outcome: `verified` drafts checked, `accepted` of them taken; the pass verified `width`
         tokens in all (rows x its widest block; default: this row's block alone). `catching_up`: the drafting
         also read a long backlog of context (a prompt), so its time says nothing about a steady round's.
         `lookup`: the verified drafts were the free lookup's (`drafted`: the drafter ran all the same); `label`:
         theirs (see Calibration). `costs_read`: the pass's and the drafting's times are in the shared cost model
-        already (`observe_round`: a batch's rows share one pass)."""
+        already (`observe_round`: a batch's rows share one pass). `accepted_nodes`: the drafts were a tree's, and
+        these nodes (block indices) made the accepted path."""
         self.stats.chosen[verified] = self.stats.chosen.get(verified, 0) + 1
         if not costs_read:
             self.costs.observe(width or verified + 1, verify_seconds, self.context)
@@ -455,7 +504,9 @@ class DraftController:
             return
         if not catching_up and not costs_read:
             self.costs.observe_drafting(draft_seconds)
-        if not lookup:
+        if accepted_nodes is not None:
+            self.tree_calibration.observe(confidences[:verified], set(accepted_nodes))
+        elif not lookup:
             self.calibration.observe(confidences, verified, accepted, label)
         if self.chosen_value is not None:  # the model's expectation: far steadier than one round's luck (rounds
             # before the costs were known verified whole blocks unmodelled: they say nothing about the value)

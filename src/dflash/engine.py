@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .control import Calibration, CostModel, DraftController, batch_width, expected_accepted
+from .control import Calibration, CostModel, DraftController, TreeCalibration, batch_width, expected_accepted
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import TABLE_LABEL, Draft, Proposer
@@ -201,6 +201,7 @@ class Engine:
         self.costs = CostModel()  # the target's pass times on this machine, shared by every sequence
         # the drafter's calibration and its lookup's ("drafter" / "lookup", by drafts a block), shared likewise
         self.calibrations: dict[tuple[str, int], Calibration] = {}
+        self.tree_calibration = TreeCalibration()  # the drafter's trees', shared likewise
         if getattr(target, "screen_greedy", False) is None:  # decided once per target, before its passes are timed
             target.screen_greedy = measured_screening(target)
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
@@ -233,10 +234,10 @@ class Engine:
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = config.stop_ids(self.target.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
-        whole = not self.adaptive or self.proposer.tree_nodes is not None  # a tree verifies every node
-        controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=whole,
+        controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
                                      timer=self.timer, calibration=self._calibration("drafter"),
-                                     lookup_calibration=self._calibration("lookup"))
+                                     lookup_calibration=self._calibration("lookup"),
+                                     tree_calibration=self.tree_calibration)
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
         self.waiting.append(seq)
@@ -402,7 +403,8 @@ class Engine:
             draft, seconds = drafts[id(seq)]
             available = min(len(draft.tokens), seq.proposer.tree_nodes or seq.proposer.max_draft)
             if shared:  # the batch decides how many; the drafts expected to bring more are the candidates
-                chances = seq.controller.acceptance(available, draft.confidence, draft.label)
+                chances = seq.controller.acceptance(available, draft.confidence, draft.label,
+                                                    tree=draft.parents is not None)
                 plan = Plan(draft, available, drafted=True, seconds=seconds, value=expected_accepted(chances)[-1],
                             chances=chances)
                 if lookup.verified and lookup.value > plan.value:
@@ -410,8 +412,8 @@ class Engine:
                     plan.value, plan.chances = lookup.value, lookup.chances
                 planned.append(plan)
                 continue
-            plan = Plan(draft, seq.controller.choose(draft.confidence, available, draft.label), drafted=True,
-                        seconds=seconds)
+            chosen = seq.controller.choose(draft.confidence, available, draft.label, tree=draft.parents is not None)
+            plan = Plan(draft, chosen, drafted=True, seconds=seconds)
             drafter_value = seq.controller.chosen_value
             if lookup.verified and drafter_value is not None and lookup.value > drafter_value:
                 plan.draft, plan.verified, plan.lookup = lookup.draft, lookup.verified, True
@@ -507,19 +509,20 @@ class Engine:
             self.cache.take_lengths(cache, 0)
 
     def _settle(self, seq: Sequence, plan: Plan, kept: list[int], bonus: int, features: torch.Tensor | None,
-                logits: torch.Tensor | None, verify_seconds: float, width: int, catching_up: bool) -> None:
+                logits: torch.Tensor | None, verify_seconds: float, width: int, catching_up: bool,
+                path: list[int] | None = None) -> None:
         """A row's round is decided: `kept` (the old bonus and the accepted drafts) entered the target's cache with
         their `features`, `bonus` is the target's next token; `logits` (where the row asked for log-probabilities)
-        chose the emitted tokens. Tells the proposer and the controller, emits, and counts."""
+        chose the emitted tokens; `path`: the accepted nodes of a tree, the root first. Tells the proposer and the
+        controller, emits, and counts."""
         accepted = len(kept) - 1
         seq.proposer.commit(kept, features)
         if seq.features and features is not None:
             seq.features.append(features)
-        # a tree's nodes are not a chain's positions: the calibration (control.py) learns from chains only
-        tree = plan.draft.parents is not None
-        seq.controller.record(plan.drafted and not tree, plan.draft.confidence, plan.verified, accepted,
+        seq.controller.record(plan.drafted, plan.draft.confidence, plan.verified, accepted,
                               plan.seconds, verify_seconds, width=width, catching_up=catching_up,
-                              lookup=plan.lookup, label=plan.draft.label, costs_read=True)
+                              lookup=plan.lookup, label=plan.draft.label, costs_read=True,
+                              accepted_nodes=path[1:] if plan.draft.parents is not None and path else None)
         seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
         seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
         seq.stats.draft_lengths.append(min(plan.verified, len(plan.draft.tokens)))
@@ -591,7 +594,7 @@ class Engine:
                 row_logits = (logits[i, path] if logits is not None
                               else self.target.logits_of(out.hidden[i, path]))
             self._settle(seq, planned[i], [nodes[i][k] for k in path], bonus, features, row_logits,
-                         verify_seconds, len(rows) * width, catching_up)
+                         verify_seconds, len(rows) * width, catching_up, path)
         cache.set_lengths([start + len(path) for start, (path, _) in zip(starts, walked)])
         if self.batched:
             self.cache.take_lengths(cache, 0)

@@ -92,6 +92,33 @@ def tree_mask(parents: torch.Tensor, starts: list[int], key_count: int, window: 
     return mask[:, None]
 
 
+def ancestors(parents: list[list[int]], width: int) -> torch.Tensor:
+    """Bool [b, width, width]: node i of row r attends to the pass's node j (its ancestors and itself); rows
+    shorter than `width` (a graph's padded width) get padding nodes under the root, seeing it and themselves."""
+    out = torch.zeros(len(parents), width, width, dtype=torch.bool)
+    for r, row in enumerate(parents):
+        row = list(row) + [0] * (width - len(row))
+        for i, bits in enumerate(visibility(row)):
+            out[r, i] = torch.tensor([bool(bits >> j & 1) for j in range(width)])
+    return out
+
+
+def static_tree_mask(positions: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, key_count: int,
+                     window: int | None = None) -> torch.Tensor:
+    """The tree mask of a graphed pass, from device tensors only (no host sync): bool [b, 1, n, key_count], node
+    i of row r seeing the cached keys before starts[r] (within `window` of its position) and, among the pass's
+    slots starts[r]..starts[r] + n - 1, those `visible` [b, n, n] marks."""
+    b, n = positions.shape
+    keys = torch.arange(key_count, device=positions.device)
+    offset = keys[None, None, :] - starts[:, None, None]  # [b, 1, keys]: a key's slot within the pass
+    before = (offset < 0).expand(b, n, key_count)
+    if window is not None:
+        before = before & (keys > positions[..., None] - window)
+    inside = (offset >= 0) & (offset < n)
+    seen = visible.gather(2, offset.clamp(0, n - 1).expand(b, n, key_count))
+    return (before | (inside & seen))[:, None]
+
+
 def walk(parents: list[int], tokens: list[int], choose: Callable[[list[int]], int]) -> tuple[list[int], int]:
     """The accepted path, node indices from the root, and the target's token after it: from the root, `choose(path)`
     gives the target's token at the path's last node (greedy or sampled given the path), and the walk descends into

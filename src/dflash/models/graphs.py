@@ -127,36 +127,55 @@ class PassGraphs(KeptGraphs):
         width = padded_width(input_ids.shape[1])
         return width is not None and max(cache.lengths) + width <= cache.capacity
 
-    def run(self, input_ids: torch.Tensor, cache, feature_layers: tuple[int, ...] = ()):
+    def run(self, input_ids: torch.Tensor, cache, feature_layers: tuple[int, ...] = (),
+            tree: torch.Tensor | None = None):
         """(logits [b, n, vocab] float32, features [b, n, len(feature_layers) * hidden] or None) of `input_ids`
-        [b, n] after each row's cached tokens; the cache advances by n, as with `Transformer.forward`. The outputs
-        are copies: the next replay overwrites the graph's own."""
+        [b, n] after each row's cached tokens; the cache advances by n, as with `Transformer.forward`. `tree`: the
+        parents [b, n] of a tree pass (trees.py; graphs of their own, the padding nodes leaves under the root). The
+        outputs are copies: the next replay overwrites the graph's own."""
+        from .. import trees
+
         rows, n = input_ids.shape
         width = padded_width(n)
         # a batch's view with free rows after it runs at a padded row count, its padding rows at length 0
         wide = cache.widened(padded_rows(rows)) if padded_rows(rows) > rows else None
         runs_on = wide if wide is not None else cache
-        graph = self._graph(runs_on, runs_on.batch, width, tuple(feature_layers))
+        graph = self._graph(runs_on, runs_on.batch, width, tuple(feature_layers), tree is not None)
         starts = torch.tensor(runs_on.lengths, dtype=torch.long)
-        positions = starts[:, None] + torch.arange(width)
+        slots = starts[:, None] + torch.arange(width)
         padded = torch.cat([input_ids, input_ids[:, -1:].expand(rows, width - n)], dim=1) if width > n else input_ids
         if runs_on.batch > rows:
             padded = torch.cat([padded, padded[-1:].expand(runs_on.batch - rows, width)])
         graph.inputs["ids"].copy_(padded, non_blocking=True)
-        graph.inputs["positions"].copy_(positions, non_blocking=True)
+        if tree is None:
+            graph.inputs["positions"].copy_(slots, non_blocking=True)
+        else:
+            parents = tree.tolist() + [[-1]] * (runs_on.batch - rows)
+            parents = [row + [0] * (width - len(row)) for row in parents]
+            depths = torch.tensor([trees.depths(row) for row in parents])
+            graph.inputs["positions"].copy_(starts[:, None] + depths, non_blocking=True)
+            graph.inputs["slots"].copy_(slots, non_blocking=True)
+            graph.inputs["starts"].copy_(starts, non_blocking=True)
+            graph.inputs["visible"].copy_(trees.ancestors(parents, width), non_blocking=True)
         logits, features = self.replay(graph)
         cache.advance(n)  # the padding's keys lie past the new lengths (or in free rows): never read
         return logits[:rows, :n].clone(), (features[:rows, :n].clone() if features is not None else None)
 
-    def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...]) -> CapturedCall:
+    def _graph(self, cache, rows: int, width: int, feature_layers: tuple[int, ...], tree: bool = False
+               ) -> CapturedCall:
         keys, values = cache.keys, cache.values
 
         def make():
-            def run(ids, positions):
-                return self.engine.forward_static(ids, positions, keys, values, feature_layers)
+            def run(ids, positions, **tree_inputs):
+                return self.engine.forward_static(ids, positions, keys, values, feature_layers, **tree_inputs)
 
-            return run, {name: torch.zeros(rows, width, dtype=torch.long, device=keys.device)
-                         for name in ("ids", "positions")}
+            device = keys.device
+            inputs = {name: torch.zeros(rows, width, dtype=torch.long, device=device)
+                      for name in ("ids", "positions") + (("slots",) if tree else ())}
+            if tree:
+                inputs["starts"] = torch.zeros(rows, dtype=torch.long, device=device)
+                inputs["visible"] = torch.zeros(rows, width, width, dtype=torch.bool, device=device)
+            return run, inputs
 
         return self.kept((keys.data_ptr(), values.data_ptr(), tuple(keys.shape), tuple(keys.stride()), rows, width,
-                          feature_layers), make)
+                          feature_layers, tree), make)

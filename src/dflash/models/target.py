@@ -207,12 +207,15 @@ class TargetModel:
         """Run `input_ids` [batch, seq] after what `cache` holds (a fresh sequence when None); return the logits at
         `logits_at` ("all", "last", "none" or one position per row; "hidden" where `defers_logits`: no logits,
         the last layer's outputs instead) and the chosen layers' outputs. `tree`: the parents [batch, seq] of a
-        tree pass (trees.py; our forward only, never graphed)."""
+        tree pass (trees.py; our forward only)."""
         if tree is not None:
             if isinstance(self.engine, HFEngine):
                 raise UserError("tree verification needs our own forward (Llama, Qwen3, Gemma3 targets), not the "
                                 "transformers fallback")
-            logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at, tree)
+            if self.graphs is not None and logits_at == "all" and self.graphs.handles(input_ids, cache):
+                logits, features = self.graphs.run(input_ids, cache, tuple(feature_layers), tree)
+            else:
+                logits, features = self.engine(input_ids, cache, tuple(feature_layers), logits_at, tree)
             if logits_at == "hidden":
                 return TargetOutput(logits=None, features=features, hidden=logits)
             return TargetOutput(logits=logits, features=features)

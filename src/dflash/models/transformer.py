@@ -266,19 +266,27 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                       values: torch.Tensor, feature_layers: tuple[int, ...] = ()):
+                       values: torch.Tensor, feature_layers: tuple[int, ...] = (), slots: torch.Tensor | None = None,
+                       starts: torch.Tensor | None = None, visible: torch.Tensor | None = None):
         """The pass as a fixed sequence of device ops over fixed buffers, as a CUDA graph needs (graphs.py): token
         r, i sits at positions[r, i] (a device tensor, not the cache's Python lengths); its keys and values are
         scattered there into `keys`/`values` (a KVCache's whole buffers [layers, b, KV, capacity, d]), and attention
         runs over the whole capacity, masked by position. Returns (logits [b, n, vocab] float32, features) like
-        `forward`; the caller moves the cache's lengths."""
+        `forward`; the caller moves the cache's lengths.
+
+        A tree pass (trees.py) also gives `slots` [b, n] (where each token's keys/values go: starts + 0..n-1, while
+        `positions` are its depth's), `starts` [b] and `visible` [b, n, n] (the nodes each node attends to)."""
         b, n = input_ids.shape
         h = self.embed(input_ids)
         ropes = {t: rotary(positions, h.dtype) for t, rotary in self.rotary.items()}
         capacity = keys.shape[3]
         windows = {layer.layer_type: layer.window for layer in self.layers}
-        masks = {kind: causal_mask(positions, capacity, window) for kind, window in windows.items()}
-        at = scatter_index(positions, self.kv_heads)
+        if visible is None:
+            masks = {kind: causal_mask(positions, capacity, window) for kind, window in windows.items()}
+        else:
+            masks = {kind: trees.static_tree_mask(positions, starts, visible, capacity, window)
+                     for kind, window in windows.items()}
+        at = scatter_index(positions if slots is None else slots, self.kv_heads)
 
         def store(index: int):
             def write(k, v):
