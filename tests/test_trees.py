@@ -280,3 +280,36 @@ def test_captured_tree_graphs_on_cuda_change_no_output(arch):
         result = SpeculativeDecoder(target, tree, adaptive=False).generate(PROMPT, config)
         assert result.tokens == reference and result.stats.tau > 2
     assert graphed.graphs.captures and all(g.graph is not None for g in graphed.graphs.graphs.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle3_dynamic_trees_change_no_output_and_hold_the_chain(tiny_targets, arch):
+    """EAGLE-3's dynamic tree (its expanded nodes run through the head together, each seeing its own ancestors):
+    the output is plain decoding's, whole or adaptive; the tree is best first with parents before children; and
+    it holds the chain's first two drafts as a path, the second as the first's likeliest child (the chain's second
+    draft comes from the head's pass over the first, which the tree runs beside other nodes under a tree mask)."""
+    from test_eagle3 import fresh_head
+    from dflash.methods.eagle3.proposer import Eagle3Proposer
+
+    target = tiny_targets[arch]
+    head = fresh_head(target, scale=0.3)
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    reference = SpeculativeDecoder(target).generate(PROMPT, config).tokens
+    for adaptive in (False, True):
+        tree = Eagle3Proposer(head, target, depth=4, tree=20)
+        assert SpeculativeDecoder(target, tree, adaptive=adaptive).generate(PROMPT, config).tokens == reference
+    features = target.forward(torch.tensor([PROMPT]), None, head.feature_layers).features
+    chain, tree = Eagle3Proposer(head, target, depth=2), Eagle3Proposer(head, target, depth=2, tree=63)
+    drafts = {}
+    for name, proposer in (("chain", chain), ("tree", tree)):
+        proposer.start(PROMPT, features)
+        drafts[name] = proposer.propose(PROMPT + [reference[0]])
+    grown = drafts["tree"]
+    assert all(0 <= p <= i for i, p in enumerate(grown.parents))
+    assert grown.confidence == sorted(grown.confidence, reverse=True)
+    first, second = drafts["chain"].tokens
+    at = grown.tokens.index(first) + 1  # its block index
+    assert grown.parents[at - 1] == 0
+    children = [(t, c) for t, p, c in zip(grown.tokens, grown.parents, grown.confidence) if p == at]  # best first
+    assert children[0][0] == second
+    assert children[0][1] == pytest.approx(math.prod(drafts["chain"].confidence), rel=1e-5)  # the same head pass

@@ -94,9 +94,10 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
     if not several:
         group.add_argument("--tree", type=int, default=None, metavar="N",
                            help="verify a tree of N drafts a round (1-63): the drafter's top candidates at each block "
-                                "position, kept best first by their probability, checked in one target pass with a "
-                                "tree mask (dflash; our forward). Every node is verified every round. Default: a "
-                                "chain (bench: NAME:treeN)")
+                                "position (dflash) or a dynamic tree (eagle3), kept best first by their probability, "
+                                "checked in one target pass with a tree mask (our forward); each round verifies the "
+                                "most valuable first nodes (all with --whole-blocks). Default: a chain (bench: "
+                                "NAME:treeN)")
     group.add_argument("--whole-blocks", action="store_true",
                        help="draft and verify every draft of every round (the paper's setting). Default: each round "
                             "verifies the number of drafts that maximises tokens/s on this machine, from the drafter's "
@@ -141,8 +142,8 @@ def method_options(args, method: str, block_size: int | None = None, several: bo
     if asked is not None and continuations is None and not several:
         raise UserError(f"--continuations applies to prompt lookup (ngram, NAME+ngram), not --method {method}")
     tree = tree if tree is not None else getattr(args, "tree", None)
-    if tree is not None and registry.drafter_of(method) != "dflash":
-        raise UserError(f"a tree of drafts needs a block drafter (dflash, dflash+ngram), not {method}")
+    if tree is not None and registry.drafter_of(method) not in ("dflash", "eagle3"):
+        raise UserError(f"a tree of drafts needs a drafter (dflash, eagle3, NAME+ngram), not {method}")
     return MethodOptions(
         drafter=drafter_paths(args.drafter, [method]).get(registry.drafter_of(method)),
         block_size=block_size if block_size is not None else args.block_size,

@@ -214,6 +214,20 @@ class Eagle3Head(nn.Module):
         mask = causal_mask(positions, at + m) if m > 1 else None  # causal among the new pairs
         return self.midlayer.finish(hidden, attn.attend(q, keys, values, mask))
 
+    def tree_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot: int,
+                  visible: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Inference, a draft tree's next depth: m speculative pairs [1, m] (each node's token with its parent's
+        hidden state) at `positions` [m] (their depth's), their K/V written to cache slots slot..slot+m-1 past the
+        committed length; `visible` [m, slot + m] says which keys each attends to (the committed ones, its
+        ancestors' slots and its own). Returns their output hidden states."""
+        m = embeds.shape[1]
+        attn = self.midlayer.self_attn
+        x = self.midlayer.attention_input(embeds.to(hidden.dtype), hidden)
+        q, k, v = attn.project(x, self.rotary(positions[None], hidden.dtype))
+        cache.reserve(slot + m)
+        keys, values = cache.write(0, k, v, offset=slot - cache.lengths[0])
+        return self.midlayer.finish(hidden, attn.attend(q, keys, values, visible[None, None]))
+
     # ---- checkpoint ------------------------------------------------------------------------------------------
     def save(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write config.json + model.safetensors; float weights cast to `dtype` when given (d2t/t2d never are)."""

@@ -1,24 +1,32 @@
-"""EAGLE-3 drafting: a chain (top-1) of up to `depth` drafts per round from the one-layer head."""
+"""EAGLE-3 drafting: a chain (top-1) of up to `depth` drafts per round from the one-layer head, or a dynamic tree."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from ...errors import UserError
+from ...trees import MAX_TREE_TOKENS
 from ..base import Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
 from .head import Eagle3Head
+
+
+TREE_TOP_K = 8  # a dynamic tree's branching: candidates per expanded node, and nodes expanded per depth
 
 
 class Eagle3Proposer(FeatureBacklog, Proposer):
     name = "eagle3"
 
-    def __init__(self, head: Eagle3Head, target, depth: int | None = None):
+    def __init__(self, head: Eagle3Head, target, depth: int | None = None, tree: int | None = None):
         head.check_fits(target)
         self.depth = depth or head.config.depth
         if self.depth < 1:
             raise UserError(f"EAGLE-3 draft depth must be >= 1, got {self.depth}")
+        if tree is not None and not 1 <= tree < MAX_TREE_TOKENS:
+            raise UserError(f"a tree has 1 to {MAX_TREE_TOKENS - 1} drafts (nodes), got {tree}")
+        self.tree_nodes = tree
         self.head, self.target = head.eval(), target
         self.feature_layers = head.feature_layers
         self.max_draft = self.depth
@@ -46,6 +54,8 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         hidden = self.head.step(self._embed(tokens), self.head.fuse(pending), done, self.cache)[:, -1:]
         self.cache.advance(last - done)  # the real pairs are committed; speculative ones are not
         self.pending = []
+        if self.tree_nodes:
+            return self._tree(hidden, last)
         depth = self.depth if limit is None else min(limit, self.depth)
         drafts, confidences = [], []
         for k in range(depth):
@@ -61,6 +71,54 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         return Draft(drafts, confidences)
 
 
+    def _top(self, hidden: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """Per row of `hidden` [1, m, D]: the head's TREE_TOP_K likeliest target tokens and their log-probabilities."""
+        logits = self.head.logits(hidden).float()[0]
+        scores, index = logits.log_softmax(-1).topk(min(TREE_TOP_K, logits.shape[-1]), dim=-1)
+        return scores.tolist(), self.head.draft_to_target(index).tolist()
+
+    def _tree(self, hidden: torch.Tensor, last: int) -> Draft:
+        """A dynamic draft tree (EAGLE-2's, DFLASH_SPEC section 8): from the bonus's hidden state, the top K
+        tokens; at each further depth the K likeliest nodes of the newest depth (by the sum of log-probabilities
+        along their path) run through the head together, each attending to the committed pairs and its own
+        ancestors, and their children's top K join the candidates; `depth` levels in all. The `tree_nodes` likeliest
+        nodes are kept (a path never scores above its prefix, so they form a tree), best first."""
+        device = self.target.device
+        scores, tokens = self._top(hidden)
+        # nodes: (score, depth, parent node or -1, token); the frontier: the newest depth's node indices
+        nodes = [(s, 1, -1, t) for s, t in zip(scores[0], tokens[0])]
+        outputs = {-1: hidden[0, 0]}  # a node's output hidden state, the input of its children
+        slots: dict[int, int] = {}  # a node's slot in the head's cache (past the committed length)
+        frontier, slot = list(range(len(nodes))), last
+        for depth in range(1, self.depth):
+            expand = sorted(frontier, key=lambda i: -nodes[i][0])[:TREE_TOP_K]
+            for k, i in enumerate(expand):
+                slots[i] = slot + k
+            seen = torch.zeros(len(expand), slot + len(expand), dtype=torch.bool, device=device)
+            seen[:, :last] = True
+            for k, i in enumerate(expand):
+                j = i
+                while j >= 0:
+                    seen[k, slots[j]] = True
+                    j = nodes[j][2]
+            step = self.head.tree_step(
+                self._embed(torch.tensor([[nodes[i][3] for i in expand]], device=device)),
+                torch.stack([outputs[nodes[i][2]] for i in expand])[None],
+                torch.full((len(expand),), last + depth - 1, device=device), slot, seen, self.cache)
+            slot += len(expand)
+            scores, tokens = self._top(step)
+            frontier = []
+            for k, i in enumerate(expand):
+                outputs[i] = step[0, k]
+                for s, t in zip(scores[k], tokens[k]):
+                    frontier.append(len(nodes))
+                    nodes.append((nodes[i][0] + s, depth + 1, i, t))
+        kept = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1]))[: self.tree_nodes]
+        block = {node: b + 1 for b, node in enumerate(kept)}  # block index 0 is the bonus
+        return Draft([nodes[i][3] for i in kept], [math.exp(nodes[i][0]) for i in kept],
+                     parents=[block[nodes[i][2]] if nodes[i][2] >= 0 else 0 for i in kept])
+
+
 def build(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
     """The head at `options.drafter`, else the shipped one for this target, else an UNTRAINED head (with a note);
     `options.block_size` B drafts chains of B - 1."""
@@ -68,6 +126,9 @@ def build(target, options: MethodOptions) -> tuple[Eagle3Proposer, str | None]:
 
 
 def load(target, options: MethodOptions, precision: DraftPrecision) -> tuple[Eagle3Proposer, str | None]:
+    if options.tree is not None and target.backend == "transformers":
+        raise UserError("a tree of drafts needs our own forward (Llama, Qwen3, Gemma3 targets), not the transformers "
+                        "fallback this target runs on")
     path, note = options.drafter, None
     if path is None:
         path = shipped_drafter(target.name, "eagle3")
@@ -81,4 +142,4 @@ def load(target, options: MethodOptions, precision: DraftPrecision) -> tuple[Eag
     # run in the target's dtype (or the chosen draft dtype), like the DFlash drafter, so both pay alike
     head = head.to(device=target.device, dtype=precision.dtype).freeze(precision.plan_for(target))
     depth = options.block_size - 1 if options.block_size else None
-    return Eagle3Proposer(head, target, depth), note
+    return Eagle3Proposer(head, target, depth, options.tree), note
