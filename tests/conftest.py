@@ -70,3 +70,36 @@ def bf16_layout(request):
         yield request.param
     finally:
         native.set_bf16_pairs(old)
+
+
+class OracleTree(Proposer):
+    """Random trees that hold the target's known continuation as a path of random depth, its nodes among random
+    siblings (before and after them), plus random branches: the accepted path skips slots at every depth."""
+
+    name = "oracle-tree"
+
+    def __init__(self, reference: list[int], prompt_len: int, nodes: int, vocab_size: int, seed: int = 0):
+        self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab_size
+        self.tree_nodes, self.max_draft = nodes, 8
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _random(self, high: int) -> int:
+        return int(torch.randint(0, high, (), generator=self.generator))
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        done = len(sequence) - self.prompt_len
+        truth = self.reference[done: done + self._random(self.max_draft + 1)]
+        tokens, parents, at = [], [], 0  # `at`: the block index of the path's last node (0: the bonus)
+        for token in truth:
+            if len(tokens) + 2 > self.tree_nodes:
+                break
+            decoys = self._random(3)
+            first = self._random(decoys + 1)
+            for k in range(decoys + 1):
+                tokens.append(token if k == first else (token + 1 + k) % self.vocab)
+                parents.append(at)
+            at = len(tokens) - decoys + first
+        while len(tokens) < self.tree_nodes:
+            parents.append(self._random(len(tokens) + 1))
+            tokens.append(self._random(self.vocab))
+        return Draft(tokens, [0.5] * len(tokens), parents=parents)

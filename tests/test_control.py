@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import ARCHS, OracleProposer, RandomProposer
+from conftest import ARCHS, OracleProposer, OracleTree, RandomProposer
 from dflash.control import Calibration, CostModel, DraftController, _interpolated, batch_width
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.methods.base import Draft
@@ -75,8 +75,6 @@ def ar_tokens(target, ids):
 def test_lossless_at_every_chosen_length(tiny_targets, arch, monkeypatch):
     """Forced 0 (plain steps), forced block - 1 (whole blocks) and random lengths all give ar's tokens, for
     chains and for trees (whose first k nodes are a tree)."""
-    from test_trees import OracleTree
-
     target = tiny_targets[arch]
     rng = random.Random(0)
     forced = {"zero": lambda self, conf, available, *_, **__: 0,

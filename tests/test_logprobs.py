@@ -4,7 +4,7 @@ batch or alone, with logits deferred or not; asking for them changes no token.""
 import pytest
 import torch
 
-from conftest import ARCHS, OracleProposer, RandomProposer
+from conftest import ARCHS, OracleProposer, OracleTree, RandomProposer
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.logprobs import byte_level_alphabet, token_bytes
@@ -50,6 +50,7 @@ def test_logprobs_are_the_targets_own_for_every_proposer(tiny_targets, arch, sam
         "ar": Proposer(), "ngram": NgramProposer(max_draft=7), "random": RandomProposer(target.vocab_size, 15),
         "oracle": OracleProposer(reference.tokens, len(prompt_ids), 15),
         "dflash": DFlashProposer(make_drafter(target, 16), target),
+        "oracle tree": OracleTree(reference.tokens, len(prompt_ids), 15, target.vocab_size),
     }
     for name, proposer in proposers.items():
         result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, asked)

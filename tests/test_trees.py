@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 
-from conftest import ARCHS
+from conftest import ARCHS, OracleTree
 from dflash import trees
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
-from dflash.methods.base import Draft, Proposer
 from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.models.transformer import Transformer
@@ -21,39 +20,6 @@ from dflash.sampling import SamplingConfig
 PROMPT = [5, 9, 12, 7, 3, 22, 40, 17, 8]
 # a tree with branches at every depth, a deep path through later siblings, and a lone leaf at the end
 PARENTS = [-1, 0, 0, 1, 2, 2, 4, 3, 6, 0, 8]
-
-
-class OracleTree(Proposer):
-    """Random trees that hold the target's known continuation as a path of random depth, its nodes among random
-    siblings (before and after them), plus random branches: the accepted path skips slots at every depth."""
-
-    name = "oracle-tree"
-
-    def __init__(self, reference: list[int], prompt_len: int, nodes: int, vocab_size: int, seed: int = 0):
-        self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab_size
-        self.tree_nodes, self.max_draft = nodes, 8
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def _random(self, high: int) -> int:
-        return int(torch.randint(0, high, (), generator=self.generator))
-
-    def propose(self, sequence, limit=None, keep_going=None):
-        done = len(sequence) - self.prompt_len
-        truth = self.reference[done: done + self._random(self.max_draft + 1)]
-        tokens, parents, at = [], [], 0  # `at`: the block index of the path's last node (0: the bonus)
-        for token in truth:
-            if len(tokens) + 2 > self.tree_nodes:
-                break
-            decoys = self._random(3)
-            first = self._random(decoys + 1)
-            for k in range(decoys + 1):
-                tokens.append(token if k == first else (token + 1 + k) % self.vocab)
-                parents.append(at)
-            at = len(tokens) - decoys + first
-        while len(tokens) < self.tree_nodes:
-            parents.append(self._random(len(tokens) + 1))
-            tokens.append(self._random(self.vocab))
-        return Draft(tokens, [0.5] * len(tokens), parents=parents)
 
 
 def causal_last_logits(target, ids):
@@ -313,3 +279,18 @@ def test_eagle3_dynamic_trees_change_no_output_and_hold_the_chain(tiny_targets, 
     children = [(t, c) for t, p, c in zip(grown.tokens, grown.parents, grown.confidence) if p == at]  # best first
     assert children[0][0] == second
     assert children[0][1] == pytest.approx(math.prod(drafts["chain"].confidence), rel=1e-5)  # the same head pass
+
+
+def test_dflash_trees_in_a_batch_change_no_output(tiny_targets):
+    """Rows of a batch draft their trees in one drafter pass (propose_batch) and verify them in one target pass."""
+    target = tiny_targets["qwen3"]
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, 2, num_layers=1, block_size=8, num_features=2)
+    drafter = DFlashDrafter.untrained(cfg, 0).freeze()
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompts = [PROMPT, [3, 4, 5], PROMPT[:4]]
+    references = [SpeculativeDecoder(target).generate(p, config).tokens for p in prompts]
+    engine = Engine(target, DFlashProposer(drafter, target, tree=10), max_batch=3, adaptive=False)
+    seqs = [engine.submit(p, config) for p in prompts]
+    engine.run()
+    assert [s.result.tokens for s in seqs] == references
+    assert all(set(s.result.stats.draft_lengths) == {10} for s in seqs)
