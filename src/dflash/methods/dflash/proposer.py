@@ -155,7 +155,9 @@ class DFlashProposer(FeatureBacklog, Proposer):
 
     def tree_draft(self, hidden: torch.Tensor) -> Draft:
         """A tree of `tree_nodes` drafts from one row's hidden states at the draft positions [1, drafts, width]: the
-        top TREE_TOP_K tokens of each position, kept best first by their probabilities' product along a path."""
+        top TREE_TOP_K tokens of each position, kept best first by their probabilities' product along a path. A
+        tree of N nodes reaches N positions deep at most: the LM head reads no further."""
+        hidden = hidden[:, : self.tree_nodes]
         logits = self.base_logits(hidden)
         if self.prompt_rows is not None:
             logits = torch.cat([logits, F.linear(hidden.reshape(-1, hidden.shape[-1]), self.prompt_rows).float()],
