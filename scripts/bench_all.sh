@@ -3,16 +3,19 @@
 # Exact mode (float32 target; drafter dtype and kernels chosen by measurement; every greedy output compared with ar)
 # on the four datasets. Each drafting method runs adaptive (the default: the controller picks 0..B-1 drafts per round
 # from calibrated confidences and measured costs) and `:whole` (every round verifies the whole block, the paper's
-# setting), side by side in one process with ar interleaved. FAST_MODE=1 adds the bf16-target run, which only pays
-# on CPUs with AMX or AVX512-BF16.
+# setting), side by side in one process with ar interleaved; on GSM8K and HumanEval both drafters also verify trees
+# (`:tree15`: the controller's prefix of a 15-node tree; `:tree15:whole`: all of it). FAST_MODE=1 adds the bf16-target
+# run, which only pays on CPUs with AMX or AVX512-BF16.
 set -euo pipefail
 OUT=${1:-runs/bench}
 DF=.venv/bin/dflash
-METHODS=ar,hf,ngram,eagle3,eagle3:whole,dflash,dflash:whole,dflash@8
+METHODS=ar,hf,ngram,eagle3,eagle3:whole,eagle3:tree15:whole,dflash,dflash:whole,dflash@8,dflash:tree15,dflash:tree15:whole
 SHORT=ar,ngram,eagle3,dflash,dflash:whole
+TREES=ar,eagle3,eagle3:tree15:whole,dflash,dflash:tree15,dflash:tree15:whole
 COMMON=(--max-new-tokens 128)
 $DF bench --dataset gsm8k     --limit 10 --methods $METHODS "${COMMON[@]}" --out "$OUT/gsm8k"
 $DF bench --dataset humaneval --limit 4  --methods $SHORT "${COMMON[@]}" --out "$OUT/humaneval"
+$DF bench --dataset humaneval --limit 8  --methods $TREES "${COMMON[@]}" --out "$OUT/humaneval_trees"
 $DF bench --dataset math500   --limit 4  --methods $SHORT "${COMMON[@]}" --out "$OUT/math500"
 $DF bench --dataset mt_bench  --limit 4  --methods $SHORT "${COMMON[@]}" --out "$OUT/mt_bench"
 # llama.cpp, where the optional extra is installed (pip install -e ".[llamacpp]"): on an F32 copy of the registry's
