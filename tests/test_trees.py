@@ -294,3 +294,31 @@ def test_dflash_trees_in_a_batch_change_no_output(tiny_targets):
     engine.run()
     assert [s.result.tokens for s in seqs] == references
     assert all(set(s.result.stats.draft_lengths) == {10} for s in seqs)
+
+
+def test_a_dynamic_tree_stops_growing_where_a_depth_does_not_pay(tiny_targets):
+    from test_eagle3 import fresh_head
+    from dflash.control import CostModel, DraftController
+    from dflash.methods.eagle3.proposer import TREE_TOP_K, Eagle3Proposer
+
+    costs = CostModel()
+    costs.seed({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4, 16: 1.8})
+    costs.observe(1, 0.020)
+    costs.observe_drafting(0.007)
+    controller = DraftController(7, costs)
+    controller.rate = 1 / 0.020
+    assert controller.keep_growing(0.9, 1) and not controller.keep_growing(0.01, 1)
+    assert DraftController(7, costs, whole_blocks=True).keep_growing(0.01, 1)
+    target = tiny_targets["llama"]
+    head = fresh_head(target, scale=0.3)
+    features = target.forward(torch.tensor([PROMPT]), None, head.feature_layers).features
+    asked = []
+    for stop_at in (1, 2):
+        proposer = Eagle3Proposer(head, target, depth=5, tree=40)
+        proposer.start(PROMPT, features)
+        draft = proposer.propose(PROMPT + [7], keep_going=lambda p, depth: asked.append(p) or depth < stop_at)
+        depth_of = {0: 0}
+        for i, parent in enumerate(draft.parents):
+            depth_of[i + 1] = depth_of[parent] + 1
+        assert max(depth_of.values()) == stop_at and len(draft.tokens) == min(40, TREE_TOP_K ** stop_at)
+    assert all(0 < p <= 1 for p in asked)  # the likeliest leaf's path probability

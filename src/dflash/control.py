@@ -479,6 +479,17 @@ class DraftController:
         step = self.costs.drafting / max(1, self.max_draft)
         return chain > self.rate * (step + self._extra_cost(k + 2) - self._extra_cost(k + 1))
 
+    def keep_growing(self, best_path: float, depth: int) -> bool:
+        """For drafters that grow a tree depth by depth (EAGLE-3's dynamic tree): is another depth worth its
+        drafting step? Its nodes' paths are no likelier than the likeliest leaf's, `best_path` (the drafter's
+        probability), so only if that leaf's calibrated chance beats the time of a depth's drafting and of one more
+        token verified `depth` deep."""
+        if self.whole_blocks or self.rate is None or not self.costs.known or self.costs.drafting is None:
+            return True
+        step = self.costs.drafting / max(1, self.max_draft)
+        chance = self.tree_calibration.probability(best_path)
+        return chance > self.rate * (step + self._extra_cost(depth + 2) - self._extra_cost(depth + 1))
+
     # ---- after verifying ----------------------------------------------------------------------------------------
     def record(self, drafted: bool, confidences: list[float] | None, verified: int, accepted: int,
                draft_seconds: float, verify_seconds: float, width: int | None = None,

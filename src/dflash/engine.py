@@ -802,7 +802,9 @@ def _keep_going(seq: Sequence):
     """What a sequence's proposer asks before drafting or reading further drafts (None: draft the whole block)."""
     if seq.controller.whole_blocks:
         return None
-    return seq.controller.could_verify_more if seq.proposer.one_pass else seq.controller.keep_going
+    if seq.proposer.one_pass:
+        return seq.controller.could_verify_more
+    return seq.controller.keep_growing if seq.proposer.tree_nodes else seq.controller.keep_going
 
 
 def measured_screening(target, repeats: int = 7) -> bool:

@@ -55,7 +55,7 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         self.cache.advance(last - done)  # the real pairs are committed; speculative ones are not
         self.pending = []
         if self.tree_nodes:
-            return self._tree(hidden, last)
+            return self._tree(hidden, last, keep_going)
         depth = self.depth if limit is None else min(limit, self.depth)
         drafts, confidences = [], []
         for k in range(depth):
@@ -77,12 +77,14 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         scores, index = logits.log_softmax(-1).topk(min(TREE_TOP_K, logits.shape[-1]), dim=-1)
         return scores.tolist(), self.head.draft_to_target(index).tolist()
 
-    def _tree(self, hidden: torch.Tensor, last: int) -> Draft:
+    def _tree(self, hidden: torch.Tensor, last: int, keep_growing=None) -> Draft:
         """A dynamic draft tree (EAGLE-2's, DFLASH_SPEC section 8): from the bonus's hidden state, the top K
         tokens; at each further depth the K likeliest nodes of the newest depth (by the sum of log-probabilities
         along their path) run through the head together, each attending to the committed pairs and its own
-        ancestors, and their children's top K join the candidates; `depth` levels in all. The `tree_nodes` likeliest
-        nodes are kept (a path never scores above its prefix, so they form a tree), best first."""
+        ancestors, and their children's top K join the candidates; `depth` levels at most, fewer where
+        `keep_growing(the likeliest leaf's path probability, depth)` (the controller's) says another does not pay.
+        The `tree_nodes` likeliest nodes are kept (a path never scores above its prefix, so they form a tree), best
+        first."""
         device = self.target.device
         scores, tokens = self._top(hidden)
         # nodes: (score, depth, parent node or -1, token); the frontier: the newest depth's node indices
@@ -92,6 +94,8 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         frontier, slot = list(range(len(nodes))), last
         for depth in range(1, self.depth):
             expand = sorted(frontier, key=lambda i: -nodes[i][0])[:TREE_TOP_K]
+            if keep_growing is not None and not keep_growing(math.exp(nodes[expand[0]][0]), depth):
+                break
             for k, i in enumerate(expand):
                 slots[i] = slot + k
             seen = torch.zeros(len(expand), slot + len(expand), dtype=torch.bool, device=device)
