@@ -141,7 +141,10 @@ def test_methods_parsing():
     assert parse_method("eagle3:whole") == MethodSpec("eagle3", None, True)
     assert parse_method("eagle3@2") == MethodSpec("eagle3", 2)
     assert parse_method("dflash+ngram@8") == MethodSpec("dflash+ngram", 8)
-    for bad in ("dflash@x", "dflash@1", "eagle3@1", "ngram@4:0.1", "dflash@8:half", "hf@4", "ar@2", "ar:whole"):
+    assert parse_method("dflash:tree15") == MethodSpec("dflash", None, False, 15)
+    assert parse_method("eagle3@5:tree31:whole") == MethodSpec("eagle3", 5, True, 31)
+    for bad in ("dflash@x", "dflash@1", "eagle3@1", "ngram@4:0.1", "dflash@8:half", "hf@4", "ar@2", "ar:whole",
+                "dflash:treex", "dflash:tree", "dflash:whole:whole", "dflash:tree7:tree8", "ar:tree7"):
         with pytest.raises(UserError):
             parse_method(bad)
 

@@ -148,6 +148,8 @@ def test_dflash_tree_drafts_change_no_output(tiny_targets, arch):
     result = SpeculativeDecoder(target, proposer, adaptive=False).generate(PROMPT, config)
     assert result.tokens == reference
     assert result.stats.draft_lengths and set(result.stats.draft_lengths) == {20}
+    assert result.stats.draft_length_histogram[20] == result.stats.num_rounds  # more nodes than a block's drafts
+    assert proposer.setup_report()["tree_nodes"] == 20
     assert SpeculativeDecoder(target, proposer).generate(PROMPT, config).tokens == reference
     proposer.start(PROMPT, target.forward(torch.tensor([PROMPT]), None, proposer.feature_layers).features)
     draft = proposer.propose(PROMPT + [reference[0]])

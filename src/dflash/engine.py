@@ -110,10 +110,11 @@ class GenerationStats:
 
     @property
     def draft_length_histogram(self) -> list[int]:
-        """Counts of rounds by drafts verified: index k counts rounds that verified k drafts."""
-        hist = [0] * self.block_size
+        """Counts of rounds by drafts verified: index k counts rounds that verified k drafts (a tree's nodes may
+        outnumber a block's drafts)."""
+        hist = [0] * max(self.block_size, max(self.draft_lengths, default=0) + 1)
         for k in self.draft_lengths:
-            hist[min(k, self.block_size - 1)] += 1
+            hist[k] += 1
         return hist
 
     @property

@@ -88,7 +88,8 @@ class DFlashProposer(FeatureBacklog, Proposer):
 
     def setup_report(self) -> dict:
         rows = min(FIRST_READ or self.max_draft, self.max_draft)
-        return {"draft_head_kernel": self.lm_head.kernel_for_rows(rows)}
+        report = {"draft_head_kernel": self.lm_head.kernel_for_rows(rows)}
+        return {**report, "tree_nodes": self.tree_nodes} if self.tree_nodes else report
 
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self._new_cache(len(prompt_ids) + 256)

@@ -31,6 +31,9 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         self.feature_layers = head.feature_layers
         self.max_draft = self.depth
 
+    def setup_report(self) -> dict:
+        return {"tree_nodes": self.tree_nodes} if self.tree_nodes else {}
+
     def start(self, prompt_ids: list[int], features: torch.Tensor | None) -> None:
         self.cache = self.head.new_cache(capacity=len(prompt_ids) + 256)
         self.pending = [features]
