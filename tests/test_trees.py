@@ -80,6 +80,30 @@ def test_tree_pass_logits_equal_causal_passes_over_each_path(tiny_targets, arch,
         assert torch.allclose(out.features[0, node], causal.features[0, -1], atol=1e-4, rtol=1e-4), node
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # (Gemma3's tiny window of 16 keeps a wide tree in torch)
+def test_a_tree_wider_than_a_verify_pass_runs_in_c_and_matches(tiny_targets, arch, monkeypatch):
+    """40 nodes (more than the 16 tokens a chain's verify pass runs in C): the C stack's answer, every node equal
+    to the torch layers' tree pass."""
+    from dflash.models import native
+
+    target = tiny_targets[arch]
+    parents = [-1] + [(i - 1) // 3 for i in range(1, 40)]
+    tokens = [PROMPT[-1]] + [(5 * i + 3) % target.vocab_size for i in range(1, 40)]
+    outs, calls = [], []
+    stack = native.stack
+    monkeypatch.setattr(native, "stack", lambda h, *a, **k: calls.append(h.shape[1]) or stack(h, *a, **k))
+    for in_c in (True, False):
+        if not in_c:
+            monkeypatch.setattr(Transformer, "_tree_in_c", lambda self, n, end: False)
+        cache = target.new_cache(capacity=64)
+        target.forward(torch.tensor([PROMPT[:-1]]), cache)
+        outs.append(target.forward(torch.tensor([tokens]), cache, (1,), tree=torch.tensor([parents])))
+    if native.library() is not None:
+        assert calls.count(40) == 1  # the first tree pass went to C (and came back: no torch fallback)
+    assert torch.allclose(outs[0].logits, outs[1].logits, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(outs[0].features, outs[1].features, atol=1e-4, rtol=1e-4)
+
+
 def test_tree_pass_in_bfloat16_matches_the_causal_pass():
     """The C stack's bfloat16 tree pass (in pairs where the CPU has them) against a causal pass over one path."""
     from dflash.models.target import TargetModel
