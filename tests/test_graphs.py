@@ -98,7 +98,7 @@ def test_passes_a_graph_cannot_take_run_eagerly():
     """Wider than any graph, or a padded width past the cache's capacity: the eager forward, no graph made."""
     _, graphed = twins("llama")
     cache = graphed.new_cache(capacity=40)
-    graphed.forward(torch.tensor([list(range(5, 45))]), cache)  # 40 tokens: wider than 32
+    graphed.forward(torch.tensor([[5 + i % 40 for i in range(70)]]), cache)  # 70 tokens: wider than 64
     assert graphed.graphs.captures == 0
     small = graphed.engine.new_cache(capacity=8)  # no room for a padded 4-token pass after 5 tokens
     graphed.forward(torch.tensor([[5, 6, 7, 8, 9]]), small)

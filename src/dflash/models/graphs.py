@@ -27,8 +27,9 @@ from typing import Callable
 
 import torch
 
-WIDTHS = (1, 2, 4, 8, 16, 32)  # a pass of n tokens per row runs in the graph of the smallest width >= n
-MAX_GRAPHS = 48  # graphs kept (least recently used dropped): 6 widths x up to 8 row counts (1, 2, 4, .. 128)
+# a pass of n tokens per row runs in the graph of the smallest width >= n; 64: a draft tree's widest pass (trees.py)
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+MAX_GRAPHS = 56  # graphs kept (least recently used dropped): 7 widths x up to 8 row counts (1, 2, 4, .. 128)
 
 
 def padded_width(n: int) -> int | None:
