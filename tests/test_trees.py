@@ -348,3 +348,21 @@ def test_a_dynamic_tree_stops_growing_where_a_depth_does_not_pay(tiny_targets):
             depth_of[i + 1] = depth_of[parent] + 1
         assert max(depth_of.values()) == stop_at and len(draft.tokens) == min(40, TREE_TOP_K ** stop_at)
     assert all(0 < p <= 1 for p in asked)  # the likeliest leaf's path probability
+
+
+def test_greedy_and_sampled_rows_of_one_tree_round(tiny_targets):
+    """A batch mixing greedy and seeded sampled rows (no screen: greedy rows argmax their logits, sampled ones
+    read logits only at the nodes their walk visits) gives each row plain decoding's tokens."""
+    target = tiny_targets["llama"]
+    greedy = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    sampled = GenerationConfig(max_new_tokens=30, ignore_eos=True,
+                               sampling=SamplingConfig(temperature=1.0, top_k=20, seed=5))
+    references = [SpeculativeDecoder(target).generate(PROMPT, c).tokens for c in (greedy, sampled)]
+    engine = Engine(target, OracleTree(references[0], len(PROMPT), 15, target.vocab_size), max_batch=2,
+                    adaptive=False)
+    seqs = [engine.submit(PROMPT, greedy), engine.submit(PROMPT, sampled)]
+    for seq, reference in zip(seqs, references):
+        seq.proposer = OracleTree(reference, len(PROMPT), 15, target.vocab_size)
+    engine.run()
+    assert [s.result.tokens for s in seqs] == references
+    assert all(s.result.stats.tau > 2 for s in seqs)

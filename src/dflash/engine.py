@@ -562,22 +562,26 @@ class Engine:
         out = self.target.forward(torch.tensor(nodes, device=device), cache, rows[0].proposer.feature_layers,
                                   logits_at="hidden" if screened or self.target.defers_logits else "all",
                                   tree=torch.tensor(parents))
-        logits, greedy = out.logits, None
+        logits = out.logits
+
+        def logits_at(i: int, nodes_of_row) -> torch.Tensor:  # where the pass deferred them: only those asked for
+            return logits[i, nodes_of_row] if logits is not None else self.target.logits_of(out.hidden[i, nodes_of_row])
+
         if screened:
             greedy = self.target.greedy_of(out.hidden).tolist()  # the host sync: the pass has run
         else:
-            logits = logits if logits is not None else self.target.logits_of(out.hidden)
-            if any(plain_greedy(seq) for seq in rows):
-                greedy = logits.argmax(-1).tolist()
+            greedy_rows = [i for i, seq in enumerate(rows) if plain_greedy(seq)]
+            greedy = dict(zip(greedy_rows, (logits_at(greedy_rows, slice(None)).argmax(-1).tolist()
+                                            if greedy_rows else [])))
         walked = []
         for i, seq in enumerate(rows):
             if plain_greedy(seq):
                 walked.append(trees.walk(parents[i], nodes[i], lambda path, i=i: greedy[i][path[-1]]))
                 continue
 
-            def pick(path, i=i, seq=seq):  # sampled given the path, seeded by its sequence position
+            def pick(path, i=i, seq=seq):  # sampled given the path (the nodes it visits only), seeded by position
                 history = seq.sequence + [nodes[i][k] for k in path[1:]]
-                at = logits[i: i + 1, path[-1]: path[-1] + 1]
+                at = logits_at(i, slice(path[-1], path[-1] + 1))[None]
                 return self._choose(at, [seq], [1], drafts=[[]], history=history)[0][0]
             walked.append(trees.walk(parents[i], nodes[i], pick))
         verify_seconds = self.timer() - started
@@ -590,10 +594,7 @@ class Engine:
         for i, (seq, (path, bonus)) in enumerate(zip(rows, walked)):
             cache.keep_path(i, starts[i], path)
             features = out.features[i: i + 1, path] if out.features is not None else None
-            row_logits = None
-            if seq.config.logprobs is not None:
-                row_logits = (logits[i, path] if logits is not None
-                              else self.target.logits_of(out.hidden[i, path]))
+            row_logits = logits_at(i, path) if seq.config.logprobs is not None else None
             self._settle(seq, planned[i], [nodes[i][k] for k in path], bonus, features, row_logits,
                          verify_seconds, len(rows) * width, catching_up, path)
         cache.set_lengths([start + len(path) for start, (path, _) in zip(starts, walked)])
