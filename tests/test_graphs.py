@@ -17,10 +17,12 @@ from test_batching import LENGTHS, PROMPTS, make_drafter_proposer
 TOLERANCE = 1e-5  # float32, torch's kernels on both sides; attention over a longer (masked) key range
 
 
-def twins(arch: str):
-    """The same tiny target twice: eager, and through graphs (replayed eagerly: no CUDA here)."""
+def twins(arch: str, device: str = "cpu"):
+    """The same tiny target twice: eager, and through graphs (on a CPU replayed eagerly; on "cuda" captured)."""
     eager, graphed = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
-    graphed.use_graphs(capacity=96, capture=False)
+    for target in (eager, graphed):
+        target.model.to(device)
+    graphed.use_graphs(capacity=96, capture=False if device == "cpu" else None)
     return eager, graphed
 
 
@@ -141,10 +143,7 @@ def test_graphs_need_cuda_and_our_forward():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_captured_graphs_on_cuda_equal_the_eager_forward(arch):
     """The same passes as above, with real CUDA graphs: captured once per shape, replayed after."""
-    eager, graphed = (tiny_target(arch, logit_scale=4.0) for _ in range(2))
-    for target in (eager, graphed):
-        target.model.to("cuda")
-    graphed.use_graphs(capacity=96)
+    eager, graphed = twins(arch, "cuda")
     prompts = [eager.encode_prompt(p) for p in PROMPTS[:3]]
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     for proposer in (None, NgramProposer(max_draft=5)):

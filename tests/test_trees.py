@@ -234,10 +234,9 @@ def test_graphed_tree_passes_equal_the_eager_ones(arch):
     """A tree pass through the CUDA-graph path (replayed eagerly here: its device-side mask, depth positions and
     slot writes), padded to the graph's width, past Gemma3's window, gives the eager tree pass's logits and
     features, and tree rounds through graphs change no output."""
-    from dflash.testing import tiny_target
+    from test_graphs import twins
 
-    eager, graphed = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
-    graphed.use_graphs(capacity=96, capture=False)
+    eager, graphed = twins(arch)
     prompt = PROMPT + [11] * 12
     tokens = [prompt[-1]] + [(3 * i + 1) % eager.vocab_size for i in range(1, len(PARENTS))]
     caches = eager.new_cache(capacity=96), graphed.new_cache()
@@ -259,12 +258,9 @@ def test_graphed_tree_passes_equal_the_eager_ones(arch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures real graphs)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_captured_tree_graphs_on_cuda_change_no_output(arch):
-    from dflash.testing import tiny_target
+    from test_graphs import twins
 
-    eager, graphed = (tiny_target(arch, logit_scale=4.0) for _ in range(2))
-    for target in (eager, graphed):
-        target.model.to("cuda")
-    graphed.use_graphs(capacity=96)
+    eager, graphed = twins(arch, "cuda")
     config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     reference = SpeculativeDecoder(eager).generate(PROMPT, config).tokens
     for target in (eager, graphed):

@@ -149,7 +149,7 @@ class TargetModel:
         return self.engine.new_cache(batch=batch, capacity=capacity, max_capacity=self.max_context)
 
     def use_graphs(self, capacity: int = 2048, capture: bool | None = None) -> None:
-        """Run decode steps and verify passes (up to 32 tokens per row) as CUDA graphs (graphs.py), with caches made
+        """Run decode steps and verify passes (up to 64 tokens per row) as CUDA graphs (graphs.py), with caches made
         at `capacity` positions or more so that they need not grow. `capture=False` runs the same bookkeeping
         eagerly (how the CPU tests check it)."""
         if not isinstance(self.engine, Transformer):
