@@ -467,13 +467,7 @@ class Engine:
         padded = [b + [b[-1]] * (width - len(b)) for b in blocks]  # padding is verified and rolled back
         starts = [len(seq.sequence) - 1 for seq in rows]
         layers = rows[0].proposer.feature_layers
-        cache = self.cache
-        if self.batched:
-            self.cache.reserve(max(starts) + width)
-            cache = self.cache.view(0, len(rows), spare_after=True)  # rows stay packed: the rest are free
-        if self.threads:
-            self.threads.before_pass()
-        started = self.timer()
+        cache, started = self._before_pass(starts, width)
         screened = self.target.screens and all(plain_greedy(seq) for seq in rows)
         deferred = screened or (width > FIRST_LOGITS and self.head_overrun < self.head_saving)
         out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers,
@@ -483,13 +477,7 @@ class Engine:
             chosen = self._choose_in_steps(out.hidden, rows, drafts, widths, screened)
         else:
             chosen = self._choose(out.logits, rows, widths, drafts=drafts)  # the host sync: the pass has run
-        verify_seconds = self.timer() - started
-        if self.threads:
-            verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
-        shares = [plan.seconds for plan in planned if plan.drafted]
-        context = sum(len(seq.sequence) - 1 for seq in rows) // len(rows)
-        self.costs.observe_round(len(rows) * width, verify_seconds, context,
-                                 shares[0] if shares and not catching_up else None)
+        verify_seconds = self._after_pass(started, planned, starts, width, catching_up)
         lengths = []
         for i, seq in enumerate(rows):
             accepted = accept_length(drafts[i], chosen[i])
@@ -505,6 +493,32 @@ class Engine:
         if width > FIRST_LOGITS:
             overran = max(length - start for length, start in zip(lengths, starts)) > FIRST_LOGITS
             self.head_overrun += OVERRUN_SMOOTHING * (overran - self.head_overrun)
+        self._set_lengths(cache, lengths)
+
+    def _before_pass(self, starts: list[int], width: int):
+        """The cache a round's pass writes (the batch's running rows, with room for `width` more tokens each) and
+        the time it starts."""
+        cache = self.cache
+        if self.batched:
+            self.cache.reserve(max(starts) + width)
+            cache = self.cache.view(0, len(starts), spare_after=True)  # rows stay packed: the rest are free
+        if self.threads:
+            self.threads.before_pass()
+        return cache, self.timer()
+
+    def _after_pass(self, started: float, planned: list[Plan], starts: list[int], width: int,
+                    catching_up: bool) -> float:
+        """The pass's seconds (chosen tokens read back), told to the thread chooser and the cost model."""
+        seconds = self.timer() - started
+        if self.threads:
+            seconds = self._timed_threads(seconds, len(starts) * width)
+        shares = [plan.seconds for plan in planned if plan.drafted]
+        self.costs.observe_round(len(starts) * width, seconds, sum(starts) // len(starts),
+                                 shares[0] if shares and not catching_up else None)
+        return seconds
+
+    def _set_lengths(self, cache, lengths: list[int]) -> None:
+        """The rows' lengths after a round (the rejected drafts rolled back), in the batch cache too."""
         cache.set_lengths(lengths)
         if self.batched:
             self.cache.take_lengths(cache, 0)
@@ -550,13 +564,7 @@ class Engine:
             p += [0] * (width - len(n))
             n += [n[0]] * (width - len(n))
         starts = [len(seq.sequence) - 1 for seq in rows]
-        cache = self.cache
-        if self.batched:
-            self.cache.reserve(max(starts) + width)
-            cache = self.cache.view(0, len(rows), spare_after=True)
-        if self.threads:
-            self.threads.before_pass()
-        started = self.timer()
+        cache, started = self._before_pass(starts, width)
         screened = self.target.screens and all(plain_greedy(seq) for seq in rows)
         device = self.target.device
         out = self.target.forward(torch.tensor(nodes, device=device), cache, rows[0].proposer.feature_layers,
@@ -584,22 +592,14 @@ class Engine:
                 at = logits_at(i, slice(path[-1], path[-1] + 1))[None]
                 return self._choose(at, [seq], [1], drafts=[[]], history=history)[0][0]
             walked.append(trees.walk(parents[i], nodes[i], pick))
-        verify_seconds = self.timer() - started
-        if self.threads:
-            verify_seconds = self._timed_threads(verify_seconds, len(rows) * width)
-        shares = [plan.seconds for plan in planned if plan.drafted]
-        context = sum(starts) // len(rows)
-        self.costs.observe_round(len(rows) * width, verify_seconds, context,
-                                 shares[0] if shares and not catching_up else None)
+        verify_seconds = self._after_pass(started, planned, starts, width, catching_up)
         for i, (seq, (path, bonus)) in enumerate(zip(rows, walked)):
             cache.keep_path(i, starts[i], path)
             features = out.features[i: i + 1, path] if out.features is not None else None
             row_logits = logits_at(i, path) if seq.config.logprobs is not None else None
             self._settle(seq, planned[i], [nodes[i][k] for k in path], bonus, features, row_logits,
                          verify_seconds, len(rows) * width, catching_up, path)
-        cache.set_lengths([start + len(path) for start, (path, _) in zip(starts, walked)])
-        if self.batched:
-            self.cache.take_lengths(cache, 0)
+        self._set_lengths(cache, [start + len(path) for start, (path, _) in zip(starts, walked)])
 
     def _timed_threads(self, seconds: float, tokens: int) -> float:
         """Tell the thread chooser what the pass cost; returns the seconds the cost model should learn: a probe's

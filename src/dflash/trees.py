@@ -48,10 +48,6 @@ def best_first(candidates: list[list[tuple[int, float]]], nodes: int) -> tuple[l
     return tokens, parents, probabilities
 
 
-def chain_parents(width: int) -> list[int]:
-    return list(range(-1, width - 1))
-
-
 def depths(parents: list[int]) -> list[int]:
     out = []
     for parent in parents:
@@ -72,40 +68,22 @@ def as_int64(bits: list[list[int]]) -> torch.Tensor:
     return torch.tensor([[b - (1 << 64) if b >= 1 << 63 else b for b in row] for row in bits], dtype=torch.int64)
 
 
-def tree_mask(parents: torch.Tensor, starts: list[int], key_count: int, window: int | None = None) -> torch.Tensor:
-    """Bool [b, 1, n, key_count] for a tree pass: row r's node i (at cache slot starts[r] + i, position starts[r] +
-    its depth) sees the row's cached positions before starts[r] (the last `window` of them with a sliding window)
-    and the slots of its ancestors and itself."""
-    b, n = parents.shape
-    mask = torch.zeros(b, n, key_count, dtype=torch.bool)
-    keys = torch.arange(key_count)
-    for r in range(b):
-        rows = parents[r].tolist()
-        start, depth = starts[r], torch.tensor(depths(rows))
-        before = keys[None, :] < start
-        if window is not None:
-            before = before & (keys[None, :] > (start + depth)[:, None] - window)
-        mask[r] = before
-        bits = visibility(rows)
-        ancestors = torch.tensor([[bool(bits[i] >> j & 1) for j in range(n)] for i in range(n)])
-        mask[r, :, start: start + n] = ancestors[:, : key_count - start]
-    return mask[:, None]
-
-
 def ancestors(parents: list[list[int]], width: int) -> torch.Tensor:
     """Bool [b, width, width]: node i of row r attends to the pass's node j (its ancestors and itself); rows
     shorter than `width` (a graph's padded width) get padding nodes under the root, seeing it and themselves."""
     out = torch.zeros(len(parents), width, width, dtype=torch.bool)
     for r, row in enumerate(parents):
-        row = list(row) + [0] * (width - len(row))
-        for i, bits in enumerate(visibility(row)):
-            out[r, i] = torch.tensor([bool(bits >> j & 1) for j in range(width)])
+        for i, parent in enumerate(list(row) + [0] * (width - len(row))):
+            if parent >= 0:
+                out[r, i] = out[r, parent]  # a parent comes before its children
+            out[r, i, i] = True
     return out
 
 
-def static_tree_mask(positions: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, key_count: int,
-                     window: int | None = None) -> torch.Tensor:
-    """The tree mask of a graphed pass, from device tensors only (no host sync): bool [b, 1, n, key_count], node
+def tree_mask(positions: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, key_count: int,
+              window: int | None = None) -> torch.Tensor:
+    """The mask of a tree pass through torch's layers, eager or graphed (device tensors only, no host sync): bool
+    [b, 1, n, key_count], node
     i of row r seeing the cached keys before starts[r] (within `window` of its position) and, among the pass's
     slots starts[r]..starts[r] + n - 1, those `visible` [b, n, n] marks."""
     b, n = positions.shape

@@ -254,8 +254,12 @@ class Transformer(nn.Module):
             h, outputs = in_c
         else:
             windows = {layer.layer_type: layer.window for layer in self.layers}  # one mask per layer type
-            masks = {kind: self._mask(positions, starts, n, end, window) if tree is None
-                     else trees.tree_mask(tree, starts, end, window).to(input_ids.device) for kind, window in windows.items()}
+            if tree is None:
+                masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
+            else:
+                visible = trees.ancestors(tree.tolist(), n).to(input_ids.device)
+                masks = {kind: trees.tree_mask(positions, start_tensor, visible, end, window)
+                         for kind, window in windows.items()}
             outputs: dict[int, torch.Tensor] = {}
             for index, layer in enumerate(self.layers):
                 h = layer(h, ropes[layer.layer_type], cache, index, masks[layer.layer_type], start_tensor,
@@ -286,7 +290,7 @@ class Transformer(nn.Module):
         if visible is None:
             masks = {kind: causal_mask(positions, capacity, window) for kind, window in windows.items()}
         else:
-            masks = {kind: trees.static_tree_mask(positions, starts, visible, capacity, window)
+            masks = {kind: trees.tree_mask(positions, starts, visible, capacity, window)
                      for kind, window in windows.items()}
         at = scatter_index(positions if slots is None else slots, self.kv_heads)
 
