@@ -551,8 +551,9 @@ class Engine:
     def _tree_round(self, rows: list[Sequence], planned: list[Plan], catching_up: bool) -> None:
         """A round where some row verifies a tree of drafts (trees.py): every row's nodes in ONE pass with a tree
         mask (a chain is a tree too), each row walking its tree from the root; the accepted path's keys and values
-        then move into consecutive slots. Every node's logits are computed: a tree's accepted nodes are not a
-        prefix of its block, so the stepped head of a chain round does not apply."""
+        then move into consecutive slots. A tree's accepted nodes are not a prefix of its block, so the stepped head
+        of a chain round does not apply: greedy rows read every node's token, sampled rows the logits of the nodes
+        their walk visits."""
         nodes, parents = [], []
         for seq, plan in zip(rows, planned):
             tokens = plan.draft.tokens[: plan.verified]
