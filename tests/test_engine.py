@@ -461,7 +461,9 @@ def test_greedy_rounds_read_the_screen_and_keep_the_heads_tokens(tiny_targets, m
 
 def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypatch, tmp_path):
     """Timed targets time the float32 head's argmax against each screen after a step and keep the fastest (the
-    other screens' copies of the head are dropped); the choice is cached per machine like the pass costs."""
+    other screens' copies of the head are dropped); the choice is cached per machine like the pass costs. An int8
+    screen then has its byte inputs' width measured (measured_wide_from, tested below)."""
+    from dflash import engine
     from dflash.engine import measured_screening
     from dflash.models.screening import KINDS
 
@@ -469,8 +471,9 @@ def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypat
     target = tiny_targets["llama"]
     monkeypatch.setattr(target, "measure", True)
     monkeypatch.setattr(target, "screen_kind", "bfloat16")
-    greedy, calls = target.engine.greedy, []
+    greedy, calls, widths_measured = target.engine.greedy, [], []
     monkeypatch.setattr(target.engine, "greedy", lambda h, kind: calls.append(kind) or greedy(h, kind))
+    monkeypatch.setattr(engine, "measured_wide_from", widths_measured.append)
     screens = measured_screening(target)
     assert sorted(set(calls)) == sorted(KINDS) and len(calls) == 8 * len(KINDS)
     kept = target.engine.__dict__["_screens"]
@@ -478,9 +481,43 @@ def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypat
         assert target.screen_kind in KINDS and [key[0] for key in kept] == [target.screen_kind]
     else:
         assert kept == {}
+    assert widths_measured == ([target] if screens and target.screen_kind == "int8" else [])
     assert measured_screening(target) == screens and len(calls) == 8 * len(KINDS)  # the second reads the cache
     monkeypatch.setattr(target, "measure", False)
     assert measured_screening(target) is True  # untimed targets screen wherever they can
+
+
+def test_byte_screens_go_wide_from_the_measured_width(tiny_targets, monkeypatch, tmp_path):
+    """The narrowest width from which wide byte inputs timed faster at every wider width; that many rows and more
+    go wide, in the screen measured and in screens made later for the head; measured once per machine."""
+    from dflash.engine import measured_wide_from, wide_from_timings
+    from dflash.models import native
+
+    timings = lambda wide, dense: {(w, m): t for w, (a, b) in zip((4, 8, 16), zip(wide, dense))  # noqa: E731
+                                   for m, t in (("wide", a), ("dense", b))}
+    assert wide_from_timings(timings((1, 1, 1), (2, 2, 2))) == 4
+    assert wide_from_timings(timings((3, 1, 1), (2, 2, 2))) == 8
+    assert wide_from_timings(timings((1, 3, 1), (2, 2, 2))) == 16  # a loss at 8: wide only from 16
+    assert wide_from_timings(timings((1, 1, 2), (2, 2, 2))) == 10**9
+    if not native.screen_bytes():
+        pytest.skip("no byte screen here (AVX512-VNNI)")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_targets["llama"]
+    monkeypatch.setattr(target, "measure", True)
+    screen = target.engine.screen("int8")
+    assert screen.in_bytes
+    calls = []
+    greedy = target.engine.greedy
+    monkeypatch.setattr(target.engine, "greedy", lambda h, kind: calls.append((h.shape[-2], screen.wide_from))
+                        or greedy(h, kind))
+    measured_wide_from(target)
+    assert sorted(set(calls)) == sorted((w, m) for w in (4, 8, 16) for m in (1, 10**9)) and len(calls) == 60
+    chosen = screen.wide_from
+    assert chosen in (4, 8, 16, 10**9)
+    measured_wide_from(target)  # from the cache: nothing timed
+    assert len(calls) == 60 and screen.wide_from == chosen
+    target.engine.__dict__["_screens"].clear()
+    assert target.engine.screen("int8").wide_from == chosen
 
 
 def test_head_saving_is_measured_once_per_machine(tiny_targets, monkeypatch, tmp_path):

@@ -1,9 +1,11 @@
 """Greedy tokens through a screen of the LM head (models/screening.py): the float32 head's argmax, bitwise."""
 
+import contextlib
+
 import pytest
 import torch
 
-from dflash.models import native
+from dflash.models import native, screening
 from dflash.models.screening import KINDS, ScreenedHead, bound_factors
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.why_not}")
@@ -13,18 +15,39 @@ def vnni_runs_here() -> bool:
     return native.library() is not None and bool(native.library().dflash_int8_vnni())
 
 
-@pytest.fixture(params=["bfloat16", "int8", "int8-vnni"])
-def kind(request):
-    """Each kind of screen, the int8 one twice: float32 FMAs over its widened weights, and integer sums (AVX512-VNNI,
-    where the CPU has it). The int8 screen's way of summing in force for the screens the test makes, restored
-    after."""
-    if request.param == "int8-vnni" and not vnni_runs_here():
+@contextlib.contextmanager
+def integer_sums(vnni: bool, in_bytes: str | None = None):
+    """The int8 screen's way of summing for the screens made inside: float32 FMAs over widened weights, integer
+    sums over inputs rounded to int16 (AVX512-VNNI), or over inputs in bytes, `in_bytes` "wide" or "dense" for every
+    number of rows; restored after."""
+    if vnni and not vnni_runs_here():
         pytest.skip("no AVX512-VNNI here: the int8 screen sums in float32")
-    old = native.set_int8_vnni(request.param == "int8-vnni")
+    old_vnni, old_from = native.set_int8_vnni(vnni), screening.WIDE_FROM
+    old_bytes = native.set_screen_bytes(in_bytes is not None) if vnni else native.screen_bytes()
+    screening.WIDE_FROM = 1 if in_bytes == "wide" else 10**9
     try:
-        yield request.param.removesuffix("-vnni")
+        yield
     finally:
-        native.set_int8_vnni(old)
+        native.set_int8_vnni(old_vnni)
+        screening.WIDE_FROM = old_from
+        if old_vnni:
+            native.set_screen_bytes(old_bytes)
+
+
+@pytest.fixture(params=["bfloat16", "int8", "int8-vnni", "int8-wide", "int8-dense"])
+def kind(request):
+    """Each kind of screen, the int8 one four ways: float32 FMAs over its widened weights, and integer sums
+    (AVX512-VNNI, where the CPU has it) over inputs rounded to int16, or to bytes, wide or dense."""
+    in_bytes = request.param.removeprefix("int8-") if request.param in ("int8-wide", "int8-dense") else None
+    with integer_sums(request.param != "bfloat16" and request.param != "int8", in_bytes):
+        yield request.param.split("-")[0]
+
+
+@pytest.fixture(params=["int16", "wide", "dense"])
+def integer_inputs(request):
+    """The integer screens (AVX512-VNNI): inputs rounded to int16, or to bytes, wide or dense."""
+    with integer_sums(True, None if request.param == "int16" else request.param):
+        yield request.param
 
 
 def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -223,11 +246,9 @@ def test_a_targets_screen_follows_its_head():
 
 
 @pytest.mark.parametrize("vocab", [1000, 3001])  # groups of 16 rows: 62.5 and 187.6 of them
-def test_every_number_of_rows_the_integer_screen_blocks(vocab):
-    """The VNNI screen runs one row four groups at a time and more rows in even blocks of up to 8 (9 rows: 4 and 5):
+def test_every_number_of_rows_the_integer_screen_blocks(vocab, integer_inputs):
+    """The VNNI screens run one row as four chains and more rows in even blocks of up to 8 (9 rows: 4 and 5):
     every count gives each row's own argmax, that of the float32 head."""
-    if not vnni_runs_here():
-        pytest.skip("no AVX512-VNNI here")
     torch.manual_seed(vocab)
     k = 96
     weight = torch.randn(vocab, k) * 0.05
@@ -240,12 +261,10 @@ def test_every_number_of_rows_the_integer_screen_blocks(vocab):
         assert torch.equal(head.argmax(x[:rows]), expected[:rows]), rows
 
 
-def test_the_integer_screens_input_rounding_is_bounded():
-    """Weights that int8 holds exactly leave the rounding of x to int16 as the screen's only error (besides the
+def test_the_integer_screens_input_rounding_is_bounded(integer_inputs):
+    """Weights that int8 holds exactly leave the rounding of x to integers as the screen's only error (besides the
     float32 head's own chain): the bound's term for it, which native.c measures row by row, must hold for every
     token, and be near what it bounds (dropping it fails the first assertion)."""
-    if not vnni_runs_here():
-        pytest.skip("no AVX512-VNNI here")
     torch.manual_seed(4)
     k, vocab = 576, 2000
     quantized = torch.randint(-127, 128, (vocab, k)).float()
@@ -263,11 +282,9 @@ def test_the_integer_screens_input_rounding_is_bounded():
     assert (error > 0.05 * spread[:, None] * head.bound_norms).any()
 
 
-def test_integer_sums_at_the_edge_of_int32():
-    """The inputs' int16 scale shrinks with k so that 127 x max|x_q| x k stays below 2^31: a row of +-127 weights
-    all aligned with x (k = 4100, the largest sum the layout can make) is summed exactly, not wrapped."""
-    if not vnni_runs_here():
-        pytest.skip("no AVX512-VNNI here")
+def test_integer_sums_at_the_edge_of_int32(integer_inputs):
+    """The inputs' integer scale grows with k so that 127 x max|x_q| x k stays below 2^31: a row of +-127 weights
+    all aligned with x (k = 4100, the largest sum the int16 layout can make) is summed exactly, not wrapped."""
     k = 4100
     sign = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
     weight = torch.stack([sign * 0.1, sign * 0.1 * 0.999, -sign * 0.1, torch.zeros(k)])
@@ -277,3 +294,46 @@ def test_integer_sums_at_the_edge_of_int32():
     assert approx[0, 0] > 0 and torch.allclose(approx[0, :3].double(), float32_logits(x, weight)[0, :3].double(),
                                                rtol=1e-3)
     assert int(head.argmax(x)) == 0
+
+
+def test_the_byte_screen_keeps_its_wide_channels(vocab=3001):
+    """Inputs in bytes give all but a row's 8 largest channels a byte; those add their high bytes apart, a list of
+    quads a row. Rows with more wide channels than that (the scale rises to the 9th), two in one quad, one in the
+    last, partial quad (k = 61), of either sign and up to the int16 limit: every argmax is the float32 head's, and on
+    states like real ones (a few channels 10-60x the rest) few tokens reach the float32 sums."""
+    torch.manual_seed(8)
+    with integer_sums(True, in_bytes="wide"):
+        for k in (61, 576):
+            weight = torch.randn(vocab, k) * 0.05
+            head = ScreenedHead(weight, "int8")
+            assert head.in_bytes and head.wide_inputs(1)
+            x = torch.randn(6, k)
+            x[0, :12] *= 50  # twelve wide channels: more than a row's list holds
+            x[1, 4], x[1, 5], x[1, k - 1] = 80.0, -60.0, 45.0  # two in one quad, one in the last
+            x[2, 3] = 1e7  # n at the int16 limit, its high byte the largest
+            x[3, 9] *= 1e-30  # tiny values round to zero
+            x[4:, 2] *= 30
+            x[4:, 7] *= -15
+            ids = head.argmax(x)
+            assert torch.equal(ids, float32_logits(x, weight).argmax(-1)), k
+            assert (head.last_screened[[1, 3, 4, 5]] < vocab // 20).all()
+
+
+def test_dense_bytes_are_the_int16_screens_sums():
+    """Few rows: the byte screen's inputs dense, every channel a low and a high byte on the int16 screen's scale, so
+    its integer sums, and so its logits, equal the int16 screen's (where both scales agree: k a multiple of 4 and
+    over ~520, where both shrink the scale to keep int32 sums exact)."""
+    torch.manual_seed(9)
+    k, vocab = 576, 2001
+    weight = torch.randn(vocab, k) * 0.05
+    x = torch.randn(5, k)
+    x[:, 3] *= 60
+    with integer_sums(True):
+        int16_head = ScreenedHead(weight, "int8")
+        expected, expected_spread = native.int8_vnni_logits(x, int16_head)
+    with integer_sums(True, in_bytes="dense"):
+        dense_head = ScreenedHead(weight, "int8")
+        assert dense_head.in_bytes and not dense_head.wide_inputs(5)
+        for rows in (1, 2, 5):  # one row's own kernel, and blocks
+            approx, spread = native.int8_vnni_logits(x[:rows], dense_head)
+            assert torch.equal(approx, expected[:rows]) and torch.equal(spread, expected_spread[:rows])

@@ -848,7 +848,65 @@ def measured_screening(target, repeats: int = 7) -> bool:
     if choice == "full":
         return False
     target.screen_kind = choice
+    if choice == "int8":
+        measured_wide_from(target)
     return True
+
+
+# English prose for timings that depend on real hidden states (how many tokens a screen lets through)
+SAMPLE_TEXT = ("A baker sells loaves of bread for three dollars each and muffins for two dollars each. On Monday she "
+               "sold forty loaves and twice as many muffins as loaves. How much money did she make on Monday? She sold "
+               "40 loaves, so the loaves made 40 * 3 = 120 dollars. She sold 2 * 40 = 80 muffins, which made 80 * 2 = "
+               "160 dollars. In total she made 120 + 160 = 280 dollars on Monday. The answer is 280. Next, write a short "
+               "function that returns the largest number in a list, and explain how it works step by step.")
+WIDE_WIDTHS = (4, 8, 16)  # the pass widths at which byte screens are timed wide against dense
+
+
+def wide_from_timings(medians: dict[tuple[int, str], float], widths=WIDE_WIDTHS) -> int:
+    """The narrowest of `widths` from which wide inputs timed faster than dense ones at it and at every wider
+    width, per medians[(width, "wide" | "dense")]; a huge number where the widest did not."""
+    wide_from = 10**9
+    for width in sorted(widths, reverse=True):
+        if medians[(width, "wide")] >= medians[(width, "dense")]:
+            break
+        wide_from = width
+    return wide_from
+
+
+def measured_wide_from(target, repeats: int = 9) -> None:
+    """From how many rows the int8 screen's byte inputs go wide (native.c, "the int8 screen in bytes"; sets its
+    `wide_from`). Wide inputs halve the screen's integer work but let ~4x as many tokens through to float32 sums:
+    that pays only where the sums, not reading the head, bound its time, which depends on the machine. Each width
+    of WIDE_WIDTHS is timed after a pass of that width over English prose (as in a round, the pass evicts the head),
+    wide against dense, interleaved; cached per machine like the screen's choice."""
+    from .models import native
+    from .models.target import cached_timing
+
+    screen = target.engine.screen("int8")
+    if screen is None or not screen.in_bytes or not target.measure or target.tokenizer is None:
+        return
+
+    def measure() -> dict:
+        tokens = torch.tensor([target.tokenizer(SAMPLE_TEXT)["input_ids"]], device=target.device)
+        context = tokens.shape[1] - max(WIDE_WIDTHS)
+        cache = target.new_cache(capacity=tokens.shape[1] + 1)
+        target.forward(tokens[:, :context], cache)
+        times: dict[tuple[int, str], list[float]] = {}
+        for run in range(repeats + 1):  # interleaved; only the screen timed (a pass's time varies by more)
+            for width in WIDE_WIDTHS:
+                for mode in ("wide", "dense") if run % 2 else ("dense", "wide"):
+                    hidden = target.forward(tokens[:, context:context + width], cache, logits_at="hidden").hidden
+                    screen.wide_from = 1 if mode == "wide" else 10**9
+                    started = time.perf_counter()
+                    target.engine.greedy(hidden, "int8")
+                    if run:
+                        times.setdefault((width, mode), []).append(time.perf_counter() - started)
+                    cache.truncate(context)
+        medians = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+        return {"wide_from": wide_from_timings(medians),
+                **{f"{mode}{width}": round(seconds, 6) for (width, mode), seconds in medians.items()}}
+
+    target.engine.set_wide_from(cached_timing(target, f"screen-wide-from:{native.build_id()}", measure)["wide_from"])
 
 
 def measured_head_saving(target, repeats: int = 7) -> float:

@@ -394,16 +394,23 @@ PAIRS_TARGET static void two_panels_pairs_2(const void *w, int64_t size, const f
                                             float *out, int resume) {
     pair_two_panels_rows(w, size, x, ldx, k2, 2, out, resume);
 }
-/* A bfloat16 head's logit as the pairs kernel stores it: one chain of VDPBF16PS (the same instruction, lane 0) over
- * the pairs of w and of x (bfloat16 values), rounded to bfloat16. k even (the tiles' zero padding adds nothing). */
-PAIRS_TARGET static float chain_dot_pairs(const uint16_t *w, const float *x, int64_t k) {
-    __m128 acc = _mm_setzero_ps();
+/* Eight logits of a bfloat16 head as the pairs kernel stores them, rows ids[] of w: each one chain of VDPBF16PS (the
+ * same instruction, lane 0) over the pairs of w and of x (bfloat16 values), rounded to bfloat16; k even (the tiles'
+ * zero padding adds nothing). Eight chains side by side: one waits on the instruction's latency. */
+PAIRS_TARGET static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k,
+                                          float *out) {
+    __m128 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm_setzero_ps();
     for (int64_t j = 0; j + 1 < k; j += 2) {
-        uint32_t wj = (uint32_t)w[j] | (uint32_t)w[j + 1] << 16;
-        uint32_t xj = (uint32_t)f32_to_bf16(x[j]) | (uint32_t)f32_to_bf16(x[j + 1]) << 16;
-        acc = _mm_dpbf16_ps(acc, (__m128bh)_mm_cvtsi32_si128((int)wj), (__m128bh)_mm_cvtsi32_si128((int)xj));
+        __m128bh xj = (__m128bh)_mm_cvtsi32_si128(
+            (int)((uint32_t)f32_to_bf16(x[j]) | (uint32_t)f32_to_bf16(x[j + 1]) << 16));
+        for (int t = 0; t < 8; t++) {
+            const uint16_t *r = w + ids[t] * k;
+            acc[t] = _mm_dpbf16_ps(acc[t], (__m128bh)_mm_cvtsi32_si128((int)((uint32_t)r[j] | (uint32_t)r[j + 1] << 16)),
+                                   xj);
+        }
     }
-    return bf16_to_f32(f32_to_bf16(_mm_cvtss_f32(acc)));
+    for (int t = 0; t < 8; t++) out[t] = bf16_to_f32(f32_to_bf16(_mm_cvtss_f32(acc[t])));
 }
 static int cpu_has_pairs(void) {
     __builtin_cpu_init();
@@ -417,7 +424,10 @@ static int cpu_has_pairs(void) {
 #define panel_pairs_4 NULL
 #define two_panels_pairs_1 NULL
 #define two_panels_pairs_2 NULL
-static float chain_dot_pairs(const uint16_t *w, const float *x, int64_t k) { (void)w, (void)x, (void)k; return NAN; }
+static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k, float *out) {
+    (void)w, (void)ids, (void)x, (void)k;
+    for (int t = 0; t < 8; t++) out[t] = NAN;
+}
 static int cpu_has_pairs(void) { return 0; }
 #endif
 
@@ -659,17 +669,25 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
  *     |e_i - a_i| <= gamma |x|_2 |w_i|_2 + s_i |x|_1 (1/2 + 127 (gamma + u) + a little for w / s's rounding)
  *                  = norm_factor |x|_2 |w_i|_2 + l1_factor s_i |x|_1
  * (screening.py computes both factors, with room for computing the bound itself in double precision). */
-static float chain_dot(const float *w, const float *x, int64_t k) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < k; j++) acc = fmaf(w[j], x[j], acc);
-    return acc;
-}
-
-/* A bfloat16 head's logit as its kernel stores it: the chain over the widened weights, rounded to bfloat16. */
-static float chain_dot_bf16(const uint16_t *w, const float *x, int64_t k) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < k; j++) acc = fmaf(bf16_to_f32(w[j]), x[j], acc);
-    return bf16_to_f32(f32_to_bf16(acc));
+/* Eight logits of the head, rows ids[] of w, each as the float32 kernel sums it: one chain of FMAs in input order
+ * (bf16 = 1: over the widened bfloat16 weights, the sum rounded to bfloat16, as a bfloat16 head's kernel stores it).
+ * One chain of k FMAs waits on their latency (~4 cycles each); eight side by side keep the FMA units busy, each
+ * still its own chain. The screen's survivors go through here, eight at a time. */
+static void chain_dots8(const void *w, int bf16, const int64_t *ids, const float *x, int64_t k, float *out) {
+    float acc[8] = {0};
+    if (bf16) {
+        const uint16_t *r[8];
+        for (int t = 0; t < 8; t++) r[t] = (const uint16_t *)w + ids[t] * k;
+        for (int64_t j = 0; j < k; j++)
+            for (int t = 0; t < 8; t++) acc[t] = fmaf(bf16_to_f32(r[t][j]), x[j], acc[t]);
+        for (int t = 0; t < 8; t++) out[t] = bf16_to_f32(f32_to_bf16(acc[t]));
+    } else {
+        const float *r[8];
+        for (int t = 0; t < 8; t++) r[t] = (const float *)w + ids[t] * k;
+        for (int64_t j = 0; j < k; j++)
+            for (int t = 0; t < 8; t++) acc[t] = fmaf(r[t][j], x[j], acc[t]);
+        for (int t = 0; t < 8; t++) out[t] = acc[t];
+    }
 }
 
 static inline __m256 widen_int8(const int8_t *p) {
@@ -980,6 +998,293 @@ int dflash_int8_vnni_logits(const void *tiles, const float *scales, const float 
     return 0;
 }
 
+/* ---- the int8 screen in bytes (AVX512-VNNI's VPDPBUSD) ------------------------------------------------------------
+ * VPDPBUSD adds four byte products to each of sixteen int32 lanes, twice VPDPWSSD's two, and reads the int8 weights
+ * as they are stored, where VPDPWSSD needs each widened first: at 8-16 rows the screen above is bound by those
+ * instructions. One scale for a whole row of x in bytes let ~39,000 of 49,152 tokens through (see above): real
+ * hidden states have a few channels ~16-60x their mean. So x is rounded to integers x_j ~ sx n_j, and each n_j is
+ * split into a low byte and a high one, n_j = lo_j + 256 hi_j, in one of two ways:
+ *   wide (many rows, where the sums bound the time): sx = the (QUAD_WIDE+1)-th largest |x_j| / 127 (or max|x| /
+ *     N_MAX where that is larger), so hi_j is zero but for the QUAD_WIDE largest channels, whose high bytes a row
+ *     sums as a short list of quads. On SmolLM2 states (685 rows of GSM8K and MT-Bench answers) 8 wide channels
+ *     left a median of 8 survivors (mean 18) against 3 (5) with int16 inputs: more float32 sums, half the work;
+ *   dense (few rows, where reading the head bounds the time): sx = max|x| / N_MAX, the int16 screen's precision and
+ *     survivors, every channel's high byte summed as a second stream of the same weights.
+ * VPDPBUSD multiplies unsigned bytes by signed ones, so the weights are stored as q + 128 (1..255) and each row takes
+ * 128 sum_j n_j back: acc_lo + 256 acc_hi - 128 sum n = sum_j q_ij n_j, exact modulo 2^32 on the way and exact at
+ * the end, as 127 N_MAX k < 2^31. The bound is the VNNI screen's (c_i (d + 4u max|x|), d measured row by row); only d
+ * differs. Layout (native.py, quad_tiles): groups of 16 tokens, each stored four inputs at a time, [groups, k4 / 4,
+ * 16, 4] uint8, k4 = k rounded up to a multiple of 4. */
+#define QUAD_WIDE 8
+#if VNNI_BUILT
+
+typedef struct {
+    const uint8_t *tiles;
+    const float *scales;
+    const int32_t *lo, *hi;    /* [m, quads]: four low (high) bytes a word; hi NULL where wide */
+    const int32_t *wide;       /* [m, QUAD_WIDE]: four high bytes a word, those of quad wide_at */
+    const int32_t *wide_at;    /* [m, QUAD_WIDE] */
+    const int32_t *wide_count; /* [m] */
+    const int32_t *offset;     /* [m]: 128 sum_j n_j, modulo 2^32 */
+    const float *sx;           /* [m] */
+    float *out;                /* [m, n] */
+    int64_t m, n, quads;
+} QuadScreen;
+
+/* Rows r0..r0+R-1 against one group: low bytes into a_r and, where DENSE, high bytes into h_r, each quad's weights
+ * loaded once for all. Each block of rows requests its share of the NEXT group's weights (`ahead`, every `stride`
+ * bytes: 64 / the number of blocks), so that a group's lines are requested a whole group's work before they are
+ * read and evenly over its blocks: at 8-16 rows the byte screen reads a head evicted by the pass near the memory's
+ * rate (requests 512 bytes ahead, as the int16 kernel makes them, left 16 rows 1.2-1.35x as long). Blocks of fewer
+ * rows consume the weights faster than such requests help: the hardware's prefetcher alone made 4-6 rows 0.75-0.9x
+ * as long (AMD EPYC Zen 4, 2 threads, after a 96 MB write). */
+#define QUAD_CHAIN(r)                                                                                                 \
+    if (r < R) {                                                                                                      \
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a##r) : "v"(w0), "m"(lo[r * quads + p]));                      \
+        if (DENSE) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(h##r) : "v"(w0), "m"(hi[r * quads + p]));           \
+    }
+VNNI_TARGET static inline __attribute__((always_inline)) void quad_block(const uint8_t *w, const int32_t *lo,
+                                                                         const int32_t *hi, int64_t quads,
+                                                                         const int R, const int DENSE, __m512i *acc,
+                                                                         __m512i *high, const uint8_t *ahead,
+                                                                         int64_t stride) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512i h0 = a0, h1 = a0, h2 = a0, h3 = a0, h4 = a0, h5 = a0, h6 = a0, h7 = a0;
+    for (int64_t p = 0; p < quads; p++) {
+        if (R >= 7) _mm_prefetch((const char *)(ahead + p * stride), _MM_HINT_T0);
+        __m512i w0 = _mm512_loadu_si512((const void *)(w + p * 64));
+        QUAD_CHAIN(0) QUAD_CHAIN(1) QUAD_CHAIN(2) QUAD_CHAIN(3) QUAD_CHAIN(4) QUAD_CHAIN(5) QUAD_CHAIN(6)
+        QUAD_CHAIN(7)
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
+    high[0] = h0, high[1] = h1, high[2] = h2, high[3] = h3, high[4] = h4, high[5] = h5, high[6] = h6, high[7] = h7;
+}
+#undef QUAD_CHAIN
+
+/* Rows r0..r0+R-1's high bytes (256 each: shifted by 8; where wide, summed here from each row's list of quads),
+ * their offsets taken back, and a_i = (float)acc * (sx s_i) stored for the group */
+VNNI_TARGET static inline __attribute__((always_inline)) void quad_store(const QuadScreen *S, const uint8_t *w,
+                                                                         int64_t group, int64_t r0, const int R,
+                                                                         const __m512i *acc, __m512i *high) {
+    int64_t i0 = group * VNNI_GROUP, valid = MIN(VNNI_GROUP, S->n - i0);
+    __mmask16 lanes = (__mmask16)((1u << valid) - 1);
+    __m512 scales = _mm512_maskz_loadu_ps(lanes, S->scales + i0);
+    if (!S->hi) { /* the rows' lists side by side: R chains, where one row's list after another waited on each sum */
+        int longest = 0;
+        for (int r = 0; r < R; r++) longest = MAX(longest, S->wide_count[r0 + r]);
+        for (int e = 0; e < longest; e++)
+            for (int r = 0; r < R; r++) {
+                int64_t at = (r0 + r) * QUAD_WIDE + e;
+                if (e < S->wide_count[r0 + r])
+                    high[r] = _mm512_dpbusd_epi32(high[r], _mm512_loadu_si512((const void *)(w + S->wide_at[at] * 64)),
+                                                  _mm512_set1_epi32(S->wide[at]));
+            }
+    }
+    for (int r = 0; r < R; r++) {
+        int64_t row = r0 + r;
+        __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(acc[r], _mm512_slli_epi32(high[r], 8)),
+                                       _mm512_set1_epi32(S->offset[row]));
+        __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(S->sx[row]), scales));
+        _mm512_mask_storeu_ps(S->out + row * S->n + i0, lanes, a);
+    }
+}
+
+#define QUAD_ROWS(NAME, R, DENSE)                                                                                     \
+    VNNI_TARGET static void NAME(const QuadScreen *S, int64_t group, int64_t r0, int64_t block, int64_t blocks) {    \
+        __m512i acc[8], high[8];                                                                                      \
+        int64_t size = S->quads * 4 * VNNI_GROUP, stride = 64 / blocks;                                               \
+        const uint8_t *w = S->tiles + group * size;                                                                   \
+        quad_block(w, S->lo + r0 * S->quads, DENSE ? S->hi + r0 * S->quads : NULL, S->quads, R, DENSE, acc, high,     \
+                   w + size + block * S->quads * stride, stride);                                                     \
+        quad_store(S, w, group, r0, R, acc, high);                                                                    \
+    }
+QUAD_ROWS(quad_1, 1, 0) QUAD_ROWS(quad_2, 2, 0) QUAD_ROWS(quad_3, 3, 0) QUAD_ROWS(quad_4, 4, 0)
+QUAD_ROWS(quad_5, 5, 0) QUAD_ROWS(quad_6, 6, 0) QUAD_ROWS(quad_7, 7, 0) QUAD_ROWS(quad_8, 8, 0)
+QUAD_ROWS(dense_1, 1, 1) QUAD_ROWS(dense_2, 2, 1) QUAD_ROWS(dense_3, 3, 1) QUAD_ROWS(dense_4, 4, 1)
+QUAD_ROWS(dense_5, 5, 1) QUAD_ROWS(dense_6, 6, 1) QUAD_ROWS(dense_7, 7, 1) QUAD_ROWS(dense_8, 8, 1)
+#undef QUAD_ROWS
+typedef void (*QuadRows)(const QuadScreen *S, int64_t group, int64_t r0, int64_t block, int64_t blocks);
+static const QuadRows quad_kernels[2][8] = {
+    {quad_1, quad_2, quad_3, quad_4, quad_5, quad_6, quad_7, quad_8},
+    {dense_1, dense_2, dense_3, dense_4, dense_5, dense_6, dense_7, dense_8}};
+
+/* A single row: four chains over alternate quads (low bytes, and where dense the high ones in two more), as
+ * vnni_one_row does: one chain waits on its latency */
+#define ONE_QUAD(a, from, q)                                                                                          \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(_mm512_loadu_si512((const void *)(w + (q) * 64))),      \
+            "m"(from[q]));
+VNNI_TARGET static void quad_one_row(const QuadScreen *S, int64_t group) {
+    const uint8_t *w = S->tiles + group * S->quads * 4 * VNNI_GROUP;
+    const int32_t *lo = S->lo, *hi = S->hi;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, h0 = a0, h1 = a0;
+    int64_t p = 0;
+    if (hi) {
+        for (; p + 2 <= S->quads; p += 2) { ONE_QUAD(a0, lo, p) ONE_QUAD(h0, hi, p) ONE_QUAD(a1, lo, p + 1) ONE_QUAD(h1, hi, p + 1) }
+        for (; p < S->quads; p++) { ONE_QUAD(a0, lo, p) ONE_QUAD(h0, hi, p) }
+    } else {
+        for (; p + 4 <= S->quads; p += 4) { ONE_QUAD(a0, lo, p) ONE_QUAD(a1, lo, p + 1) ONE_QUAD(a2, lo, p + 2) ONE_QUAD(a3, lo, p + 3) }
+        for (; p < S->quads; p++) { ONE_QUAD(a0, lo, p) }
+    }
+    __m512i acc[1] = {_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))};
+    __m512i high[1] = {_mm512_add_epi32(h0, h1)};
+    quad_store(S, w, group, 0, 1, acc, high);
+}
+#undef ONE_QUAD
+
+static void quad_screen_groups(void *ctx, int64_t first, int64_t last) {
+    const QuadScreen *S = ctx;
+    int64_t g = first;
+    if (S->m == 1) {
+        for (; g < last; g++) quad_one_row(S, g);
+        return;
+    }
+    int64_t blocks = (S->m + 7) / 8; /* as vnni_screen_groups: even blocks, the group's weights kept in L1 */
+    for (; g < last; g++)
+        for (int64_t b = 0, r0 = 0; b < blocks; b++) {
+            int64_t rows = (S->m - r0) / (blocks - b);
+            quad_kernels[S->hi != NULL][rows - 1](S, g, r0, b, blocks);
+            r0 += rows;
+        }
+}
+
+typedef struct {
+    QuadScreen S;
+    int threads;
+} QuadScreenCall;
+
+static void quad_screen_body(void *arg) {
+    QuadScreenCall *C = arg;
+    int64_t groups = (C->S.n + VNNI_GROUP - 1) / VNNI_GROUP;
+    int64_t grain = groups / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
+    parallel_for(groups, MAX(grain, 8), C->threads, quad_screen_groups, &C->S);
+}
+#endif
+
+/* Row r of x [m, k] as bytes for the screen above, wide or dense (hi non-NULL): lo[r] ([quads] words of four low
+ * bytes, zero-padded), the high bytes (dense: hi[r] likewise; wide: the wide channels' by quad), offset[r] and
+ * sx[r]; spread[r] = d + 4u max|x| (NaN where the row is not finite). d is measured, |x_j - sx n_j| as one rounding
+ * of an FMS, so it holds however n was rounded. Sixteen channels at a time (scalar, it took 3.5 us a row: 2.5% of a
+ * 16-row screen). */
+#if VNNI_BUILT
+/* The channel's magnitude `size` among a row's QUAD_WIDE + 1 largest (top[], largest first) */
+static inline void keep_largest(float *top, float size) {
+    int at = QUAD_WIDE;
+    for (; at > 0 && top[at - 1] < size; at--) top[at] = top[at - 1];
+    top[at] = size;
+}
+
+/* Channel j's high byte into its row's list of wide quads; 0 when the list is full (then the row is undecided) */
+static inline int add_wide(int32_t *w, int32_t *at, int32_t *count, int64_t j, int32_t high) {
+    int e = 0;
+    while (e < *count && at[e] != j / 4) e++;
+    if (e == *count) {
+        if (*count == QUAD_WIDE) return 0; /* cannot happen with the wide scale (quad_inputs) */
+        at[*count] = (int32_t)(j / 4), w[(*count)++] = 0;
+    }
+    w[e] = (int32_t)((uint32_t)w[e] | (uint32_t)(uint8_t)(int8_t)high << (8 * (j % 4)));
+    return 1;
+}
+
+VNNI_TARGET static void quad_inputs(const float *x, int64_t m, int64_t k, int64_t quads, int32_t *lo_words,
+                                    int32_t *hi_words, int32_t *wide, int32_t *wide_at, int32_t *wide_count,
+                                    int32_t *offset, float *sx, double *spread) {
+    const float limit = (float)MIN(32767 - 128, INT32_MAX / (127 * 4 * quads));
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        float top[QUAD_WIDE + 1] = {0}; /* wide: the QUAD_WIDE + 1 largest magnitudes, largest first */
+        __m512 most = _mm512_setzero_ps();
+        __mmask16 odd = 0; /* NaN or inf */
+        for (int64_t j = 0; j < k; j += 16) {
+            __m512 size = _mm512_abs_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << MIN(16, k - j)) - 1), xr + j));
+            odd |= _mm512_cmp_ps_mask(size, size, _CMP_UNORD_Q) |
+                   _mm512_cmp_ps_mask(size, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+            most = _mm512_max_ps(size, most);
+            if (hi_words) continue;
+            float lanes[16];
+            _mm512_storeu_ps(lanes, size);
+            for (__mmask16 above = _mm512_cmp_ps_mask(size, _mm512_set1_ps(top[QUAD_WIDE]), _CMP_GT_OQ); above;
+                 above &= above - 1) {
+                float v = lanes[__builtin_ctz(above)];
+                if (v > top[QUAD_WIDE]) keep_largest(top, v);
+            }
+        }
+        float largest = _mm512_reduce_max_ps(most);
+        /* wide: a hair over a byte's scale, so that only the QUAD_WIDE channels above top[QUAD_WIDE] round past 127;
+         * dense: the int16 screen's scale and rounding (its sums, bitwise) */
+        float s = hi_words ? largest / limit : fmaxf(top[QUAD_WIDE] / 127.0f * (1.0f + 0x1p-10f), largest / limit);
+        int unusable = odd || !(s > 0.0f);
+        float inv = unusable ? 0.0f : hi_words ? limit / largest : 1.0f / s;
+        if (unusable) s = 1.0f;
+        int8_t *lo = (int8_t *)(lo_words + r * quads), *hi = hi_words ? (int8_t *)(hi_words + r * quads) : NULL;
+        int32_t *w = wide + r * QUAD_WIDE, *at = wide_at + r * QUAD_WIDE, count = 0, fits = 1;
+        __m512 deviation = _mm512_setzero_ps();
+        __m512i total = _mm512_setzero_si512();
+        for (int64_t j = 0; j < k; j += 16) {
+            __mmask16 lanes = (__mmask16)((1u << MIN(16, k - j)) - 1);
+            __m512 v = _mm512_maskz_loadu_ps(lanes, xr + j);
+            __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            nf = _mm512_min_ps(_mm512_max_ps(nf, _mm512_set1_ps(-limit)), _mm512_set1_ps(limit));
+            __m512i n = _mm512_cvtps_epi32(nf);
+            __m512i low = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(n, _mm512_set1_epi32(128)),
+                                                            _mm512_set1_epi32(255)),
+                                           _mm512_set1_epi32(128));
+            __m512i high = _mm512_srai_epi32(_mm512_sub_epi32(n, low), 8); /* exact: n - low is a multiple of 256 */
+            _mm512_mask_cvtepi32_storeu_epi8(lo + j, lanes, low);
+            total = _mm512_add_epi32(total, n); /* |sum n| <= k N_MAX < 2^31 / 127 */
+            deviation = _mm512_max_ps(_mm512_abs_ps(_mm512_fmsub_ps(_mm512_set1_ps(s), nf, v)), deviation);
+            if (hi) {
+                _mm512_mask_cvtepi32_storeu_epi8(hi + j, lanes, high);
+                continue;
+            }
+            __mmask16 wide_lanes = _mm512_test_epi32_mask(high, high);
+            if (!wide_lanes) continue;
+            int32_t highs[16];
+            _mm512_storeu_si512((void *)highs, high);
+            for (; wide_lanes; wide_lanes &= wide_lanes - 1) {
+                int lane = __builtin_ctz(wide_lanes);
+                fits &= add_wide(w, at, &count, j + lane, highs[lane]);
+            }
+        }
+        for (int64_t j = k; j < 4 * quads; j++) {
+            lo[j] = 0;
+            if (hi) hi[j] = 0;
+        }
+        wide_count[r] = count;
+        offset[r] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(total) * 128u);
+        sx[r] = s;
+        double d = _mm512_reduce_max_ps(deviation) * (1 + 0x1p-20);
+        spread[r] = unusable || !fits ? NAN : (d + 4 * 0x1p-24 * (double)largest) * (1 + 1e-6);
+    }
+}
+#endif
+
+/* The byte screen's approximate logits out [m, n] of x [m, k] and each row's rounding term spread [m] (as
+ * dflash_int8_vnni_logits), its inputs wide (wide = 1) or dense (0). Returns nonzero when out of memory. */
+int dflash_int8_quad_logits(const void *tiles, const float *scales, const float *x, int64_t m, int64_t n, int64_t k,
+                            int threads, float *out, double *spread, int wide) {
+    int64_t quads = (k + 3) / 4;
+    int32_t *words = malloc(sizeof(int32_t) * m * (2 * quads + 2 * QUAD_WIDE + 2));
+    float *sx = malloc(sizeof(float) * m);
+    if (!words || !sx) {
+        free(words), free(sx);
+        return 1;
+    }
+    int32_t *lo = words, *hi = wide ? NULL : lo + m * quads, *more = lo + 2 * m * quads;
+    int32_t *wide_words = more, *wide_at = more + m * QUAD_WIDE, *wide_count = wide_at + m * QUAD_WIDE;
+    int32_t *offset = wide_count + m;
+#if VNNI_BUILT
+    quad_inputs(x, m, k, quads, lo, hi, wide_words, wide_at, wide_count, offset, sx, spread);
+    QuadScreenCall C = {{tiles, scales, lo, hi, wide_words, wide_at, wide_count, offset, sx, out, m, n, quads}, threads};
+    with_workers(threads, quad_screen_body, &C);
+#else
+    (void)tiles, (void)scales, (void)x, (void)n, (void)threads, (void)out, (void)lo, (void)hi, (void)offset;
+    for (int64_t r = 0; r < m; r++) spread[r] = NAN;
+#endif
+    free(words), free(sx);
+    return 0;
+}
+
 /* a_i +- b_i for tokens i0..i0+3 (sign +1 or -1), b_i = by_norm |w_i| + by_scale s_i, in double precision. */
 static inline __m256d screen_reach(const float *a, const double *row_norms, const float *scales, double by_norm,
                                    double by_scale, int64_t i0, double sign) {
@@ -1015,6 +1320,20 @@ typedef struct {
     int64_t n, k, *ids, *screened;
 } ScreenRows;
 
+/* The float32 (or bfloat16-head) sums of up to 8 survivors ids[0..n), in index order: each counted, and kept where
+ * larger than the best so far (so the first of equal largest wins, as torch's argmax picks) */
+static void settle_survivors(const ScreenRows *S, const float *xr, int64_t *ids, int n, int64_t *best, float *top,
+                             int64_t *count) {
+    float e[8];
+    for (int t = n; t < 8; t++) ids[t] = ids[n - 1]; /* padding: a repeated chain, its sum unread */
+    if (S->bf16_head == 2) chain_dot_pairs8((const uint16_t *)S->weight, ids, xr, S->k, e);
+    else chain_dots8(S->weight, S->bf16_head, ids, xr, S->k, e);
+    for (int t = 0; t < n; t++) {
+        ++*count;
+        if (*best < 0 || e[t] > *top) *best = ids[t], *top = e[t];
+    }
+}
+
 static void screen_rows(void *ctx, int64_t first, int64_t last) {
     const ScreenRows *S = ctx;
     const int64_t n = S->n, k = S->k;
@@ -1030,7 +1349,8 @@ static void screen_rows(void *ctx, int64_t first, int64_t last) {
         /* a step of the max's value, and room (absolute: also for the pairs kernel flushing values under 2^-126 to
          * zero, at most 2^-125 a step over k < 2^20 steps) */
         if (S->bf16_head) floor -= (0x1p-7 + 0x1p-13) * fabs(floor) + 0x1p-100;
-        int64_t best = -1, count = 0;
+        int64_t best = -1, count = 0, waiting[8];
+        int pending = 0;
         float top = 0.0f;
         for (int64_t i0 = 0; i0 < n; i0 += 4) { /* four tokens a test; the survivors are few */
             int keep = i0 + 4 <= n ? _mm256_movemask_pd(_mm256_cmp_pd(
@@ -1041,13 +1361,11 @@ static void screen_rows(void *ctx, int64_t first, int64_t last) {
                 if (!(keep & 1)) continue;
                 double bound = by_norm * row_norms[i] + (scales ? by_scale * scales[i] : 0.0);
                 if (!(a[i] + bound >= floor)) continue; /* the tail's tokens, tested one by one */
-                float e = S->bf16_head == 2 ? chain_dot_pairs((const uint16_t *)S->weight + i * k, xr, k)
-                          : S->bf16_head   ? chain_dot_bf16((const uint16_t *)S->weight + i * k, xr, k)
-                                           : chain_dot((const float *)S->weight + i * k, xr, k);
-                count++;
-                if (best < 0 || e > top) best = i, top = e;
+                waiting[pending++] = i;
+                if (pending == 8) settle_survivors(S, xr, waiting, 8, &best, &top, &count), pending = 0;
             }
         }
+        if (pending) settle_survivors(S, xr, waiting, pending, &best, &top, &count);
         S->ids[r] = best < 0 || !isfinite(top) || !isfinite(floor) ? -1 : best, S->screened[r] = count;
     }
 }
@@ -1065,13 +1383,13 @@ static void screen_rows_body(void *arg) {
 
 /* ids[r] = argmax of x[r] . weight^T (weight [n, k], rows as stored: float32, or bfloat16 where bf16_head, whose
  * logits its kernel rounds to bfloat16; bf16_head = 2: that kernel sums in pairs), screened through `tiles`: the
- * weight in bfloat16 (int8 = 0), or in int8 with per-row `scales`, in the float kernel's layout (int8 = 1) or in
- * VNNI groups (int8 = 2). row_norms[i] = |w_i|_2 rounded up (int8 = 2: c_i = s_i |q_i|_1 instead); screened[r] =
- * how many tokens were summed exactly. Rounded logits tie within a bfloat16 step: a token whose logit lies within a
- * step of the largest, 2^-7 |max| (1 + 2^-8), below it may round to the same value, so a bfloat16 head keeps those
- * too (`floor` lowered by that much: t - c|t| grows with t, so floor - c|floor| <= max - c|max|). Returns 1 when out
- * of memory, 2 when a row has no finite candidate (NaN or inf inputs): nothing is decided then, the caller computes
- * the logits. */
+ * weight in bfloat16 (int8 = 0), or in int8 with per-row `scales`, in the float kernel's layout (int8 = 1), in VNNI
+ * groups (int8 = 2) or in the byte screen's quads, its inputs dense (3) or wide (4). row_norms[i] = |w_i|_2 rounded
+ * up (int8 >= 2: c_i = s_i |q_i|_1 instead); screened[r] = how many tokens were summed exactly. Rounded logits tie
+ * within a bfloat16 step: a token whose logit lies within a step of the largest, 2^-7 |max| (1 + 2^-8), below it
+ * may round to the same value, so a bfloat16 head keeps those too (`floor` lowered by that much: t - c|t| grows with
+ * t, so floor - c|floor| <= max - c|max|). Returns 1 when out of memory, 2 when a row has no finite candidate (NaN
+ * or inf inputs): nothing is decided then, the caller computes the logits. */
 int dflash_greedy_screened(const void *tiles, int int8, const float *scales, const void *weight, int bf16_head,
                            const double *row_norms, double norm_factor, double l1_factor, const float *x, int64_t m,
                            int64_t n, int64_t k, int threads, int64_t *ids, int64_t *screened) {
@@ -1083,10 +1401,11 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
     float *padded = NULL, *approx = kept_buffer(&kept, &kept_size, m * n);
     const float *xf = x;
     if (!approx || (k8 != k && !(xf = padded = padded_input(x, 0, m, k, k8)))) return 1;
-    double *spread = NULL; /* int8 == 2: the bound's input rounding term by row */
-    if (int8 == 2) {
-        if (!(spread = malloc(sizeof(double) * m)) || dflash_int8_vnni_logits(tiles, scales, x, m, n, k, threads,
-                                                                            approx, spread)) {
+    double *spread = NULL; /* int8 >= 2: the bound's input rounding term by row */
+    if (int8 >= 2) {
+        if (!(spread = malloc(sizeof(double) * m)) ||
+            (int8 == 2 ? dflash_int8_vnni_logits(tiles, scales, x, m, n, k, threads, approx, spread)
+                       : dflash_int8_quad_logits(tiles, scales, x, m, n, k, threads, approx, spread, int8 == 4))) {
             free(spread), free(padded);
             return 1;
         }

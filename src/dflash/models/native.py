@@ -35,6 +35,7 @@ _library: ctypes.CDLL | None = None
 _tried = False
 _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
 _int8_vnni = False  # the int8 screen in integers (see int8_vnni)
+_screen_bytes = False  # ... and its inputs in bytes (see screen_bytes)
 why_not = ""  # why the kernel is unavailable, for reports
 
 
@@ -83,7 +84,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_bytes
     if _tried:
         return _library
     _tried = True
@@ -113,6 +114,9 @@ def library() -> ctypes.CDLL | None:
             vnni_logits = lib.dflash_int8_vnni_logits
             vnni_logits.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
             vnni_logits.restype = ctypes.c_int
+            if hasattr(lib, "dflash_int8_quad_logits"):  # builds of older sources load too (A/B runs)
+                lib.dflash_int8_quad_logits.argtypes = vnni_logits.argtypes + [ctypes.c_int]
+                lib.dflash_int8_quad_logits.restype = ctypes.c_int
             screened = lib.dflash_greedy_screened
             screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                  + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -137,6 +141,8 @@ def library() -> ctypes.CDLL | None:
             _library = lib
             _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
             _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
+            _screen_bytes = (_int8_vnni and hasattr(lib, "dflash_int8_quad_logits")
+                             and os.environ.get("DFLASH_SCREEN_BYTES", "1") != "0")
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     return _library
@@ -144,11 +150,13 @@ def library() -> ctypes.CDLL | None:
 
 def build_id() -> str:
     """Which build of the kernel runs here ("none" where none does): its file name carries the source hash,
-    "+pairs" where bfloat16 products run in pairs, and "+vnni" where the int8 screen sums in integers."""
+    "+pairs" where bfloat16 products run in pairs, "+vnni" where the int8 screen sums in integers, and "+bytes"
+    where it rounds its inputs to bytes for that."""
     lib = library()
     if lib is None:
         return "none"
-    return Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+vnni" if _int8_vnni else "")
+    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+vnni" if _int8_vnni else "")
+            + ("+bytes" if _screen_bytes else ""))
 
 
 def bf16_pairs() -> bool:
@@ -206,6 +214,24 @@ def set_int8_vnni(on: bool) -> bool:
     return old
 
 
+def screen_bytes() -> bool:
+    """Whether int8 screens of the LM head, where they sum in integers, round their inputs to bytes and sum with
+    VPDPBUSD (native.c, "the int8 screen in bytes"): wherever int8_vnni holds, unless DFLASH_SCREEN_BYTES=0."""
+    library()
+    return _screen_bytes
+
+
+def set_screen_bytes(on: bool) -> bool:
+    """Switches the inputs of int8 screens made from now on between bytes and int16 (for tests and A/B runs);
+    returns the old setting."""
+    global _screen_bytes
+    lib, old = library(), _screen_bytes
+    if on and (lib is None or not lib.dflash_int8_vnni() or not hasattr(lib, "dflash_int8_quad_logits")):
+        raise RuntimeError("this build or CPU cannot sum the int8 screen in bytes (AVX512-VNNI)")
+    _screen_bytes = bool(on)
+    return old
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantized int8 [n, k], scales float32 [n]) with weight ~ scales[:, None] * quantized: each row rounded to
     nearest on its own symmetric scale (its largest magnitude / 127)."""
@@ -224,11 +250,28 @@ def vnni_tiles(quantized: torch.Tensor) -> torch.Tensor:
     return memory.lasting(tuple(groups.shape), groups.dtype).copy_(groups)
 
 
+def quad_tiles(quantized: torch.Tensor) -> torch.Tensor:
+    """The byte screen's layout of int8 weights [n, k] (native.c): each weight plus 128 as a byte (VPDPBUSD reads
+    them unsigned), zero weights padding to 16 rows and to k a multiple of 4, cut into groups of 16 rows, each
+    stored four inputs at a time ([groups, k4 / 4, 16, 4]), so that one 64-byte load holds the sixteen rows' four
+    inputs."""
+    n, k = quantized.shape
+    padded = torch.nn.functional.pad(quantized.detach(), (0, -k % 4, 0, -n % VNNI_GROUP)).to(torch.int16) + 128
+    groups = padded.to(torch.uint8).view(padded.shape[0] // VNNI_GROUP, VNNI_GROUP, padded.shape[1] // 4, 4)
+    groups = groups.transpose(1, 2)
+    return memory.lasting(tuple(groups.shape), groups.dtype).copy_(groups)
+
+
 def int8_vnni_logits(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
     """(approximate logits [m, n], each row's input rounding term [m]) of float32 rows x [m, k] through the VNNI
-    screen of `head` (native.c, dflash_int8_vnni_logits): what its bound is about, for tests."""
+    screen of `head` (native.c, dflash_int8_vnni_logits, or dflash_int8_quad_logits for a screen in bytes, its
+    inputs wide or dense as `head.wide_inputs` says for m rows): what its bound is about, for tests."""
     if library() is None or not head.vnni:
         raise RuntimeError("no VNNI screen here")
+    if head.in_bytes:
+        wide = int(head.wide_inputs(x.shape[0]))
+        return _integer_product(lambda *args: library().dflash_int8_quad_logits(*args, wide), x, head.tiles,
+                                head.scales, head.weight.shape[0])
     return vnni_product(x, head.tiles, head.scales, head.weight.shape[0])
 
 
@@ -237,14 +280,18 @@ def vnni_product(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: 
     """(x W^T float32 [m, n], each row's input rounding term [m]) of rows x [m, k] (float32 or bfloat16) against
     int8 rows W ~ scales * quantized laid out by `vnni_tiles`, summed in integers against x rounded to int16 per
     row (native.c, dflash_int8_vnni_logits; AVX512-VNNI). Inexact: for screens and drafters."""
-    lib = library()
+    return _integer_product(library().dflash_int8_vnni_logits, x, tiles, scales, n)
+
+
+def _integer_product(kernel, x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float().contiguous()
     m, k = x.shape
     out, spread = torch.empty(m, n), torch.empty(m, dtype=torch.float64)
     if m == 0:  # (C would ask for no memory, which may come back NULL)
         return out, spread
-    if lib.dflash_int8_vnni_logits(tiles.data_ptr(), scales.data_ptr(), x.data_ptr(), m, n, k,
-                                   torch.get_num_threads(), out.data_ptr(), spread.data_ptr()):
+    if kernel(tiles.data_ptr(), scales.data_ptr(), x.data_ptr(), m, n, k, torch.get_num_threads(), out.data_ptr(),
+              spread.data_ptr()):
         raise MemoryError("out of memory in the VNNI kernel")
     return out, spread
 
@@ -408,7 +455,7 @@ def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] 
     ids = torch.empty(m, dtype=torch.int64)
     screened = torch.empty(m, dtype=torch.int64)
     int8 = head.scales is not None
-    mode = 2 if head.vnni else int(int8)
+    mode = (4 if head.wide_inputs(m) else 3) if head.in_bytes else 2 if head.vnni else int(int8)
     status = lib.dflash_greedy_screened(head.tiles.data_ptr(), mode, head.scales.data_ptr() if int8 else None,
                                         head.weight.data_ptr(), head.bf16_head,
                                         head.bound_norms.data_ptr(), head.norm_factor,

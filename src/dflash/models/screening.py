@@ -9,6 +9,8 @@ the float32 head's kernel sums them. So the chosen token is bitwise the float32 
 fast a token is found, never which. Which screen runs (or none) is measured per machine (engine.measured_screening).
 Where the CPU has AVX512-VNNI, the int8 screen sums in integers (inputs rounded to int16, a term for that rounding
 in its bound; native.c): 2-2.5x faster at 5-16 rows, which a float32 FMA per widened weight had made compute-bound.
+Its inputs in bytes (all but a row's 8 largest channels; those add their high bytes apart) halve the integer work
+again for a few more survivors.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ UNIT_ROUNDOFF = 2.0**-24  # float32
 BF16_ROUNDING = 2.0**-8  # |w - bf16(w)| <= 2^-8 |w|, rounding to nearest
 ROOM = 1 + 1e-6  # for computing a bound in double precision
 KINDS = ("bfloat16", "int8")
+# Rows from which the byte screen's inputs are wide (native.c): below, reading the head bounds its time and wide
+# inputs only add survivors. The engine measures it per machine (engine.measured_screening); this is the start.
+WIDE_FROM = 8
 
 
 def chain_rounding(k: int) -> float:
@@ -52,9 +57,13 @@ class ScreenedHead:
         self.bound_norms = self.row_norms  # the per-token factor of the bound's first term (native.c)
         # int8 summed in integers where the CPU has VNNI: the inputs rounded to int16 (native.c says why)
         self.vnni = kind == "int8" and native.int8_vnni()
+        self.in_bytes = self.vnni and native.screen_bytes()  # ... its inputs rounded to bytes (native.c)
+        # from how many rows its inputs are wide (the 8 largest channels apart; fewer rows: dense, int16's precision)
+        self.wide_from = WIDE_FROM
         if kind == "int8":
             quantized, self.scales = native.int8_rows(self.weight)
-            self.tiles = native.vnni_tiles(quantized) if self.vnni else native.tiles(quantized)
+            self.tiles = (native.quad_tiles(quantized) if self.in_bytes else native.vnni_tiles(quantized)
+                          if self.vnni else native.tiles(quantized))
             if self.vnni:  # c_i = s_i |q_i|_1, rounded up
                 self.bound_norms = (quantized.double().abs().sum(dim=1) * self.scales.double()).mul_(1 + 1e-12)
         else:
@@ -65,6 +74,10 @@ class ScreenedHead:
         self.bf16_head = 0 if self.weight.dtype != torch.bfloat16 else 2 if native.bf16_pairs() else 1
         self.norm_factor, self.l1_factor = bound_factors(kind, self.weight.shape[1])
         self.last_screened: torch.Tensor | None = None  # tokens summed in float32 per row, by the last call
+
+    def wide_inputs(self, rows: int) -> bool:
+        """Whether a call on `rows` rows rounds its inputs wide (native.c, "the int8 screen in bytes")."""
+        return rows >= self.wide_from
 
     @staticmethod
     def applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

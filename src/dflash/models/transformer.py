@@ -370,13 +370,23 @@ class Transformer(nn.Module):
         and dtype and per layout of bfloat16 weights, which decides how a bfloat16 head's own kernel sums (and so
         how the screen must sum its survivors): a moved, cast or re-laid head gets a new screen."""
         weight = self.lm_head.weight
-        key = (kind, weight.data_ptr(), weight.dtype, native._pairs, native._int8_vnni)
+        key = (kind, weight.data_ptr(), weight.dtype, native._pairs, native._int8_vnni, native._screen_bytes)
         screens = self.__dict__.setdefault("_screens", {})
         if key not in screens:
             for stale in [k for k in screens if k[0] == kind]:
                 del screens[stale]
             screens[key] = ScreenedHead(weight, kind) if self.can_screen else None
+            if screens[key] is not None and "_wide_from" in self.__dict__:
+                screens[key].wide_from = self.__dict__["_wide_from"]
         return screens[key]
+
+    def set_wide_from(self, rows: int) -> None:
+        """From how many rows byte screens round their inputs wide (screening.ScreenedHead.wide_from): this head's
+        screens now and those made later (engine.measured_wide_from measures it)."""
+        self.__dict__["_wide_from"] = rows
+        for screen in self.__dict__.get("_screens", {}).values():
+            if screen is not None:
+                screen.wide_from = rows
 
     def keep_screen(self, kind: str | None) -> None:
         """Drop every screen but `kind`'s (each is a copy of the head: 28-56 MB for SmolLM2)."""
