@@ -1,7 +1,7 @@
 """One engine switch off against on, generation by generation in one process, with identical outputs checked.
 
 Usage: .venv/bin/python scripts/ab_switch.py SWITCH [DATASET] [LIMIT] [METHODS] [MAX_NEW] [--draft-dtype D]
-       [--repeats N] [--dtype float32|bfloat16] [--json FILE]
+       [--repeats N] [--dtype float32|bfloat16] [--batch ROWS] [--json FILE]
 (defaults: gsm8k, 6 prompts, dflash,dflash:whole,eagle3, 128 new tokens; float32 SmolLM2-135M-Instruct, greedy,
 the shipped drafters in the CLI's draft dtype (`--draft-dtype auto`: the faster one measured; the twelfth and
 thirteenth sessions' runs drafted in float32, `--draft-dtype float32`); the thread count is torch's, so set
@@ -64,6 +64,7 @@ from dflash.methods import continuations, ngram
 from dflash.methods.base import SHIPPED_DRAFTERS, MethodOptions
 from dflash.methods.dflash import proposer as dflash_proposer
 from dflash.models import native
+from batch_methods import run_batch
 
 VARIANTS = ("off", "on")
 
@@ -166,6 +167,9 @@ def main() -> int:
     p.add_argument("--draft-dtype", default="auto")
     p.add_argument("--repeats", type=int, default=1, help="generations of each prompt per variant (alternating)")
     p.add_argument("--dtype", default="float32", help="the target's dtype (float32 or bfloat16)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="rows decoded together through the engine (continuous batching, scripts/batch_methods.py), "
+                        "the time per output token then the batch's; 1 (default): one generation at a time")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     target = load_target_cached("smollm2-135m", args.dtype)
@@ -174,29 +178,37 @@ def main() -> int:
     prompts = [ids for ids in prompts for _ in range(args.repeats)]
     config = GenerationConfig(max_new_tokens=args.max_new, ignore_eos=True)
     switch = SWITCHES[args.switch]
-    decoders = {}
+    decoders, proposers = {}, {}
     for method in args.methods.split(","):
         spec = parse_method(method)
         for variant in VARIANTS:
             switch(target, variant == "on")
             options = MethodOptions(block_size=spec.size, draft_dtype=args.draft_dtype)
             proposer, _ = build_proposer(spec.name, target, options)
+            proposers[method, variant] = proposer
             decoders[method, variant] = SpeculativeDecoder(target, proposer, adaptive=not spec.whole_blocks)
     times = {key: [] for key in decoders}
     identical = {method: True for method, _ in decoders}
-    for index, ids in enumerate(prompts):
+    groups = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
+    for index, group in enumerate(groups):
         for method in dict.fromkeys(m for m, _ in decoders):
             outputs = {}
             for variant in VARIANTS if index % 2 == 0 else VARIANTS[::-1]:
                 switch(target, variant == "on")
-                result = decoders[method, variant].generate(ids, config)
+                if args.batch > 1:
+                    whole = parse_method(method).whole_blocks
+                    seconds, _, _, outputs[variant] = run_batch(target, proposers[method, variant], group, config,
+                                                                adaptive=not whole)
+                    times[method, variant].append(1000 * seconds / sum(map(len, outputs[variant])))
+                    continue
+                result = decoders[method, variant].generate(group[0], config)
                 times[method, variant].append(tpot_ms(result))
                 outputs[variant] = result.tokens
             identical[method] &= outputs["off"] == outputs["on"]
-            print(f"prompt {index}: {method:14s} " + "  ".join(
+            print(f"{'batch' if args.batch > 1 else 'prompt'} {index}: {method:14s} " + "  ".join(
                 f"{v} {times[method, v][-1]:5.1f} ms" for v in VARIANTS), file=sys.stderr, flush=True)
     report = {"switch": args.switch, "draft_dtype": args.draft_dtype, "threads": torch.get_num_threads(),
-              "dataset": args.dataset, "prompts": len(prompts), "methods": {}}
+              "dataset": args.dataset, "prompts": len(prompts), "batch": args.batch, "methods": {}}
     print(f"{'method':14s} {'off ms':>8s} {'on ms':>8s}  on/off median (range)  identical")
     for method in identical:
         off, on = times[method, "off"], times[method, "on"]

@@ -19,9 +19,9 @@ from dflash.engine import Engine, GenerationConfig
 from dflash.loading import build_proposer, load_target_cached
 
 
-def run_batch(target, proposer, prompts, config):
+def run_batch(target, proposer, prompts, config, adaptive: bool = True):
     """(seconds, tau, widths of the decode passes, each row's tokens) of one batch through a fresh engine."""
-    engine = Engine(target, proposer, max_batch=len(prompts))
+    engine = Engine(target, proposer, max_batch=len(prompts), adaptive=adaptive)
     sequences = [engine.submit(ids, config) for ids in prompts]
     widths, forward = collections.Counter(), target.forward
 
