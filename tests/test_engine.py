@@ -490,15 +490,16 @@ def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypat
 def test_byte_screens_go_wide_from_the_measured_width(tiny_targets, monkeypatch, tmp_path):
     """The narrowest width from which wide byte inputs timed faster at every wider width; that many rows and more
     go wide, in the screen measured and in screens made later for the head; measured once per machine."""
-    from dflash.engine import measured_wide_from, wide_from_timings
+    from dflash.engine import WIDE_WIDTHS, measured_wide_from, wide_from_timings
     from dflash.models import native
 
     timings = lambda wide, dense: {(w, m): t for w, (a, b) in zip((4, 8, 16), zip(wide, dense))  # noqa: E731
                                    for m, t in (("wide", a), ("dense", b))}
-    assert wide_from_timings(timings((1, 1, 1), (2, 2, 2))) == 4
-    assert wide_from_timings(timings((3, 1, 1), (2, 2, 2))) == 8
-    assert wide_from_timings(timings((1, 3, 1), (2, 2, 2))) == 16  # a loss at 8: wide only from 16
-    assert wide_from_timings(timings((1, 1, 2), (2, 2, 2))) == 10**9
+    widths = (4, 8, 16)
+    assert wide_from_timings(timings((1, 1, 1), (2, 2, 2)), widths) == 4
+    assert wide_from_timings(timings((3, 1, 1), (2, 2, 2)), widths) == 8
+    assert wide_from_timings(timings((1, 3, 1), (2, 2, 2)), widths) == 16  # a loss at 8: wide only from 16
+    assert wide_from_timings(timings((1, 1, 2), (2, 2, 2)), widths) == 10**9
     if not native.screen_bytes():
         pytest.skip("no byte screen here (AVX512-VNNI)")
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
@@ -511,11 +512,12 @@ def test_byte_screens_go_wide_from_the_measured_width(tiny_targets, monkeypatch,
     monkeypatch.setattr(target.engine, "greedy", lambda h, kind: calls.append((h.shape[-2], screen.wide_from))
                         or greedy(h, kind))
     measured_wide_from(target)
-    assert sorted(set(calls)) == sorted((w, m) for w in (4, 8, 16) for m in (1, 10**9)) and len(calls) == 60
+    assert sorted(set(calls)) == sorted((w, m) for w in WIDE_WIDTHS for m in (1, 10**9))
+    assert len(calls) == 10 * 2 * len(WIDE_WIDTHS)
     chosen = screen.wide_from
-    assert chosen in (4, 8, 16, 10**9)
+    assert chosen in (*WIDE_WIDTHS, 10**9)
     measured_wide_from(target)  # from the cache: nothing timed
-    assert len(calls) == 60 and screen.wide_from == chosen
+    assert len(calls) == 10 * 2 * len(WIDE_WIDTHS) and screen.wide_from == chosen
     target.engine.__dict__["_screens"].clear()
     assert target.engine.screen("int8").wide_from == chosen
 

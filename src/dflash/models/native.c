@@ -1036,7 +1036,7 @@ typedef struct {
  * bytes: 64 / the number of blocks), so that a group's lines are requested a whole group's work before they are
  * read and evenly over its blocks: at 8-16 rows the byte screen reads a head evicted by the pass near the memory's
  * rate (requests 512 bytes ahead, as the int16 kernel makes them, left 16 rows 1.2-1.35x as long). Blocks of fewer
- * rows consume the weights faster than such requests help: the hardware's prefetcher alone made 4-6 rows 0.75-0.9x
+ * rows consume the weights faster than such requests help: the hardware's prefetcher alone made 4-6 rows 0.79-0.91x
  * as long (AMD EPYC Zen 4, 2 threads, after a 96 MB write). */
 #define QUAD_CHAIN(r)                                                                                                 \
     if (r < R) {                                                                                                      \
