@@ -1,14 +1,15 @@
-"""The int8 screen's inputs in int16 against bytes, inside real target passes over real text, in ONE process.
+"""The integer screen's inputs dense against wide, inside real target passes over real text, in ONE process.
 
 Usage: .venv/bin/python scripts/ab_screen_inputs.py [float32|bfloat16] [CONTEXT] [ROUNDS]
 (defaults: bfloat16, 300 tokens of context, 15 rounds; 2 threads; AVX512-VNNI only)
 
 SmolLM2-135M reads CONTEXT tokens of GSM8K test text (questions and reference answers, no chat template), then passes
-of 1, 4, 8 and 16 of the text's next tokens run with the head's two integer screens alternating (the order flipping
-every round; native.c: "the int8 screen in integers" with int16 inputs, "the int8 screen in bytes"). Prints per
-width the median time of the screen (the greedy tokens from the pass's hidden states, after the pass evicted the
-head from the caches), the median per-round ratio bytes / int16, the whole pass's medians, and how many tokens each
-screen summed in float32 per row (mean). Both screens' tokens must be equal (checked).
+of 1, 4, 8 and 16 of the text's next tokens run with the head's integer screen (native.c, "the int8 screen in
+integers") rounding its inputs dense (every channel in two bytes, int16's precision: the twentieth session's
+screen's sums) and wide (all but a row's 8 largest channels in a byte) at every width, alternating (the order
+flipping every round). Prints per width the median time of the screen (the greedy tokens from the pass's hidden
+states, after the pass evicted the head from the caches), the median per-round ratio wide / dense, the whole pass's
+medians, and how many tokens each summed in float32 per row (mean). Both ways' tokens must be equal (checked).
 """
 
 import json
@@ -41,10 +42,10 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(2)
     target = load_target_cached("smollm2-135m", dtype)
     target.screen_greedy, target.screen_kind = True, "int8"
-    heads = {}
-    for label, in_bytes in (("int16", False), ("bytes", True)):
-        native.set_screen_bytes(in_bytes)
-        heads[label] = ScreenedHead(target.engine.lm_head.weight, "int8")
+    native.set_screen_wide(True)
+    heads = {"dense": ScreenedHead(target.engine.lm_head.weight, "int8"),
+             "wide": ScreenedHead(target.engine.lm_head.weight, "int8")}
+    heads["dense"].wide_from, heads["wide"].wide_from = 10**9, 1
     chosen = {"head": None}
     target.engine.screen = lambda kind: chosen["head"]  # the engine's greedy tokens through the head of the turn
     tokens = text_tokens(target)
@@ -67,17 +68,17 @@ def main(argv: list[str]) -> int:
                 screen[(width, label)].append(ended - middle)
                 whole[(width, label)].append(ended - started)
                 summed[(width, label)].append(heads[label].last_screened.float().mean().item())
-            if found["int16"] != found["bytes"]:
+            if found["dense"] != found["wide"]:
                 sys.exit(f"width {width}: the two screens' tokens differ")
     print(f"{dtype}, {context} tokens of context, {rounds} rounds, 2 threads ({native.build_id()})")
     for width in WIDTHS:
         ms = {h: 1000 * statistics.median(screen[(width, h)]) for h in heads}
-        ratio = statistics.median(b / a for a, b in zip(screen[(width, "int16")], screen[(width, "bytes")]))
+        ratio = statistics.median(b / a for a, b in zip(screen[(width, "dense")], screen[(width, "wide")]))
         passes = {h: 1000 * statistics.median(whole[(width, h)]) for h in heads}
         sums = {h: statistics.mean(summed[(width, h)]) for h in heads}
-        print(f"width {width:2d}: screen int16 {ms['int16']:.2f} ms, bytes {ms['bytes']:.2f} ms (bytes/int16 "
-              f"{ratio:.2f}); pass and screen {passes['int16']:.2f} / {passes['bytes']:.2f} ms; float32 sums a row "
-              f"{sums['int16']:.1f} / {sums['bytes']:.1f}")
+        print(f"width {width:2d}: screen dense {ms['dense']:.2f} ms, wide {ms['wide']:.2f} ms (wide/dense "
+              f"{ratio:.2f}); pass and screen {passes['dense']:.2f} / {passes['wide']:.2f} ms; float32 sums a row "
+              f"{sums['dense']:.1f} / {sums['wide']:.1f}")
     return 0
 
 

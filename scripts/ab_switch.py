@@ -34,11 +34,11 @@ Switches (the "on" variant is each one's default):
   draft-head        a DFlash drafter's LM head is timed on our float and int8 (VNNI) kernels too, and the fastest
                     drafting pass kept (`methods/dflash/proposer.py`: settled_kernels), against its plan's kernel
                     (oneDNN's, for the 16K-row head no plan measured)
-  int8-vnni         the int8 screen of the head sums in integers with VPDPWSSD (AVX512-VNNI only;
+  int8-vnni         the int8 screen of the head sums in integers (VPDPBUSD; AVX512-VNNI only;
                     `models/native.c`), against float32 FMAs over its widened weights; both pin the int8 screen
-  screen-bytes      that integer screen rounds its inputs to bytes (all but each row's 8 largest channels, whose high
-                    bytes are summed apart) and sums with VPDPBUSD (`models/native.c`), against inputs in int16
-                    summed with VPDPWSSD; both pin the int8 screen in integers
+  screen-wide       that integer screen rounds its inputs wide where many rows are screened (all but each row's 8
+                    largest channels in a byte, their high bytes summed apart; `models/native.c`), against dense
+                    inputs (every channel in two bytes, int16's precision) everywhere; both pin the integer screen
 
 For every prompt and method, the two variants generate in turn, the order flipping every prompt, each with its own
 decoder (its own learnt costs; the switch is set around both its construction and its runs). Prints, per method,
@@ -97,12 +97,12 @@ def set_int8_vnni(target, on: bool) -> None:
         target.engine.screen("int8")  # quantise and lay the head out again now, not inside a timed generation
 
 
-def set_screen_bytes(target, on: bool) -> None:
+def set_screen_wide(target, on: bool) -> None:
     target.screen_greedy, target.screen_kind = True, "int8"
     if not native.int8_vnni():
         native.set_int8_vnni(True)
-    if native.screen_bytes() != on:
-        native.set_screen_bytes(on)
+    if native.screen_wide() != on:
+        native.set_screen_wide(on)
     target.engine.screen("int8")  # quantise and lay the head out again now, not inside a timed generation
 
 
@@ -142,7 +142,7 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
-            "screen-bytes": set_screen_bytes}
+            "screen-wide": set_screen_wide}
 CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)

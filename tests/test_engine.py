@@ -487,9 +487,9 @@ def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypat
     assert measured_screening(target) is True  # untimed targets screen wherever they can
 
 
-def test_byte_screens_go_wide_from_the_measured_width(tiny_targets, monkeypatch, tmp_path):
-    """The narrowest width from which wide byte inputs timed faster at every wider width; that many rows and more
-    go wide, in the screen measured and in screens made later for the head; measured once per machine."""
+def test_integer_screens_go_wide_from_the_measured_width(tiny_targets, monkeypatch, tmp_path):
+    """The narrowest width from which wide inputs timed faster than dense ones at every wider width; that many rows
+    and more go wide, in the screen measured and in screens made later for the head; measured once per machine."""
     from dflash.engine import WIDE_WIDTHS, measured_wide_from, wide_from_timings
     from dflash.models import native
 
@@ -500,13 +500,13 @@ def test_byte_screens_go_wide_from_the_measured_width(tiny_targets, monkeypatch,
     assert wide_from_timings(timings((3, 1, 1), (2, 2, 2)), widths) == 8
     assert wide_from_timings(timings((1, 3, 1), (2, 2, 2)), widths) == 16  # a loss at 8: wide only from 16
     assert wide_from_timings(timings((1, 1, 2), (2, 2, 2)), widths) == 10**9
-    if not native.screen_bytes():
-        pytest.skip("no byte screen here (AVX512-VNNI)")
+    if not native.screen_wide():
+        pytest.skip("no integer screen with wide inputs here (AVX512-VNNI)")
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     target = tiny_targets["llama"]
     monkeypatch.setattr(target, "measure", True)
     screen = target.engine.screen("int8")
-    assert screen.in_bytes
+    assert screen.wide_allowed
     calls = []
     greedy = target.engine.greedy
     monkeypatch.setattr(target.engine, "greedy", lambda h, kind: calls.append((h.shape[-2], screen.wide_from))

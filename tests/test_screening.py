@@ -16,37 +16,35 @@ def vnni_runs_here() -> bool:
 
 
 @contextlib.contextmanager
-def integer_sums(vnni: bool, in_bytes: str | None = None):
-    """The int8 screen's way of summing for the screens made inside: float32 FMAs over widened weights, integer
-    sums over inputs rounded to int16 (AVX512-VNNI), or over inputs in bytes, `in_bytes` "wide" or "dense" for every
-    number of rows; restored after."""
+def integer_sums(vnni: bool, inputs: str = "dense"):
+    """The int8 screen's way of summing for the screens made inside: float32 FMAs over widened weights, or integer
+    sums (AVX512-VNNI) over inputs rounded `inputs`, "dense" or "wide", for every number of rows; restored after."""
     if vnni and not vnni_runs_here():
         pytest.skip("no AVX512-VNNI here: the int8 screen sums in float32")
     old_vnni, old_from = native.set_int8_vnni(vnni), screening.WIDE_FROM
-    old_bytes = native.set_screen_bytes(in_bytes is not None) if vnni else native.screen_bytes()
-    screening.WIDE_FROM = 1 if in_bytes == "wide" else 10**9
+    old_wide = native.set_screen_wide(inputs == "wide") if vnni else native.screen_wide()
+    screening.WIDE_FROM = 1
     try:
         yield
     finally:
         native.set_int8_vnni(old_vnni)
         screening.WIDE_FROM = old_from
         if old_vnni:
-            native.set_screen_bytes(old_bytes)
+            native.set_screen_wide(old_wide)
 
 
-@pytest.fixture(params=["bfloat16", "int8", "int8-vnni", "int8-wide", "int8-dense"])
+@pytest.fixture(params=["bfloat16", "int8", "int8-dense", "int8-wide"])
 def kind(request):
-    """Each kind of screen, the int8 one four ways: float32 FMAs over its widened weights, and integer sums
-    (AVX512-VNNI, where the CPU has it) over inputs rounded to int16, or to bytes, wide or dense."""
-    in_bytes = request.param.removeprefix("int8-") if request.param in ("int8-wide", "int8-dense") else None
-    with integer_sums(request.param != "bfloat16" and request.param != "int8", in_bytes):
+    """Each kind of screen, the int8 one three ways: float32 FMAs over its widened weights, and integer sums
+    (AVX512-VNNI, where the CPU has it) over inputs rounded dense or wide."""
+    with integer_sums(request.param.startswith("int8-"), request.param.removeprefix("int8-")):
         yield request.param.split("-")[0]
 
 
-@pytest.fixture(params=["int16", "wide", "dense"])
+@pytest.fixture(params=["dense", "wide"])
 def integer_inputs(request):
-    """The integer screens (AVX512-VNNI): inputs rounded to int16, or to bytes, wide or dense."""
-    with integer_sums(True, None if request.param == "int16" else request.param):
+    """The integer screen (AVX512-VNNI), its inputs dense or wide."""
+    with integer_sums(True, request.param):
         yield request.param
 
 
@@ -302,11 +300,11 @@ def test_the_byte_screen_keeps_its_wide_channels(vocab=3001):
     last, partial quad (k = 61), of either sign and up to the int16 limit: every argmax is the float32 head's, and on
     states like real ones (a few channels 10-60x the rest) few tokens reach the float32 sums."""
     torch.manual_seed(8)
-    with integer_sums(True, in_bytes="wide"):
+    with integer_sums(True, "wide"):
         for k in (61, 576):
             weight = torch.randn(vocab, k) * 0.05
             head = ScreenedHead(weight, "int8")
-            assert head.in_bytes and head.wide_inputs(1)
+            assert head.vnni and head.wide_inputs(1)
             x = torch.randn(6, k)
             x[0, :12] *= 50  # twelve wide channels: more than a row's list holds
             x[1, 4], x[1, 5], x[1, k - 1] = 80.0, -60.0, 45.0  # two in one quad, one in the last
@@ -319,21 +317,21 @@ def test_the_byte_screen_keeps_its_wide_channels(vocab=3001):
             assert (head.last_screened[[1, 3, 4, 5]] < vocab // 20).all()
 
 
-def test_dense_bytes_are_the_int16_screens_sums():
-    """Few rows: the byte screen's inputs dense, every channel a low and a high byte on the int16 screen's scale, so
-    its integer sums, and so its logits, equal the int16 screen's (where both scales agree: k a multiple of 4 and
-    over ~520, where both shrink the scale to keep int32 sums exact)."""
-    torch.manual_seed(9)
-    k, vocab = 576, 2001
-    weight = torch.randn(vocab, k) * 0.05
-    x = torch.randn(5, k)
-    x[:, 3] *= 60
-    with integer_sums(True):
-        int16_head = ScreenedHead(weight, "int8")
-        expected, expected_spread = native.int8_vnni_logits(x, int16_head)
-    with integer_sums(True, in_bytes="dense"):
-        dense_head = ScreenedHead(weight, "int8")
-        assert dense_head.in_bytes and not dense_head.wide_inputs(5)
-        for rows in (1, 2, 5):  # one row's own kernel, and blocks
-            approx, spread = native.int8_vnni_logits(x[:rows], dense_head)
-            assert torch.equal(approx, expected[:rows]) and torch.equal(spread, expected_spread[:rows])
+def test_dense_inputs_sum_exactly_on_the_int16_scale():
+    """Dense inputs: every channel n_j = lo_j + 256 hi_j on the scale max|x| / N_MAX (N_MAX = 2^31 / (127 k) = 29356
+    for k = 576). Inputs that scale holds exactly, and weights int8 holds exactly, leave only the float32 rounding of
+    the final product: the integer sums of both bytes' streams, minus the offset, must be exact."""
+    torch.manual_seed(10)
+    k, vocab, limit = 576, 1000, 2**31 // (127 * 576)
+    quantized = torch.randint(-127, 128, (vocab, k)).float()
+    quantized[:, 0] = 127  # each row's scale exactly 2^-9
+    weight = quantized * 2.0**-9
+    n = torch.randint(-limit, limit + 1, (5, k)).float()
+    n[:, 5] = limit  # the largest magnitude: the scale is exactly 2^-10
+    x = n * 2.0**-10
+    with integer_sums(True, "dense"):
+        head = ScreenedHead(weight, "int8")
+        for rows in (1, 5):  # one row's own kernel, and a block
+            approx, _ = native.int8_vnni_logits(x[:rows], head)
+            exact = (n[:rows].double() @ quantized.double().T) * 2.0**-19
+            assert torch.allclose(approx.double(), exact, rtol=2**-22, atol=0)

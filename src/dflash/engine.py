@@ -885,7 +885,7 @@ def measured_wide_from(target, repeats: int = 9) -> None:
     from .models.target import cached_timing
 
     screen = target.engine.screen("int8")
-    if screen is None or not screen.in_bytes or not target.measure or target.tokenizer is None:
+    if screen is None or not screen.wide_allowed or not target.measure or target.tokenizer is None:
         return
 
     def measure() -> dict:

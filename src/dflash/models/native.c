@@ -794,227 +794,43 @@ static void int8_screen_body(void *arg) {
 /* ---- the int8 screen in integers (AVX512-VNNI) --------------------------------------------------------------------
  * The kernel above widens every int8 weight to float32 for an FMA: at 8-16 rows the screen is bound by those
  * conversions and FMAs (SmolLM2's 16-row screen took 5.2 ms on 2 Zen 4 cores, ~12 multiply-adds a cycle a core).
- * VPDPWSSD adds two int16 products to each of sixteen int32 lanes in one instruction. So each row of x is rounded
- * to integers, x_j ~ sx xq_j (sx = max|x| / X_MAX), each token's int8 weights are widened to int16 once for all
- * the rows, and the sums are exact integers: X_MAX keeps 127 X_MAX k below 2^31, so the int32 lanes, wrapping
- * modulo 2^32 on the way, end exact. a_i = s_i sx acc_i. Rounding x costs the bound one more term:
- *   |e_i - a_i| <= l1_factor s_i |x|_1 + c_i (d + 4u max|x|),   c_i = s_i |q_i|_1,  d = max_j |x_j - sx xq_j|
+ * Where the CPU has AVX512-VNNI, each row of x is rounded to integers instead, x_j ~ sx n_j, and the sums are exact
+ * integers, a_i = s_i sx sum_j q_ij n_j. Rounding x costs the bound one more term:
+ *   |e_i - a_i| <= l1_factor s_i |x|_1 + c_i (d + 4u max|x|),   c_i = s_i |q_i|_1,  d = max_j |x_j - sx n_j|
  * The first term is the int8 screen's own (it covers the float32 head's chain too: gamma sum_j |w_ij x_j| <=
- * 127 gamma s_i |x|_1); the second, sum_j s_i q_ij (x_j - sx xq_j), plus 4u for acc_i, s_i sx and their product
- * rounded to float32. Exact integer sums need no norm term: c_i takes row_norms' place in the screen's bound.
- * (Rounding x to 8 bits instead, for VPDPBUSD's four products, let ~39,000 of 49,152 tokens through: real hidden
- * states have channels ~60x their mean.) Layout (native.py, vnni_tiles): groups of 16 tokens, each stored input
- * pair by input pair, [groups, k2 / 2, 16, 2] int8, k2 = k rounded up to even. */
+ * 127 gamma s_i |x|_1); the second, sum_j s_i q_ij (x_j - sx n_j), plus 4u for the sum, s_i sx and their product
+ * rounded to float32 (sx |n_j| <= max|x| + d, d <= max|x| / 254). Exact integer sums need no norm term: c_i takes
+ * row_norms' place in the screen's bound.
+ * VPDPBUSD adds four byte products to each of sixteen int32 lanes (64 products an instruction; the twentieth
+ * session's kernel, inputs in int16 through VPDPWSSD, added 32 and widened each weight first). One scale for a whole
+ * row of x in bytes let ~39,000 of 49,152 tokens through: real hidden states have a few channels ~16-60x their mean.
+ * So each n_j is split into a low byte and a high one, n_j = lo_j + 256 hi_j, in one of two ways:
+ *   wide (many rows, where the sums bound the time): sx = the (QUAD_WIDE+1)-th largest |x_j| / 127 (or max|x| /
+ *     N_MAX where that is larger), so hi_j is zero but for the QUAD_WIDE largest channels, whose high bytes a row
+ *     sums as a short list of quads. On SmolLM2 states (685 rows of GSM8K and MT-Bench answers) 8 wide channels
+ *     left a median of 8 survivors (mean 18) against 3 (5) dense: more float32 sums, half the work;
+ *   dense (few rows, where reading the head bounds the time): sx = max|x| / N_MAX, N_MAX = 2^31 / (127 k) at most,
+ *     every channel's high byte summed as a second stream of the same weights (the int16 kernel's sums, bitwise).
+ * VPDPBUSD multiplies unsigned bytes by signed ones, so the weights are stored as q + 128 (1..255) and each row takes
+ * 128 sum_j n_j back: acc_lo + 256 acc_hi - 128 sum n = sum_j q_ij n_j, exact modulo 2^32 on the way and exact at
+ * the end, as 127 N_MAX k < 2^31. Layout (native.py, quad_tiles): groups of 16 tokens, each stored four inputs at a
+ * time, [groups, k4 / 4, 16, 4] uint8, k4 = k rounded up to a multiple of 4. */
 #define VNNI_GROUP 16
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 9)
 #define VNNI_BUILT 1
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
-typedef struct {
-    const int8_t *tiles;
-    const float *scales;
-    const int32_t *xq; /* [m, pairs]: two int16 inputs a word */
-    const float *sx;   /* [m] */
-    float *out;        /* [m, n] */
-    int64_t m, n, pairs;
-} VnniScreen;
-
-/* How far ahead, in input pairs, a block of rows requests its group's weights: 16 (512 bytes) made 8 and 16 rows
- * 0.86x and 0.92x as long (SmolLM2's head, after a pass evicted it), 1-4 rows the same */
-#ifndef VNNI_PREFETCH
-#define VNNI_PREFETCH 16
-#endif
-
-/* Chain r (of R, at most 8) adds one pair of the group's widened weights times row r's input pair, the weights of
- * each pair widened once for all R rows. In asm with named accumulators: with the intrinsic, gcc copied every
- * accumulator twice an input, and with an array it stored them all every input. */
-#define VNNI_CHAIN(r)                                                                                                 \
-    if (r < R) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a##r) : "v"(w0), "m"(x[r * pairs + p]));
-VNNI_TARGET static inline __attribute__((always_inline)) void vnni_block(const int8_t *w, const int32_t *x,
-                                                                         int64_t pairs, const int R, __m512i *acc) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t p = 0; p < pairs; p++) {
-        if ((p & 1) == 0) _mm_prefetch((const char *)(w + (p + VNNI_PREFETCH) * 32), _MM_HINT_T0);
-        __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + p * 32)));
-        VNNI_CHAIN(0) VNNI_CHAIN(1) VNNI_CHAIN(2) VNNI_CHAIN(3) VNNI_CHAIN(4) VNNI_CHAIN(5) VNNI_CHAIN(6)
-        VNNI_CHAIN(7)
-    }
-    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
-}
-
-/* a_i = (float)acc_r * (sx_r * s_i) of the group from `group` against rows r0..r0+R-1, stored */
-VNNI_TARGET static inline __attribute__((always_inline)) void vnni_store(const VnniScreen *S, int64_t group,
-                                                                         int64_t r0, const int R, const __m512i *acc) {
-    int64_t i0 = group * VNNI_GROUP, valid = MIN(VNNI_GROUP, S->n - i0);
-    __mmask16 lanes = (__mmask16)((1u << valid) - 1);
-    __m512 scales = _mm512_maskz_loadu_ps(lanes, S->scales + i0);
-    for (int r = 0; r < R; r++) {
-        __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(S->sx[r0 + r]), scales));
-        _mm512_mask_storeu_ps(S->out + (r0 + r) * S->n + i0, lanes, a);
-    }
-}
-
-/* One group against rows r0..r0+R-1 */
-#define VNNI_ROWS(NAME, R)                                                                                            \
-    VNNI_TARGET static void NAME(const VnniScreen *S, int64_t group, int64_t r0) {                                    \
-        __m512i acc[8];                                                                                               \
-        vnni_block(S->tiles + group * S->pairs * 2 * VNNI_GROUP, S->xq + r0 * S->pairs, S->pairs, R, acc);           \
-        vnni_store(S, group, r0, R, acc);                                                                             \
-    }
-VNNI_ROWS(vnni_1, 1) VNNI_ROWS(vnni_2, 2) VNNI_ROWS(vnni_3, 3) VNNI_ROWS(vnni_4, 4)
-VNNI_ROWS(vnni_5, 5) VNNI_ROWS(vnni_6, 6) VNNI_ROWS(vnni_7, 7) VNNI_ROWS(vnni_8, 8)
-typedef void (*VnniRows)(const VnniScreen *S, int64_t group, int64_t r0);
-static const VnniRows vnni_kernels[8] = {vnni_1, vnni_2, vnni_3, vnni_4, vnni_5, vnni_6, vnni_7, vnni_8};
-
-/* A single row: one group as four chains over alternate pairs, added at the end. One chain is bound by the
- * instruction's latency; integer sums are exact in any order, so the outputs are those of one chain. One
- * sequential stream fed them faster than four groups' streams with a chain each (the kernel before): 0.90x as
- * long on SmolLM2's head and on a drafter's 16K-row one, after a pass evicted them (AMD EPYC Zen 4, 2 threads,
- * scripts/ab_vnni.py). */
-#define ONE_PAIR(a, q)                                                                                                \
-    __asm__("vpdpwssd %2%{1to16%}, %1, %0"                                                                            \
-            : "+v"(a)                                                                                                 \
-            : "v"(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + (q) * 32)))), "m"(x[q]));
-VNNI_TARGET static void vnni_one_row(const VnniScreen *S, int64_t group) {
-    const int8_t *w = S->tiles + group * S->pairs * 2 * VNNI_GROUP;
-    const int32_t *x = S->xq;
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t p = 0;
-    for (; p + 4 <= S->pairs; p += 4) { ONE_PAIR(a0, p) ONE_PAIR(a1, p + 1) ONE_PAIR(a2, p + 2) ONE_PAIR(a3, p + 3) }
-    for (; p < S->pairs; p++) { ONE_PAIR(a0, p) }
-    __m512i acc[1] = {_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3))};
-    vnni_store(S, group, 0, 1, acc);
-}
-#undef ONE_PAIR
-
-static void vnni_screen_groups(void *ctx, int64_t first, int64_t last) {
-    const VnniScreen *S = ctx;
-    int64_t g = first;
-    if (S->m == 1) {
-        for (; g < last; g++) vnni_one_row(S, g);
-        return;
-    }
-    /* blocks of rows as even as can be (9 rows: 4 and 5, not 8 and a latency-bound 1); a group's weights (9 KB for
-     * SmolLM2) stay in L1 across them */
-    int64_t blocks = (S->m + 7) / 8;
-    for (; g < last; g++)
-        for (int64_t b = 0, r0 = 0; b < blocks; b++) {
-            int64_t rows = (S->m - r0) / (blocks - b);
-            vnni_kernels[rows - 1](S, g, r0);
-            r0 += rows;
-        }
-}
-
-typedef struct {
-    VnniScreen S;
-    int threads;
-} VnniScreenCall;
-
-static void vnni_screen_body(void *arg) {
-    VnniScreenCall *C = arg;
-    int64_t groups = (C->S.n + VNNI_GROUP - 1) / VNNI_GROUP;
-    int64_t grain = groups / (CHUNKS_PER_THREAD * MAX(C->threads, 1));
-    parallel_for(groups, MAX(grain, 8), C->threads, vnni_screen_groups, &C->S);
-}
-
 static int cpu_has_vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
 }
 #else
 #define VNNI_BUILT 0
-typedef struct {
-    int unused;
-} VnniScreenCall;
-static void vnni_screen_body(void *arg) { (void)arg; }
 static int cpu_has_vnni(void) { return 0; }
 #endif
 
 /* Whether this build and CPU run the int8 screen in integers (native.py lays its weights out for it then). */
 int dflash_int8_vnni(void) { return VNNI_BUILT && cpu_has_vnni(); }
 
-/* Row r of x [m, k] rounded to int16 pairs xq[r] ([pairs] words, zero-padded) with x ~ sx[r] xq; spread[r] =
- * d + 4u max|x| of the bound above, rounded up (NaN where the row is not finite: it is left undecided). d is
- * measured, |x_j - sx xq_j| as one rounding of an FMS, so it holds however xq was rounded. */
-#if VNNI_BUILT
-VNNI_TARGET static void vnni_inputs(const float *x, int64_t m, int64_t k, int64_t pairs, int32_t *xq, float *sx,
-                                    double *spread) {
-    float limit = (float)MIN(32767, INT32_MAX / (127 * 2 * pairs));
-    for (int64_t r = 0; r < m; r++) {
-        const float *xr = x + r * k;
-        int16_t *q = (int16_t *)(xq + r * pairs);
-        __m512 most = _mm512_setzero_ps();
-        __mmask16 odd = 0; /* NaN or inf */
-        for (int64_t j = 0; j < k; j += 16) {
-            __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << MIN(16, k - j)) - 1), xr + j);
-            __m512 size = _mm512_abs_ps(v);
-            odd |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(size, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
-            most = _mm512_max_ps(size, most);
-        }
-        float top = _mm512_reduce_max_ps(most), s = top > 0.0f ? top / limit : 1.0f;
-        float inv = top > 0.0f ? limit / top : 0.0f;
-        __m512 deviation = _mm512_setzero_ps();
-        for (int64_t j = 0; j < k; j += 16) {
-            __mmask16 lanes = (__mmask16)((1u << MIN(16, k - j)) - 1);
-            __m512 v = _mm512_maskz_loadu_ps(lanes, xr + j);
-            __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            n = _mm512_min_ps(_mm512_max_ps(n, _mm512_set1_ps(-limit)), _mm512_set1_ps(limit));
-            _mm512_mask_cvtepi32_storeu_epi16(q + j, lanes, _mm512_cvtps_epi32(n));
-            deviation = _mm512_max_ps(_mm512_abs_ps(_mm512_fmsub_ps(_mm512_set1_ps(s), n, v)), deviation);
-        }
-        for (int64_t j = k; j < 2 * pairs; j++) q[j] = 0;
-        double d = _mm512_reduce_max_ps(deviation) * (1 + 0x1p-20);
-        sx[r] = s;
-        spread[r] = odd ? NAN : (d + 4 * 0x1p-24 * (double)top) * (1 + 1e-6);
-    }
-}
-#else
-static void vnni_inputs(const float *x, int64_t m, int64_t k, int64_t pairs, int32_t *xq, float *sx, double *spread) {
-    (void)x, (void)k, (void)pairs, (void)xq, (void)sx;
-    for (int64_t r = 0; r < m; r++) spread[r] = NAN;
-}
-#endif
-
-/* The VNNI screen's approximate logits out [m, n] of x [m, k] (a_i above) and each row's rounding term spread [m]
- * (greedy_screened's, and tests'). Returns nonzero when out of memory. */
-int dflash_int8_vnni_logits(const void *tiles, const float *scales, const float *x, int64_t m, int64_t n, int64_t k,
-                            int threads, float *out, double *spread) {
-    int64_t pairs = (k + 1) / 2;
-    int32_t *xq = malloc(sizeof(int32_t) * m * pairs);
-    float *sx = malloc(sizeof(float) * m);
-    if (!xq || !sx) {
-        free(xq), free(sx);
-        return 1;
-    }
-    vnni_inputs(x, m, k, pairs, xq, sx, spread);
-#if VNNI_BUILT
-    VnniScreenCall C = {{tiles, scales, xq, sx, out, m, n, pairs}, threads};
-    with_workers(threads, vnni_screen_body, &C);
-#else
-    (void)tiles, (void)scales, (void)n, (void)threads, (void)out;
-#endif
-    free(xq), free(sx);
-    return 0;
-}
-
-/* ---- the int8 screen in bytes (AVX512-VNNI's VPDPBUSD) ------------------------------------------------------------
- * VPDPBUSD adds four byte products to each of sixteen int32 lanes, twice VPDPWSSD's two, and reads the int8 weights
- * as they are stored, where VPDPWSSD needs each widened first: at 8-16 rows the screen above is bound by those
- * instructions. One scale for a whole row of x in bytes let ~39,000 of 49,152 tokens through (see above): real
- * hidden states have a few channels ~16-60x their mean. So x is rounded to integers x_j ~ sx n_j, and each n_j is
- * split into a low byte and a high one, n_j = lo_j + 256 hi_j, in one of two ways:
- *   wide (many rows, where the sums bound the time): sx = the (QUAD_WIDE+1)-th largest |x_j| / 127 (or max|x| /
- *     N_MAX where that is larger), so hi_j is zero but for the QUAD_WIDE largest channels, whose high bytes a row
- *     sums as a short list of quads. On SmolLM2 states (685 rows of GSM8K and MT-Bench answers) 8 wide channels
- *     left a median of 8 survivors (mean 18) against 3 (5) with int16 inputs: more float32 sums, half the work;
- *   dense (few rows, where reading the head bounds the time): sx = max|x| / N_MAX, the int16 screen's precision and
- *     survivors, every channel's high byte summed as a second stream of the same weights.
- * VPDPBUSD multiplies unsigned bytes by signed ones, so the weights are stored as q + 128 (1..255) and each row takes
- * 128 sum_j n_j back: acc_lo + 256 acc_hi - 128 sum n = sum_j q_ij n_j, exact modulo 2^32 on the way and exact at
- * the end, as 127 N_MAX k < 2^31. The bound is the VNNI screen's (c_i (d + 4u max|x|), d measured row by row); only d
- * differs. Layout (native.py, quad_tiles): groups of 16 tokens, each stored four inputs at a time, [groups, k4 / 4,
- * 16, 4] uint8, k4 = k rounded up to a multiple of 4. */
 #define QUAD_WIDE 8
 #if VNNI_BUILT
 
@@ -1035,7 +851,7 @@ typedef struct {
  * loaded once for all. Each block of rows requests its share of the NEXT group's weights (`ahead`, every `stride`
  * bytes: 64 / the number of blocks), so that a group's lines are requested a whole group's work before they are
  * read and evenly over its blocks: at 8-16 rows the byte screen reads a head evicted by the pass near the memory's
- * rate (requests 512 bytes ahead, as the int16 kernel makes them, left 16 rows 1.2-1.35x as long). Blocks of fewer
+ * rate (requests 512 bytes ahead, as the int16 kernel made them, left 16 rows 1.2-1.35x as long). Blocks of fewer
  * rows consume the weights faster than such requests help: the hardware's prefetcher alone made 4-6 rows 0.79-0.91x
  * as long (AMD EPYC Zen 4, 2 threads, after a 96 MB write). */
 #define QUAD_CHAIN(r)                                                                                                 \
@@ -1108,8 +924,8 @@ static const QuadRows quad_kernels[2][8] = {
     {quad_1, quad_2, quad_3, quad_4, quad_5, quad_6, quad_7, quad_8},
     {dense_1, dense_2, dense_3, dense_4, dense_5, dense_6, dense_7, dense_8}};
 
-/* A single row: four chains over alternate quads (low bytes, and where dense the high ones in two more), as
- * vnni_one_row does: one chain waits on its latency */
+/* A single row: four chains over alternate quads (low bytes, and where dense the high ones in two more): one
+ * chain waits on its latency */
 #define ONE_QUAD(a, from, q)                                                                                          \
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a) : "v"(_mm512_loadu_si512((const void *)(w + (q) * 64))),      \
             "m"(from[q]));
@@ -1138,7 +954,9 @@ static void quad_screen_groups(void *ctx, int64_t first, int64_t last) {
         for (; g < last; g++) quad_one_row(S, g);
         return;
     }
-    int64_t blocks = (S->m + 7) / 8; /* as vnni_screen_groups: even blocks, the group's weights kept in L1 */
+    /* blocks of rows as even as can be (9 rows: 4 and 5, not 8 and a latency-bound 1); a group's weights (9 KB for
+     * SmolLM2) stay in L1 across them */
+    int64_t blocks = (S->m + 7) / 8;
     for (; g < last; g++)
         for (int64_t b = 0, r0 = 0; b < blocks; b++) {
             int64_t rows = (S->m - r0) / (blocks - b);
@@ -1259,8 +1077,8 @@ VNNI_TARGET static void quad_inputs(const float *x, int64_t m, int64_t k, int64_
 }
 #endif
 
-/* The byte screen's approximate logits out [m, n] of x [m, k] and each row's rounding term spread [m] (as
- * dflash_int8_vnni_logits), its inputs wide (wide = 1) or dense (0). Returns nonzero when out of memory. */
+/* The integer screen's approximate logits out [m, n] of x [m, k] and each row's rounding term spread [m], its
+ * inputs wide (wide = 1) or dense (0); also a drafter's int8 LM head (dense). Returns nonzero when out of memory. */
 int dflash_int8_quad_logits(const void *tiles, const float *scales, const float *x, int64_t m, int64_t n, int64_t k,
                             int threads, float *out, double *spread, int wide) {
     int64_t quads = (k + 3) / 4;
@@ -1383,9 +1201,9 @@ static void screen_rows_body(void *arg) {
 
 /* ids[r] = argmax of x[r] . weight^T (weight [n, k], rows as stored: float32, or bfloat16 where bf16_head, whose
  * logits its kernel rounds to bfloat16; bf16_head = 2: that kernel sums in pairs), screened through `tiles`: the
- * weight in bfloat16 (int8 = 0), or in int8 with per-row `scales`, in the float kernel's layout (int8 = 1), in VNNI
- * groups (int8 = 2) or in the byte screen's quads, its inputs dense (3) or wide (4). row_norms[i] = |w_i|_2 rounded
- * up (int8 >= 2: c_i = s_i |q_i|_1 instead); screened[r] = how many tokens were summed exactly. Rounded logits tie
+ * weight in bfloat16 (int8 = 0), or in int8 with per-row `scales`, in the float kernel's layout (int8 = 1) or in
+ * the integer screen's quads, its inputs dense (2) or wide (3). row_norms[i] = |w_i|_2 rounded up (int8 >= 2:
+ * c_i = s_i |q_i|_1 instead); screened[r] = how many tokens were summed exactly. Rounded logits tie
  * within a bfloat16 step: a token whose logit lies within a step of the largest, 2^-7 |max| (1 + 2^-8), below it
  * may round to the same value, so a bfloat16 head keeps those too (`floor` lowered by that much: t - c|t| grows with
  * t, so floor - c|floor| <= max - c|max|). Returns 1 when out of memory, 2 when a row has no finite candidate (NaN
@@ -1404,8 +1222,7 @@ int dflash_greedy_screened(const void *tiles, int int8, const float *scales, con
     double *spread = NULL; /* int8 >= 2: the bound's input rounding term by row */
     if (int8 >= 2) {
         if (!(spread = malloc(sizeof(double) * m)) ||
-            (int8 == 2 ? dflash_int8_vnni_logits(tiles, scales, x, m, n, k, threads, approx, spread)
-                       : dflash_int8_quad_logits(tiles, scales, x, m, n, k, threads, approx, spread, int8 == 4))) {
+            dflash_int8_quad_logits(tiles, scales, x, m, n, k, threads, approx, spread, int8 == 3)) {
             free(spread), free(padded);
             return 1;
         }

@@ -35,7 +35,7 @@ _library: ctypes.CDLL | None = None
 _tried = False
 _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
 _int8_vnni = False  # the int8 screen in integers (see int8_vnni)
-_screen_bytes = False  # ... and its inputs in bytes (see screen_bytes)
+_screen_wide = False  # ... its inputs wide where many rows are screened (see screen_wide)
 why_not = ""  # why the kernel is unavailable, for reports
 
 
@@ -84,7 +84,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_bytes
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide
     if _tried:
         return _library
     _tried = True
@@ -111,12 +111,10 @@ def library() -> ctypes.CDLL | None:
             if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
                 lib.dflash_set_values_in_registers.argtypes = [ctypes.c_int]
                 lib.dflash_set_values_in_registers.restype = ctypes.c_int
-            vnni_logits = lib.dflash_int8_vnni_logits
-            vnni_logits.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
-            vnni_logits.restype = ctypes.c_int
-            if hasattr(lib, "dflash_int8_quad_logits"):  # builds of older sources load too (A/B runs)
-                lib.dflash_int8_quad_logits.argtypes = vnni_logits.argtypes + [ctypes.c_int]
-                lib.dflash_int8_quad_logits.restype = ctypes.c_int
+            integer_logits = lib.dflash_int8_quad_logits
+            integer_logits.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                                       + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+            integer_logits.restype = ctypes.c_int
             screened = lib.dflash_greedy_screened
             screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                                  + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
@@ -141,8 +139,7 @@ def library() -> ctypes.CDLL | None:
             _library = lib
             _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
             _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
-            _screen_bytes = (_int8_vnni and hasattr(lib, "dflash_int8_quad_logits")
-                             and os.environ.get("DFLASH_SCREEN_BYTES", "1") != "0")
+            _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     return _library
@@ -150,13 +147,13 @@ def library() -> ctypes.CDLL | None:
 
 def build_id() -> str:
     """Which build of the kernel runs here ("none" where none does): its file name carries the source hash,
-    "+pairs" where bfloat16 products run in pairs, "+vnni" where the int8 screen sums in integers, and "+bytes"
-    where it rounds its inputs to bytes for that."""
+    "+pairs" where bfloat16 products run in pairs, "+vnni" where the int8 screen sums in integers, and "+wide"
+    where its inputs may be wide."""
     lib = library()
     if lib is None:
         return "none"
     return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+vnni" if _int8_vnni else "")
-            + ("+bytes" if _screen_bytes else ""))
+            + ("+wide" if _screen_wide else ""))
 
 
 def bf16_pairs() -> bool:
@@ -198,8 +195,8 @@ def set_values_in_registers(on: bool) -> bool:
 
 
 def int8_vnni() -> bool:
-    """Whether int8 screens of the LM head sum in integers with VPDPWSSD (native.c): where this build and CPU have
-    AVX512-VNNI, unless DFLASH_INT8_VNNI=0."""
+    """Whether int8 screens of the LM head (and drafters' int8 heads) sum in integers with VPDPBUSD (native.c):
+    where this build and CPU have AVX512-VNNI, unless DFLASH_INT8_VNNI=0."""
     library()
     return _int8_vnni
 
@@ -214,21 +211,22 @@ def set_int8_vnni(on: bool) -> bool:
     return old
 
 
-def screen_bytes() -> bool:
-    """Whether int8 screens of the LM head, where they sum in integers, round their inputs to bytes and sum with
-    VPDPBUSD (native.c, "the int8 screen in bytes"): wherever int8_vnni holds, unless DFLASH_SCREEN_BYTES=0."""
+def screen_wide() -> bool:
+    """Whether integer screens of the LM head round their inputs wide where many rows are screened (native.c, "the
+    int8 screen in integers": all but a row's 8 largest channels in a byte; else dense, every channel in two):
+    wherever int8_vnni holds, unless DFLASH_SCREEN_WIDE=0."""
     library()
-    return _screen_bytes
+    return _screen_wide
 
 
-def set_screen_bytes(on: bool) -> bool:
-    """Switches the inputs of int8 screens made from now on between bytes and int16 (for tests and A/B runs);
+def set_screen_wide(on: bool) -> bool:
+    """Switches whether integer screens made from now on may round their inputs wide (for tests and A/B runs);
     returns the old setting."""
-    global _screen_bytes
-    lib, old = library(), _screen_bytes
-    if on and (lib is None or not lib.dflash_int8_vnni() or not hasattr(lib, "dflash_int8_quad_logits")):
-        raise RuntimeError("this build or CPU cannot sum the int8 screen in bytes (AVX512-VNNI)")
-    _screen_bytes = bool(on)
+    global _screen_wide
+    lib, old = library(), _screen_wide
+    if on and (lib is None or not lib.dflash_int8_vnni()):
+        raise RuntimeError("this build or CPU cannot sum the int8 screen in integers (AVX512-VNNI)")
+    _screen_wide = bool(on)
     return old
 
 
@@ -241,17 +239,7 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vnni_tiles(quantized: torch.Tensor) -> torch.Tensor:
-    """The VNNI screen's layout of int8 weights [n, k] (native.c): zero-padded to 16 rows and an even k, then cut
-    into groups of 16 rows, each stored input pair by input pair ([groups, k2 / 2, 16, 2]), so that one 32-byte
-    load widens to the sixteen rows' two inputs."""
-    n, k = quantized.shape
-    padded = torch.nn.functional.pad(quantized.detach(), (0, k % 2, 0, -n % VNNI_GROUP))
-    groups = padded.view(padded.shape[0] // VNNI_GROUP, VNNI_GROUP, padded.shape[1] // 2, 2).transpose(1, 2)
-    return memory.lasting(tuple(groups.shape), groups.dtype).copy_(groups)
-
-
-def quad_tiles(quantized: torch.Tensor) -> torch.Tensor:
-    """The byte screen's layout of int8 weights [n, k] (native.c): each weight plus 128 as a byte (VPDPBUSD reads
+    """The integer kernel's layout of int8 weights [n, k] (native.c): each weight plus 128 as a byte (VPDPBUSD reads
     them unsigned), zero weights padding to 16 rows and to k a multiple of 4, cut into groups of 16 rows, each
     stored four inputs at a time ([groups, k4 / 4, 16, 4]), so that one 64-byte load holds the sixteen rows' four
     inputs."""
@@ -263,35 +251,27 @@ def quad_tiles(quantized: torch.Tensor) -> torch.Tensor:
 
 
 def int8_vnni_logits(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
-    """(approximate logits [m, n], each row's input rounding term [m]) of float32 rows x [m, k] through the VNNI
-    screen of `head` (native.c, dflash_int8_vnni_logits, or dflash_int8_quad_logits for a screen in bytes, its
-    inputs wide or dense as `head.wide_inputs` says for m rows): what its bound is about, for tests."""
+    """(approximate logits [m, n], each row's input rounding term [m]) of float32 rows x [m, k] through the integer
+    screen of `head`, its inputs wide or dense as `head.wide_inputs` says for m rows: what its bound is about, for
+    tests."""
     if library() is None or not head.vnni:
         raise RuntimeError("no VNNI screen here")
-    if head.in_bytes:
-        wide = int(head.wide_inputs(x.shape[0]))
-        return _integer_product(lambda *args: library().dflash_int8_quad_logits(*args, wide), x, head.tiles,
-                                head.scales, head.weight.shape[0])
-    return vnni_product(x, head.tiles, head.scales, head.weight.shape[0])
+    return vnni_product(x, head.tiles, head.scales, head.weight.shape[0], head.wide_inputs(x.shape[0]))
 
 
-def vnni_product(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int
+def vnni_product(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int, wide: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x W^T float32 [m, n], each row's input rounding term [m]) of rows x [m, k] (float32 or bfloat16) against
-    int8 rows W ~ scales * quantized laid out by `vnni_tiles`, summed in integers against x rounded to int16 per
-    row (native.c, dflash_int8_vnni_logits; AVX512-VNNI). Inexact: for screens and drafters."""
-    return _integer_product(library().dflash_int8_vnni_logits, x, tiles, scales, n)
-
-
-def _integer_product(kernel, x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    int8 rows W ~ scales * quantized laid out by `vnni_tiles`, summed in integers against x rounded per row, dense
+    (every channel to int16, in two bytes) or wide (native.c, dflash_int8_quad_logits; AVX512-VNNI). Inexact: for
+    screens and drafters."""
     x = x.float().contiguous()
     m, k = x.shape
     out, spread = torch.empty(m, n), torch.empty(m, dtype=torch.float64)
     if m == 0:  # (C would ask for no memory, which may come back NULL)
         return out, spread
-    if kernel(tiles.data_ptr(), scales.data_ptr(), x.data_ptr(), m, n, k, torch.get_num_threads(), out.data_ptr(),
-              spread.data_ptr()):
+    if library().dflash_int8_quad_logits(tiles.data_ptr(), scales.data_ptr(), x.data_ptr(), m, n, k,
+                                         torch.get_num_threads(), out.data_ptr(), spread.data_ptr(), int(wide)):
         raise MemoryError("out of memory in the VNNI kernel")
     return out, spread
 
@@ -455,7 +435,7 @@ def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] 
     ids = torch.empty(m, dtype=torch.int64)
     screened = torch.empty(m, dtype=torch.int64)
     int8 = head.scales is not None
-    mode = (4 if head.wide_inputs(m) else 3) if head.in_bytes else 2 if head.vnni else int(int8)
+    mode = (3 if head.wide_inputs(m) else 2) if head.vnni else int(int8)
     status = lib.dflash_greedy_screened(head.tiles.data_ptr(), mode, head.scales.data_ptr() if int8 else None,
                                         head.weight.data_ptr(), head.bf16_head,
                                         head.bound_norms.data_ptr(), head.norm_factor,

@@ -7,10 +7,10 @@ far each approximate logit can be from the float32 one (native.c, `dflash_greedy
 tokens that cannot be the largest are dropped, and the rest, a handful, are summed in float32 in exactly the order
 the float32 head's kernel sums them. So the chosen token is bitwise the float32 head's argmax: screening changes how
 fast a token is found, never which. Which screen runs (or none) is measured per machine (engine.measured_screening).
-Where the CPU has AVX512-VNNI, the int8 screen sums in integers (inputs rounded to int16, a term for that rounding
+Where the CPU has AVX512-VNNI, the int8 screen sums in integers (inputs rounded to integers, a term for that rounding
 in its bound; native.c): 2-2.5x faster at 5-16 rows, which a float32 FMA per widened weight had made compute-bound.
-Its inputs in bytes (all but a row's 8 largest channels; those add their high bytes apart) halve the integer work
-again for a few more survivors.
+Where many rows are screened its inputs are wide (all but a row's 8 largest channels in a byte; those add their high
+bytes apart), half the integer work for a few more survivors.
 """
 
 from __future__ import annotations
@@ -57,13 +57,11 @@ class ScreenedHead:
         self.bound_norms = self.row_norms  # the per-token factor of the bound's first term (native.c)
         # int8 summed in integers where the CPU has VNNI: the inputs rounded to int16 (native.c says why)
         self.vnni = kind == "int8" and native.int8_vnni()
-        self.in_bytes = self.vnni and native.screen_bytes()  # ... its inputs rounded to bytes (native.c)
         # from how many rows its inputs are wide (the 8 largest channels apart; fewer rows: dense, int16's precision)
-        self.wide_from = WIDE_FROM
+        self.wide_allowed, self.wide_from = self.vnni and native.screen_wide(), WIDE_FROM
         if kind == "int8":
             quantized, self.scales = native.int8_rows(self.weight)
-            self.tiles = (native.quad_tiles(quantized) if self.in_bytes else native.vnni_tiles(quantized)
-                          if self.vnni else native.tiles(quantized))
+            self.tiles = native.vnni_tiles(quantized) if self.vnni else native.tiles(quantized)
             if self.vnni:  # c_i = s_i |q_i|_1, rounded up
                 self.bound_norms = (quantized.double().abs().sum(dim=1) * self.scales.double()).mul_(1 + 1e-12)
         else:
@@ -77,7 +75,7 @@ class ScreenedHead:
 
     def wide_inputs(self, rows: int) -> bool:
         """Whether a call on `rows` rows rounds its inputs wide (native.c, "the int8 screen in bytes")."""
-        return rows >= self.wide_from
+        return self.wide_allowed and rows >= self.wide_from
 
     @staticmethod
     def applies(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

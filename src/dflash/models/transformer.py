@@ -370,7 +370,7 @@ class Transformer(nn.Module):
         and dtype and per layout of bfloat16 weights, which decides how a bfloat16 head's own kernel sums (and so
         how the screen must sum its survivors): a moved, cast or re-laid head gets a new screen."""
         weight = self.lm_head.weight
-        key = (kind, weight.data_ptr(), weight.dtype, native._pairs, native._int8_vnni, native._screen_bytes)
+        key = (kind, weight.data_ptr(), weight.dtype, native._pairs, native._int8_vnni, native._screen_wide)
         screens = self.__dict__.setdefault("_screens", {})
         if key not in screens:
             for stale in [k for k in screens if k[0] == kind]:
