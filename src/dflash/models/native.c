@@ -813,7 +813,7 @@ static void int8_screen_body(void *arg) {
  *     every channel's high byte summed as a second stream of the same weights (the int16 kernel's sums, bitwise).
  * VPDPBUSD multiplies unsigned bytes by signed ones, so the weights are stored as q + 128 (1..255) and each row takes
  * 128 sum_j n_j back: acc_lo + 256 acc_hi - 128 sum n = sum_j q_ij n_j, exact modulo 2^32 on the way and exact at
- * the end, as 127 N_MAX k < 2^31. Layout (native.py, quad_tiles): groups of 16 tokens, each stored four inputs at a
+ * the end, as 127 N_MAX k < 2^31. Layout (native.py, vnni_tiles): groups of 16 tokens, each stored four inputs at a
  * time, [groups, k4 / 4, 16, 4] uint8, k4 = k rounded up to a multiple of 4. */
 #define VNNI_GROUP 16
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 9)
