@@ -462,7 +462,7 @@ def test_greedy_rounds_read_the_screen_and_keep_the_heads_tokens(tiny_targets, m
 def test_the_screen_is_chosen_by_timing_once_per_machine(tiny_targets, monkeypatch, tmp_path):
     """Timed targets time the float32 head's argmax against each screen after a step and keep the fastest (the
     other screens' copies of the head are dropped); the choice is cached per machine like the pass costs. An int8
-    screen then has its byte inputs' width measured (measured_wide_from, tested below)."""
+    screen then has its inputs' width measured (measured_wide_from, tested below)."""
     from dflash import engine
     from dflash.engine import measured_screening
     from dflash.models.screening import KINDS

@@ -859,8 +859,9 @@ SAMPLE_TEXT = ("A baker sells loaves of bread for three dollars each and muffins
                "40 loaves, so the loaves made 40 * 3 = 120 dollars. She sold 2 * 40 = 80 muffins, which made 80 * 2 = "
                "160 dollars. In total she made 120 + 160 = 280 dollars on Monday. The answer is 280. Next, write a short "
                "function that returns the largest number in a list, and explain how it works step by step.")
-# the pass widths at which byte screens are timed wide against dense: below 8 rows reading the head bounds the
-# screen (4 rows' integer sums took 0.97-1.01x the int16 screen's, wide or dense), and wide inputs only add survivors
+# the pass widths at which the integer screen is timed with wide inputs against dense: below 8 rows reading the head
+# bounds it (4 rows' integer sums took 0.97-1.01x the old int16 kernel's, wide or dense), and wide inputs only add
+# survivors
 WIDE_WIDTHS = (8, 16)
 
 
@@ -876,7 +877,7 @@ def wide_from_timings(medians: dict[tuple[int, str], float], widths=WIDE_WIDTHS)
 
 
 def measured_wide_from(target, repeats: int = 9) -> None:
-    """From how many rows the int8 screen's byte inputs go wide (native.c, "the int8 screen in bytes"; sets its
+    """From how many rows the int8 screen's inputs go wide (native.c, "the int8 screen in integers"; sets its
     `wide_from`). Wide inputs halve the screen's integer work but let ~4x as many tokens through to float32 sums:
     that pays only where the sums, not reading the head, bound its time, which depends on the machine. Each width
     of WIDE_WIDTHS is timed after a pass of that width over English prose (as in a round, the pass evicts the head),

@@ -83,9 +83,8 @@ def ancestors(parents: list[list[int]], width: int) -> torch.Tensor:
 def tree_mask(positions: torch.Tensor, starts: torch.Tensor, visible: torch.Tensor, key_count: int,
               window: int | None = None) -> torch.Tensor:
     """The mask of a tree pass through torch's layers, eager or graphed (device tensors only, no host sync): bool
-    [b, 1, n, key_count], node
-    i of row r seeing the cached keys before starts[r] (within `window` of its position) and, among the pass's
-    slots starts[r]..starts[r] + n - 1, those `visible` [b, n, n] marks."""
+    [b, 1, n, key_count], node i of row r seeing the cached keys before starts[r] (within `window` of its position)
+    and, among the pass's slots starts[r]..starts[r] + n - 1, those `visible` [b, n, n] marks."""
     b, n = positions.shape
     keys = torch.arange(key_count, device=positions.device)
     offset = keys[None, None, :] - starts[:, None, None]  # [b, 1, keys]: a key's slot within the pass

@@ -850,7 +850,7 @@ typedef struct {
 /* Rows r0..r0+R-1 against one group: low bytes into a_r and, where DENSE, high bytes into h_r, each quad's weights
  * loaded once for all. Each block of rows requests its share of the NEXT group's weights (`ahead`, every `stride`
  * bytes: 64 / the number of blocks), so that a group's lines are requested a whole group's work before they are
- * read and evenly over its blocks: at 8-16 rows the byte screen reads a head evicted by the pass near the memory's
+ * read and evenly over its blocks: at 8-16 rows the screen reads a head evicted by the pass near the memory's
  * rate (requests 512 bytes ahead, as the int16 kernel made them, left 16 rows 1.2-1.35x as long). Blocks of fewer
  * rows consume the weights faster than such requests help: the hardware's prefetcher alone made 4-6 rows 0.79-0.91x
  * as long (AMD EPYC Zen 4, 2 threads, after a 96 MB write). */
@@ -1028,7 +1028,7 @@ VNNI_TARGET static void quad_inputs(const float *x, int64_t m, int64_t k, int64_
         }
         float largest = _mm512_reduce_max_ps(most);
         /* wide: a hair over a byte's scale, so that only the QUAD_WIDE channels above top[QUAD_WIDE] round past 127;
-         * dense: the int16 screen's scale and rounding (its sums, bitwise) */
+         * dense: the old int16 kernel's scale and rounding (its sums, bitwise) */
         float s = hi_words ? largest / limit : fmaxf(top[QUAD_WIDE] / 127.0f * (1.0f + 0x1p-10f), largest / limit);
         int unusable = odd || !(s > 0.0f);
         float inv = unusable ? 0.0f : hi_words ? limit / largest : 1.0f / s;

@@ -23,7 +23,7 @@ UNIT_ROUNDOFF = 2.0**-24  # float32
 BF16_ROUNDING = 2.0**-8  # |w - bf16(w)| <= 2^-8 |w|, rounding to nearest
 ROOM = 1 + 1e-6  # for computing a bound in double precision
 KINDS = ("bfloat16", "int8")
-# Rows from which the byte screen's inputs are wide (native.c): below, reading the head bounds its time and wide
+# Rows from which the integer screen's inputs are wide (native.c): below, reading the head bounds its time and wide
 # inputs only add survivors. The engine measures it per machine (engine.measured_screening); this is the start.
 WIDE_FROM = 8
 
@@ -55,7 +55,7 @@ class ScreenedHead:
         self.weight = weight.detach().contiguous()
         self.row_norms = self.weight.double().norm(dim=1).mul_(1 + 1e-12).contiguous()
         self.bound_norms = self.row_norms  # the per-token factor of the bound's first term (native.c)
-        # int8 summed in integers where the CPU has VNNI: the inputs rounded to int16 (native.c says why)
+        # int8 summed in integers where the CPU has VNNI, the inputs rounded to bytes, dense or wide (native.c)
         self.vnni = kind == "int8" and native.int8_vnni()
         # from how many rows its inputs are wide (the 8 largest channels apart; fewer rows: dense, int16's precision)
         self.wide_allowed, self.wide_from = self.vnni and native.screen_wide(), WIDE_FROM
@@ -74,7 +74,7 @@ class ScreenedHead:
         self.last_screened: torch.Tensor | None = None  # tokens summed in float32 per row, by the last call
 
     def wide_inputs(self, rows: int) -> bool:
-        """Whether a call on `rows` rows rounds its inputs wide (native.c, "the int8 screen in bytes")."""
+        """Whether a call on `rows` rows rounds its inputs wide (native.c, "the int8 screen in integers")."""
         return self.wide_allowed and rows >= self.wide_from
 
     @staticmethod

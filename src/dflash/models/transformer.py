@@ -381,7 +381,7 @@ class Transformer(nn.Module):
         return screens[key]
 
     def set_wide_from(self, rows: int) -> None:
-        """From how many rows byte screens round their inputs wide (screening.ScreenedHead.wide_from): this head's
+        """From how many rows integer screens round their inputs wide (screening.ScreenedHead.wide_from): this head's
         screens now and those made later (engine.measured_wide_from measures it)."""
         self.__dict__["_wide_from"] = rows
         for screen in self.__dict__.get("_screens", {}).values():
