@@ -1,9 +1,10 @@
 """Two builds of native.c against each other in ONE process, pass by pass (milliseconds, medians of 15 pairs).
 
-Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|batch] [float32|bfloat16] [CONTEXT]
+Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|layers|batch] [float32|bfloat16] [CONTEXT]
 
   verify (default): SmolLM2-135M at CONTEXT (200) cached positions, a decode step and a 16-token verify pass, 2
   threads;
+  layers: the same passes without the LM head (the decoder layers alone);
   batch: a decode step of 16 rows at 600 positions each on 1 thread, as `dflash data --threads 1` runs.
 
 Why: on a shared 2-core machine whole-pass timings of one build move by 20-50% within minutes, so builds timed in
@@ -47,7 +48,8 @@ def main(argv: list[str]) -> int:
 
     def run(build: str, width: int) -> None:
         native._library = old if build == "old" else new
-        target.forward(torch.randint(100, 10000, (rows, width)), cache)
+        ids = torch.randint(100, 10000, (rows, width))
+        target.forward(ids, cache, (), logits_at="hidden") if mode == "layers" else target.forward(ids, cache)
         cache.set_lengths([context] * rows)
 
     labels = ("old", "new")

@@ -1,13 +1,15 @@
 """Two variants of one pass timed pair by pair in one process (scripts/ab_native.py, scripts/ab_pages.py).
+AB_PAIRS=N sets the number of pairs (default 15).
 
 On a shared 2-core machine whole-pass timings move by 20-50% within minutes; passes that alternate, the order
 flipping every round, meet the same moments, so the ratio of each pair is what separates a 5% change.
 """
 
+import os
 import time
 from typing import Callable
 
-PAIRS = 15
+PAIRS = int(os.environ.get("AB_PAIRS", "15"))  # more pairs resolve smaller changes (odd: a median)
 
 
 def alternate(labels: tuple[str, str], widths: tuple[int, ...], run: Callable[[str, int], None]) -> dict:
