@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -9,6 +11,15 @@ from dflash.methods.base import Draft, Proposer
 torch.set_num_threads(1)
 threads.pin()  # and the engine keeps them: tests/test_threads.py tests the chooser itself
 ARCHS = ("llama", "qwen3", "gemma3")
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_heap():
+    """The CLI's commands freeze what they loaded (loading.settle_heap); in this one long process a test's objects
+    go back to the collector after it, or a later test's garbage could never be collected."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

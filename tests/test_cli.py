@@ -154,3 +154,36 @@ def test_an_unknown_target_says_what_it_was_tried_as(capsys, monkeypatch):
     errors = [line for line in err.splitlines() if line.startswith("dflash: error:")]
     assert code == 2 and "Traceback" not in err and len(errors) == 1
     assert "no-such-model" in errors[0] and "hub id" in errors[0] and "smollm2-135m" in errors[0]
+
+
+def test_a_command_settles_the_heap_after_loading(capsys, monkeypatch):
+    """What loading left is collected, and what survived is frozen, before generating (loading.settle_heap):
+    a full collection over a loaded model came due mid-generation and stalled it ~180 ms."""
+    import gc
+
+    from dflash import loading
+
+    calls = []
+    real = loading.settle_heap
+    monkeypatch.setattr(loading, "settle_heap", lambda: (calls.append(gc.get_freeze_count()), real()))
+    code, out, _ = run(capsys, "--max-new-tokens", "4", "--json", "w1 w2")
+    assert code == 0 and json.loads(out)["tokens"]
+    assert calls == [0] and gc.get_freeze_count() > 0  # called once, after loading; the fixture unfreezes
+
+
+def test_settle_heap_collects_cycles_and_freezes_survivors():
+    import gc
+    import weakref
+
+    from dflash.loading import settle_heap
+
+    class Node:
+        pass
+
+    garbage, kept = Node(), Node()
+    garbage.self = garbage  # a cycle only the collector frees
+    dead = weakref.ref(garbage)
+    del garbage
+    settle_heap()
+    assert dead() is None
+    assert gc.get_freeze_count() > 0 and not any(o is kept for o in gc.get_objects())  # frozen objects are not listed

@@ -574,7 +574,7 @@ def validate(args) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from .loading import target_from_args
+    from .loading import settle_heap, target_from_args
     from .sampling import SamplingConfig
 
     validate(args)
@@ -586,6 +586,7 @@ def run(args) -> int:
     target = target_from_args(args)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
+    settle_heap()
 
     warm = BenchPrompt("warmup", prompts[0].turns[:1])
     for runner in runners.values():

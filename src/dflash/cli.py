@@ -196,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .engine import GenerationConfig, SpeculativeDecoder
-    from .loading import build_proposer, target_from_args
+    from .loading import build_proposer, settle_heap, target_from_args
     from .sampling import SamplingConfig
 
     if not args.prompt.strip():
@@ -214,6 +214,7 @@ def run(args) -> int:
         print(f"[dflash] {note}", file=sys.stderr)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
+    settle_heap()
     decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))  # warm-up
     streaming = None
     if args.compare_ar and args.method != "ar":

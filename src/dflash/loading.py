@@ -5,6 +5,8 @@ This module sits above every method: it looks methods up in the registry and nev
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from .errors import UserError
@@ -67,6 +69,18 @@ def build_proposer(method: str, target: TargetModel, options: MethodOptions | No
     if options.drafter is not None and not chosen.uses_drafter:
         raise UserError(f"--drafter does not apply to --method {method}")
     return chosen.build_proposer(target, options)
+
+
+def settle_heap() -> None:
+    """Collect what loading left behind, then exempt what survived (the model, its tokenizer, the modules of torch
+    and transformers: ~380,000 objects with SmolLM2) from the garbage collector's later passes. Loading allocates
+    enough that a full pass comes due soon after, and a full pass over those objects took 170-220 ms: generating
+    1052 tokens right after loading SmolLM2 (`dflash+ngram`, float32) ran one, 173-188 ms in the middle of a
+    generation, in each of two runs, and none after this call (docs/RESULTS.md, thirtieth session). For processes
+    that load once and then generate (the CLI's commands, the server); what a process creates later is collected
+    as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def default_threads() -> int:

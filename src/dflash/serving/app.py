@@ -379,7 +379,7 @@ def run(args) -> int:
         raise UserError(f"`dflash serve` needs {exc.name}: pip install 'dflash[serve]'") from exc
     from ..cli import method_options
     from ..engine import GenerationConfig, SpeculativeDecoder
-    from ..loading import build_proposer, target_from_args
+    from ..loading import build_proposer, settle_heap, target_from_args
 
     if args.default_max_tokens < 1 or args.max_queue < 1 or args.max_batch_size < 1:
         raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
@@ -391,6 +391,7 @@ def run(args) -> int:
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
+    settle_heap()
     warm_up = GenerationConfig(max_new_tokens=4)
     SpeculativeDecoder(target, proposer).generate(target.encode_prompt("Hello", chat=True), warm_up)
     name = args.served_model_name or args.target
