@@ -49,7 +49,10 @@ def main(argv: list[str]) -> int:
     def run(build: str, width: int) -> None:
         native._library = old if build == "old" else new
         ids = torch.randint(100, 10000, (rows, width))
-        target.forward(ids, cache, (), logits_at="hidden") if mode == "layers" else target.forward(ids, cache)
+        if mode == "layers":
+            target.forward(ids, cache, (), logits_at="hidden")
+        else:
+            target.forward(ids, cache)
         cache.set_lengths([context] * rows)
 
     labels = ("old", "new")

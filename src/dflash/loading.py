@@ -74,11 +74,11 @@ def build_proposer(method: str, target: TargetModel, options: MethodOptions | No
 def settle_heap() -> None:
     """Collect what loading left behind, then exempt what survived (the model, its tokenizer, the modules of torch
     and transformers: ~380,000 objects with SmolLM2) from the garbage collector's later passes. Loading allocates
-    enough that a full pass comes due soon after, and a full pass over those objects took 170-220 ms: generating
-    1052 tokens right after loading SmolLM2 (`dflash+ngram`, float32) ran one, 173-188 ms in the middle of a
-    generation, in each of two runs, and none after this call (docs/RESULTS.md, thirtieth session). For processes
-    that load once and then generate (the CLI's commands, the server); what a process creates later is collected
-    as usual."""
+    enough that a full pass comes due soon after, and a full pass over those objects took 170-220 ms: in the first
+    generations after loading SmolLM2 (`dflash+ngram`, float32) one ran, 173-215 ms in the middle of a generation,
+    in each of three runs, and none after this call (scripts/gc_after_loading.py; docs/RESULTS.md, thirtieth
+    session). For processes that load once and then generate (the CLI's commands, the server); what a process
+    creates later is collected as usual."""
     gc.collect()
     gc.freeze()
 
