@@ -512,6 +512,7 @@ def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, sha
     ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
     logits = {}
     old = native.set_values_in_registers(True)
+    pairs = native.set_attention_pairs(False)  # in pairs, values are summed by value_pairs64 either way
     try:
         for in_registers in (True, False):
             native.set_values_in_registers(in_registers)
@@ -525,8 +526,57 @@ def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, sha
             logits[in_registers] = outputs
     finally:
         native.set_values_in_registers(old)
+        native.set_attention_pairs(pairs)
     for got, expected in zip(logits[True], logits[False]):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("context", [36, 37], ids=["even", "odd"])  # the verified tokens' key pairs start whole / split
+@pytest.mark.parametrize("shape", [(4, 2, 64), (8, 1, 64), (2, 1, 128)], ids=["group2", "group8", "head128"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_values_summed_in_pairs_keep_verify_equal_to_steps_and_close_to_fmas(arch, shape, context, monkeypatch):
+    """A bfloat16 model in pairs sums attention's values with VDPBF16PS over pairs of keys (value_pairs64), its
+    weights rounded to bfloat16: a verify pass still gives bitwise the logits of steps, whose last key pair is half
+    outside the step (a stale or unwritten slot read as zero), also with Gemma3's window (heads whose first pairs
+    are split), group 8 (16 queries an item) and heads of 128; the logits stay within bfloat16 rounding of summing
+    the float32 weights with FMAs."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    from dflash.models.target import TargetModel
+    from dflash.testing import tiny_tokenizer
+
+    heads, kv_heads, head_dim = shape
+    extra = {"sliding_window": 8, "query_pre_attn_scalar": head_dim,
+             "layer_types": ["sliding_attention", "full_attention"]} if arch == "gemma3" else {}
+    config = (Gemma3TextConfig if arch == "gemma3" else LlamaConfig)(
+        vocab_size=64, hidden_size=heads * head_dim // 2, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
+        eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, **extra)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(torch.bfloat16)
+    old = native.set_bf16_pairs(True)
+    try:
+        target = TargetModel(model=model, tokenizer=tiny_tokenizer(64), name=f"pairs-{arch}", measure=False)
+        choose_kernels(target, "native")
+        ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:context]
+        block = [33, 2, 17, 40, 8, 11, 4]
+        logits = {}
+        for pairs in (True, False):
+            native.set_attention_pairs(pairs)
+            together, alone = target.new_cache(), target.new_cache()
+            for cache in (together, alone):  # slots never written read as NaN: a step's half pair must not read it
+                cache.values.fill_(float("nan"))
+            target.forward(torch.tensor([ids]), together)
+            target.forward(torch.tensor([ids]), alone)
+            wide = target.forward(torch.tensor([block]), together).logits[0]
+            steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+            assert torch.equal(wide, steps)
+            logits[pairs] = wide.float()
+        assert (logits[True] - logits[False]).abs().max() <= TOLERANCE[torch.bfloat16] * logits[False].abs().max()
+    finally:
+        native.set_attention_pairs(True)
+        native.set_bf16_pairs(old)
 
 
 @needs_native

@@ -1469,6 +1469,13 @@ static void block_values(const float *p, const float *v, int64_t j0, int64_t j1,
  * after 512 tokens attention was a third of a 16-token pass.) */
 #if PAIRS_BUILT
 #define ATTENTION_PAIRS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+/* word i of an array of bfloat16 pairs, whatever type wrote it */
+static inline uint32_t word_at(const void *p, int64_t i) {
+    uint32_t w;
+    memcpy(&w, (const char *)p + 4 * i, 4);
+    return w;
+}
+
 /* lane i of the result: the sum of a[i]'s 16 lanes, by the same tree for every i (within each 128-bit lane
  * (x0 + x2) + (x1 + x3), then the lanes (L0 + L1) + (L2 + L3)), so a key's score does not depend on its neighbours */
 ATTENTION_PAIRS_TARGET static inline __m512 lane_sums16(const __m512 *a) {
@@ -1611,31 +1618,135 @@ int dflash_set_values_in_registers(int on) {
     return old;
 }
 
-static int attention_pairs = 1; /* 0: the FMA chain of widened keys even where pairs run (A/B runs) */
+static int attention_pairs = 1; /* 0: FMA chains of widened keys and values even where pairs run (A/B runs) */
 int dflash_set_attention_pairs(int on) {
     int old = attention_pairs;
     attention_pairs = on;
     return old;
 }
 
+/* A bfloat16 model's value sums in pairs (AVX512-BF16), attention in pairs being on: a query's weights p_j rounded
+ * to bfloat16 (as torch's bfloat16 flash attention rounds them before its value product), two keys' values
+ * interleaved by column, and VDPBF16PS adds p_2m v_2m + p_2m+1 v_2m+1 for sixteen columns at once: half the
+ * instructions of the FMA chains above, which ran at the FMA rate and were two fifths of attention in a 16-token
+ * pass. Each output is ONE chain over the query's key pairs m = from / 2 .. (to + 1) / 2 - 1 in order; a pair with
+ * a key outside [from, to) reads that key's values and weight as zero, so a token's sums are the same in any pass
+ * (a step's key `to` may be a stale or unwritten slot). */
+#if PAIRS_BUILT
+/* keys 2m and 2m + 1 of 64 columns of values (v: key 0's), interleaved: I[0] and I[1] columns 0..31, I[2] and I[3]
+ * 32..63, each 128-bit lane holding four columns of both (unpacklo: 8 L + 0..3, unpackhi: 8 L + 4..7); a key not
+ * `first` / `second` reads as zero */
+ATTENTION_PAIRS_TARGET static inline void value_pair(const uint16_t *v, int64_t d, int64_t m, int first, int second,
+                                                     __m512i *I) {
+    const uint16_t *a = v + 2 * m * d, *b = a + d;
+    __m512i zero = _mm512_setzero_si512();
+    __m512i a0 = first ? _mm512_loadu_si512(a) : zero, a1 = first ? _mm512_loadu_si512(a + 32) : zero;
+    __m512i b0 = second ? _mm512_loadu_si512(b) : zero, b1 = second ? _mm512_loadu_si512(b + 32) : zero;
+    I[0] = _mm512_unpacklo_epi16(a0, b0), I[1] = _mm512_unpackhi_epi16(a0, b0);
+    I[2] = _mm512_unpacklo_epi16(a1, b1), I[3] = _mm512_unpackhi_epi16(a1, b1);
+}
+#define PAIR_ROW(q, m)                                                                                                \
+    do {                                                                                                              \
+        __m512i I[4];                                                                                                 \
+        value_pair(v, d, m, 2 * (m) >= from[q], 2 * (m) + 1 < to[q], I);                                              \
+        __m512bh w = (__m512bh)_mm512_set1_epi32((int)word_at(p[q], m));                                             \
+        for (int i = 0; i < 4; i++) a[q][i] = _mm512_dpbf16_ps(a[q][i], (__m512bh)I[i], w);                           \
+    } while (0)
+ATTENTION_PAIRS_TARGET static inline __attribute__((always_inline)) void value_pairs64(const uint16_t *v, int64_t d,
+                                                                                       const int Q,
+                                                                                       const float *const *p,
+                                                                                       const int64_t *from,
+                                                                                       const int64_t *to,
+                                                                                       float *const *out) {
+    __m512 a[VALUE_HEADS][4];
+    int64_t lo = (from[0] + 1) / 2, hi = to[0] / 2; /* the pairs whose two keys every query reads */
+#pragma GCC unroll 6
+    for (int q = 0; q < Q; q++) {
+        lo = MAX(lo, (from[q] + 1) / 2), hi = MIN(hi, to[q] / 2);
+        for (int i = 0; i < 4; i++) a[q][i] = _mm512_setzero_ps();
+    }
+    int common = lo < hi;
+#pragma GCC unroll 6
+    for (int q = 0; q < Q; q++)
+        for (int64_t m = from[q] / 2, stop = common ? lo : (to[q] + 1) / 2; m < stop; m++) PAIR_ROW(q, m);
+    for (int64_t m = lo; common && m < hi; m++) {
+        __m512i I[4];
+        value_pair(v, d, m, 1, 1, I);
+#pragma GCC unroll 6
+        for (int q = 0; q < Q; q++) {
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)word_at(p[q], m));
+            for (int i = 0; i < 4; i++) a[q][i] = _mm512_dpbf16_ps(a[q][i], (__m512bh)I[i], w);
+        }
+    }
+    /* lanes 4 L + k of a[q][0] (a[q][1]) hold column 8 L + k (8 L + 4 + k) */
+    const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 6
+    for (int q = 0; q < Q; q++) {
+        for (int64_t m = common ? hi : (to[q] + 1) / 2; m < (to[q] + 1) / 2; m++) PAIR_ROW(q, m);
+        for (int h = 0; h < 2; h++) {
+            _mm512_storeu_ps(out[q] + 32 * h, _mm512_permutex2var_ps(a[q][2 * h], low, a[q][2 * h + 1]));
+            _mm512_storeu_ps(out[q] + 32 * h + 16, _mm512_permutex2var_ps(a[q][2 * h], high, a[q][2 * h + 1]));
+        }
+    }
+}
+#undef PAIR_ROW
+typedef void (*ValuePairs64)(const uint16_t *v, int64_t d, const float *const *p, const int64_t *from,
+                             const int64_t *to, float *const *out);
+#define VALUE_PAIRS64(Q)                                                                                              \
+    ATTENTION_PAIRS_TARGET static void value_pairs64_##Q(const uint16_t *v, int64_t d, const float *const *p,        \
+                                                         const int64_t *from, const int64_t *to, float *const *out) { \
+        value_pairs64(v, d, Q, p, from, to, out);                                                                     \
+    }
+VALUE_PAIRS64(1) VALUE_PAIRS64(2) VALUE_PAIRS64(3) VALUE_PAIRS64(4) VALUE_PAIRS64(5) VALUE_PAIRS64(6)
+#undef VALUE_PAIRS64
+static const ValuePairs64 value_pairs64_of[VALUE_HEADS] = {value_pairs64_1, value_pairs64_2, value_pairs64_3,
+                                                           value_pairs64_4, value_pairs64_5, value_pairs64_6};
+
+/* A query's weights s[from..to) as pairs of bfloat16 in place: the bfloat16 array b[j] = bf16(s[j]) for j in
+ * [from, to) and 0 for the other key of a boundary pair, its word m pair m (b[2m] | b[2m+1] << 16). Writing b[j]
+ * at byte 2j never overtakes the reads at byte 4j. */
+ATTENTION_PAIRS_TARGET static void weights_as_pairs(float *s, int64_t from, int64_t to) {
+    uint16_t *b = (uint16_t *)s;
+    for (int64_t j = from / 2 * 2; j < to; j += 16) {
+        int64_t a = MAX(from - j, 0), z = MIN(to - j, 16), end = MIN((to + 1) / 2 * 2 - j, 16);
+        __mmask16 valid = (__mmask16)(((1u << z) - 1) & ~((1u << a) - 1)), room = (__mmask16)((1u << end) - 1);
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, s + j));
+        _mm256_mask_storeu_epi16(b + j, room, (__m256i)h);
+    }
+}
+#else
+typedef void (*ValuePairs64)(const uint16_t *v, int64_t d, const float *const *p, const int64_t *from,
+                             const int64_t *to, float *const *out);
+static const ValuePairs64 value_pairs64_of[VALUE_HEADS] = {NULL};
+static void weights_as_pairs(float *s, int64_t from, int64_t to) { (void)s, (void)from, (void)to; }
+#endif
+
 /* attend's value sums through values64 (d a multiple of 64): the chunk's query heads, VALUE_HEADS at a time, each
  * 64 columns at a time */
 static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *values, int64_t at, int64_t d,
-                            int64_t last, int64_t step, int64_t window, int bf16) {
+                            int64_t last, int64_t step, int64_t window, int bf16, int pairs) {
     const float *p[VALUE_HEADS];
     float *out[VALUE_HEADS];
     int64_t from[VALUE_HEADS], to[VALUE_HEADS], heads = tokens * group;
     for (int64_t first = 0; first < heads; first += VALUE_HEADS) {
         int count = (int)MIN(VALUE_HEADS, heads - first);
+        for (int q = 0; q < count; q++) {
+            int64_t t = (first + q) / group, h = (first + q) % group, seen = last + t * step + 1;
+            p[q] = R.scores + t * R.score_token + h * R.score_head;
+            to[q] = seen, from[q] = window > 0 ? MAX(0, seen - window) : 0;
+            if (pairs) weights_as_pairs((float *)p[q], from[q], to[q]);
+        }
         for (int64_t c = 0; c < d; c += 64) {
             for (int q = 0; q < count; q++) {
-                int64_t t = (first + q) / group, h = (first + q) % group, seen = last + t * step + 1;
-                p[q] = R.scores + t * R.score_token + h * R.score_head;
+                int64_t t = (first + q) / group, h = (first + q) % group;
                 out[q] = R.out + t * R.out_token + h * d + c;
-                to[q] = seen, from[q] = window > 0 ? MAX(0, seen - window) : 0;
             }
             const void *v = bf16 ? (const void *)((const uint16_t *)values + at + c) : (const float *)values + at + c;
-            values64_of[bf16 != 0][count - 1](v, d, p, from, to, out);
+            if (pairs)
+                value_pairs64_of[count - 1](v, d, p, from, to, out);
+            else
+                values64_of[bf16 != 0][count - 1](v, d, p, from, to, out);
         }
     }
 }
@@ -1659,8 +1770,13 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
     uint16_t q16[pairs ? tokens * group * d : 1]; /* the queries as bfloat16 (they are bfloat16 values: exact) */
     if (pairs)
         for (int64_t t = 0; t < tokens; t++)
-            for (int64_t h = 0; h < group; h++)
-                for (int64_t i = 0; i < d; i++) q16[(t * group + h) * d + i] = f32_to_bf16(R.q[t * R.q_token + h * d + i]);
+            for (int64_t h = 0; h < group; h++) {
+                const float *q = R.q + t * R.q_token + h * d;
+                uint16_t *q2 = q16 + (t * group + h) * d;
+                int64_t i = 0;
+                for (; i + 8 <= d; i += 8) store8(q2, i, _mm256_loadu_ps(q + i), 1);
+                for (; i < d; i++) q2[i] = f32_to_bf16(q[i]);
+            }
     /* token t sees keys lo(t)..n(t) - 1: all before it, or (a sliding window) its last `window` */
 #define SEEN(t) (last + (t) * step + 1)
 #define FIRST_SEEN(t) (window > 0 ? MAX(0, SEEN(t) - window) : 0)
@@ -1693,8 +1809,8 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                     if (!(tree[t] >> (j - tree_start) & 1)) s[j] = 0.0f;
             if (!in_registers) memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
-    if (in_registers)
-        attend_values64(R, tokens, group, values, at, d, last, step, window, bf16);
+    if (in_registers || (pairs && d % 64 == 0))
+        attend_values64(R, tokens, group, values, at, d, last, step, window, bf16, pairs && d % 64 == 0);
     else
         for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
             int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
@@ -1709,7 +1825,9 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             float *out = R.out + t * R.out_token + h * d;
-            for (int64_t i = 0; i < d; i++) out[i] = rnd(out[i], bf16);
+            int64_t i = 0;
+            for (; bf16 && i + 8 <= d; i += 8) _mm256_storeu_ps(out + i, rnd8(_mm256_loadu_ps(out + i), 1));
+            for (; i < d; i++) out[i] = rnd(out[i], bf16);
         }
 }
 

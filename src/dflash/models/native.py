@@ -175,9 +175,10 @@ def set_bf16_pairs(on: bool) -> bool:
 
 
 def set_attention_pairs(on: bool) -> bool:
-    """Whether a bfloat16 model whose products run in pairs also scores attention with VDPBF16PS (native.c; the
-    default) or with FMAs over widened keys (for A/B runs); returns the old setting. Outputs may differ in the last
-    bits between the two, as between the two product kernels."""
+    """Whether a bfloat16 model whose products run in pairs also runs attention's scores and value sums with
+    VDPBF16PS (native.c; the default: the weights rounded to bfloat16 for the value sums) or with FMAs over widened
+    keys and values (for A/B runs); returns the old setting. Outputs may differ in the last bits between the two,
+    as between the two product kernels."""
     lib = library()
     if lib is None:
         raise RuntimeError("no kernel library here")
