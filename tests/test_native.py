@@ -451,6 +451,29 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_steps(arch, dtype, head_dim, 
     assert calls[0] == (1 + len(block)) * target.num_layers
 
 
+def check_attention_pairs(target, ids, block) -> None:
+    """A verify pass of `block` after `ids` with attention in pairs (scores and value sums through VDPBF16PS) and
+    without: each gives bitwise the logits of stepping the block's tokens one by one, and the two agree within
+    bfloat16 rounding. The caches' never-written value slots read as NaN: a step's last pair of keys may reach one,
+    and must not read it."""
+    logits = {}
+    try:
+        for pairs in (True, False):
+            native.set_attention_pairs(pairs)
+            together, alone = target.new_cache(), target.new_cache()
+            for cache in (together, alone):
+                cache.values.fill_(float("nan"))
+            target.forward(torch.tensor([ids]), together)
+            target.forward(torch.tensor([ids]), alone)
+            wide = target.forward(torch.tensor([block]), together).logits[0]
+            steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+            assert torch.equal(wide, steps)
+            logits[pairs] = wide.float()
+    finally:
+        native.set_attention_pairs(True)
+    assert (logits[True] - logits[False]).abs().max() <= TOLERANCE[torch.bfloat16] * logits[False].abs().max()
+
+
 @pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: sixteen keys at a time in registers; 16: a masked half vector
 def test_attention_scored_in_pairs_keeps_verify_equal_to_steps_and_close_to_fmas(head_dim, monkeypatch):
@@ -463,20 +486,8 @@ def test_attention_scored_in_pairs_keeps_verify_equal_to_steps_and_close_to_fmas
     try:
         choose_kernels(target, "native")
         ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 4)[:45]
-        block = [9, 33, 2, 17, 40, 8, 11]
-        logits = {}
-        for pairs in (True, False):
-            native.set_attention_pairs(pairs)
-            together, alone = target.new_cache(), target.new_cache()
-            target.forward(torch.tensor([ids]), together)
-            target.forward(torch.tensor([ids]), alone)
-            wide = target.forward(torch.tensor([block]), together).logits[0]
-            steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
-            assert torch.equal(wide, steps)
-            logits[pairs] = wide.float()
-        assert (logits[True] - logits[False]).abs().max() <= TOLERANCE[torch.bfloat16] * logits[False].abs().max()
+        check_attention_pairs(target, ids, [9, 33, 2, 17, 40, 8, 11])
     finally:
-        native.set_attention_pairs(True)
         native.set_bf16_pairs(old)
 
 
@@ -485,14 +496,9 @@ def values_in_registers_here() -> bool:
     return native.set_values_in_registers(old)  # the setting just made: on only where the CPU has AVX-512F
 
 
-@pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
-@pytest.mark.parametrize("shape", [(4, 2, 64), (8, 1, 64), (2, 1, 128)], ids=["group2", "group8", "head128"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, shape, dtype):
-    """Attention's value sums for several query heads at once in AVX-512 registers (values64) are the very chains
-    of FMAs the head-by-head loop sums: the same logits, bit for bit, for steps, verify passes (a token's keys end
-    one apart), a batch of ragged rows, and Gemma3's sliding window (heads whose keys start apart), with more query
-    heads than one call takes (group 8: 16 heads a work item) and heads of 128 (two calls of 64 columns)."""
+def attention_shape_target(arch: str, shape: tuple[int, int, int], dtype: torch.dtype):
+    """A 2-layer tiny Llama or Gemma3 (a window of 8 on its first layer) of `shape` (query heads, kv heads, head
+    size) in `dtype`, on our kernels (laid out as the bfloat16 layout in force says)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
     from dflash.models.target import TargetModel
@@ -507,8 +513,21 @@ def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, sha
         eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, **extra)
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(dtype)
-    target = TargetModel(model=model, tokenizer=tiny_tokenizer(64), name=f"values-{arch}", measure=False)
+    target = TargetModel(model=model, tokenizer=tiny_tokenizer(64), name=f"{arch}-{heads}-{kv_heads}-{head_dim}",
+                         measure=False)
     choose_kernels(target, "native")
+    return target
+
+
+@pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
+@pytest.mark.parametrize("shape", [(4, 2, 64), (8, 1, 64), (2, 1, 128)], ids=["group2", "group8", "head128"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, shape, dtype):
+    """Attention's value sums for several query heads at once in AVX-512 registers (values64) are the very chains
+    of FMAs the head-by-head loop sums: the same logits, bit for bit, for steps, verify passes (a token's keys end
+    one apart), a batch of ragged rows, and Gemma3's sliding window (heads whose keys start apart), with more query
+    heads than one call takes (group 8: 16 heads a work item) and heads of 128 (two calls of 64 columns)."""
+    target = attention_shape_target(arch, shape, dtype)
     ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
     logits = {}
     old = native.set_values_in_registers(True)
@@ -535,47 +554,18 @@ def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, sha
 @pytest.mark.parametrize("context", [36, 37], ids=["even", "odd"])  # the verified tokens' key pairs start whole / split
 @pytest.mark.parametrize("shape", [(4, 2, 64), (8, 1, 64), (2, 1, 128)], ids=["group2", "group8", "head128"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_values_summed_in_pairs_keep_verify_equal_to_steps_and_close_to_fmas(arch, shape, context, monkeypatch):
+def test_values_summed_in_pairs_keep_verify_equal_to_steps_and_close_to_fmas(arch, shape, context):
     """A bfloat16 model in pairs sums attention's values with VDPBF16PS over pairs of keys (value_pairs64), its
     weights rounded to bfloat16: a verify pass still gives bitwise the logits of steps, whose last key pair is half
     outside the step (a stale or unwritten slot read as zero), also with Gemma3's window (heads whose first pairs
     are split), group 8 (16 queries an item) and heads of 128; the logits stay within bfloat16 rounding of summing
     the float32 weights with FMAs."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
-
-    from dflash.models.target import TargetModel
-    from dflash.testing import tiny_tokenizer
-
-    heads, kv_heads, head_dim = shape
-    extra = {"sliding_window": 8, "query_pre_attn_scalar": head_dim,
-             "layer_types": ["sliding_attention", "full_attention"]} if arch == "gemma3" else {}
-    config = (Gemma3TextConfig if arch == "gemma3" else LlamaConfig)(
-        vocab_size=64, hidden_size=heads * head_dim // 2, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=256,
-        eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=False, **extra)
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(torch.bfloat16)
     old = native.set_bf16_pairs(True)
     try:
-        target = TargetModel(model=model, tokenizer=tiny_tokenizer(64), name=f"pairs-{arch}", measure=False)
-        choose_kernels(target, "native")
+        target = attention_shape_target(arch, shape, torch.bfloat16)
         ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:context]
-        block = [33, 2, 17, 40, 8, 11, 4]
-        logits = {}
-        for pairs in (True, False):
-            native.set_attention_pairs(pairs)
-            together, alone = target.new_cache(), target.new_cache()
-            for cache in (together, alone):  # slots never written read as NaN: a step's half pair must not read it
-                cache.values.fill_(float("nan"))
-            target.forward(torch.tensor([ids]), together)
-            target.forward(torch.tensor([ids]), alone)
-            wide = target.forward(torch.tensor([block]), together).logits[0]
-            steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
-            assert torch.equal(wide, steps)
-            logits[pairs] = wide.float()
-        assert (logits[True] - logits[False]).abs().max() <= TOLERANCE[torch.bfloat16] * logits[False].abs().max()
+        check_attention_pairs(target, ids, [33, 2, 17, 40, 8, 11, 4])
     finally:
-        native.set_attention_pairs(True)
         native.set_bf16_pairs(old)
 
 
