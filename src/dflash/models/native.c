@@ -412,6 +412,15 @@ PAIRS_TARGET static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids,
     }
     for (int t = 0; t < 8; t++) out[t] = bf16_to_f32(f32_to_bf16(_mm_cvtss_f32(acc[t])));
 }
+/* x[0..n) (bfloat16 values, n a multiple of 8) as a bfloat16 array, sixteen at a time by VCVTNEPS2BF16: exact for
+ * bfloat16 values but for subnormals, which it flushes to zero as VDPBF16PS, the only reader, flushes them anyway */
+PAIRS_TARGET static void bf16_array(const float *x, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    for (; i + 8 <= n; i += 8) store8(out, i, _mm256_loadu_ps(x + i), 1);
+    for (; i < n; i++) out[i] = f32_to_bf16(x[i]);
+}
 static int cpu_has_pairs(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
@@ -429,6 +438,11 @@ static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float 
     for (int t = 0; t < 8; t++) out[t] = NAN;
 }
 static int cpu_has_pairs(void) { return 0; }
+static void bf16_array(const float *x, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(out, i, _mm256_loadu_ps(x + i), 1);
+    for (; i < n; i++) out[i] = f32_to_bf16(x[i]);
+}
 #endif
 
 /* Whether this build and CPU run bfloat16 products in pairs (native.py lays such weights out for it then). */
@@ -596,19 +610,23 @@ static float *pairs_buffer(int64_t words) {
 }
 
 /* The float32 rows xf [m, k8] (bfloat16 values) as pairs of bfloat16, k8 / 2 words a row; NULL when out of memory. */
-static const float *as_pairs(const float *xf, int64_t m, int64_t k8) {
+static void bf16_array(const float *x, int64_t n, uint16_t *out);
+static const float *as_pairs(const float *xf, int64_t m, int64_t k8) { /* (x [m, k8]: k8 a multiple of 8) */
     uint32_t *pairs = (uint32_t *)pairs_buffer(m * k8 / 2);
     if (!pairs) return NULL;
-    /* pair i, bf16(x[2i]) | bf16(x[2i + 1]) << 16, is the i-th word of x as a little-endian bfloat16 array; m * k8 is a
-     * multiple of 8 (the scalar loop was 3.6% of a 16-token bfloat16 pass) */
-    for (int64_t i = 0; i < m * k8; i += 8) store8(pairs, i, _mm256_loadu_ps(xf + i), 1);
+    /* pair i, bf16(x[2i]) | bf16(x[2i + 1]) << 16, is the i-th word of x as a little-endian bfloat16 array (the
+     * scalar loop was 3.6% of a 16-token bfloat16 pass; eight at a time through store8, run on the first thread
+     * while the other waited for the product, 1.3% of all threads' time) */
+    bf16_array(xf, m * k8, (uint16_t *)pairs);
     return (const float *)pairs;
 }
 
-/* `kind` as in Product; nonzero when out of memory (nothing written) */
+/* `kind` as in Product, or 3: kind 2 with xf in pairs already (the layer's producer wrote them: layer_pairs);
+ * nonzero when out of memory (nothing written) */
 static int run(const void *tiles, int kind, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
                int64_t k8, int threads, int round) {
-    if (kind == 2 && !(xf = as_pairs(xf, m, k8))) return 1;
+    if (kind == 3) kind = 2;
+    else if (kind == 2 && !(xf = as_pairs(xf, m, k8))) return 1;
     ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8, round}, threads};
     with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
     return 0;
@@ -1343,6 +1361,20 @@ static void product(const void *tiles, const void *bias, int bf16, const float *
     run(tiles, bf16, x, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads, bf16 != 0);
 }
 
+/* A bfloat16-in-pairs layer's buffer for a product's input pairs [m, k8] (reserved before the layer ran), which the
+ * tasks computing that input fill row by row as they go (to_pairs_of): converting it afterwards on the first thread
+ * read rows the other thread had just written from that thread's caches, 1.2% of a 16-token pass. NULL: not such a
+ * layer. */
+static uint16_t *layer_pairs(int bf16) { return bf16 == 2 ? (uint16_t *)pairs_buffer(0) : NULL; }
+
+/* product() over inputs already in pairs (layer_pairs) */
+static void product_on_pairs(const void *tiles, const void *bias, const uint16_t *pairs, float *y, int64_t m,
+                             int64_t n, int64_t k, int threads, float *bias_f) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) bias_f[i] = load(bias, i, 1);
+    run(tiles, 3, (const float *)pairs, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads, 1);
+}
+
 static inline float dot(const float *a, const float *b, int64_t d) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -1925,12 +1957,15 @@ static void project(const Layer *L, Pass *P) {
             rotate(v, cos, sin, d, L->bf16, tmp);
         }
         char *keys = (char *)P->keys + row_offset(L, P, t), *values = (char *)P->values + row_offset(L, P, t);
-        for (int64_t g = 0; g < L->kv_heads; g++)
-            for (int64_t i = 0; i < d; i++) {
-                int64_t at = (g * P->capacity + position_of(P, t)) * d + i;
-                store(keys, at, qkv[t * width + (L->heads + g) * d + i], L->bf16);
-                store(values, at, qkv[t * width + (L->heads + L->kv_heads + g) * d + i], L->bf16);
+        for (int64_t g = 0; g < L->kv_heads; g++) { /* eight at a time: one by one, 1% of a 16-token pass */
+            const float *k = qkv + t * width + (L->heads + g) * d, *v = k + L->kv_heads * d;
+            int64_t at = (g * P->capacity + position_of(P, t)) * d, i = 0;
+            for (; i + 8 <= d; i += 8) {
+                store8(keys, at + i, _mm256_loadu_ps(k + i), L->bf16);
+                store8(values, at + i, _mm256_loadu_ps(v + i), L->bf16);
             }
+            for (; i < d; i++) store(keys, at + i, k[i], L->bf16), store(values, at + i, v[i], L->bf16);
+        }
     }
 }
 
@@ -1940,6 +1975,7 @@ typedef struct {
     const Layer *L;
     Pass *P;
     int64_t chunks;
+    uint16_t *pairs; /* layer_pairs: o's input in pairs, filled by the items (NULL: none) */
 } Attention;
 
 static void attention_items(void *ctx, int64_t first, int64_t last) {
@@ -1959,6 +1995,8 @@ static void attention_items(void *ctx, int64_t first, int64_t last) {
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
                g, P->capacity, L->d, last, !whole, L->window, L->scale, L->bf16,
                P->part[ROW] + item * KEY_BLOCK * L->d, P->tree ? P->tree + t : NULL, P->starts[r]);
+        for (int64_t i = 0; A->pairs && i < tokens; i++)
+            bf16_array(R.out + i * R.out_token, group * L->d, A->pairs + (t + i) * ap + head * L->d);
     }
 }
 
@@ -1972,11 +2010,17 @@ static void normalize_rows(const Layer *L, Pass *P, const void *weight, float *r
 
 static void attention(const Layer *L, Pass *P) {
     int64_t chunks = (P->n + ATTEND_CHUNK - 1) / ATTEND_CHUNK, items = P->rows * L->kv_heads * chunks;
-    Attention A = {L, P, chunks};
+    Attention A = {L, P, chunks, layer_pairs(L->bf16)};
     int worth_threads = P->m * L->heads * P->longest * L->d > 16384;
     parallel_for(items, 1, worth_threads ? P->threads : 1, attention_items, &A);
-    product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, L->heads * L->d, P->threads,
-            P->part[BIAS]);
+    int64_t width = L->heads * L->d, ap = PAD8(width);
+    if (A.pairs) {
+        for (int64_t t = 0; ap > width && t < P->m; t++) memset(A.pairs + t * ap + width, 0, 2 * (size_t)(ap - width));
+        product_on_pairs(L->o, L->o_bias, A.pairs, P->part[O_OUT], P->m, L->hidden, width, P->threads, P->part[BIAS]);
+    } else {
+        product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, width, P->threads,
+                P->part[BIAS]);
+    }
     if (L->norm3) normalize_rows(L, P, L->norm3, P->part[O_OUT]);
     add_rounded(P->part[X], P->part[O_OUT], P->part[X], P->m * L->hidden, L->bf16);
 }
@@ -2018,12 +2062,15 @@ typedef struct {
     float *act;
     int64_t inter, ip;
     int bf16, gelu;
+    uint16_t *pairs; /* layer_pairs: down's input in pairs, filled row by row (NULL: none) */
 } Gating;
 
 static void gate_tokens(void *ctx, int64_t first, int64_t last) {
     const Gating *G = ctx;
-    for (int64_t t = first; t < last; t++)
+    for (int64_t t = first; t < last; t++) {
         gate(G->gu + t * 2 * G->inter, G->inter, G->bf16, G->gelu, G->act + t * G->ip);
+        if (G->pairs) bf16_array(G->act + t * G->ip, G->ip, G->pairs + t * G->ip); /* its padding: zeros */
+    }
 }
 
 /* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */
@@ -2033,10 +2080,13 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
                                                 P->part[XN] + t * hp, L->gemma);
     product(L->gate_up, NULL, L->bf16, P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
-    Gating G = {gu, P->part[ACT], inter, ip, L->bf16, L->gelu};
+    Gating G = {gu, P->part[ACT], inter, ip, L->bf16, L->gelu, layer_pairs(L->bf16)};
     parallel_for(P->m, 1, P->m * inter >= 8192 ? P->threads : 1, gate_tokens, &G);
-    product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
-            P->part[BIAS]);
+    if (G.pairs)
+        product_on_pairs(L->down, NULL, G.pairs, P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads, P->part[BIAS]);
+    else
+        product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
+                P->part[BIAS]);
     if (L->norm4) normalize_rows(L, P, L->norm4, P->part[DOWN_OUT]);
     int64_t i = 0, count = P->m * L->hidden;
     for (; i + 8 <= count; i += 8)
