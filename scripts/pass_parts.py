@@ -6,6 +6,8 @@ Usage: .venv/bin/python scripts/pass_parts.py [float32|bfloat16] [CONTEXT] [--sc
 
 Why: a wide pass's attention grows with the context its tokens attend to, and the screen with its rows; profile
 and step_verify time whole passes after 200 tokens. To compare two builds of native.c, run it in turn for each.
+"/ step": the median over rounds of a pass's total over the same round's step (the machine's load moves between
+rounds; the medians of each width apart can meet different moments).
 """
 
 import sys
@@ -45,7 +47,10 @@ def main(argv: list[str]) -> int:
     for w in WIDTHS:
         layers = sorted(r[0] for r in readings[w][1:])[7]
         screen = sorted(r[1] for r in readings[w][1:])[7]
-        print(f"width {w:2d}: layers {layers:6.2f} ms  screen {screen:5.2f} ms  total {layers + screen:6.2f} ms")
+        # each round's pass over its own step, minutes apart rounds meeting different loads: the median ratio
+        ratio = sorted(sum(a) / sum(b) for a, b in zip(readings[w][1:], readings[1][1:]))[7]
+        print(f"width {w:2d}: layers {layers:6.2f} ms  screen {screen:5.2f} ms  total {layers + screen:6.2f} ms  "
+              f"/ step {ratio:.2f}")
     return 0
 
 
