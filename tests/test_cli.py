@@ -106,6 +106,22 @@ def test_bad_input_is_one_line_exit_2(capsys, args, message):
     assert "Traceback" not in err and len(errors) == 1 and message in errors[0]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--method", "dflash", "--block-size", "1", "w1"], "--block-size must be >= 2"),
+    (["--method", "dflash", "--tree", "0", "w1"], "a tree has 1 to 63"),
+    (["--method", "eagle3", "--tree", "64", "w1"], "a tree has 1 to 63"),
+])
+def test_method_options_are_refused_before_the_target_loads(capsys, monkeypatch, args, message):
+    import dflash.loading
+
+    def no_loading(*_):
+        raise AssertionError("the target loaded before the options were checked")
+
+    monkeypatch.setattr(dflash.loading, "target_from_args", no_loading)
+    code, out, err = run(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
 def test_mismatched_drafter(capsys, tmp_path):
     from types import SimpleNamespace
 

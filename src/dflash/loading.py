@@ -63,8 +63,6 @@ def build_proposer(method: str, target: TargetModel, options: MethodOptions | No
                    ) -> tuple[Proposer, str | None]:
     """A proposer by method name, with a note for the user when it runs on an untrained drafter."""
     options = options or MethodOptions()
-    if options.block_size is not None and options.block_size < 2:
-        raise UserError(f"--block-size must be >= 2 (the bonus token and at least one draft), got {options.block_size}")
     chosen = registry.get(method)
     if options.drafter is not None and not chosen.uses_drafter:
         raise UserError(f"--drafter does not apply to --method {method}")

@@ -107,6 +107,16 @@ class MethodOptions:
     continuations: str | None = None  # prompt lookup's continuation table: a folder, "none"; None: the shipped one
     tree: int | None = None  # verify a tree of this many drafts a round (a block drafter's top candidates); None: a chain
 
+    def __post_init__(self):
+        """Checked when made, so that the CLI says so before it spends seconds loading the target."""
+        from ..errors import UserError
+        from ..trees import MAX_TREE_TOKENS
+
+        if self.block_size is not None and self.block_size < 2:
+            raise UserError(f"--block-size must be >= 2 (the bonus token and at least one draft), got {self.block_size}")
+        if self.tree is not None and not 1 <= self.tree < MAX_TREE_TOKENS:
+            raise UserError(f"a tree has 1 to {MAX_TREE_TOKENS - 1} drafts (nodes), got {self.tree}")
+
 
 class TrainingRecipe(Protocol):
     """How `dflash train` builds, loads and trains a method's model (implemented by dflash and eagle3)."""
