@@ -412,8 +412,8 @@ PAIRS_TARGET static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids,
     }
     for (int t = 0; t < 8; t++) out[t] = bf16_to_f32(f32_to_bf16(_mm_cvtss_f32(acc[t])));
 }
-/* x[0..n) (bfloat16 values, n a multiple of 8) as a bfloat16 array, sixteen at a time by VCVTNEPS2BF16: exact for
- * bfloat16 values but for subnormals, which it flushes to zero as VDPBF16PS, the only reader, flushes them anyway */
+/* x[0..n) (bfloat16 values) as a bfloat16 array, sixteen at a time by VCVTNEPS2BF16: exact for bfloat16 values but
+ * for subnormals, which it flushes to zero as VDPBF16PS, the only reader, flushes them anyway */
 PAIRS_TARGET static void bf16_array(const float *x, int64_t n, uint16_t *out) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -1370,9 +1370,9 @@ static void product(const void *tiles, const void *bias, int bf16, const float *
 }
 
 /* A bfloat16-in-pairs layer's buffer for a product's input pairs [m, k8] (reserved before the layer ran), which the
- * tasks computing that input fill row by row as they go (to_pairs_of): converting it afterwards on the first thread
- * read rows the other thread had just written from that thread's caches, 1.2% of a 16-token pass. NULL: not such a
- * layer. */
+ * tasks computing that input fill row by row as they go (attention_items, gate_tokens): converting it afterwards on
+ * the first thread read rows the other thread had just written from that thread's caches, 1.2% of a 16-token pass.
+ * NULL: not such a layer. */
 static uint16_t *layer_pairs(int bf16) { return bf16 == 2 ? (uint16_t *)pairs_buffer(0) : NULL; }
 
 /* product() over inputs already in pairs (layer_pairs) */
