@@ -311,6 +311,43 @@ def test_the_one_call_stack_follows_weights_written_in_place_and_new_plans(monke
 
 
 @needs_native
+def test_the_stack_check_compares_products_only_when_one_may_have_changed():
+    """The C stack's per-pass check (transformer.ProductsUnchanged) reads every weight's version each pass, and the
+    products' identities and plans only after kernels.products_generation moved: products swapped between layers
+    (no new object made), a plan, a weight buffer replaced or a cast are each seen; a plan given to a product
+    elsewhere moves the count without failing the check."""
+    from dflash.models.kernels import PLAIN, products_generation
+    from dflash.models.transformer import ProductsUnchanged
+
+    ours, _ = native_and_torch_twins("llama", torch.float32)
+    cache = ours.new_cache()
+    ours.forward(torch.tensor([[5, 6, 7, 8]]), cache)
+    ours.forward(torch.tensor([[9]]), cache)
+    check = ours.engine.__dict__["_stack_args"][1]
+    assert check.holds()
+    elsewhere = FrozenLinear(torch.randn(8, 8))  # a product outside the target
+    elsewhere.use_plan(PLAIN)
+    assert check.holds() and check.generation == products_generation()
+    first, second = ours.engine.layers[0].mlp, ours.engine.layers[1].mlp
+    first.down_fast, second.down_fast = second.down_fast, first.down_fast
+    assert not check.holds()
+    first.down_fast, second.down_fast = second.down_fast, first.down_fast
+    assert check.holds()
+    with torch.no_grad():
+        ours.engine.layers[1].self_attn.o_fast.weight.add_(1.0)  # in place: its version moves
+    assert not check.holds()
+    fresh = ProductsUnchanged(ours.engine.layers)
+    ours.engine.layers[0].self_attn.o_fast.weight = ours.engine.layers[0].self_attn.o_fast.weight.clone()
+    assert not fresh.holds()
+    fresh = ProductsUnchanged(ours.engine.layers)
+    ours.engine.layers[0].mlp.gate_up.use_plan(PLAIN)
+    assert not fresh.holds()
+    fresh = ProductsUnchanged(ours.engine.layers)
+    ours.engine.layers[0].mlp.down_fast.to(torch.float64)
+    assert not fresh.holds()
+
+
+@needs_native
 def test_rows_of_more_than_sixteen_tokens_take_the_torch_layers_batches_do_not(monkeypatch):
     """A row of 17 new tokens is a prefill: torch's layers. Any number of rows of up to 16 (a batch of steps or of
     verify passes, here 2 x 9 = 18 tokens) runs in C, so that each row's tokens go through the chains they would

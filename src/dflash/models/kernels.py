@@ -163,6 +163,21 @@ def _int8_product(x: torch.Tensor, packed) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, True)
 
 
+_products_changed = [0]  # bumped whenever a product's plan, weight buffer or place in a block may have changed
+
+
+def products_generation() -> int:
+    """A count that moves whenever any FrozenLinear gets a plan (new ones too), has its weight or bias buffer
+    replaced or moved (`.to`, a cast), or is set into a layer's block (layers.py): checks that stay valid while
+    nothing of that happens (transformer.ProductsUnchanged) skip their work while it stands still. In-place writes
+    to a weight do not move it (its version does)."""
+    return _products_changed[0]
+
+
+def products_changed() -> None:
+    _products_changed[0] += 1
+
+
 class FrozenLinear(nn.Module):
     """y = x W^T (+ b) for inference, through the kernel `plan` picks for this shape and row count."""
 
@@ -181,8 +196,18 @@ class FrozenLinear(nn.Module):
         self._vnni_for: tuple | None = None
         self.use_plan(plan or PACKED)
 
+    def __setattr__(self, name, value):
+        if name in ("weight", "bias"):
+            products_changed()
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        products_changed()  # a move or a cast replaces the buffers
+        return super()._apply(fn, recurse)
+
     def use_plan(self, plan: KernelPlan) -> None:
         """Look up this weight's kernel per row bucket once, so a call costs one comparison, not a lookup."""
+        products_changed()
         self.plan = plan
         out_f, in_f = self.weight.shape
         self._kernel_by_bucket = tuple(plan.kernel(out_f, in_f, self.weight.dtype, b) for b in ROW_BUCKETS)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import native, sdpa_backends
-from .kernels import FrozenLinear
+from .kernels import FrozenLinear, products_changed
 
 
 class RMSNorm(nn.Module):
@@ -94,23 +94,27 @@ class Rotary(nn.Module):
             config) else ROPE_INIT_FUNCTIONS[kind](config, "cpu")
         return cls(inv_freq, float(scaling))
 
-    def spans(self, starts: list[int], n: int, positions: torch.Tensor, dtype: torch.dtype, in_order: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def spans(self, starts: list[int], n: int, positions: torch.Tensor | None, dtype: torch.dtype,
+              in_order: bool = True, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(positions) where row r's positions are starts[r] + 0..n-1 (`positions` holds them; `in_order`
         False: any positions below starts[r] + n, as a tree pass's depths), read from a
         table of every position up to the furthest asked so far: a decode step computed its cos/sin anew with ~10
         small ops. Each position's values are the ones `forward` computes for it (elementwise ops, so where a
-        position sits in the call does not matter), and the same in every pass."""
+        position sits in the call does not matter), and the same in every pass. One row in order reads a slice of
+        the table: `positions` may then be None (`device` says where)."""
         end = max(starts) + n
+        device = positions.device if positions is not None else device
         tables = self.__dict__.setdefault("_tables", {})
-        key = (dtype, positions.device)
+        key = (dtype, device)
         if key not in tables or tables[key][0].shape[0] < end:
             size = max(256, 1 << (end - 1).bit_length())  # doubling: a long generation re-makes it a few times
-            cos, sin = self(torch.arange(size, device=positions.device)[None], dtype)
+            cos, sin = self(torch.arange(size, device=device)[None], dtype)
             tables[key] = (cos[0], sin[0])  # [size, 1, head_dim]
         cos, sin = tables[key]
         if len(starts) == 1 and in_order:  # a view: rows of the table are contiguous
             return cos[starts[0]: end][None], sin[starts[0]: end][None]
+        if positions is None:
+            positions = torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)
         return cos[positions], sin[positions]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +151,11 @@ class Attention(nn.Module):
 
     `freeze()` prepares inference: q/k/v become one fused product (and k/v one for injected context) through the
     machine's chosen matmul kernel. Trainable models keep the separate `nn.Linear`s."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, FrozenLinear):  # a product set into the block (kernels.products_generation)
+            products_changed()
+        super().__setattr__(name, value)
 
     def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, out_features: int,
                  qk_norm: bool = False, eps: float = 1e-6, bias: bool = False, out_bias: bool | None = None,
@@ -249,6 +258,11 @@ ACTIVATIONS = {
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); `freeze()` fuses gate and up into one product for inference."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, FrozenLinear):  # a product set into the block (kernels.products_generation)
+            products_changed()
+        super().__setattr__(name, value)
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False):
         super().__init__()

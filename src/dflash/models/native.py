@@ -380,13 +380,13 @@ def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = N
 
 
 def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor,
-          values: torch.Tensor, starts: torch.Tensor, feature_layers: tuple[int, ...],
+          values: torch.Tensor, starts: list[int], feature_layers: tuple[int, ...],
           tree: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
     """Every decoder layer in one call (native.c's dflash_stack): h [b, n, hidden] -> (the last layer's output,
     {i: layer i's output} for `feature_layers`). ropes: (cos, sin) by layer type, each layer reading its own (its
     constants' `rope`). keys / values: the whole cache [layers, b, kv_heads, capacity, head_dim], each layer's rows
-    contiguous. `tree`: int64 [b, n] visibility bits of a tree pass (`tree_visibility`), None: causal. None where
-    the kernel is not available."""
+    contiguous. `starts`: each row's first position. `tree`: int64 [b, n] visibility bits of a tree pass
+    (`tree_visibility`), None: causal. None where the kernel is not available."""
     lib = _library
     if lib is None:
         return None
@@ -396,8 +396,9 @@ def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor,
                                                  for i in range(len(layers))))
     coses = (ctypes.c_void_p * len(ropes))(*(cos.data_ptr() for cos, _ in ropes))
     sines = (ctypes.c_void_p * len(ropes))(*(sin.data_ptr() for _, sin in ropes))
+    first = (ctypes.c_int64 * len(starts))(*starts)  # each row's first position (not a tensor: a cold torch op)
     status = lib.dflash_stack(h.data_ptr(), out.data_ptr(), spare.data_ptr(), h.shape[0], h.shape[1],
-                              starts.data_ptr(), ctypes.addressof(coses), ctypes.addressof(sines), keys.data_ptr(),
+                              ctypes.addressof(first), ctypes.addressof(coses), ctypes.addressof(sines), keys.data_ptr(),
                               values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(), len(layers),
                               ctypes.addressof(layers), ctypes.addressof(pointers),
                               None if tree is None else tree.data_ptr())

@@ -19,7 +19,7 @@ from torch import nn
 from .. import trees
 from .cache import KVCache, scatter_index
 from . import native
-from .kernels import FrozenLinear, KernelPlan, row_bucket
+from .kernels import FrozenLinear, KernelPlan, products_generation, row_bucket
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
 from .screening import ScreenedHead
 
@@ -114,11 +114,15 @@ class ProductsUnchanged:
     check of the C stack's arguments once per pass. Asking each layer (`native_constants`: every product's
     signature and plan) cost ~0.65 ms a bfloat16 step of ~10 on SmolLM2; this compares each weight buffer's
     identity (a move or a cast replaces it), its version (an in-place write bumps it; inference tensors have none
-    and cannot be written outside inference mode) and its plan's per-bucket choices, ~19 us."""
+    and cannot be written outside inference mode) and its plan's per-bucket choices: ~19 us with its objects in
+    the caches, but ~190 us in a pass, after the stack has streamed the weights through them (SmolLM2, 120
+    products). So the identities and plans are compared only when kernels.products_generation has moved (a new
+    plan, product or weight buffer somewhere), and the versions every pass (~130 us of those 190)."""
 
     PRODUCTS = (("self_attn", "qkv"), ("self_attn", "o_fast"), ("mlp", "gate_up"), ("mlp", "down_fast"))
 
     def __init__(self, layers):
+        self.generation = products_generation()
         self.state = []
         for layer in layers:
             for block, name in self.PRODUCTS:
@@ -127,11 +131,16 @@ class ProductsUnchanged:
                 weight = lin._buffers["weight"]
                 version = None if weight.is_inference() else weight._version
                 self.state.append((modules, name, lin, lin._buffers, weight, version, lin._kernel_by_bucket))
+        self.versions = [(weight, version) for *_, weight, version, _ in self.state if version is not None]
 
     def holds(self) -> bool:
-        for modules, name, lin, buffers, weight, version, kernels in self.state:
-            if (modules[name] is not lin or buffers["weight"] is not weight or lin._kernel_by_bucket is not kernels
-                    or (version is not None and weight._version != version)):
+        if products_generation() != self.generation:
+            for modules, name, lin, buffers, weight, _, kernels in self.state:
+                if modules[name] is not lin or buffers["weight"] is not weight or lin._kernel_by_bucket is not kernels:
+                    return False
+            self.generation = products_generation()  # some other product moved: these stand
+        for weight, version in self.versions:
+            if weight._version != version:
                 return False
         return True
 
@@ -233,14 +242,21 @@ class Transformer(nn.Module):
         starts = cache.lengths
         end = max(starts) + n
         cache.reserve(end)
-        start_tensor = torch.tensor(starts, device=input_ids.device)
-        if tree is None:
-            positions = start_tensor[:, None] + torch.arange(n, device=input_ids.device)
-        else:
-            positions = start_tensor[:, None] + torch.tensor([trees.depths(row) for row in tree.tolist()],
-                                                             device=input_ids.device)
+        device = input_ids.device
+
+        def positions_of() -> tuple[torch.Tensor, torch.Tensor]:
+            """(the rows' starts, every token's position) as tensors. Made only where a pass needs them: a one-row
+            pass through the C stack does not, and after the stack has streamed the weights each small torch op
+            ran cold, ~30 us (the two took 0.14 ms of a 7 ms bfloat16 SmolLM2 step on 2 AMD EPYC Zen 4 cores)."""
+            start_tensor = torch.tensor(starts, device=device)
+            if tree is None:
+                return start_tensor, start_tensor[:, None] + torch.arange(n, device=device)
+            return start_tensor, start_tensor[:, None] + torch.tensor([trees.depths(row) for row in tree.tolist()],
+                                                                      device=device)
+
+        start_tensor, positions = positions_of() if b > 1 or tree is not None else (None, None)
         h = self.embed(input_ids)
-        ropes = {t: rotary.spans(starts, n, positions, h.dtype, in_order=tree is None)
+        ropes = {t: rotary.spans(starts, n, positions, h.dtype, in_order=tree is None, device=device)
                  for t, rotary in self.rotary.items()}
         if any(not 0 <= i < len(self.layers) for i in feature_layers):
             raise ValueError(f"feature layers {feature_layers} out of range for a {len(self.layers)}-layer target")
@@ -249,10 +265,12 @@ class Transformer(nn.Module):
         # torch's layers a 32-node float32 SmolLM2 pass took 60 ms, in C 41 (2 Zen 4 cores)
         if n <= MAX_NATIVE_TOKENS and tree is None or tree is not None and self._tree_in_c(n, end):
             bits = None if tree is None else trees.as_int64([trees.visibility(row) for row in tree.tolist()])
-            in_c = self._native_stack(h, ropes, cache, start_tensor, feature_layers, bits)
+            in_c = self._native_stack(h, ropes, cache, starts, feature_layers, bits)
         if in_c is not None:
             h, outputs = in_c
         else:
+            if positions is None:
+                start_tensor, positions = positions_of()
             windows = {layer.layer_type: layer.window for layer in self.layers}  # one mask per layer type
             if tree is None:
                 masks = {kind: self._mask(positions, starts, n, end, window) for kind, window in windows.items()}
@@ -315,14 +333,14 @@ class Transformer(nn.Module):
         windows = [layer.window for layer in self.layers if layer.window is not None]
         return n <= trees.MAX_TREE_TOKENS and all(end <= window for window in windows)
 
-    def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: torch.Tensor,
+    def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: list[int],
                       feature_layers: tuple[int, ...], tree: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
         """Every layer in ONE C call (native.stack) where every layer can run in C (see DecoderLayer.native_step),
         each reading its layer type's RoPE: (the last layer's output, the feature layers' outputs); else None (the
         caller then goes layer by layer, each in C where it can)."""
         keys, values = cache.keys, cache.values
-        if (h.device.type != "cpu" or not h.is_contiguous() or starts.dtype != torch.int64
+        if (h.device.type != "cpu" or not h.is_contiguous()
                 or not (keys[0].is_contiguous() and values[0].is_contiguous()) or keys.stride() != values.stride()):
             return None
         tables = [ropes[kind] for kind in self.rotary]  # in the order of the layers' rope_index
