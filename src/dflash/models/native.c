@@ -1383,11 +1383,17 @@ static void product_on_pairs(const void *tiles, const void *bias, const uint16_t
     run(tiles, 3, (const float *)pairs, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads, 1);
 }
 
+/* a . b over d floats: eight lanes of FMAs, then, where d % 8 == 0, their sum by dot8's tree ((x0 + x1) + (x2 + x3))
+ * + ((x4 + x5) + (x6 + x7)), so that a key's score is the same whichever of the two scores it: a tree pass scores
+ * its keys against the pass's end, a step against its own (hsum's order made tree passes differ from steps). */
 static inline float dot(const float *a, const float *b, int64_t d) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
+    float x[8], s;
+    _mm256_storeu_ps(x, acc);
+    if (d % 8 == 0) return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+    s = hsum(acc);
     for (; i < d; i++) s += a[i] * b[i];
     return s;
 }
@@ -1676,14 +1682,25 @@ int dflash_set_attention_pairs(int on) {
 /* keys 2m and 2m + 1 of 64 columns of values (v: key 0's), interleaved: I[0] and I[1] columns 0..31, I[2] and I[3]
  * 32..63, each 128-bit lane holding four columns of both (unpacklo: 8 L + 0..3, unpackhi: 8 L + 4..7); a key not
  * `first` / `second` reads as zero */
-ATTENTION_PAIRS_TARGET static inline void value_pair(const uint16_t *v, int64_t d, int64_t m, int first, int second,
-                                                     __m512i *I) {
-    const uint16_t *a = v + 2 * m * d, *b = a + d;
+ATTENTION_PAIRS_TARGET static inline void value_rows(const uint16_t *a, const uint16_t *b, __m512i *I) {
     __m512i zero = _mm512_setzero_si512();
-    __m512i a0 = first ? _mm512_loadu_si512(a) : zero, a1 = first ? _mm512_loadu_si512(a + 32) : zero;
-    __m512i b0 = second ? _mm512_loadu_si512(b) : zero, b1 = second ? _mm512_loadu_si512(b + 32) : zero;
+    __m512i a0 = a ? _mm512_loadu_si512(a) : zero, a1 = a ? _mm512_loadu_si512(a + 32) : zero;
+    __m512i b0 = b ? _mm512_loadu_si512(b) : zero, b1 = b ? _mm512_loadu_si512(b + 32) : zero;
     I[0] = _mm512_unpacklo_epi16(a0, b0), I[1] = _mm512_unpackhi_epi16(a0, b0);
     I[2] = _mm512_unpacklo_epi16(a1, b1), I[3] = _mm512_unpackhi_epi16(a1, b1);
+}
+ATTENTION_PAIRS_TARGET static inline void value_pair(const uint16_t *v, int64_t d, int64_t m, int first, int second,
+                                                     __m512i *I) {
+    value_rows(first ? v + 2 * m * d : NULL, second ? v + (2 * m + 1) * d : NULL, I);
+}
+/* out[0:64] from the four sums of value pairs: lanes 4 L + k of a[0] (a[1]) hold column 8 L + k (8 L + 4 + k) */
+ATTENTION_PAIRS_TARGET static inline void store_value_sums(const __m512 *a, float *out) {
+    const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < 2; h++) {
+        _mm512_storeu_ps(out + 32 * h, _mm512_permutex2var_ps(a[2 * h], low, a[2 * h + 1]));
+        _mm512_storeu_ps(out + 32 * h + 16, _mm512_permutex2var_ps(a[2 * h], high, a[2 * h + 1]));
+    }
 }
 #define PAIR_ROW(q, m)                                                                                                \
     do {                                                                                                              \
@@ -1718,16 +1735,10 @@ ATTENTION_PAIRS_TARGET static inline __attribute__((always_inline)) void value_p
             for (int i = 0; i < 4; i++) a[q][i] = _mm512_dpbf16_ps(a[q][i], (__m512bh)I[i], w);
         }
     }
-    /* lanes 4 L + k of a[q][0] (a[q][1]) hold column 8 L + k (8 L + 4 + k) */
-    const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 6
     for (int q = 0; q < Q; q++) {
         for (int64_t m = common ? hi : (to[q] + 1) / 2; m < (to[q] + 1) / 2; m++) PAIR_ROW(q, m);
-        for (int h = 0; h < 2; h++) {
-            _mm512_storeu_ps(out[q] + 32 * h, _mm512_permutex2var_ps(a[q][2 * h], low, a[q][2 * h + 1]));
-            _mm512_storeu_ps(out[q] + 32 * h + 16, _mm512_permutex2var_ps(a[q][2 * h], high, a[q][2 * h + 1]));
-        }
+        store_value_sums(a[q], out[q]);
     }
 }
 #undef PAIR_ROW
@@ -1755,11 +1766,40 @@ ATTENTION_PAIRS_TARGET static void weights_as_pairs(float *s, int64_t from, int6
         _mm256_mask_storeu_epi16(b + j, room, (__m256i)h);
     }
 }
+
+/* A tree pass's node (trees.py's visibility word `visible` over the pass's keys from tree_start on): its value sums
+ * as a step reading the same keys in a chain would sum them, the cache's keys [0, tree_start) and then the node's
+ * ancestors and itself in order, compacted (its weights p[0..count) already are: compact_tree): the pairs of a
+ * step group keys by their place in that chain, not by their slots in the pass, where other nodes sit between. */
+ATTENTION_PAIRS_TARGET static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t count,
+                                                    int64_t tree_start, uint64_t visible, float *out) {
+    int64_t slot[64], k = 0;
+    for (int i = 0; i < 64; i++)
+        if (visible >> i & 1) slot[k++] = tree_start + i;
+    weights_as_pairs(p, 0, count);
+    for (int64_t c = 0; c < d; c += 64) {
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t m = 0; 2 * m < count; m++) {
+            int64_t j0 = 2 * m, j1 = 2 * m + 1;
+            const uint16_t *r0 = v + c + (j0 < tree_start ? j0 : slot[j0 - tree_start]) * d;
+            const uint16_t *r1 = j1 < count ? v + c + (j1 < tree_start ? j1 : slot[j1 - tree_start]) * d : NULL;
+            __m512i I[4];
+            value_rows(r0, r1, I);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)word_at(p, m));
+            for (int i = 0; i < 4; i++) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)I[i], w);
+        }
+        store_value_sums(a, out + c);
+    }
+}
 #else
 typedef void (*ValuePairs64)(const uint16_t *v, int64_t d, const float *const *p, const int64_t *from,
                              const int64_t *to, float *const *out);
 static const ValuePairs64 value_pairs64_of[VALUE_HEADS] = {NULL};
 static void weights_as_pairs(float *s, int64_t from, int64_t to) { (void)s, (void)from, (void)to; }
+static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t count, int64_t tree_start,
+                             uint64_t visible, float *out) {
+    (void)v, (void)d, (void)p, (void)count, (void)tree_start, (void)visible, (void)out;
+}
 #endif
 
 /* attend's value sums through values64 (d a multiple of 64): the chunk's query heads, VALUE_HEADS at a time, each
@@ -1789,6 +1829,22 @@ static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *v
                 values64_of[bf16 != 0][count - 1](v, d, p, from, to, out);
         }
     }
+}
+
+/* A tree pass's node sees the cache's keys [0, tree_start) and, of the pass's own, its ancestors and itself (the
+ * bits of `visible`). Its scores s[tree_start..n) compacted to those it sees, in order (returns where they end), so
+ * that its softmax sums them in the lanes and order of a step reading the same keys in a chain: with the others
+ * in between at -inf, its sums differed from the step's in the last bits, and a bfloat16 target's greedy tokens
+ * from `ar`'s (3 of 3 GSM8K answers with `dflash:tree15`). expand_tree puts the weights back at their slots, zero
+ * elsewhere, for value sums by slot (FMA chains over zero weights add exactly nothing). */
+static int64_t compact_tree(float *s, int64_t tree_start, int64_t n, uint64_t visible) {
+    int64_t k = tree_start;
+    for (int64_t j = tree_start; j < n; j++)
+        if (visible >> (j - tree_start) & 1) s[k++] = s[j];
+    return k;
+}
+static void expand_tree(float *s, int64_t tree_start, int64_t n, int64_t end, uint64_t visible) {
+    for (int64_t j = n - 1, k = end; j >= tree_start; j--) s[j] = visible >> (j - tree_start) & 1 ? s[--k] : 0.0f;
 }
 
 /* The `group` query heads that share kv head g, for `tokens` consecutive tokens of one row (the first attends to
@@ -1835,23 +1891,25 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
             }
     }
     int in_registers = d % 64 == 0 && values64_here(); /* values64 writes its sums whole, from zero */
+    int tree_pairs = tree && pairs && d % 64 == 0;
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
-            int64_t n = SEEN(t), lo = FIRST_SEEN(t);
+            int64_t n = SEEN(t), lo = FIRST_SEEN(t), end = n; /* a tree pass has no window within reach: lo 0 */
             float *s = R.scores + t * R.score_token + h * R.score_head;
-            if (tree) /* a tree pass: of the pass's own keys, a node sees its ancestors and itself */
-                for (int64_t j = MAX(lo, tree_start); j < n; j++)
-                    if (!(tree[t] >> (j - tree_start) & 1)) s[j] = -INFINITY;
-            float top = largest(s + lo, n - lo), inverse = 1.0f / exp_shifted(s + lo, n - lo, top);
-            for (int64_t j = lo; j < n; j++) s[j] *= inverse;
-            if (tree) /* exp8 clamps: a hidden key's weight is ~1e-38 there, made exactly 0 */
-                for (int64_t j = MAX(lo, tree_start); j < n; j++)
-                    if (!(tree[t] >> (j - tree_start) & 1)) s[j] = 0.0f;
-            if (!in_registers) memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
+            if (tree) end = compact_tree(s, tree_start, n, tree[t]);
+            float top = largest(s + lo, end - lo), inverse = 1.0f / exp_shifted(s + lo, end - lo, top);
+            for (int64_t j = lo; j < end; j++) s[j] *= inverse;
+            if (tree_pairs)
+                tree_value_pairs((const uint16_t *)values + at, d, s, end, tree_start, tree[t],
+                                 R.out + t * R.out_token + h * d);
+            else if (tree)
+                expand_tree(s, tree_start, n, end, tree[t]);
+            if (!in_registers && !tree_pairs) memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
-    if (in_registers || (pairs && d % 64 == 0))
+    if (tree_pairs) { /* summed above, node by node */
+    } else if (in_registers || (pairs && d % 64 == 0)) {
         attend_values64(R, tokens, group, values, at, d, last, step, window, bf16, pairs && d % 64 == 0);
-    else
+    } else {
         for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
             int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
             const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
@@ -1860,6 +1918,7 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                     block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, FIRST_SEEN(t), SEEN(t),
                                  d, R.out + t * R.out_token + h * d);
         }
+    }
 #undef SEEN
 #undef FIRST_SEEN
     for (int64_t t = 0; t < tokens; t++)
