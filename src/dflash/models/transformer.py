@@ -28,7 +28,14 @@ MAX_NATIVE_TOKENS = 16  # the most new tokens per row a pass may have to run its
 # passes, batches of them, whatever the rows): their products use the kernels chosen for the verify row bucket
 # (kernels.py). Every row's tokens then go through the same chains as a step of that row alone, so a batched round
 # commits the tokens a sequence alone would: through torch's kernels, a batch of 4 rows verifying 4 drafts each
-# (20 tokens) rounded bfloat16 sums differently and changed 3 of 4 GSM8K outputs. Longer rows are prefills.
+# (20 tokens) rounded bfloat16 sums differently and changed 3 of 4 GSM8K outputs. Longer rows are prefills, but
+MAX_VERIFY_TOKENS = 64  # ... after a cached prefix, rows of up to this many run in C too: verify passes of blocks
+# over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of ngram@32:whole.
+
+
+def runs_in_c(n: int, starts: list[int]) -> bool:
+    """Whether a causal pass of n new tokens a row, after each row's `starts` cached ones, runs its layers in C."""
+    return n <= MAX_NATIVE_TOKENS or n <= MAX_VERIFY_TOKENS and min(starts) > 0
 
 
 class Unsupported(Exception):
@@ -55,7 +62,7 @@ class DecoderLayer(nn.Module):
                 starts: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
         """`starts`: each row's cache length before this pass (int64 [b], cache.lengths by default). `causal`:
         False for a tree pass, whose mask only torch applies layer by layer (the C stack takes it whole)."""
-        if causal and h.shape[1] <= MAX_NATIVE_TOKENS:  # steps and verify passes, batched or not: one C call for the layer
+        if causal and runs_in_c(h.shape[1], cache.lengths):  # steps and verify passes, batched or not: one C call
             out = self.native_step(h, rope, cache, index, starts)
             if out is not None:
                 return out
@@ -263,7 +270,7 @@ class Transformer(nn.Module):
         in_c = None
         # a tree pass of up to 64 nodes runs in C too (with the verify bucket's kernels, as a batch does): through
         # torch's layers a 32-node float32 SmolLM2 pass took 60 ms, in C 41 (2 Zen 4 cores)
-        if n <= MAX_NATIVE_TOKENS and tree is None or tree is not None and self._tree_in_c(n, end):
+        if tree is None and runs_in_c(n, starts) or tree is not None and self._tree_in_c(n, end):
             bits = None if tree is None else trees.as_int64([trees.visibility(row) for row in tree.tolist()])
             in_c = self._native_stack(h, ropes, cache, starts, feature_layers, bits)
         if in_c is not None:
