@@ -108,6 +108,7 @@ def test_bad_input_is_one_line_exit_2(capsys, args, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--method", "dflash", "--block-size", "1", "w1"], "--block-size must be >= 2"),
+    (["--method", "ngram", "--block-size", "65", "w1"], "--block-size must be <= 64"),
     (["--method", "dflash", "--tree", "0", "w1"], "a tree has 1 to 63"),
     (["--method", "eagle3", "--tree", "64", "w1"], "a tree has 1 to 63"),
 ])

@@ -114,6 +114,9 @@ class MethodOptions:
 
         if self.block_size is not None and self.block_size < 2:
             raise UserError(f"--block-size must be >= 2 (the bonus token and at least one draft), got {self.block_size}")
+        if self.block_size is not None and self.block_size > MAX_TREE_TOKENS:
+            # a verify pass runs in C up to 64 tokens a row, bitwise as steps (models/transformer.py)
+            raise UserError(f"--block-size must be <= {MAX_TREE_TOKENS}, got {self.block_size}")
         if self.tree is not None and not 1 <= self.tree < MAX_TREE_TOKENS:
             raise UserError(f"a tree has 1 to {MAX_TREE_TOKENS - 1} drafts (nodes), got {self.tree}")
 
