@@ -142,3 +142,27 @@ def test_compiled_forwards_keep_their_own_timings():
     compiled = target.measurement_key("pass-costs")
     assert compiled != eager and compiled.endswith(":compiled:pass-costs")
     assert eager.endswith("}:pass-costs") or eager.endswith("None:pass-costs")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v, fused too
+def test_weights_loaded_into_the_model_reach_our_forward(arch):
+    """`model.load_state_dict(...)` after our forward was built: its fused products and their laid-out copies are
+    made again from the loaded weights, so passes give bitwise what a target built on those weights gives (before,
+    a loaded model kept running its old weights in the C layers)."""
+    from dflash.models.target import choose_kernels
+    from dflash.testing import tiny_target
+
+    loaded, fresh = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    for target in (loaded, fresh):
+        choose_kernels(target, "native")
+    state = {name: value.clone() for name, value in loaded.model.state_dict().items()}
+    for name in state:
+        if name.endswith(("q_proj.weight", "up_proj.weight", "q_proj.bias")):
+            state[name] = state[name] * 3 + 0.01
+    ids = torch.tensor([[5, 9, 12, 7, 3]])
+    before = loaded.forward(ids, loaded.new_cache()).logits
+    loaded.model.load_state_dict(state)
+    fresh.model.load_state_dict(state)
+    after = loaded.forward(ids, loaded.new_cache()).logits
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh.forward(ids, fresh.new_cache()).logits)

@@ -126,10 +126,21 @@ class TargetModel:
     def _build_engine(self):
         if not self.prefer_transformers:
             try:
-                return Transformer.from_hf(self.model, self.kernel_plan)
+                engine = Transformer.from_hf(self.model, self.kernel_plan)
+                self.model.register_load_state_dict_post_hook(self._weights_loaded)
+                return engine
             except Unsupported as exc:
                 print(f"[dflash] {self.name}: {exc}; running through transformers", file=sys.stderr)
         return HFEngine(self.model)
+
+    def _weights_loaded(self, module, incompatible_keys) -> None:
+        """After `model.load_state_dict(...)`: our forward's fused products are copies of the weights they fuse
+        (q/k/v, gate/up, their biases) and its kernels read laid-out copies of those, so they are made again from
+        the weights as loaded. Without this a loaded model kept running its old weights in the C layers."""
+        if isinstance(self._engine, Transformer):
+            self._engine.freeze(self.kernel_plan)
+            for linear in self._engine.frozen_linears():
+                linear.lay_out()
 
     @property
     def backend(self) -> str:
