@@ -79,8 +79,8 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                             "it is for" + ("; repeat for several methods" if several else ""))
     group.add_argument("--block-size", type=int, default=MethodOptions.block_size, metavar="B",
                        help="tokens verified per round at most, the bonus included: dflash's block size, EAGLE-3's "
-                            "chain depth + 1, ngram's copied drafts + 1 (default: what the drafter was trained with; "
-                            "ngram 8)")
+                            "chain depth + 1, ngram's copied drafts + 1; 2 to 64 (default: what the drafter was "
+                            "trained with; ngram 8)")
     group.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_PRECISIONS],
                        help="the drafter's precision; int8: int8 weights, float32 activations (CPU, fbgemm); "
                             "int8-head: float32 layers on the target's kernels, an int8 LM head; auto = the fastest "
