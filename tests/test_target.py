@@ -159,10 +159,18 @@ def test_weights_loaded_into_the_model_reach_our_forward(arch):
     for name in state:
         if name.endswith(("q_proj.weight", "up_proj.weight", "q_proj.bias")):
             state[name] = state[name] * 3 + 0.01
+        if name.endswith(("lm_head.weight", "embed_tokens.weight")):  # the greedy screen's head (tied or not)
+            state[name] = state[name].flip(0)
     ids = torch.tensor([[5, 9, 12, 7, 3]])
+    for target in (loaded, fresh):
+        target.screen_greedy = True
     before = loaded.forward(ids, loaded.new_cache()).logits
+    loaded.greedy_of(loaded.forward(ids, loaded.new_cache(), logits_at="hidden").hidden)  # the screen, made
     loaded.model.load_state_dict(state)
     fresh.model.load_state_dict(state)
     after = loaded.forward(ids, loaded.new_cache()).logits
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh.forward(ids, fresh.new_cache()).logits)
+    assert loaded.screens
+    greedy = loaded.greedy_of(loaded.forward(ids, loaded.new_cache(), logits_at="hidden").hidden)
+    assert torch.equal(greedy, after.argmax(-1))

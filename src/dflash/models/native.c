@@ -629,11 +629,12 @@ static const float *as_pairs(const float *xf, int64_t m, int64_t k8) { /* (x [m,
     return (const float *)pairs;
 }
 
-/* `kind` as in Product, or 3: kind 2 with xf in pairs already (the layer's producer wrote them: layer_pairs);
- * nonzero when out of memory (nothing written) */
+/* `kind` as in Product, or PAIRS_GIVEN: kind 2 with xf in pairs already (the layer's producer wrote them:
+ * layer_pairs); nonzero when out of memory (nothing written) */
+#define PAIRS_GIVEN 3
 static int run(const void *tiles, int kind, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
                int64_t k8, int threads, int round) {
-    if (kind == 3) kind = 2;
+    if (kind == PAIRS_GIVEN) kind = 2;
     else if (kind == 2 && !(xf = as_pairs(xf, m, k8))) return 1;
     ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8, round}, threads};
     with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
@@ -1361,7 +1362,8 @@ static void rotate(float *x, const void *cos, const void *sin, int64_t d, int bf
 }
 
 /* y[m, n] = x[m, k8] . tiles^T + bias, rounded as torch's product in the model dtype; bf16 = 2: tiles in pairs (the
- * pairs buffer was reserved by the layer's caller, `reserve_pairs`) */
+ * pairs buffer was reserved by the layer's caller, `reserve_pairs`); PAIRS_GIVEN: and x is that buffer, its pairs
+ * written already (layer_pairs) */
 static void product(const void *tiles, const void *bias, int bf16, const float *x, float *y, int64_t m, int64_t n,
                     int64_t k, int threads, float *bias_f) {
     if (bias)
@@ -1374,14 +1376,6 @@ static void product(const void *tiles, const void *bias, int bf16, const float *
  * the first thread read rows the other thread had just written from that thread's caches, 1.2% of a 16-token pass.
  * NULL: not such a layer. */
 static uint16_t *layer_pairs(int bf16) { return bf16 == 2 ? (uint16_t *)pairs_buffer(0) : NULL; }
-
-/* product() over inputs already in pairs (layer_pairs) */
-static void product_on_pairs(const void *tiles, const void *bias, const uint16_t *pairs, float *y, int64_t m,
-                             int64_t n, int64_t k, int threads, float *bias_f) {
-    if (bias)
-        for (int64_t i = 0; i < n; i++) bias_f[i] = load(bias, i, 1);
-    run(tiles, 3, (const float *)pairs, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads, 1);
-}
 
 /* a . b over d floats: eight lanes of FMAs, then, where d % 8 == 0, their sum by dot8's tree ((x0 + x1) + (x2 + x3))
  * + ((x4 + x5) + (x6 + x7)), so that a key's score is the same whichever of the two scores it: a tree pass scores
@@ -2083,7 +2077,8 @@ static void attention(const Layer *L, Pass *P) {
     int64_t width = L->heads * L->d, ap = PAD8(width);
     if (A.pairs) {
         for (int64_t t = 0; ap > width && t < P->m; t++) memset(A.pairs + t * ap + width, 0, 2 * (size_t)(ap - width));
-        product_on_pairs(L->o, L->o_bias, A.pairs, P->part[O_OUT], P->m, L->hidden, width, P->threads, P->part[BIAS]);
+        product(L->o, L->o_bias, PAIRS_GIVEN, (const float *)A.pairs, P->part[O_OUT], P->m, L->hidden, width,
+                P->threads, P->part[BIAS]);
     } else {
         product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, width, P->threads,
                 P->part[BIAS]);
@@ -2150,7 +2145,8 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     Gating G = {gu, P->part[ACT], inter, ip, L->bf16, L->gelu, layer_pairs(L->bf16)};
     parallel_for(P->m, 1, P->m * inter >= 8192 ? P->threads : 1, gate_tokens, &G);
     if (G.pairs)
-        product_on_pairs(L->down, NULL, G.pairs, P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads, P->part[BIAS]);
+        product(L->down, NULL, PAIRS_GIVEN, (const float *)G.pairs, P->part[DOWN_OUT], P->m, L->hidden, inter,
+                P->threads, P->part[BIAS]);
     else
         product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
                 P->part[BIAS]);

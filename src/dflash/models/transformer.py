@@ -29,8 +29,9 @@ MAX_NATIVE_TOKENS = 16  # the most new tokens per row a pass may have to run its
 # (kernels.py). Every row's tokens then go through the same chains as a step of that row alone, so a batched round
 # commits the tokens a sequence alone would: through torch's kernels, a batch of 4 rows verifying 4 drafts each
 # (20 tokens) rounded bfloat16 sums differently and changed 3 of 4 GSM8K outputs. Longer rows are prefills, but
-MAX_VERIFY_TOKENS = 64  # ... after a cached prefix, rows of up to this many run in C too: verify passes of blocks
-# over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of ngram@32:whole.
+MAX_VERIFY_TOKENS = trees.MAX_TREE_TOKENS  # ... after a cached prefix, rows of up to 64 run in C too: verify
+# passes of blocks over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of
+# ngram@32:whole.
 
 
 def runs_in_c(n: int, starts: list[int]) -> bool:
@@ -391,11 +392,13 @@ class Transformer(nn.Module):
         return cached[1]
 
     def screen(self, kind: str) -> ScreenedHead | None:
-        """The head's screen of `kind` (made on first use, kept), or None where none applies. Kept per head storage
-        and dtype and per layout of bfloat16 weights, which decides how a bfloat16 head's own kernel sums (and so
-        how the screen must sum its survivors): a moved, cast or re-laid head gets a new screen."""
+        """The head's screen of `kind` (made on first use, kept), or None where none applies. Kept per head storage,
+        version and dtype and per layout of bfloat16 weights, which decides how a bfloat16 head's own kernel sums
+        (and so how the screen must sum its survivors): a moved, cast, rewritten (`load_state_dict`) or re-laid head
+        gets a new screen, whose rounded copy of the head is made from the weights as they are."""
         weight = self.lm_head.weight
-        key = (kind, weight.data_ptr(), weight.dtype, native._pairs, native._int8_vnni, native._screen_wide)
+        version = 0 if weight.is_inference() else weight._version
+        key = (kind, weight.data_ptr(), version, weight.dtype, native._pairs, native._int8_vnni, native._screen_wide)
         screens = self.__dict__.setdefault("_screens", {})
         if key not in screens:
             for stale in [k for k in screens if k[0] == kind]:
