@@ -20,6 +20,9 @@ from dflash.sampling import SamplingConfig
 PROMPT = [5, 9, 12, 7, 3, 22, 40, 17, 8]
 # a tree with branches at every depth, a deep path through later siblings, and a lone leaf at the end
 PARENTS = [-1, 0, 0, 1, 2, 2, 4, 3, 6, 0, 8]
+# a path of 20 with branches off it: past the tiny Gemma3's window of 16, its deep nodes' windows start among
+# their own ancestors, its shallow ones' in the cache
+DEEP = [-1] + list(range(20)) + [4, 14, 19, 20]
 
 
 def causal_last_logits(target, ids):
@@ -80,10 +83,10 @@ def test_tree_pass_logits_equal_causal_passes_over_each_path(tiny_targets, arch,
         assert torch.allclose(out.features[0, node], causal.features[0, -1], atol=1e-4, rtol=1e-4), node
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # (Gemma3's tiny window of 16 keeps a wide tree in torch)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_tree_wider_than_a_verify_pass_runs_in_c_and_matches(tiny_targets, arch, monkeypatch):
-    """40 nodes (more than the 16 tokens a chain's verify pass runs in C): the C stack's answer, every node equal
-    to the torch layers' tree pass."""
+    """40 nodes (more than the 16 tokens a chain's verify pass runs in C; wider than Gemma3's tiny window of 16):
+    the C stack's answer, every node equal to the torch layers' tree pass."""
     from dflash.models import native
 
     target = tiny_targets[arch]
@@ -122,12 +125,15 @@ def test_tree_pass_in_bfloat16_matches_the_causal_pass():
 
 @pytest.mark.parametrize("context", [4, 5, 30])  # the cache's keys end inside a pair of keys or not; 8 at a time
 @pytest.mark.parametrize("layout", ["float32", "bfloat16", "bfloat16-pairs"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_every_node_of_a_tree_pass_gives_bitwise_the_logits_of_steps_along_its_path(arch, layout, context):
+@pytest.mark.parametrize("arch,parents", [("llama", PARENTS), ("gemma3", PARENTS), ("gemma3", DEEP)],
+                         ids=["llama", "gemma3", "gemma3-deep"])
+def test_every_node_of_a_tree_pass_gives_bitwise_the_logits_of_steps_along_its_path(arch, parents, layout, context):
     """Why tree rounds stay lossless in bfloat16, where near-ties are common: each node's attention sums its keys
     (the cache's, then its ancestors' and its own) in the lanes and pairs a step reading them in a chain uses, so
     its logits are bitwise those of stepping its path one token at a time. Before, a bfloat16 SmolLM2 gave other
-    greedy tokens than `ar` through `dflash:tree15` in 3 of 3 GSM8K answers."""
+    greedy tokens than `ar` through `dflash:tree15` in 3 of 3 GSM8K answers. Gemma3's sliding window (16 here)
+    counts from each node's own place in its chain: past it, the C stack had handed tree passes to torch's
+    layers, whose sums are not a step's."""
     from dflash.models import native
     from dflash.models.target import TargetModel
     from dflash.testing import NATIVE, tiny_target
@@ -140,17 +146,21 @@ def test_every_node_of_a_tree_pass_gives_bitwise_the_logits_of_steps_along_its_p
         dtype = torch.float32 if layout == "float32" else torch.bfloat16
         target = TargetModel(model=tiny.model.to(dtype), tokenizer=tiny.tokenizer, name=f"tiny-{arch}-{layout}",
                              measure=False, kernel_plan=NATIVE)
-        if not target.engine._tree_in_c(len(PARENTS), context + len(PARENTS)):
-            pytest.skip("past Gemma3's window the tree pass runs torch's layers")
         prompt = (PROMPT * 4)[:context]
-        tokens = [(5 * i + 3) % target.vocab_size for i in range(len(PARENTS))]
+        tokens = [(5 * i + 3) % target.vocab_size for i in range(len(parents))]
         cache = target.new_cache(capacity=64)
         target.forward(torch.tensor([prompt]), cache)
-        tree = target.forward(torch.tensor([tokens]), cache, tree=torch.tensor([PARENTS])).logits[0]
-        for node in range(len(PARENTS)):
+        stack = native.stack
+        with pytest.MonkeyPatch.context() as patch:
+            calls = []
+            patch.setattr(native, "stack", lambda h, *a, **k: calls.append(h.shape[1]) or stack(h, *a, **k))
+            tree = target.forward(torch.tensor([tokens]), cache, tree=torch.tensor([parents])).logits[0]
+        if native.library() is not None:
+            assert calls == [len(parents)]  # through the C stack, not torch's layers
+        for node in range(len(parents)):
             path = [node]
-            while PARENTS[path[-1]] >= 0:
-                path.append(PARENTS[path[-1]])
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
             steps = target.new_cache(capacity=64)
             target.forward(torch.tensor([prompt]), steps)
             for k in reversed(path):

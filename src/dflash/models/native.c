@@ -1763,52 +1763,52 @@ ATTENTION_PAIRS_TARGET static void weights_as_pairs(float *s, int64_t from, int6
 
 /* A tree pass's node (trees.py's visibility word `visible` over the pass's keys from tree_start on): its value sums
  * as a step reading the same keys in a chain would sum them, the cache's keys [0, tree_start) and then the node's
- * ancestors and itself in order, compacted (its weights p[0..count) already are: compact_tree): the pairs of a
- * step group keys by their place in that chain, not by their slots in the pass, where other nodes sit between. */
-ATTENTION_PAIRS_TARGET static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t count,
+ * ancestors and itself in order, compacted (its weights p[lo..count) already are: compact_tree), from the chain's
+ * key lo on (a sliding window's first): the pairs of a step group keys by their place in that chain, not by their
+ * slots in the pass, where other nodes sit between. */
+ATTENTION_PAIRS_TARGET static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t lo, int64_t count,
                                                     int64_t tree_start, uint64_t visible, float *out) {
     int64_t slot[64], k = 0;
     for (int i = 0; i < 64; i++)
         if (visible >> i & 1) slot[k++] = tree_start + i;
-    weights_as_pairs(p, 0, count);
+    weights_as_pairs(p, lo, count);
+#define CHAIN_ROW(j) ((j) < lo || (j) >= count ? NULL : v + c + ((j) < tree_start ? (j) : slot[(j) - tree_start]) * d)
     for (int64_t c = 0; c < d; c += 64) {
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t m = 0; 2 * m < count; m++) {
-            int64_t j0 = 2 * m, j1 = 2 * m + 1;
-            const uint16_t *r0 = v + c + (j0 < tree_start ? j0 : slot[j0 - tree_start]) * d;
-            const uint16_t *r1 = j1 < count ? v + c + (j1 < tree_start ? j1 : slot[j1 - tree_start]) * d : NULL;
+        for (int64_t m = lo / 2; 2 * m < count; m++) {
             __m512i I[4];
-            value_rows(r0, r1, I);
+            value_rows(CHAIN_ROW(2 * m), CHAIN_ROW(2 * m + 1), I);
             __m512bh w = (__m512bh)_mm512_set1_epi32((int)word_at(p, m));
             for (int i = 0; i < 4; i++) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)I[i], w);
         }
         store_value_sums(a, out + c);
     }
+#undef CHAIN_ROW
 }
 #else
 typedef void (*ValuePairs64)(const uint16_t *v, int64_t d, const float *const *p, const int64_t *from,
                              const int64_t *to, float *const *out);
 static const ValuePairs64 value_pairs64_of[VALUE_HEADS] = {NULL};
 static void weights_as_pairs(float *s, int64_t from, int64_t to) { (void)s, (void)from, (void)to; }
-static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t count, int64_t tree_start,
+static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t lo, int64_t count, int64_t tree_start,
                              uint64_t visible, float *out) {
-    (void)v, (void)d, (void)p, (void)count, (void)tree_start, (void)visible, (void)out;
+    (void)v, (void)d, (void)p, (void)lo, (void)count, (void)tree_start, (void)visible, (void)out;
 }
 #endif
 
 /* attend's value sums through values64 (d a multiple of 64): the chunk's query heads, VALUE_HEADS at a time, each
- * 64 columns at a time */
+ * 64 columns at a time; token t of the chunk sums the values of keys [lo[t], seen[t]) */
 static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *values, int64_t at, int64_t d,
-                            int64_t last, int64_t step, int64_t window, int bf16, int pairs) {
+                            const int64_t *lo, const int64_t *seen, int bf16, int pairs) {
     const float *p[VALUE_HEADS];
     float *out[VALUE_HEADS];
     int64_t from[VALUE_HEADS], to[VALUE_HEADS], heads = tokens * group;
     for (int64_t first = 0; first < heads; first += VALUE_HEADS) {
         int count = (int)MIN(VALUE_HEADS, heads - first);
         for (int q = 0; q < count; q++) {
-            int64_t t = (first + q) / group, h = (first + q) % group, seen = last + t * step + 1;
+            int64_t t = (first + q) / group, h = (first + q) % group;
             p[q] = R.scores + t * R.score_token + h * R.score_head;
-            to[q] = seen, from[q] = window > 0 ? MAX(0, seen - window) : 0;
+            to[q] = seen[t], from[q] = lo[t];
             if (pairs) weights_as_pairs((float *)p[q], from[q], to[q]);
         }
         for (int64_t c = 0; c < d; c += 64) {
@@ -1867,10 +1867,19 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                 for (; i + 8 <= d; i += 8) store8(q2, i, _mm256_loadu_ps(q + i), 1);
                 for (; i < d; i++) q2[i] = f32_to_bf16(q[i]);
             }
-    /* token t sees keys lo(t)..n(t) - 1: all before it, or (a sliding window) its last `window` */
-#define SEEN(t) (last + (t) * step + 1)
-#define FIRST_SEEN(t) (window > 0 ? MAX(0, SEEN(t) - window) : 0)
-    for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
+    /* token t reads the keys [from[t], seen[t]) by slot, the first `window` of them dropped (a sliding window):
+     * a causal token all before it, a block's token the whole block. A tree node's chain (compact_tree) is the cache
+     * before the pass, then its ancestors and itself: its window starts at the chain's key chain_lo[t], which may lie
+     * among the ancestors, and it scores every key of the pass from tree_start on to compact them. */
+    int64_t from[tokens], seen[tokens], chain_lo[tokens], first = longest;
+    for (int64_t t = 0; t < tokens; t++) {
+        seen[t] = last + t * step + 1;
+        int64_t chain = tree ? tree_start + __builtin_popcountll(tree[t]) : seen[t];
+        chain_lo[t] = window > 0 ? MAX(0, chain - window) : 0;
+        from[t] = tree ? MIN(chain_lo[t], tree_start) : chain_lo[t];
+        first = MIN(first, from[t]);
+    }
+    for (int64_t j0 = first / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *k = pairs ? NULL : cache_rows(keys, at, j0, j1, d, bf16, block);
         for (int64_t t = 0; t < tokens; t++)
@@ -1878,43 +1887,43 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
                 const float *q = R.q + t * R.q_token + h * d;
                 float *s = R.scores + t * R.score_token + h * R.score_head;
                 if (pairs)
-                    block_scores_pairs(q16 + (t * group + h) * d, (const uint16_t *)keys + at + j0 * d, j0, j1, FIRST_SEEN(t), SEEN(t), d,
-                                       scale, s);
+                    block_scores_pairs(q16 + (t * group + h) * d, (const uint16_t *)keys + at + j0 * d, j0, j1,
+                                       from[t], seen[t], d, scale, s);
                 else
-                    block_scores(q, k, j0, j1, FIRST_SEEN(t), SEEN(t), d, scale, s);
+                    block_scores(q, k, j0, j1, from[t], seen[t], d, scale, s);
             }
     }
     int in_registers = d % 64 == 0 && values64_here(); /* values64 writes its sums whole, from zero */
     int tree_pairs = tree && pairs && d % 64 == 0;
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
-            int64_t n = SEEN(t), lo = FIRST_SEEN(t), end = n; /* a tree pass has no window within reach: lo 0 */
+            int64_t n = seen[t], lo = chain_lo[t], end = n;
             float *s = R.scores + t * R.score_token + h * R.score_head;
             if (tree) end = compact_tree(s, tree_start, n, tree[t]);
             float top = largest(s + lo, end - lo), inverse = 1.0f / exp_shifted(s + lo, end - lo, top);
             for (int64_t j = lo; j < end; j++) s[j] *= inverse;
-            if (tree_pairs)
-                tree_value_pairs((const uint16_t *)values + at, d, s, end, tree_start, tree[t],
+            if (tree_pairs) {
+                tree_value_pairs((const uint16_t *)values + at, d, s, lo, end, tree_start, tree[t],
                                  R.out + t * R.out_token + h * d);
-            else if (tree)
+            } else if (tree) { /* by slot, ancestors before the window weighing zero (a zero weight adds nothing) */
+                for (int64_t j = tree_start; j < lo; j++) s[j] = 0.0f;
                 expand_tree(s, tree_start, n, end, tree[t]);
+            }
             if (!in_registers && !tree_pairs) memset(R.out + t * R.out_token + h * d, 0, sizeof(float) * (size_t)d);
         }
     if (tree_pairs) { /* summed above, node by node */
     } else if (in_registers || (pairs && d % 64 == 0)) {
-        attend_values64(R, tokens, group, values, at, d, last, step, window, bf16, pairs && d % 64 == 0);
+        attend_values64(R, tokens, group, values, at, d, from, seen, bf16, pairs && d % 64 == 0);
     } else {
-        for (int64_t j0 = FIRST_SEEN(0) / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
+        for (int64_t j0 = first / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
             int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
             const float *v = cache_rows(values, at, j0, j1, d, bf16, block);
             for (int64_t t = 0; t < tokens; t++)
                 for (int64_t h = 0; h < group; h++)
-                    block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, FIRST_SEEN(t), SEEN(t),
+                    block_values(R.scores + t * R.score_token + h * R.score_head, v, j0, j1, from[t], seen[t],
                                  d, R.out + t * R.out_token + h * d);
         }
     }
-#undef SEEN
-#undef FIRST_SEEN
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < group; h++) {
             float *out = R.out + t * R.out_token + h * d;

@@ -336,10 +336,9 @@ class Transformer(nn.Module):
         return self.logits(h, "all"), features
 
     def _tree_in_c(self, n: int, end: int) -> bool:
-        """Whether the C stack can run a tree pass: one visibility word a token, and no sliding window reached
-        (C would count a window from the pass's last slot, not from each node's depth)."""
-        windows = [layer.window for layer in self.layers if layer.window is not None]
-        return n <= trees.MAX_TREE_TOKENS and all(end <= window for window in windows)
+        """Whether the C stack can run a tree pass: one visibility word a token (a sliding window counts from each
+        node's own depth there)."""
+        return n <= trees.MAX_TREE_TOKENS
 
     def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: list[int],
                       feature_layers: tuple[int, ...], tree: torch.Tensor | None = None
