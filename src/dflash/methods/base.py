@@ -205,26 +205,33 @@ def in_draft_dtype(method: str, target, options: MethodOptions,
     return proposer, note
 
 
-def best_drafting_seconds(proposer: Proposer, target, context: int = 64, runs: int = 3) -> float:
-    """Best of `runs` drafting passes (after a warm-up) of a fresh `proposer` after a `context`-token context of
-    random target features: what one round's drafting costs, whatever the drafts. Each follows a target step, as
-    in a round, since the step's weights evict the drafter's from the caches (SmolLM2's 540 MB against a 32 MB L3).
-    Timed back to back instead, a bfloat16 drafter (twice int8's bytes) looked the cheaper, 3.5 ms against
-    int8-head's 4.1; after a step it took 3.9 against 3.7 (AMD EPYC Zen 4, 2 threads, scripts/draft_cost.py)."""
+def best_drafting_seconds(proposer: Proposer, target, context: int = 64, accepted: int = 3, runs: int = 3) -> float:
+    """Best of `runs` drafting passes (after a warm-up) of a round in its steady state: a fresh `proposer` first
+    reads a `context`-token context of random target features (untimed, as after a prompt), then each timed pass
+    reads the features of `accepted` newly committed tokens, as after a round that kept a few drafts, whatever the
+    drafts. Timed from the context instead, the pass read 64 rows: 3.7 ms for a bfloat16 SmolLM2 drafter against
+    the 2.3 ms of a round's (thirty-second session). Each follows a target step, as in a round, since the step's
+    weights evict the drafter's from the caches (SmolLM2's 540 MB against a 32 MB L3). Timed back to back instead,
+    a bfloat16 drafter (twice int8's bytes) looked the cheaper, 3.5 ms against int8-head's 4.1; after a step it
+    took 3.9 against 3.7 (AMD EPYC Zen 4, 2 threads, scripts/draft_cost.py)."""
     import time
 
+    total = context + accepted * (runs + 1)
     width = len(proposer.feature_layers) * target.hidden_size
-    features = torch.randn(1, context, width, generator=torch.Generator().manual_seed(0)).to(target.dtype)
-    sequence = [5 + i % (target.vocab_size - 5) for i in range(context + 1)]
+    features = torch.randn(1, total, width, generator=torch.Generator().manual_seed(0)).to(target.dtype)
+    sequence = [5 + i % (target.vocab_size - 5) for i in range(total + 1)]
     cache = target.new_cache(capacity=16)
     step = torch.tensor([[5]], device=target.device)
+    proposer.start(sequence[:context], features[:, :context])
+    proposer.propose(sequence[:context + 1])
     best = float("inf")
     for run in range(runs + 1):
-        proposer.start(sequence[:context], features)
+        end = context + accepted * (run + 1)  # the round kept the old bonus and accepted - 1 drafts
+        proposer.commit(sequence[end - accepted:end], features[:, end - accepted:end])
         target.forward(step, cache)
         cache.truncate(0)
         start = time.perf_counter()
-        proposer.propose(sequence)
+        proposer.propose(sequence[:end + 1])
         if run:
             best = min(best, time.perf_counter() - start)
     return best
@@ -298,9 +305,9 @@ def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecis
         best = min(timings, key=timings.get)
         return best in names and 1000 * seconds_in(draft_precision(best, target)) >= STALE_RATIO * timings[best]
 
-    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not; ":heads": timed
-    # since a drafter's LM head may take our kernels (twenty-fourth session), which made float precisions cheaper
-    key = target.measurement_key(f"{key}:draft-precision:after-a-step:heads")
+    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not; ":a-round": timed
+    # as a round's pass (best_drafting_seconds) since the thirty-second session
+    key = target.measurement_key(f"{key}:draft-precision:a-round")
     timings, measured = cached_measurement(key, measure, still_valid=still_fits)
     name = min(timings, key=timings.get)
     return draft_precision(name, target), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}

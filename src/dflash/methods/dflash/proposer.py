@@ -335,7 +335,7 @@ def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precisio
     from ...models.target import cached_timing
 
     shapes = sorted({(lin.out_features, lin.in_features) for lin in products + [proposer.lm_head]})
-    timings = cached_timing(target, f"dflash-drafter-kernels:{precision}:{shapes}:{sorted(candidates)}:after-a-step",
+    timings = cached_timing(target, f"dflash-drafter-kernels:{precision}:{shapes}:{sorted(candidates)}:a-round",
                             measure)
     chosen = candidates[min((name for name in timings if name in candidates), key=timings.get)]
     proposer.use_plan(chosen)
