@@ -59,6 +59,11 @@ def main(argv: list[str]) -> int:
             clock.append(time.perf_counter())
             proposer.cache.reserve(done + ctx.shape[1] + x.shape[1])
             out = drafter._native_forward(x, rope_block, ctx, rope_ctx, positions, proposer.cache)
+            if out is None:  # layers C does not run (e.g. float32 ones on a bfloat16 target): torch's, as forward
+                out = x
+                for i, layer in enumerate(drafter.layers):
+                    ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
+                    out = layer(out, rope_block, ctx_k, ctx_v, None, proposer.cache, i)
             proposer.cache.advance(ctx.shape[1])
             clock.append(time.perf_counter())
             hidden = drafter.norm(out)
