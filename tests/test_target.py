@@ -174,3 +174,37 @@ def test_weights_loaded_into_the_model_reach_our_forward(arch):
     assert loaded.screens
     greedy = loaded.greedy_of(loaded.forward(ids, loaded.new_cache(), logits_at="hidden").hidden)
     assert torch.equal(greedy, after.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("part", ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "o_proj.weight",
+                                  "gate_proj.weight", "up_proj.weight", "down_proj.weight", "input_layernorm.weight",
+                                  "post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight",
+                                  "embed_tokens.weight"])
+def test_an_in_place_write_to_a_models_weight_reaches_our_forward(arch, part):
+    """`param.mul_(...)` under no_grad on any of the model's weights after our forward was built (a merge of
+    adapters, an edit) is seen by the next pass: it gives bitwise what a target built on the written weights gives.
+    The fused products' source weights had been `.data` views with version counters of their own, so writes to
+    q, k, v, gate and up went unseen by the C layers."""
+    from dflash.models.target import choose_kernels
+    from dflash.testing import tiny_target
+
+    written, fresh = tiny_target(arch, logit_scale=4.0), tiny_target(arch, logit_scale=4.0)
+    for target in (written, fresh):
+        choose_kernels(target, "native")
+        target.screen_greedy = True
+    params = dict(written.model.named_parameters())
+    names = [n for n in params if n.endswith(part) and (".layers.1." in n or not ".layers." in n)]
+    if not names:
+        pytest.skip(f"no {part} in {arch}")
+    ids = torch.tensor([[5, 9, 12, 7, 3]])
+    before = written.forward(ids, written.new_cache()).logits
+    written.greedy_of(written.forward(ids, written.new_cache(), logits_at="hidden").hidden)  # the screen, made
+    with torch.no_grad():
+        params[names[0]].mul_(3).add_(0.01)
+    fresh.model.load_state_dict(written.model.state_dict())
+    after = written.forward(ids, written.new_cache()).logits
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh.forward(ids, fresh.new_cache()).logits)
+    greedy = written.greedy_of(written.forward(ids, written.new_cache(), logits_at="hidden").hidden)
+    assert torch.equal(greedy, after.argmax(-1))

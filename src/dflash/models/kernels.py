@@ -243,7 +243,10 @@ class FrozenLinear(nn.Module):
     @classmethod
     def fused(cls, linears: list[nn.Linear], plan: KernelPlan | None = None) -> "FrozenLinear":
         """One product for several linears reading the same input; their outputs are concatenated in order. The
-        linears' weights become views of the fused weight, so fusing costs no memory."""
+        linears' weights (and biases) become views of the fused ones, so fusing costs no memory, and parameters
+        made of true views share the fused tensor's version counter: an in-place write to `q_proj.weight` bumps the
+        fused weight's version, which the product's laid-out copies and the C stack's check read (`.data = view`
+        keeps a counter of its own, and such writes went unseen)."""
         with torch.no_grad():
             weight = torch.cat([lin.weight.detach() for lin in linears])
             biases = [lin.bias for lin in linears]
@@ -252,7 +255,10 @@ class FrozenLinear(nn.Module):
                  for b, lin in zip(biases, linears)])
             start = 0
             for lin in linears:
-                lin.weight.data = weight[start: start + lin.out_features]
+                rows = slice(start, start + lin.out_features)
+                lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
+                if lin.bias is not None:
+                    lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
                 start += lin.out_features
         return cls(weight, bias, plan)
 

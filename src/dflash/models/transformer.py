@@ -449,9 +449,12 @@ def _eps(hf_norm: nn.Module, config) -> float:
     return float(getattr(hf_norm, "variance_epsilon", getattr(hf_norm, "eps", config.rms_norm_eps)))
 
 
-def _share_linear(ours: nn.Linear, theirs: nn.Linear) -> None:
-    ours.weight = theirs.weight
-    ours.bias = theirs.bias
+def _share_linears(ours: nn.Module, theirs: nn.Module, names: tuple[str, ...]) -> None:
+    """Our attention or MLP runs the model's own linears (the same modules, not copies sharing their weights): fusing
+    them (FrozenLinear.fused) makes their weights views of the fused weight, and the model must hold those very
+    parameters, so that an in-place write or a load into them reaches our products."""
+    for name in names:
+        setattr(ours, name, getattr(theirs, name))
 
 
 def _layer_from_hf(hf_layer: nn.Module, config, head_dim: int, layer_type: str, gemma: bool,
@@ -464,14 +467,12 @@ def _layer_from_hf(hf_layer: nn.Module, config, head_dim: int, layer_type: str, 
         bias=hf_attn.q_proj.bias is not None, out_bias=hf_attn.o_proj.bias is not None, norm_unit_offset=gemma,
         scale=float(getattr(hf_attn, "scaling", head_dim**-0.5)),
     )
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        _share_linear(getattr(attention, name), getattr(hf_attn, name))
+    _share_linears(attention, hf_attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
     if qk_norm:
         attention.q_norm.weight, attention.k_norm.weight = hf_attn.q_norm.weight, hf_attn.k_norm.weight
     activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     mlp = GatedMLP(config.hidden_size, hf_mlp.gate_proj.out_features, activation, bias=hf_mlp.gate_proj.bias is not None)
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        _share_linear(getattr(mlp, name), getattr(hf_mlp, name))
+    _share_linears(mlp, hf_mlp, ("gate_proj", "up_proj", "down_proj"))
     names = ["input_layernorm", "post_attention_layernorm"]
     if gemma:
         names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
