@@ -43,6 +43,7 @@ def test_our_forward_equals_transformers(family_targets, arch):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("transformers", [False, True], ids=["ours", "transformers"])
+@pytest.mark.filterwarnings("error::FutureWarning")  # the fallback passes its cache under the current keyword
 def test_rollback_equals_fresh_forward(family_targets, arch, transformers):
     """After verifying a block and rejecting part of it, the cache equals a fresh prefill of the committed tokens;
     gemma3's 16-token sliding window is passed on purpose."""
@@ -90,6 +91,21 @@ def test_ragged_batch_rows_equal_their_solo_runs(family_targets, arch):
         torch.testing.assert_close(together.features[i], solo[i].features[0], atol=1e-5, rtol=1e-4)
 
 
+def test_the_fallback_names_its_cache_as_the_models_forward_does():
+    """transformers 5.2x renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+    remote code and older releases take `past_key_values`."""
+    from dflash.models.hf import cache_keyword
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None): ...
+
+    assert cache_keyword(New()) == "cache" and cache_keyword(Old()) == "past_key_values"
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
 def test_other_families_fall_back_to_transformers():
     """A family without our forward runs through transformers, losslessly, with its features."""
     from transformers import AutoModelForCausalLM, MistralConfig

@@ -8,8 +8,20 @@ reference our forward is checked against.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The name under which the model's forward takes its cache: `cache` from transformers 5.2x, where
+    `past_key_values` is deprecated (to be removed in 5.40), `past_key_values` before and in remote code."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class HFCache:
@@ -54,6 +66,7 @@ class HFEngine:
     def __init__(self, model: nn.Module):
         self.model = model
         self.layers = model.get_decoder().layers
+        self.cache_keyword = cache_keyword(model)
 
     def new_cache(self, batch: int = 1, **_) -> HFCache:
         if batch != 1:
@@ -72,8 +85,8 @@ class HFEngine:
 
         hooks = [self.layers[i].register_forward_hook(hook(i)) for i in feature_layers]
         try:
-            out = self.model(input_ids=input_ids, past_key_values=cache.inner if cache is not None else None,
-                             use_cache=cache is not None)
+            out = self.model(input_ids=input_ids, use_cache=cache is not None,
+                             **{self.cache_keyword: cache.inner if cache is not None else None})
         finally:
             for h in hooks:
                 h.remove()
