@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
                     out = layer(out, rope_block, ctx_k, ctx_v, None, proposer.cache, i)
             proposer.cache.advance(ctx.shape[1])
             clock.append(time.perf_counter())
-            hidden = drafter.norm(out)
+            hidden = drafter.norm.rows(out)  # as DFlashDrafter.forward takes it
             clock.append(time.perf_counter())
             proposer.pending = []
             DFlashProposer._read_in_steps([proposer], hidden[:, 1:], [stop])

@@ -335,3 +335,28 @@ def test_dense_inputs_sum_exactly_on_the_int16_scale():
             approx, _ = native.int8_vnni_logits(x[:rows], head)
             exact = (n[:rows].double() @ quantized.double().T) * 2.0**-19
             assert torch.allclose(approx.double(), exact, rtol=2**-22, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma's norm: a unit offset, the product before rounding
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_taken_inside_the_screen_gives_the_logits_argmax(arch, dtype, kind):
+    """A greedy token takes the final norm and the screen in one C call; its rows are bitwise those `norm.rows`
+    gives the logits (the same C function), so the token is the argmax of the logits the engine computes from the
+    same hidden states, whichever way they come; and the C norm is torch's RMSNorm within rounding."""
+    from dflash.testing import tiny_target
+
+    target = tiny_target(arch, logit_scale=4.0)
+    target.model.to(dtype)
+    engine = target.engine
+    with torch.no_grad():
+        engine.norm.weight.uniform_(-0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    h = (torch.randn(3, 5, engine.norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    normed = engine.norm.rows(h)
+    assert normed.dtype == dtype and torch.allclose(normed.float(), engine.norm(h).float(), rtol=1e-2, atol=1e-2)
+    if dtype == torch.bfloat16:  # the torch norm's rounding, its sums apart: most values bitwise
+        assert (normed == engine.norm(h)).float().mean() > 0.9
+    screen = engine.screen(kind)
+    ids = screen.argmax(h, engine.norm)
+    assert ids is not None and ids.shape == (3, 5)
+    assert torch.equal(ids, screen.argmax(normed))
+    assert torch.equal(ids, engine.logits(h, "all").argmax(-1))

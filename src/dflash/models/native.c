@@ -1342,6 +1342,50 @@ static void rms_norm(const float *x, const void *weight, float eps, int64_t dim,
     for (; i < dim; i++) out[i] = rnd(load(weight, i, bf16) * rnd(x[i] * inv, bf16), bf16);
 }
 
+/* A model's final norm over `rows` rows of x, in the model's dtype (bf16: bfloat16, else float32), into float32
+ * rows `out` (bfloat16 values where bf16): rms_norm row by row, as the layers' own norms run. `row`: dim floats. */
+static void final_norm_rows(const void *x, const void *weight, float eps, int64_t rows, int64_t dim, int bf16,
+                            int unit, float *row, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < dim; i++) row[i] = load(x, r * dim + i, bf16);
+        rms_norm(row, weight, eps, dim, bf16, out + r * dim, unit);
+    }
+}
+
+/* final_norm_rows into out in the model's dtype: one call where torch's bfloat16 RMSNorm is six small ops, each
+ * cold after a pass has streamed the weights (~0.2 ms of a 7 ms bfloat16 SmolLM2 step on 2 AMD EPYC Zen 4 cores). */
+int dflash_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t dim, float eps, int bf16,
+                    int unit) {
+    float *row = malloc((size_t)(rows + 1) * (size_t)dim * sizeof(float));
+    if (!row) return 1;
+    float *normed = row + dim;
+    final_norm_rows(x, weight, eps, rows, dim, bf16, unit, row, normed);
+    for (int64_t i = 0; i < rows * dim; i++) {
+        if (bf16)
+            ((uint16_t *)out)[i] = f32_to_bf16(normed[i]); /* already a bfloat16 value: exact */
+        else
+            ((float *)out)[i] = normed[i];
+    }
+    free(row);
+    return 0;
+}
+
+/* dflash_greedy_screened over the final norm of rows x (the model's dtype, as dflash_rms_norm takes them): the
+ * norm, widened, and the screen in one call (two cold calls from Python before). Its rows are bitwise those of
+ * dflash_rms_norm (the same function), so its tokens are the argmax of the logits of the model's normed rows. */
+int dflash_greedy_screened_normed(const void *tiles, int int8, const float *scales, const void *weight, int bf16_head,
+                                  const double *row_norms, double norm_factor, double l1_factor, const void *x,
+                                  const void *norm_weight, float eps, int bf16, int unit, int64_t m, int64_t n,
+                                  int64_t k, int threads, int64_t *ids, int64_t *screened) {
+    static _Thread_local float *kept;
+    static _Thread_local int64_t kept_size;
+    float *rows = kept_buffer(&kept, &kept_size, (m + 1) * k);
+    if (!rows) return 1;
+    final_norm_rows(x, norm_weight, eps, m, k, bf16, unit, rows + m * k, rows);
+    return dflash_greedy_screened(tiles, int8, scales, weight, bf16_head, row_norms, norm_factor, l1_factor, rows, m,
+                                  n, k, threads, ids, screened);
+}
+
 /* x * cos + roll(x, d / 2) * signed_sin over one head (layers.py apply_rotary) */
 static void rotate(float *x, const void *cos, const void *sin, int64_t d, int bf16, float *tmp) {
     if (d % 16 == 0) { /* halves of whole vectors: x[i] pairs with x[i +- d / 2] */

@@ -120,6 +120,11 @@ def library() -> ctypes.CDLL | None:
                                  + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
                                  + [ctypes.c_int] + [ctypes.c_void_p] * 2)
             screened.restype = ctypes.c_int
+            normed = lib.dflash_greedy_screened_normed
+            normed.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                               + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
+                               + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
+            normed.restype = ctypes.c_int
             layer = lib.dflash_layer
             layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
                               + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
@@ -136,6 +141,9 @@ def library() -> ctypes.CDLL | None:
                                 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
                                 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
             drafter.restype = ctypes.c_int
+            norm = lib.dflash_rms_norm
+            norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
+            norm.restype = ctypes.c_int
             _library = lib
             _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
             _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
@@ -425,10 +433,29 @@ def drafter_stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tenso
     return out if status == 0 else None
 
 
-def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(argmax ids [m], tokens summed in float32 [m]) of the rows x [m, k] float32 against the float32 head that
-    `head` screens (native.c, dflash_greedy_screened); None where it cannot decide (the caller computes the
-    logits)."""
+def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm runs on x: float32 or bfloat16 on the CPU, a weight of its dtype, both contiguous."""
+    return (_library is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype == x.dtype and x.is_contiguous() and weight.is_contiguous())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor | None:
+    """x / rms(x) * weight over the last dim of x (float32 or bfloat16, with a weight of its dtype, on the CPU) in one
+    C call (native.c, dflash_rms_norm: the layers' own norm; `unit_offset`: Gemma's); None where it cannot run."""
+    lib = _library
+    if not rms_norm_applies(x, weight):
+        return None
+    out = torch.empty_like(x)
+    status = lib.dflash_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                 x.shape[-1], eps, int(x.dtype == torch.bfloat16), int(unit_offset))
+    return out if status == 0 else None
+
+
+def greedy_screened(x: torch.Tensor, head, norm=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(argmax ids [m], tokens summed in float32 [m]) of the rows x [m, k] against the float32 head that `head`
+    screens (native.c, dflash_greedy_screened); None where it cannot decide (the caller computes the logits). x:
+    float32 rows, or with `norm` (an RMSNorm of x's dtype: the model's final norm) the rows before it, in the model's
+    dtype, normed in the same call as `norm.rows` norms them (dflash_greedy_screened_normed)."""
     lib = _library
     if lib is None:
         return None
@@ -438,9 +465,12 @@ def greedy_screened(x: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor] 
     screened = torch.empty(m, dtype=torch.int64)
     int8 = head.scales is not None
     mode = (3 if head.wide_inputs(m) else 2) if head.vnni else int(int8)
-    status = lib.dflash_greedy_screened(head.tiles.data_ptr(), mode, head.scales.data_ptr() if int8 else None,
-                                        head.weight.data_ptr(), head.bf16_head,
-                                        head.bound_norms.data_ptr(), head.norm_factor,
-                                        head.l1_factor, x.data_ptr(), m, head.weight.shape[0], k,
-                                        torch.get_num_threads(), ids.data_ptr(), screened.data_ptr())
+    screen = (head.tiles.data_ptr(), mode, head.scales.data_ptr() if int8 else None, head.weight.data_ptr(),
+              head.bf16_head, head.bound_norms.data_ptr(), head.norm_factor, head.l1_factor, x.data_ptr())
+    rest = (m, head.weight.shape[0], k, torch.get_num_threads(), ids.data_ptr(), screened.data_ptr())
+    if norm is None:
+        status = lib.dflash_greedy_screened(*screen, *rest)
+    else:
+        status = lib.dflash_greedy_screened_normed(*screen, norm.weight.data_ptr(), norm.eps,
+                                                   int(x.dtype == torch.bfloat16), int(norm.unit_offset), *rest)
     return (ids, screened) if status == 0 else None

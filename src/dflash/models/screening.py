@@ -83,12 +83,18 @@ class ScreenedHead:
         return (bias is None and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
                 and weight.device.type == "cpu" and native.supports(weight))
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """argmax over the vocabulary of x [..., hidden] (the head's dtype) . weight^T, per row; None where the
-        screen cannot decide (non-finite inputs): the caller computes the logits."""
+    def argmax(self, x: torch.Tensor, norm=None) -> torch.Tensor | None:
+        """argmax over the vocabulary of x [..., hidden] (the head's dtype) . weight^T, per row, or with `norm` (an
+        RMSNorm, the model's final norm) of norm.rows(x) . weight^T, the norm taken in the same C call; None where
+        the screen cannot decide (non-finite inputs): the caller computes the logits."""
         if x.dtype != self.weight.dtype or x.shape[-1] != self.weight.shape[1]:
             return None
-        found = native.greedy_screened(x.reshape(-1, x.shape[-1]).float(), self)  # bfloat16 widens exactly
+        x = x.contiguous()
+        if norm is not None and native.rms_norm_applies(x, norm.weight):
+            found = native.greedy_screened(x.reshape(-1, x.shape[-1]), self, norm)
+        else:
+            x = norm.rows(x) if norm is not None else x
+            found = native.greedy_screened(x.reshape(-1, x.shape[-1]).float(), self)  # bfloat16 widens exactly
         if found is None:
             return None
         ids, self.last_screened = found

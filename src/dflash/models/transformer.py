@@ -371,7 +371,7 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         elif logits_at == "none":
             return None
-        logits = self.head(self.norm(h)).float()
+        logits = self.head(self.norm.rows(h)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -426,7 +426,7 @@ class Transformer(nn.Module):
         gives, bitwise where the head runs our kernel), found through the screen of `kind`; None where there is
         none or it cannot decide."""
         screen = self.screen(kind)
-        return None if screen is None else screen.argmax(self.norm(h))
+        return None if screen is None else screen.argmax(h, self.norm)
 
     @staticmethod
     def _mask(positions: torch.Tensor, starts: list[int], n: int, end: int, window: int | None):

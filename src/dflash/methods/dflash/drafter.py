@@ -333,7 +333,7 @@ class DFlashDrafter(nn.Module):
             out = self._native_forward(x, rope_block, ctx, rope_ctx, block_positions, cache)
             if out is not None:
                 cache.advance(ctx.shape[1])
-                return self.norm(out)
+                return self.norm.rows(out)  # one C call (inference: no gradient)
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
             x = layer(x, rope_block, ctx_k, ctx_v, mask, cache, i)
