@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
             clock = [time.perf_counter()]
             pending = torch.cat(proposer.pending, dim=1)
             start, done = len(sequence) - 1, proposer.cache.lengths[0]
-            ctx = drafter.hidden_norm(fc(pending.to(dtype)))
+            ctx = drafter.hidden_norm.rows(fc(pending.to(dtype)))  # as forward takes it
             clock.append(time.perf_counter())
             rope_ctx = drafter.rope_of(torch.arange(done, start)[None], dtype, from_table=True)
             positions = torch.arange(start, start + proposer.block_size)[None]

@@ -324,7 +324,9 @@ class DFlashDrafter(nn.Module):
         """
         dtype = self.fc.weight.dtype
         fc = self.fast_fc if getattr(self, "fast_fc", None) is not None else self.fc
-        ctx = self.hidden_norm(fc(context_features.to(dtype)))
+        # inference (a cache): the norm in one C call where it runs (RMSNorm.rows); training keeps torch's, for grads
+        hidden_norm = self.hidden_norm.rows if cache is not None else self.hidden_norm
+        ctx = hidden_norm(fc(context_features.to(dtype)))
         rope_ctx = self.rope_of(context_positions, dtype, from_table=cache is not None)
         rope_block = self.rope_of(block_positions, dtype, from_table=cache is not None)
         x = block_embeds.to(dtype)
@@ -416,7 +418,7 @@ class DFlashDrafter(nn.Module):
         for cache, end in zip(caches, ends):
             cache.reserve(end)
         fc = self.fast_fc if getattr(self, "fast_fc", None) is not None else self.fc
-        ctx = self.hidden_norm(fc(torch.cat(contexts, dim=1).to(dtype))) if sum(counts) else None
+        ctx = self.hidden_norm.rows(fc(torch.cat(contexts, dim=1).to(dtype))) if sum(counts) else None
         ctx_positions = torch.cat([torch.arange(cache.lengths[0], end, device=block_positions.device)
                                    for cache, end in zip(caches, ends)])[None]
         rope_ctx = self.rotary(ctx_positions, dtype) if ctx is not None else None
