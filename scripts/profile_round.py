@@ -8,8 +8,8 @@ the best kernel's matrix-vector product over a matrix of that size, each the med
 after the passes. Reported: our forward (dflash's engine) and
 transformers' forward for a 1-token step and verify passes of 2-16 tokens (with features, logits at every position),
 ours also for a 16-token pass whose logits stop at the first FIRST_LOGITS positions (engine.py: a round whose
-drafts fail there) and one without logits (its decoder layers alone), drafting a block, and each step's ratio to the
-bound. Medians of 10 runs each; the engine is warmed up first.
+drafts fail there) and one without logits (its decoder layers alone), a round's drafting pass (after a target
+step, reading a round's few new tokens: best_drafting_seconds), and each step's ratio to the bound. Medians of 10 runs each; the engine is warmed up first.
 """
 
 import json
@@ -20,7 +20,7 @@ import torch
 
 from dflash.engine import FIRST_LOGITS
 from dflash.loading import build_proposer, load_target_cached
-from dflash.methods.base import MethodOptions
+from dflash.methods.base import MethodOptions, best_drafting_seconds
 from dflash.models.kernels import FrozenLinear
 from dflash.models.target import TargetModel
 
@@ -98,14 +98,8 @@ def main() -> None:
     readings.append(bandwidth_gb_s(weight_bytes, target.dtype))
     bandwidth = {k: sorted(r[k] for r in readings)[1] for k in readings[0]}
     bound_ms = {k: weight_bytes / (v * 1e6) for k, v in bandwidth.items()}
-    prompt = target.encode_prompt("Janet's ducks lay 16 eggs per day. How much does she make every day?")
-    features = target.forward(torch.tensor([prompt]), None, layers).features
-
-    def draft():
-        proposer.start(prompt, features)
-        proposer.propose(prompt + [5])
-
-    draft_ms = median_ms(draft)
+    # a round's pass, not the first one over a whole prompt (3.7 ms against a round's 2.3 in bfloat16)
+    draft_ms = 1000 * best_drafting_seconds(proposer, target, runs=10)
     report = {"dtype": dtype, "threads": torch.get_num_threads(), "weight_mb": weight_bytes / 1e6,
               "bandwidth_gb_s": bandwidth, "bound_ms": bound_ms, "ours_ms": ours, "transformers_ms": theirs,
               "draft_ms": draft_ms, "draft_dtype": proposer.report.get("draft_dtype"), "kernels": target.kernel_report}
@@ -121,7 +115,7 @@ def main() -> None:
     print(f"verify-16 / step: {ours[16] / ours[1]:.2f}x with logits at all 16 positions"
           + (f", {stepped / ours[1]:.2f}x ({stepped:.1f} ms) with logits at the first {FIRST_LOGITS}, as a round "
              f"that rejects there runs it, {bare / ours[1]:.2f}x ({bare:.1f} ms) without logits" if stepped else "")
-          + f"; drafting a block ({report['draft_dtype']}): {draft_ms:.1f} ms")
+          + f"; a round's drafting pass ({report['draft_dtype']}): {draft_ms:.1f} ms")
     if out_file:
         with open(out_file, "w") as f:
             json.dump(report, f, indent=2)
