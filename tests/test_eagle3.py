@@ -221,3 +221,41 @@ def test_training_lifts_acceptance():
     trained = mean_tau(target, Eagle3Proposer(head.eval(), target), prompts)
     assert untrained < 1.3
     assert trained > 4.0, (untrained, trained, metrics)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, monkeypatch):
+    """One speculative pair through native.c's standard layer (HiddenHalf: the embedding's half of q/k/v as the
+    product's bias, the rest a pre-norm layer over the hidden state) gives the torch step's hidden state and keys
+    and values, within rounding."""
+    from dflash.models import native
+    from dflash.models.target import choose_kernels
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels: {native.why_not}")
+    target = tiny_target("llama", logit_scale=4.0)
+    target.model.to(dtype)
+    choose_kernels(target, "native")
+    head = fresh_head(target, scale=0.3).to(dtype).freeze(target.kernel_plan)
+    calls = []
+    layer = native.layer
+    monkeypatch.setattr(native, "layer", lambda *a, **k: calls.append(1) or layer(*a, **k))
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 1, target.hidden_size, generator=generator).to(dtype)
+    embeds = target.embed_tokens(torch.tensor([[9]]))
+    outs, caches = [], []
+    with torch.inference_mode():
+        for in_c in (True, False):
+            if not in_c:
+                head.__dict__["_hidden_half"] = None
+            cache = head.new_cache(32)
+            cache.reserve(8)
+            cache.keys.normal_(generator=torch.Generator().manual_seed(2))
+            cache.values.normal_(generator=torch.Generator().manual_seed(3))
+            cache.advance(5)
+            outs.append(head.step(embeds, hidden, 6, cache).float())  # a speculative pair past the committed 5
+            caches.append((cache.keys[..., :7, :].float(), cache.values[..., :7, :].float()))
+    assert calls == [1]  # the C step ran, and only for the first
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest value: bfloat16 rounds at 2^-8
+    for ours, theirs in [outs] + list(zip(*caches)):
+        assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()

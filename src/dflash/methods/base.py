@@ -305,9 +305,10 @@ def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecis
         best = min(timings, key=timings.get)
         return best in names and 1000 * seconds_in(draft_precision(best, target)) >= STALE_RATIO * timings[best]
 
-    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not; ":a-round": timed
-    # as a round's pass (best_drafting_seconds) since the thirty-second session
-    key = target.measurement_key(f"{key}:draft-precision:a-round")
+    # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not. The suffix names
+    # the code the timings were taken with, so that older ones are not kept: ":rounds", since the thirty-second
+    # session, times a round's pass (best_drafting_seconds) with EAGLE-3's draft steps in C
+    key = target.measurement_key(f"{key}:draft-precision:rounds")
     timings, measured = cached_measurement(key, measure, still_valid=still_fits)
     name = min(timings, key=timings.get)
     return draft_precision(name, target), {"draft_dtype": name, "draft_ms": timings, "measured_now": measured}
