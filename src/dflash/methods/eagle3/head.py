@@ -226,7 +226,8 @@ class Eagle3Head(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the DRAFT vocabulary."""
-        normed = self.norm(hidden)
+        # drafting (no gradient): the norm in one C call where it runs (RMSNorm.rows); training: torch's
+        normed = self.norm(hidden) if self.training or torch.is_grad_enabled() else self.norm.rows(hidden)
         return self.fast_head(normed) if self.fast_head is not None else self.lm_head(normed)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, at: int, cache: KVCache) -> torch.Tensor:
