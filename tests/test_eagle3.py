@@ -223,11 +223,12 @@ def test_training_lifts_acceptance():
     assert trained > 4.0, (untrained, trained, metrics)
 
 
+@pytest.mark.parametrize("pairs", [1, 3])  # a speculative pair; a round's first step over several real pairs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, monkeypatch):
-    """One speculative pair through native.c's standard layer (HiddenHalf: the embedding's half of q/k/v as the
-    product's bias, the rest a pre-norm layer over the hidden state) gives the torch step's hidden state and keys
-    and values, within rounding."""
+def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, pairs, monkeypatch):
+    """Pairs through native.c's standard layer (HiddenHalf: the embedding's half of q/k/v added to each token's
+    q/k/v inside the layer, the rest a pre-norm layer over the hidden state) give the torch step's hidden states and
+    keys and values, within rounding."""
     from dflash.models import native
     from dflash.models.target import choose_kernels
 
@@ -241,8 +242,8 @@ def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, monkeypatch)
     layer = native.layer
     monkeypatch.setattr(native, "layer", lambda *a, **k: calls.append(1) or layer(*a, **k))
     generator = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, 1, target.hidden_size, generator=generator).to(dtype)
-    embeds = target.embed_tokens(torch.tensor([[9]]))
+    hidden = torch.randn(1, pairs, target.hidden_size, generator=generator).to(dtype)
+    embeds = target.embed_tokens(torch.tensor([[9, 14, 3][:pairs]]))
     outs, caches = [], []
     with torch.inference_mode():
         for in_c in (True, False):
@@ -253,8 +254,8 @@ def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, monkeypatch)
             cache.keys.normal_(generator=torch.Generator().manual_seed(2))
             cache.values.normal_(generator=torch.Generator().manual_seed(3))
             cache.advance(5)
-            outs.append(head.step(embeds, hidden, 6, cache).float())  # a speculative pair past the committed 5
-            caches.append((cache.keys[..., :7, :].float(), cache.values[..., :7, :].float()))
+            outs.append(head.step(embeds, hidden, 6, cache).float())  # pairs past the committed 5
+            caches.append((cache.keys[..., :6 + pairs, :].float(), cache.values[..., :6 + pairs, :].float()))
     assert calls == [1]  # the C step ran, and only for the first
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest value: bfloat16 rounds at 2^-8
     for ours, theirs in [outs] + list(zip(*caches)):

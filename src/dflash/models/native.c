@@ -1408,11 +1408,15 @@ static void rotate(float *x, const void *cos, const void *sin, int64_t d, int bf
 /* y[m, n] = x[m, k8] . tiles^T + bias, rounded as torch's product in the model dtype; bf16 = 2: tiles in pairs (the
  * pairs buffer was reserved by the layer's caller, `reserve_pairs`); PAIRS_GIVEN: and x is that buffer, its pairs
  * written already (layer_pairs) */
-static void product(const void *tiles, const void *bias, int bf16, const float *x, float *y, int64_t m, int64_t n,
-                    int64_t k, int threads, float *bias_f) {
+static void product_rounded(const void *tiles, const void *bias, int bf16, const float *x, float *y, int64_t m,
+                            int64_t n, int64_t k, int threads, float *bias_f, int rounded) {
     if (bias)
         for (int64_t i = 0; i < n; i++) bias_f[i] = load(bias, i, bf16);
-    run(tiles, bf16, x, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads, bf16 != 0);
+    run(tiles, bf16, x, bias ? bias_f : NULL, y, m, n, (k + 7) / 8 * 8, threads, rounded);
+}
+static void product(const void *tiles, const void *bias, int bf16, const float *x, float *y, int64_t m, int64_t n,
+                    int64_t k, int threads, float *bias_f) {
+    product_rounded(tiles, bias, bf16, x, y, m, n, k, threads, bias_f, bf16 != 0);
 }
 
 /* A bfloat16-in-pairs layer's buffer for a product's input pairs [m, k8] (reserved before the layer ran), which the
@@ -2007,6 +2011,9 @@ typedef struct { /* one pass: `rows` sequences of n new tokens (m in all), their
     void *keys, *values;
     int threads;
     float *part[PARTS];
+    /* added to each token's q, k and v after their product (float32, m rows of the product's width; NULL: none):
+     * EAGLE-3's embedding half of its q/k/v product (HiddenHalf in methods/eagle3/head.py) */
+    const float *qkv_rows;
 } Pass;
 
 /* Token t of a pass is token t % n of row t / n, at position starts[t / n] + t % n; its row's cache begins at
@@ -2059,7 +2066,10 @@ static void project(const Layer *L, Pass *P) {
     size_t elem = L->bf16 ? 2 : 4;
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm1, L->eps, L->hidden, L->bf16,
                                                 P->part[XN] + t * hp, L->gemma);
-    product(L->qkv, L->qkv_bias, L->bf16, P->part[XN], qkv, P->m, width, L->hidden, P->threads, P->part[BIAS]);
+    /* with qkv_rows, the sums are rounded (bfloat16) once, after the rows are added, as one product would */
+    product_rounded(L->qkv, L->qkv_bias, L->bf16, P->part[XN], qkv, P->m, width, L->hidden, P->threads,
+                    P->part[BIAS], L->bf16 != 0 && !P->qkv_rows);
+    for (int64_t i = 0; P->qkv_rows && i < P->m * width; i++) qkv[i] = rnd(qkv[i] + P->qkv_rows[i], L->bf16);
     for (int64_t t = 0; t < P->m; t++) {
         const char *cos = (const char *)P->cos + t * d * elem, *sin = (const char *)P->sin + t * d * elem;
         for (int64_t head = 0; head < L->heads + L->kv_heads; head++) {
@@ -2318,17 +2328,20 @@ static void stack_body(void *arg) {
  * head_dim]): row r's tokens sit at positions starts[r].., attend causally to their row's cache, and their keys and
  * values are written there (caches [rows, kv_heads, capacity, head_dim]). The arguments after `threads` are the
  * layer's own, the same every call: norms and biases in the model dtype (NULL where absent), products as tiles,
- * sizes. Returns nonzero when out of memory (nothing written). */
+ * sizes; `qkv_rows` (NULL: none) is added to each token's q, k and v (Pass.qkv_rows). Returns nonzero when out of
+ * memory (nothing written). */
 int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int64_t *starts, const void *cos,
                  const void *sin, void *keys, void *values, int64_t capacity, int threads, int bf16, const void *norm1,
                  const void *norm2, float eps, const void *qkv, const void *qkv_bias, const void *q_norm,
                  const void *k_norm, float qk_eps, const void *o, const void *o_bias, const void *gate_up,
                  const void *down, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
-                 float scale, int gemma, int gelu, int64_t window, const void *norm3, const void *norm4) {
+                 float scale, int gemma, int gelu, int64_t window, const void *norm3, const void *norm4,
+                 int64_t rope, const float *qkv_rows) {
+    /* rope: the constants' RoPE table index, which one layer does not need (cos / sin are its own) */
     Layer L = {bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps, scale,
-               hidden, heads, kv_heads, d, inter, NULL, gemma, gelu, window, norm3, norm4, 0};
+               hidden, heads, kv_heads, d, inter, NULL, gemma, gelu, window, norm3, norm4, rope};
     Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
-              .keys = keys, .values = values, .threads = threads};
+              .keys = keys, .values = values, .threads = threads, .qkv_rows = qkv_rows};
     set_longest(&P);
     int64_t sizes[PARTS];
     if (reserve_pairs(&L, 1, P.m)) return 1;

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...checkpoint import load_weights, read_folder, write_folder
@@ -123,27 +124,27 @@ class Eagle3Layer(nn.Module):
 
 
 class HiddenHalf(nn.Module):
-    """The midlayer's attention for one token, cut so that native.c's standard layer runs it. Its q/k/v read
-    [norm(embedding) | norm(hidden)], so q/k/v = W_e norm(e) + W_h norm(h): for one token the embedding's half is a
-    vector, written as this product's bias before each step (`set_embedding`), and what is left is a pre-norm
-    decoder layer over the hidden state (norm1: the hidden norm; the residual: the hidden state), which native.c
-    runs in one call where ~20 small torch ops ran (1.26 ms a draft step in bfloat16 after a target step, its
+    """The midlayer's attention cut so that native.c's standard layer runs it. Its q/k/v read
+    [norm(embedding) | norm(hidden)], so q/k/v = W_e norm(e) + W_h norm(h): the embedding's half is computed apart
+    (`embedding_rows`) and added to each token's q/k/v inside the layer (native.layer's `qkv_rows`), and what is
+    left is a pre-norm decoder layer over the hidden state (norm1: the hidden norm; the residual: the hidden state),
+    which runs in one call where ~20 small torch ops ran (1.19 ms a bfloat16 draft step after a target step, its
     weights ~0.27 ms of reading). Not a submodule of the head: nothing of it enters the checkpoint."""
 
     def __init__(self, attn: Attention, plan):
         super().__init__()
         weight = attn.qkv.weight
         half = weight.shape[1] // 2
-        self.embedding_qkv = FrozenLinear(weight[:, :half].contiguous(), None, plan)
-        self.bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-        self.qkv = FrozenLinear(weight[:, half:].contiguous(), self.bias, plan)
+        # float32, so that the layer rounds q/k/v once, after adding these rows, as the whole product would
+        self.embedding_weight = weight[:, :half].float().contiguous()
+        self.qkv = FrozenLinear(weight[:, half:].contiguous(), None, plan)
         self.o_fast = attn.o_fast
         self.heads, self.kv_heads, self.head_dim, self.scale = attn.heads, attn.kv_heads, attn.head_dim, attn.scale
         self.q_norm = self.k_norm = None
 
-    def set_embedding(self, normed: torch.Tensor) -> None:
-        """This step's token: its normed embedding [1, 1, D] through the embedding's half of q/k/v, as the bias."""
-        self.bias.copy_(self.embedding_qkv(normed).reshape(-1))
+    def embedding_rows(self, normed: torch.Tensor) -> torch.Tensor:
+        """The embedding's half of q/k/v of normed embeddings [1, m, D]: float32 [1, m, q/k/v width]."""
+        return F.linear(normed.float(), self.embedding_weight)
 
 
 class Eagle3Head(nn.Module):
@@ -234,10 +235,9 @@ class Eagle3Head(nn.Module):
         """Inference: pairs at positions at..at+m-1; their K/V are written to `cache` at those positions (the caller
         decides whether the cache's length moves past them). Returns the output hidden states."""
         m = embeds.shape[1]
-        if m == 1:
-            out = self._native_step(embeds, hidden, at, cache)
-            if out is not None:
-                return out
+        out = self._native_step(embeds, hidden, at, cache)
+        if out is not None:
+            return out
         positions = torch.arange(at, at + m, device=embeds.device)[None]
         attn = self.midlayer.self_attn
         x = self.midlayer.attention_input(embeds.to(hidden.dtype), hidden)
@@ -248,23 +248,23 @@ class Eagle3Head(nn.Module):
         return self.midlayer.finish(hidden, attn.attend(q, keys, values, mask))
 
     def _native_step(self, embeds: torch.Tensor, hidden: torch.Tensor, at: int, cache: KVCache) -> torch.Tensor | None:
-        """`step` for one pair in one C call (HiddenHalf), or None where it cannot run there (not frozen, another
-        device, the plan's kernels not ours for one row, a bias or q/k norms)."""
+        """`step` in one C call (HiddenHalf), or None where it cannot run there (not frozen, another device, a
+        batch, the plan's kernels not ours at this many rows, a bias or q/k norms)."""
         half = self.__dict__.get("_hidden_half")
         if half is None or self.training or hidden.device.type != "cpu" or hidden.shape[0] != 1:
             return None
-        mid = self.midlayer
+        mid, m = self.midlayer, embeds.shape[1]
         constants = native_constants(half, half, mid.mlp, mid.hidden_norm, mid.post_attention_layernorm,
-                                     hidden.dtype, 1)
+                                     hidden.dtype, m)
         if constants is None:
             return None
-        cache.reserve(at + 1)
+        cache.reserve(at + m)
         keys, values = cache.keys[0], cache.values[0]
         if not keys.is_contiguous():
             return None
-        half.set_embedding(mid.input_layernorm.rows(embeds.to(hidden.dtype)))
-        rope = self.rotary.spans([at], 1, None, hidden.dtype, device=hidden.device)
-        return native.layer(hidden.contiguous(), constants, rope, keys, values, torch.tensor([at]))
+        rows = half.embedding_rows(mid.input_layernorm.rows(embeds.to(hidden.dtype)))
+        rope = self.rotary.spans([at], m, None, hidden.dtype, device=hidden.device)
+        return native.layer(hidden.contiguous(), constants, rope, keys, values, torch.tensor([at]), rows)
 
     def tree_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot: int,
                   visible: torch.Tensor, cache: KVCache) -> torch.Tensor:
