@@ -343,6 +343,31 @@ def test_draft_precision_timed_on_a_busier_machine_is_timed_again(tmp_path, monk
     assert report["measured_now"] and "float32" not in report["draft_ms"]
 
 
+def test_draft_precisions_are_timed_in_turns_so_a_busy_moment_spoils_none(tmp_path, monkeypatch):
+    """Each precision is timed once a turn, turns starting one further along, and its median kept: a busy moment of
+    the shared machine during two timings (3x slower) does not hand the choice to a slower precision, as it did when
+    each precision was timed once, one after the other (a bfloat16 DFlash drafter, 2.2 ms a round, lost to
+    int8-head's 3.7 that way)."""
+    from dflash.methods.base import DRAFT_TIMING_TURNS, measured_draft_precision
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    target.measure = True
+    speed = {"float32": 0.020, "bfloat16": 0.012, "int8": 0.014, "int8-head": 0.015}
+    calls = []
+
+    def seconds_in(precision):
+        calls.append(precision.name)
+        busy = 3.0 if len(calls) in (2, 3) else 1.0  # the second and third timings of the first turn
+        return busy * speed[precision.name]
+
+    chosen, report = measured_draft_precision(target, "turns", seconds_in)
+    assert calls[:4] == ["float32", "bfloat16", "int8", "int8-head"] and calls[4:8] == [
+        "bfloat16", "int8", "int8-head", "float32"]
+    assert len(calls) == 4 * DRAFT_TIMING_TURNS
+    assert chosen.name == "bfloat16" and report["draft_ms"]["bfloat16"] == pytest.approx(12.0)
+
+
 def test_a_drafting_pass_is_timed_after_a_target_step_as_in_a_round(monkeypatch):
     """In a round the target's step comes first and evicts the drafter's weights from the caches; drafting passes
     timed back to back would favour drafters with more bytes. Each timed pass follows a step, after one untimed
