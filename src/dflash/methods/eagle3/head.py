@@ -35,8 +35,8 @@ from torch import nn
 
 from ...checkpoint import load_weights, read_folder, write_folder
 from ...errors import UserError
-from ...models.cache import KVCache
 from ...models import native
+from ...models.cache import KVCache
 from ...models.kernels import FrozenLinear
 from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
 
