@@ -1123,7 +1123,8 @@ int dflash_int8_quad_logits(const void *tiles, const float *scales, const float 
     QuadScreenCall C = {{tiles, scales, lo, hi, wide_words, wide_at, wide_count, offset, sx, out, m, n, quads}, threads};
     with_workers(threads, quad_screen_body, &C);
 #else
-    (void)tiles, (void)scales, (void)x, (void)n, (void)threads, (void)out, (void)lo, (void)hi, (void)offset;
+    (void)tiles, (void)scales, (void)x, (void)n, (void)threads, (void)out, (void)lo, (void)hi, (void)offset,
+        (void)wide_words, (void)wide_at;
     for (int64_t r = 0; r < m; r++) spread[r] = NAN;
 #endif
     free(words), free(sx);
