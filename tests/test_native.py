@@ -823,3 +823,23 @@ def test_a_drafter_in_another_dtype_takes_our_kernels_where_that_drafts_faster(t
     assert state() == fastest
     assert settled_kernels(proposer, target, INT8, "int8", seconds=fake) is INT8
 
+
+
+@pytest.mark.parametrize("dim", [64, 37])  # eight lanes at a time, and a tail
+@pytest.mark.parametrize("unit_offset", [False, True])  # Llama's norm, Gemma's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_in_c_is_torchs_within_rounding(dim, unit_offset, dtype):
+    """RMSNorm.rows (one C call, native.rms_norm) against RMSNorm.forward: the same values up to the order of the
+    sum of squares (float32), or to one bfloat16 rounding; any leading shape, non-contiguous input made contiguous."""
+    from dflash.models.layers import RMSNorm
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels: {native.why_not}")
+    norm = RMSNorm(dim, 1e-6, unit_offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(-1.0, 2.0, generator=torch.Generator().manual_seed(0))
+    x = (torch.randn(2, 5, dim * 2, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)[..., ::2]
+    ours, theirs = norm.rows(x), norm(x)
+    assert ours.shape == theirs.shape and ours.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert ((ours.float() - theirs.float()).abs() <= tolerance * theirs.float().abs().clamp_min(1.0)).all()
