@@ -260,3 +260,34 @@ def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, pairs, monke
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest value: bfloat16 rounds at 2^-8
     for ours, theirs in [outs] + list(zip(*caches)):
         assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()
+
+
+@pytest.mark.parametrize("fastest", ["plan", "native", "vnni"])
+def test_the_heads_product_takes_the_kernel_a_drafting_pass_measures_fastest(tmp_path, monkeypatch, fastest):
+    """The head's shape (its draft vocabulary's rows) is one no plan measured (oneDNN's packed kernel took 0.67 ms of
+    a 1.4 ms bfloat16 SmolLM2 draft): the plan's kernel, ours and int8 rows with VNNI are timed on whole drafting
+    passes (the clock injected here), in turns, cached per machine; int8 plans are left alone."""
+    from dflash.models import native
+    from dflash.models.kernels import INT8, PACKED
+    from dflash.methods.eagle3.proposer import settled_head
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels: {native.why_not}")
+    if fastest == "vnni" and not native.int8_vnni():
+        pytest.skip("no AVX512-VNNI here")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_target("llama", vocab_size=96, logit_scale=4.0)
+    head = fresh_head(target, scale=0.3, draft_vocab=range(FIRST_WORD, 45)).freeze(PACKED)  # 40 rows: no plan's
+    proposer = Eagle3Proposer(head, target)
+    kernel = lambda: head.fast_head.kernel_for_rows(1)  # noqa: E731
+    timed = []
+    fake = lambda p, t: timed.append(kernel()) or (1.0 if kernel() == {"plan": "packed"}.get(fastest, fastest) else 2.0)  # noqa: E731
+    settled_head(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
+    candidates = ["packed", "native"] + (["vnni"] if native.int8_vnni() else [])
+    assert timed == candidates * 3  # every candidate, in turns
+    assert kernel() == {"plan": "packed"}.get(fastest, fastest)
+    settled_head(proposer, target, PACKED, "bfloat16", repeats=3, seconds=fake)
+    assert len(timed) == 3 * len(candidates)  # a second build reads the cache
+    before = kernel()
+    settled_head(proposer, target, INT8, "int8", seconds=fake)
+    assert kernel() == before and len(timed) == 3 * len(candidates)

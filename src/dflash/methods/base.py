@@ -13,10 +13,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..models.kernels import FrozenLinear, KernelPlan
 
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -212,6 +215,20 @@ def in_draft_dtype(method: str, target, options: MethodOptions,
     proposer, note = make(precision)
     proposer.report = {**report, **proposer.setup_report()}
     return proposer, note
+
+
+def with_kernel(plan: KernelPlan, linears: list[FrozenLinear], kernel: str = "native") -> KernelPlan:
+    """A copy of `plan` with `kernel` ("native", or "vnni" for an int8 LM head) for each of `linears` that has a form
+    for it, at a drafting pass's widths: its block, whatever its size, and a single row."""
+    from ..models.kernels import KernelPlan, shape_key
+
+    chosen = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
+    for lin in linears:
+        available = lin.has_vnni() if kernel == "vnni" else kernel in lin.kernels()
+        if available:
+            for bucket in (1, 16):
+                chosen.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = kernel
+    return chosen
 
 
 def best_drafting_seconds(proposer: Proposer, target, context: int = 64, accepted: int = 3, runs: int = 3) -> float:

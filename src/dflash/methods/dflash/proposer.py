@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from ...errors import UserError
 from ...trees import MAX_TREE_TOKENS, best_first
 from ...models.graphs import WIDTHS
-from ...models.kernels import FrozenLinear, KernelPlan, covering, shape_key
+from ...models.kernels import FrozenLinear, KernelPlan, covering
 from ..base import (Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, best_drafting_seconds,
-                    in_draft_dtype, shipped_drafter)
+                    in_draft_dtype, shipped_drafter, with_kernel)
 from .drafter import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .graphs import DrafterGraphs
 
@@ -278,18 +278,6 @@ def measured_break_even(proposer: DFlashProposer, target, precision: str, repeat
 
 # The kernels a drafter's LM head is timed on beside its plan's (settled_kernels), by candidate name
 HEAD_KERNELS = {"native": "fused+head", "vnni": "fused+int8-head"}
-
-
-def with_kernel(plan: KernelPlan, linears: list[FrozenLinear], kernel: str = "native") -> KernelPlan:
-    """A copy of `plan` with `kernel` ("native", or "vnni" for an int8 LM head) for each of `linears` that has a form
-    for it, at a drafting pass's widths: its block, whatever its size, and a single row."""
-    chosen = KernelPlan(dict(plan.choices), plan.default, dict(plan.timings_ms))
-    for lin in linears:
-        available = lin.has_vnni() if kernel == "vnni" else kernel in lin.kernels()
-        if available:
-            for bucket in (1, 16):
-                chosen.choices[shape_key(lin.out_features, lin.in_features, lin.weight.dtype, bucket)] = kernel
-    return chosen
 
 
 def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precision: str, repeats: int = 5,

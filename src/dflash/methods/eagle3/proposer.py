@@ -9,7 +9,8 @@ import torch
 
 from ...errors import UserError
 from ...trees import MAX_TREE_TOKENS
-from ..base import Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, in_draft_dtype, shipped_drafter
+from ..base import (Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, best_drafting_seconds,
+                    in_draft_dtype, shipped_drafter, with_kernel)
 from .head import Eagle3Head
 
 
@@ -147,6 +148,43 @@ def load(target, options: MethodOptions, precision: DraftPrecision) -> tuple[Eag
     else:
         head = Eagle3Head.load(path, device=str(target.device))
     # run in the target's dtype (or the chosen draft dtype), like the DFlash drafter, so both pay alike
-    head = head.to(device=target.device, dtype=precision.dtype).freeze(precision.plan_for(target))
+    plan = precision.plan_for(target)
+    head = head.to(device=target.device, dtype=precision.dtype).freeze(plan)
     depth = options.block_size - 1 if options.block_size else None
-    return Eagle3Proposer(head, target, depth, options.tree), note
+    proposer = Eagle3Proposer(head, target, depth, options.tree)
+    if target.measure and target.device.type == "cpu":
+        settled_head(proposer, target, plan, precision.name)
+    return proposer, note
+
+
+def settled_head(proposer: Eagle3Proposer, target, plan, precision: str, repeats: int = 5,
+                 seconds=best_drafting_seconds) -> None:
+    """The head's product on the kernel a drafting pass measures fastest: the plan's, ours, or int8 rows summed with
+    VNNI (drafts of logits ~1e-2 off: the target verifies each one), timed whole after a target step, in turns, once
+    per machine. Its shape (the draft vocabulary's rows) is one no plan measured, and took oneDNN's packed kernel:
+    0.67 ms for SmolLM2's 8192 x 576 bfloat16 rows after a target step, of a 1.4 ms draft (the DFlash drafter's head
+    is settled the same way, `settled_kernels`). Not for int8 plans, whose products are meant to run on int8."""
+    from ...models.target import cached_timing
+
+    head = proposer.head.fast_head
+    if head is None or plan.float_plan is not None:
+        return
+    candidates = {"plan": plan}
+    for kernel in ("native", "vnni"):
+        candidate = with_kernel(plan, [head], kernel)
+        if all(candidate.choices != other.choices for other in candidates.values()):
+            candidates[kernel] = candidate
+    if len(candidates) == 1:
+        return
+
+    def measure() -> dict:
+        times: dict[str, list[float]] = {name: [] for name in candidates}
+        for _ in range(repeats):  # in turns: a slower moment weighs on every candidate alike
+            for name, candidate in candidates.items():
+                head.use_plan(candidate)
+                times[name].append(seconds(proposer, target))
+        return {name: round(1000 * sorted(t)[len(t) // 2], 3) for name, t in times.items()}
+
+    timings = cached_timing(target, f"eagle3-head-kernel:{precision}:{head.out_features}x{head.in_features}:"
+                                    f"{sorted(candidates)}", measure)
+    head.use_plan(candidates[min((name for name in timings if name in candidates), key=timings.get)])
