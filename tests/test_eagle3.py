@@ -291,3 +291,11 @@ def test_the_heads_product_takes_the_kernel_a_drafting_pass_measures_fastest(tmp
     before = kernel()
     settled_head(proposer, target, INT8, "int8", seconds=fake)
     assert kernel() == before and len(timed) == 3 * len(candidates)
+
+
+def test_target_ids_follow_the_draft_vocabulary(tiny_targets):
+    """The kept list of target ids is draft_to_target's, and is made again when the draft vocabulary changes."""
+    head = fresh_head(tiny_targets["llama"], draft_vocab=range(FIRST_WORD, 40))
+    assert head.target_ids() == head.draft_to_target(torch.arange(35)).tolist() == list(range(FIRST_WORD, 40))
+    head.set_draft_vocab(range(20, 55))
+    assert head.target_ids() == list(range(20, 55))

@@ -212,6 +212,17 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, index: torch.Tensor) -> torch.Tensor:
         return index + self.d2t[index]
 
+    def target_ids(self) -> list[int]:
+        """draft_to_target of every draft index, as a list kept while d2t stands: a chain's draft reads its target id
+        from it instead of two small tensor ops (~0.08 ms a draft after a target step)."""
+        d2t = self.d2t
+        key = (d2t.data_ptr(), None if d2t.is_inference() else d2t._version)
+        kept = self.__dict__.get("_target_ids")
+        if kept is None or kept[0] != key:
+            ids = self.draft_to_target(torch.arange(d2t.numel(), device=d2t.device)).tolist()
+            kept = self.__dict__["_target_ids"] = (key, ids)
+        return kept[1]
+
     def target_to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Draft index of each target id, IGNORE where the draft vocabulary lacks it."""
         lookup = torch.full((self.config.vocab_size,), IGNORE, dtype=torch.long, device=self.d2t.device)

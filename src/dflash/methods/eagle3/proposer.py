@@ -65,7 +65,7 @@ class Eagle3Proposer(FeatureBacklog, Proposer):
         for k in range(depth):
             logits = self.head.logits(hidden).float()  # float32: a bf16 argmax is several times slower on CPU
             confidence, index = logits.softmax(-1).max(-1)
-            drafts.append(int(self.head.draft_to_target(index)))
+            drafts.append(self.head.target_ids()[int(index)])
             confidences.append(float(confidence))
             if k + 1 == depth or (keep_going is not None and not keep_going(confidences)):
                 break
