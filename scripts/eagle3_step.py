@@ -5,6 +5,8 @@ Usage: .venv/bin/python scripts/eagle3_step.py step [DTYPE]       the decoder la
                                                                    200 each way, ms)
        .venv/bin/python scripts/eagle3_step.py generate [DTYPE]   time per token of `eagle3` on 4 GSM8K prompts x 3,
                                                                    96 tokens, C over torch (median ratio), same outputs
+       .venv/bin/python scripts/eagle3_step.py error              a bfloat16 step of 3 pairs, C and torch, against the
+                                                                   same step in float32 (largest difference)
 (DTYPE: the target's and the head's, default bfloat16; 2 threads; run from the repository root: ../shared/data)
 """
 
@@ -73,15 +75,52 @@ def generation(target, proposer) -> None:
           f"(range {min(ratios):.3f}-{max(ratios):.3f}), same outputs: {same}")
 
 
+def step_error(target, head) -> None:
+    """The bfloat16 head's step, C and torch, against the shipped head's torch step in float32 (not frozen), on the
+    same inputs."""
+    from dflash.methods.base import shipped_drafter
+    from dflash.methods.eagle3.head import Eagle3Head
+
+    reference = Eagle3Head.load(shipped_drafter(target.name, "eagle3")).eval()
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 3, target.hidden_size, generator=generator) * 4
+    embeds = target.embed_tokens(torch.tensor([[9, 14, 3]])).float()
+
+    def run(model, dtype, in_c: bool) -> torch.Tensor:
+        half = model.__dict__.get("_hidden_half")
+        model.__dict__["_hidden_half"] = half if in_c else None
+        cache = model.new_cache(64)
+        cache.reserve(40)
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=torch.Generator().manual_seed(2)))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=torch.Generator().manual_seed(3)))
+        cache.advance(30)
+        with torch.inference_mode():
+            out = model.step(embeds.to(dtype), hidden.to(dtype), 30, cache).float()
+        model.__dict__["_hidden_half"] = half
+        return out
+
+    exact = run(reference, torch.float32, False)
+    for way, in_c in (("C", True), ("torch", False)):
+        difference = (run(head, torch.bfloat16, in_c) - exact).abs()
+        print(f"{way} bfloat16 step against float32: largest difference {difference.max():.4f}, mean "
+              f"{difference.mean():.4f} (largest value {exact.abs().max():.2f})")
+
+
 def main(argv: list[str]) -> int:
     mode, dtype = (argv + ["step", "bfloat16"][len(argv):])[:2]
+    dtype = "bfloat16" if mode == "error" else dtype
     torch.set_num_threads(2)
     target = load_target_cached("smollm2-135m", dtype)
     proposer = build_proposer("eagle3", target, MethodOptions(draft_dtype=dtype))[0]
     if proposer.head.__dict__.get("_hidden_half") is None:
         print("no C step for this head (its plan's kernels are not ours)")
         return 1
-    step_costs(target, proposer.head) if mode == "step" else generation(target, proposer)
+    if mode == "step":
+        step_costs(target, proposer.head)
+    elif mode == "error":
+        step_error(target, proposer.head)
+    else:
+        generation(target, proposer)
     return 0
 
 

@@ -339,8 +339,9 @@ def measured_draft_precision(target, key: str, seconds_in: Callable[[DraftPrecis
         return best in names and 1000 * seconds_in(draft_precision(best, target)) >= STALE_RATIO * timings[best]
 
     # per target dtype too: a bfloat16 target's drafting passes cost what a float32 one's do not. The suffix names
-    # the code the timings were taken with, so that older ones are not kept: ":rounds", since the thirty-second
-    # session, times a round's pass (best_drafting_seconds) with EAGLE-3's draft steps in C, precisions in turns
+    # the code the timings were taken with, so that older ones are not kept: ":rounds-in-turns", since the
+    # thirty-second session, times a round's pass (best_drafting_seconds) with EAGLE-3's draft steps in C, the
+    # precisions in turns
     key = target.measurement_key(f"{key}:draft-precision:rounds-in-turns")
     timings, measured = cached_measurement(key, measure, still_valid=still_fits)
     name = min(timings, key=timings.get)

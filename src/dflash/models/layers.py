@@ -39,10 +39,11 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """forward, in one C call on the CPU where it can run (native.rms_norm), for a model's final norm: torch's
-        bfloat16 norm is six small ops, each cold after a pass (~0.2 ms of a 7 ms SmolLM2 step). The same function
-        for every call of a model (x made contiguous; the C call's conditions are the model's dtype and device), so
-        a row normed in a step is bitwise the row normed in a verify pass."""
+        """forward without gradients, in one C call on the CPU where it can run (native.rms_norm): a model's final
+        norm, and drafters' norms when drafting. torch's bfloat16 norm is six small ops, each cold after a pass
+        (~0.2 ms of a 7 ms SmolLM2 step). The same function for every call of a model (x made contiguous; the C
+        call's conditions are the model's dtype and device), so a row normed in a step is bitwise the row normed in
+        a verify pass."""
         x = x.contiguous()
         out = native.rms_norm(x, self.weight, self.eps, self.unit_offset)
         return out if out is not None else self(x)
