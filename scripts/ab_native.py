@@ -6,6 +6,7 @@ Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|layers|batch] [
   threads;
   layers: the same passes without the LM head (the decoder layers alone);
   batch: a decode step of 16 rows at 600 positions each on 1 thread, as `dflash data --threads 1` runs.
+AB_WIDTHS=1,5,8,16 times those pass widths instead of a step and 16 tokens (verify and layers modes).
 
 Why: on a shared 2-core machine whole-pass timings of one build move by 20-50% within minutes, so builds timed in
 turn (scripts/step_verify.py) cannot separate a 5% change. Here both libraries are loaded side by side (ctypes
@@ -14,6 +15,7 @@ same weights (both builds must share the tile layout) and the same cache. Each p
 their median and range printed. To get an OLD.c: `git show COMMIT:src/dflash/models/native.c > /tmp/old.c`.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +42,8 @@ def main(argv: list[str]) -> int:
     mode = argv[2] if len(argv) > 2 else "verify"
     dtype = argv[3] if len(argv) > 3 else "float32"
     rows, context, widths, threads = (16, 600, (1,), 1) if mode == "batch" else (1, 200, (1, 16), 2)
+    if mode != "batch" and os.environ.get("AB_WIDTHS"):
+        widths = tuple(int(w) for w in os.environ["AB_WIDTHS"].split(","))
     context = int(argv[4]) if len(argv) > 4 else context
     torch.set_num_threads(threads)
     target = load_target_cached("smollm2-135m", dtype=dtype)

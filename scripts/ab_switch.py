@@ -39,6 +39,9 @@ Switches (the "on" variant is each one's default):
   screen-wide       that integer screen rounds its inputs wide where many rows are screened (all but each row's 8
                     largest channels in a byte, their high bytes summed apart; `models/native.c`), against dense
                     inputs (every channel in two bytes, int16's precision) everywhere; both pin the integer screen
+  native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `git show
+                    REV:src/dflash/models/native.c > /tmp/old.c`), libraries swapped in one process as
+                    scripts/ab_native.py does, on whole generations; both builds must share the tile layout
 
 For every prompt and method, the two variants generate in turn, the order flipping every prompt, each with its own
 decoder (its own learnt costs; the switch is set around both its construction and its runs). Prints, per method,
@@ -134,6 +137,21 @@ def set_long_matches(target, on: bool) -> None:
     ngram.MAX_MATCH = LONG_MATCH if on else 3  # read when a proposer is built: each variant keeps its own
 
 
+NATIVE_BUILDS = {}
+
+
+def set_native_build(target, on: bool) -> None:
+    if not NATIVE_BUILDS:  # both libraries loaded side by side (ctypes keeps each one's symbols apart)
+        NATIVE_BUILDS[True] = native.library()
+        source = native.SOURCE
+        native.SOURCE, native._tried, native._library = Path(os.environ["AB_OLD_NATIVE"]), False, None
+        NATIVE_BUILDS[False] = native.library()
+        native.SOURCE = source
+        if None in NATIVE_BUILDS.values():
+            sys.exit(f"cannot build both native libraries: {native.why_not}")
+    native._library = NATIVE_BUILDS[on]
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
@@ -142,7 +160,7 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
-            "screen-wide": set_screen_wide}
+            "screen-wide": set_screen_wide, "native-build": set_native_build}
 CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)

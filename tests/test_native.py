@@ -33,7 +33,7 @@ def reference(x, weight, bias):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17, 37])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 9, 16, 17, 37])
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 3), (7, 13), (25, 17), (64, 40), (96, 576), (50, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_product_matches_f_linear(m, n, k, with_bias):
@@ -145,9 +145,10 @@ def pairs_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 18])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 18])
 def test_pairs_sum_each_output_as_one_chain_whatever_the_rows(m):
-    """Every row count (two panels at a time for 1-4 rows, groups of four over chunks beyond) sums each output as
+    """Every row count (one group of up to 8 rows, requesting the next chunk from 7 rows; groups of up to 8 beyond,
+    evened out where a single row would be left: 9 as 5 + 4, 17 as 6 + 6 + 5) sums each output as
     the one documented chain of pairs, so a verify pass of k tokens gives bitwise the products of k steps; 150
     inputs pad to 152 (a last pair of zeros, then three more)."""
     g = torch.Generator().manual_seed(m)

@@ -192,9 +192,9 @@ static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
  * against 109-129. The ceiling (scripts/fma_ceiling.c): twelve independent FMA chains run 94.5-96 GFLOP/s on one
  * core (two FMAs a cycle at ~2.95 GHz) and 170-186 on two; an earlier "255" came from a loop whose identical chains
  * gcc had merged. This kernel runs a chunk already in L1 at ~92 a core; what a whole product loses is the memory.
- * Up to four rows run two panels at a time instead (two_panels_rows below: two memory streams). Each output is
- * ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in exactly the order a
- * one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
+ * Up to four rows run two panels at a time instead (two_panels_rows below: two memory streams; not in pairs,
+ * below). Each output is ONE chain of FMAs over i = 0..k8-1, whatever R is: a verify pass sums every output in
+ * exactly the order a one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
 #define PANEL 24
 
 static inline __m256 load_w(const void *w, int64_t at, int bf16) {
@@ -331,14 +331,17 @@ PAIRS_TARGET static inline __m256bh same_pair(const float *x, int64_t j) { /* in
     memcpy(&bits, x + j, 4);
     return (__m256bh)_mm256_set1_epi32((int)bits);
 }
-/* R (1-4) rows of input pairs against one panel; x, ldx and k2 count pairs (x holds them as 32-bit words) */
+/* R (1-8) rows of input pairs against one panel; x, ldx and k2 count pairs (x holds them as 32-bit words). AVX-512VL
+ * code has 32 vector registers, so 8 rows' 24 accumulators fit beside the three weights and a broadcast: a pass of
+ * 5 tokens ran in one group, where 4 rows and then one (three chains waiting on VDPBF16PS's latency) took 1.1-1.2x
+ * as long (AMD EPYC Zen 4, 2 threads, thirty-third session) */
 PAIRS_TARGET static inline __attribute__((always_inline)) void pair_panel_rows(const void *wp, const float *x,
                                                                                int64_t ldx, int64_t k2, const int R,
                                                                                float *out, const char *pf,
                                                                                int64_t pf_step, int resume) {
     const uint32_t *w = wp;
-    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
-    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
+    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5) ACC_ZERO(6) ACC_ZERO(7)
+    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
     for (int64_t i = 0; i < k2; i++) {
         request_share(pf, i, pf_step);
         __m256bh w0 = load_pairs(w + i * PANEL), w1 = load_pairs(w + i * PANEL + 8), w2 = load_pairs(w + i * PANEL + 16);
@@ -348,34 +351,10 @@ PAIRS_TARGET static inline __attribute__((always_inline)) void pair_panel_rows(c
         a##r##0 = _mm256_dpbf16_ps(a##r##0, w0, b), a##r##1 = _mm256_dpbf16_ps(a##r##1, w1, b);                      \
         a##r##2 = _mm256_dpbf16_ps(a##r##2, w2, b);                                                                   \
     }
-        PAIR_DP(0) PAIR_DP(1) PAIR_DP(2) PAIR_DP(3)
+        PAIR_DP(0) PAIR_DP(1) PAIR_DP(2) PAIR_DP(3) PAIR_DP(4) PAIR_DP(5) PAIR_DP(6) PAIR_DP(7)
 #undef PAIR_DP
     }
-    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3)
-}
-/* One or two rows of input pairs against two panels (at w and w + size pairs), as two_panels_rows */
-PAIRS_TARGET static inline __attribute__((always_inline)) void pair_two_panels_rows(const void *wp, int64_t size,
-                                                                                    const float *x, int64_t ldx,
-                                                                                    int64_t k2, const int R, float *out,
-                                                                                    int resume) {
-    const uint32_t *w = wp;
-    TWO_ZERO(a) TWO_ZERO(b) TWO_ZERO(c) TWO_ZERO(d)
-    if (resume) {
-        TWO_LOAD(a, 0) TWO_LOAD(b, PANEL)
-        if (R > 1) { TWO_LOAD(c, 2 * PANEL) TWO_LOAD(d, 3 * PANEL) }
-    }
-    for (int64_t i = 0; i < k2; i++) {
-        __m256bh u = same_pair(x, i), v = R > 1 ? same_pair(x + ldx, i) : u, t;
-#define PAIR_TWO(j, at)                                                                                             \
-    t = load_pairs(w + (at)), a##j = _mm256_dpbf16_ps(a##j, t, u);                                                  \
-    if (R > 1) c##j = _mm256_dpbf16_ps(c##j, t, v);                                                                 \
-    t = load_pairs(w + size + (at)), b##j = _mm256_dpbf16_ps(b##j, t, u);                                           \
-    if (R > 1) d##j = _mm256_dpbf16_ps(d##j, t, v);
-        PAIR_TWO(0, i * PANEL) PAIR_TWO(1, i * PANEL + 8) PAIR_TWO(2, i * PANEL + 16)
-#undef PAIR_TWO
-    }
-    TWO_STORE(a, 0) TWO_STORE(b, PANEL)
-    if (R > 1) { TWO_STORE(c, 2 * PANEL) TWO_STORE(d, 3 * PANEL) }
+    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
 }
 #define PAIR_PANEL_ROWS(NAME, R)                                                                                     \
     PAIRS_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k2, float *out, const char *pf, \
@@ -386,14 +365,10 @@ PAIR_PANEL_ROWS(panel_pairs_1, 1)
 PAIR_PANEL_ROWS(panel_pairs_2, 2)
 PAIR_PANEL_ROWS(panel_pairs_3, 3)
 PAIR_PANEL_ROWS(panel_pairs_4, 4)
-PAIRS_TARGET static void two_panels_pairs_1(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k2,
-                                            float *out, int resume) {
-    pair_two_panels_rows(w, size, x, ldx, k2, 1, out, resume);
-}
-PAIRS_TARGET static void two_panels_pairs_2(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k2,
-                                            float *out, int resume) {
-    pair_two_panels_rows(w, size, x, ldx, k2, 2, out, resume);
-}
+PAIR_PANEL_ROWS(panel_pairs_5, 5)
+PAIR_PANEL_ROWS(panel_pairs_6, 6)
+PAIR_PANEL_ROWS(panel_pairs_7, 7)
+PAIR_PANEL_ROWS(panel_pairs_8, 8)
 /* Eight logits of a bfloat16 head as the pairs kernel stores them, rows ids[] of w: each one chain of VDPBF16PS (the
  * same instruction, lane 0) over the pairs of w and of x (bfloat16 values), rounded to bfloat16; k even (the tiles'
  * zero padding adds nothing). Eight chains side by side: one waits on the instruction's latency. */
@@ -431,8 +406,10 @@ static int cpu_has_pairs(void) {
 #define panel_pairs_2 NULL
 #define panel_pairs_3 NULL
 #define panel_pairs_4 NULL
-#define two_panels_pairs_1 NULL
-#define two_panels_pairs_2 NULL
+#define panel_pairs_5 NULL
+#define panel_pairs_6 NULL
+#define panel_pairs_7 NULL
+#define panel_pairs_8 NULL
 static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k, float *out) {
     (void)w, (void)ids, (void)x, (void)k;
     for (int t = 0; t < 8; t++) out[t] = NAN;
@@ -448,14 +425,17 @@ static void bf16_array(const float *x, int64_t n, uint16_t *out) {
 /* Whether this build and CPU run bfloat16 products in pairs (native.py lays such weights out for it then). */
 int dflash_bf16_pairs(void) { return PAIRS_BUILT && cpu_has_pairs(); }
 
-/* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs */
-static const PanelRows panel_kernels_of[3][4] = {
+/* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs. The pairs kernels are AVX-512VL code,
+ * with 32 vector registers: up to 8 rows (24 accumulators) run against a panel at once, where AVX2's 16 registers
+ * hold 4 rows' */
+static const PanelRows panel_kernels_of[3][8] = {
     {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
     {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
-    {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4}};
-static const TwoPanels two_panel_kernels_of[3][2] = {{two_panels_f32_1, two_panels_f32_2},
-                                                     {two_panels_bf16_1, two_panels_bf16_2},
-                                                     {two_panels_pairs_1, two_panels_pairs_2}};
+    {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4, panel_pairs_5, panel_pairs_6, panel_pairs_7,
+     panel_pairs_8}};
+static inline int64_t group_rows_of(int kind) { return kind == 2 ? 8 : 4; }
+static const TwoPanels two_panel_kernels_of[2][2] = {{two_panels_f32_1, two_panels_f32_2},
+                                                     {two_panels_bf16_1, two_panels_bf16_2}};
 
 /* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 chunk is
  * widened to float32 once (into L1), rather than once per four rows. `kind`: 0 float32, 1 bfloat16 (widened), 2
@@ -512,10 +492,20 @@ static void widen_panel(const uint16_t *p, int64_t count, float *out) {
 
 /* Rows x[0:rows] (at most SLICE) against one panel, over all inputs in chunks; sums[r * PANEL + c] on return. */
 #define SLICE 16
+/* The next group's rows, of `left` rows in `groups` groups of at most `most`: full groups, unless that would leave
+ * a last group of one row, whose three chains wait on the instruction's latency; then groups as even as can be
+ * (9 rows in pairs: 5 and 4, not 8 and 1). Splitting evenly where no single row was left measured slower in
+ * float32 (6 rows as 3 and 3: 1.07x 4 and 2) */
+static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left, int64_t most) {
+    return rows > 1 && (rows - 1) % most == 0 ? (left + groups_left - 1) / groups_left : MIN(most, left);
+}
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
-    int64_t k8 = units_of(W), elem = unit_bytes(W), groups = (rows + 3) / 4;
-    int64_t chunk = groups == 1 ? k8 : W->kind == 2 ? PAIR_CHUNK : CHUNK;
+    int64_t k8 = units_of(W), elem = unit_bytes(W), most = group_rows_of(W->kind), groups = (rows + most - 1) / most;
+    /* A group of 7-8 rows in pairs alone also requests the next chunk while it works on this one (its arithmetic
+     * nears the memory's time; 8 rows 0.95x the time, 5 rows 1.01-1.08x) */
+    int request = groups > 1 || rows > 6;
+    int64_t chunk = !request ? k8 : W->kind == 2 ? PAIR_CHUNK : CHUNK;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
@@ -527,10 +517,11 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
          * memory streams while the FMAs run over this one; one group leaves it to the hardware prefetcher
          * (explicit requests made float32 steps ~10% slower) */
         int64_t share = (count * PANEL * elem + groups - 1) / groups;
-        for (int64_t j = 0, g = 0; j < rows; j += 4, g++)
-            panel_kernels_of[kind][MIN(4, rows - j) - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
-                                                         groups > 1 ? ahead + g * share : NULL,
-                                                         (share + count - 1) / count, c0 > 0);
+        for (int64_t j = 0, g = 0, size; j < rows; j += size, g++) {
+            size = group_size(rows, rows - j, groups - g, most);
+            panel_kernels_of[kind][size - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
+                                             request ? ahead + g * share : NULL, (share + count - 1) / count, c0 > 0);
+        }
     }
 }
 
@@ -575,7 +566,10 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
-        if (m <= TWO_PANEL_ROWS && p + 1 < last) { /* a step or a narrow pass: two panels at a time */
+        /* a step or a narrow pass: two panels at a time, but in pairs: there one panel's stream ran 1-4 rows in
+         * 0.90-0.96x the time (AMD EPYC Zen 4, 2 threads, thirty-third session: VDPBF16PS's 2 a cycle leave the
+         * single stream's three chains time to spare, and two streams did not read faster) */
+        if (W->kind != 2 && m <= TWO_PANEL_ROWS && p + 1 < last) {
             two_panel_slice(W, stored, p, sums);
             p++;
             continue;
