@@ -46,6 +46,19 @@ def test_float32_product_matches_f_linear(m, n, k, with_bias):
 
 
 @needs_native
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 13, 16])
+def test_float32_rows_give_bitwise_the_products_of_single_rows(m):
+    """However the rows are grouped (two panels at a time up to 4 rows; groups of 4, or of up to 8 in AVX-512
+    registers where the CPU has them, evened out where one row would be left), each output is the one chain of FMAs
+    a single row's product makes: verifying k tokens gives bitwise the logits of k steps."""
+    g = torch.Generator().manual_seed(m)
+    weight, x = torch.randn(75, 150, generator=g), torch.randn(m, 150, generator=g)
+    tiles = native.tiles(weight)
+    got = native.linear(x, tiles, 75, None)
+    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 75, None) for i in range(m)]))
+
+
+@needs_native
 def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
     """Which thread computes an output never changes it: 1-3 threads, and eight Python threads calling at once (one
     holds the thread region, the others run on their own thread), all give bitwise the one-thread result."""

@@ -235,14 +235,14 @@ static inline __attribute__((always_inline)) void request_share(const char *pf, 
 static inline __attribute__((always_inline)) void panel_rows(const void *w, int bf16, const float *x, int64_t ldx,
                                                              int64_t k8, const int R, float *out, const char *pf,
                                                              int64_t pf_step, int resume) {
-    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3)
-    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3)
+    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5) ACC_ZERO(6) ACC_ZERO(7)
+    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
     for (int64_t i = 0; i < k8; i++) {
         request_share(pf, i, pf_step);
         __m256 w0 = load_w(w, i * PANEL, bf16), w1 = load_w(w, i * PANEL + 8, bf16), w2 = load_w(w, i * PANEL + 16, bf16);
-        ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3)
+        ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5) ACC_FMA(6) ACC_FMA(7)
     }
-    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3)
+    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
 }
 
 /* One or two input rows (R) against two panels (at w and w + size): six or twelve independent chains, the two
@@ -396,6 +396,22 @@ PAIRS_TARGET static void bf16_array(const float *x, int64_t n, uint16_t *out) {
     for (; i + 8 <= n; i += 8) store8(out, i, _mm256_loadu_ps(x + i), 1);
     for (; i < n; i++) out[i] = f32_to_bf16(x[i]);
 }
+/* float32 panels in AVX-512VL code, where the CPU has it: the AVX2 kernel's FMA chains, each output the same one
+ * chain, with up to 8 rows' 24 accumulators in 32 registers. Layers of 5-8 float32 tokens took 0.89-0.98x the time
+ * of groups of 4 (AMD EPYC Zen 4, 2 threads, thirty-third session; 12-16 tokens 0.98-1.02x). */
+#define F32_WIDE_TARGET __attribute__((target("avx512f,avx512vl")))
+#define PANEL_ROWS_WIDE(NAME, R)                                                                                     \
+    F32_WIDE_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out,              \
+                                     const char *pf, int64_t pf_step, int resume) {                                   \
+        panel_rows(w, 0, x, ldx, k8, R, out, pf, pf_step, resume);                                                    \
+    }
+PANEL_ROWS_WIDE(panel_f32x_1, 1) PANEL_ROWS_WIDE(panel_f32x_2, 2) PANEL_ROWS_WIDE(panel_f32x_3, 3)
+PANEL_ROWS_WIDE(panel_f32x_4, 4) PANEL_ROWS_WIDE(panel_f32x_5, 5) PANEL_ROWS_WIDE(panel_f32x_6, 6)
+PANEL_ROWS_WIDE(panel_f32x_7, 7) PANEL_ROWS_WIDE(panel_f32x_8, 8)
+static int cpu_has_avx512vl(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+}
 static int cpu_has_pairs(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
@@ -415,6 +431,15 @@ static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float 
     for (int t = 0; t < 8; t++) out[t] = NAN;
 }
 static int cpu_has_pairs(void) { return 0; }
+static int cpu_has_avx512vl(void) { return 0; }
+#define panel_f32x_1 NULL
+#define panel_f32x_2 NULL
+#define panel_f32x_3 NULL
+#define panel_f32x_4 NULL
+#define panel_f32x_5 NULL
+#define panel_f32x_6 NULL
+#define panel_f32x_7 NULL
+#define panel_f32x_8 NULL
 static void bf16_array(const float *x, int64_t n, uint16_t *out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) store8(out, i, _mm256_loadu_ps(x + i), 1);
@@ -428,12 +453,21 @@ int dflash_bf16_pairs(void) { return PAIRS_BUILT && cpu_has_pairs(); }
 /* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs. The pairs kernels are AVX-512VL code,
  * with 32 vector registers: up to 8 rows (24 accumulators) run against a panel at once, where AVX2's 16 registers
  * hold 4 rows' */
-static const PanelRows panel_kernels_of[3][8] = {
+static const PanelRows panel_kernels_of[4][8] = {
     {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
     {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
     {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4, panel_pairs_5, panel_pairs_6, panel_pairs_7,
-     panel_pairs_8}};
-static inline int64_t group_rows_of(int kind) { return kind == 2 ? 8 : 4; }
+     panel_pairs_8},
+    {panel_f32x_1, panel_f32x_2, panel_f32x_3, panel_f32x_4, panel_f32x_5, panel_f32x_6, panel_f32x_7,
+     panel_f32x_8}};
+#define F32_WIDE 3 /* float32 panels run by the AVX-512VL kernels (a kind of the table above, not of a Product) */
+static int f32_wide = -1; /* -1: not yet asked */
+static inline int run_kind(int kind) {
+    if (kind != 0) return kind;
+    if (f32_wide < 0) f32_wide = cpu_has_avx512vl();
+    return f32_wide ? F32_WIDE : 0;
+}
+static inline int64_t group_rows_of(int kind) { return kind >= 2 ? 8 : 4; }
 static const TwoPanels two_panel_kernels_of[2][2] = {{two_panels_f32_1, two_panels_f32_2},
                                                      {two_panels_bf16_1, two_panels_bf16_2}};
 
@@ -501,17 +535,17 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
 }
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
-    int64_t k8 = units_of(W), elem = unit_bytes(W), most = group_rows_of(W->kind), groups = (rows + most - 1) / most;
+    int widen = wide && rows > 4, kind = run_kind(widen ? 0 : W->kind);
+    int64_t k8 = units_of(W), elem = unit_bytes(W), most = group_rows_of(kind), groups = (rows + most - 1) / most;
     /* A group of 7-8 rows in pairs alone also requests the next chunk while it works on this one (its arithmetic
      * nears the memory's time; 8 rows 0.95x the time, 5 rows 1.01-1.08x) */
     int request = groups > 1 || rows > 6;
-    int64_t chunk = !request ? k8 : W->kind == 2 ? PAIR_CHUNK : CHUNK;
+    int64_t chunk = !request && !widen ? k8 : W->kind == 2 ? PAIR_CHUNK : CHUNK;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
         const void *w = at;
-        int kind = W->kind;
-        if (wide && groups > 1) widen_panel(w, count * PANEL, wide), w = wide, kind = 0;
+        if (widen) widen_panel(w, count * PANEL, wide), w = wide;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
          * panels lie back to back; past the last panel a request is harmless, prefetches never fault), so the
          * memory streams while the FMAs run over this one; one group leaves it to the hardware prefetcher
