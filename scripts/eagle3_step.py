@@ -7,6 +7,8 @@ Usage: .venv/bin/python scripts/eagle3_step.py step [DTYPE]       the decoder la
                                                                    96 tokens, C over torch (median ratio), same outputs
        .venv/bin/python scripts/eagle3_step.py error              a bfloat16 step of 3 pairs, C and torch, against the
                                                                    same step in float32 (largest difference)
+       .venv/bin/python scripts/eagle3_step.py tree [DTYPE]       as generate, `eagle3:tree15`: a dynamic tree's depth
+                                                                   passes in C against torch's (chain steps in C both)
 (DTYPE: the target's and the head's, default bfloat16; 2 threads; run from the repository root: ../shared/data)
 """
 
@@ -20,6 +22,7 @@ import torch
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.loading import build_proposer, load_target_cached, settle_heap
 from dflash.methods.base import MethodOptions
+from dflash.methods.eagle3.head import Eagle3Head
 
 
 def step_costs(target, head) -> None:
@@ -49,9 +52,19 @@ def step_costs(target, head) -> None:
         print(f"{way}: layer {1e3 * statistics.median(layer):.3f} ms, head and pick {1e3 * statistics.median(pick):.3f} ms")
 
 
-def generation(target, proposer) -> None:
+def generation(target, proposer, tree_only: bool = False) -> None:
     head = proposer.head
     half = head.__dict__["_hidden_half"]
+
+    def use_c(on: bool) -> None:
+        if not tree_only:
+            head.__dict__["_hidden_half"] = half if on else None
+        elif on:
+            head.__dict__.pop("_native_step", None)
+        else:  # the tree's depths through torch's layers, its chain steps in C
+            head.__dict__["_native_step"] = lambda *args, tree=None: None if tree else Eagle3Head._native_step(
+                head, *args)
+
     rows = [json.loads(line) for line in open("../shared/data/gsm8k_test.jsonl")][:4]
     prompts = [target.encode_prompt(row["prompt"]) for row in rows]
     config = GenerationConfig(max_new_tokens=96)
@@ -63,14 +76,14 @@ def generation(target, proposer) -> None:
         for i, prompt in enumerate(prompts):
             seconds, tokens = {}, {}
             for way in ("c", "torch") if (repeat + i) % 2 else ("torch", "c"):
-                head.__dict__["_hidden_half"] = half if way == "c" else None
+                use_c(way == "c")
                 started = time.perf_counter()
                 result = decoder.generate(prompt, config)
                 seconds[way] = (time.perf_counter() - started) / len(result.tokens)
                 tokens[way] = result.tokens
             same &= tokens["c"] == tokens["torch"]
             ratios.append(seconds["c"] / seconds["torch"])
-    head.__dict__["_hidden_half"] = half
+    use_c(True)
     print(f"time per token, C step / torch step: median {statistics.median(ratios):.3f} "
           f"(range {min(ratios):.3f}-{max(ratios):.3f}), same outputs: {same}")
 
@@ -79,7 +92,6 @@ def step_error(target, head) -> None:
     """The bfloat16 head's step, C and torch, against the shipped head's torch step in float32 (not frozen), on the
     same inputs."""
     from dflash.methods.base import shipped_drafter
-    from dflash.methods.eagle3.head import Eagle3Head
 
     reference = Eagle3Head.load(shipped_drafter(target.name, "eagle3")).eval()
     generator = torch.Generator().manual_seed(1)
@@ -111,7 +123,8 @@ def main(argv: list[str]) -> int:
     dtype = "bfloat16" if mode == "error" else dtype
     torch.set_num_threads(2)
     target = load_target_cached("smollm2-135m", dtype)
-    proposer = build_proposer("eagle3", target, MethodOptions(draft_dtype=dtype))[0]
+    options = MethodOptions(draft_dtype=dtype, tree=15 if mode == "tree" else None)
+    proposer = build_proposer("eagle3", target, options)[0]
     if proposer.head.__dict__.get("_hidden_half") is None:
         print("no C step for this head (its plan's kernels are not ours)")
         return 1
@@ -120,7 +133,7 @@ def main(argv: list[str]) -> int:
     elif mode == "error":
         step_error(target, proposer.head)
     else:
-        generation(target, proposer)
+        generation(target, proposer, tree_only=mode == "tree")
     return 0
 
 

@@ -12,7 +12,7 @@ from conftest import ARCHS
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.methods.base import MethodOptions
-from dflash.methods.eagle3.head import Eagle3Head, default_feature_layers
+from dflash.methods.eagle3.head import Eagle3Head, HiddenHalf, default_feature_layers
 from dflash.corpus import frequent_tokens
 from dflash.methods.eagle3.objective import Eagle3Objective, eagle3_loss, unroll
 from dflash.methods.eagle3.proposer import Eagle3Proposer
@@ -223,12 +223,8 @@ def test_training_lifts_acceptance():
     assert trained > 4.0, (untrained, trained, metrics)
 
 
-@pytest.mark.parametrize("pairs", [1, 3])  # a speculative pair; a round's first step over several real pairs
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, pairs, monkeypatch):
-    """Pairs through native.c's standard layer (HiddenHalf: the embedding's half of q/k/v added to each token's
-    q/k/v inside the layer, the rest a pre-norm layer over the hidden state) give the torch step's hidden states and
-    keys and values, within rounding."""
+def head_on_our_kernels(dtype):
+    """A tiny Llama target and a fresh head, both in `dtype`, frozen on our kernels (skips where there are none)."""
     from dflash.models import native
     from dflash.models.target import choose_kernels
 
@@ -237,7 +233,28 @@ def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, pairs, monke
     target = tiny_target("llama", logit_scale=4.0)
     target.model.to(dtype)
     choose_kernels(target, "native")
-    head = fresh_head(target, scale=0.3).to(dtype).freeze(target.kernel_plan)
+    return target, fresh_head(target, scale=0.3).to(dtype).freeze(target.kernel_plan)
+
+
+def random_cache(head, committed: int = 5, capacity: int = 10):
+    """A head cache whose slots hold random keys and values (fixed seeds), `committed` of them counted."""
+    cache = head.new_cache(32)
+    cache.reserve(capacity)
+    cache.keys.normal_(generator=torch.Generator().manual_seed(2))
+    cache.values.normal_(generator=torch.Generator().manual_seed(3))
+    cache.advance(committed)
+    return cache
+
+
+@pytest.mark.parametrize("pairs", [1, 3])  # a speculative pair; a round's first step over several real pairs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, pairs, monkeypatch):
+    """Pairs through native.c's standard layer (HiddenHalf: the embedding's half of q/k/v added to each token's
+    q/k/v inside the layer, the rest a pre-norm layer over the hidden state) give the torch step's hidden states and
+    keys and values, within rounding."""
+    from dflash.models import native
+
+    target, head = head_on_our_kernels(dtype)
     calls = []
     layer = native.layer
     monkeypatch.setattr(native, "layer", lambda *a, **k: calls.append(1) or layer(*a, **k))
@@ -249,17 +266,69 @@ def test_a_draft_step_runs_as_one_c_layer_and_matches_torchs(dtype, pairs, monke
         for in_c in (True, False):
             if not in_c:
                 head.__dict__["_hidden_half"] = None
-            cache = head.new_cache(32)
-            cache.reserve(8)
-            cache.keys.normal_(generator=torch.Generator().manual_seed(2))
-            cache.values.normal_(generator=torch.Generator().manual_seed(3))
-            cache.advance(5)
+            cache = random_cache(head)
             outs.append(head.step(embeds, hidden, 6, cache).float())  # pairs past the committed 5
             caches.append((cache.keys[..., :6 + pairs, :].float(), cache.values[..., :6 + pairs, :].float()))
     assert calls == [1]  # the C step ran, and only for the first
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest value: bfloat16 rounds at 2^-8
     for ours, theirs in [outs] + list(zip(*caches)):
         assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()
+
+
+def two_depths_of_a_tree(head, target, dtype, in_c: bool, generator_seed: int = 1):
+    """A draft tree's first two depths through `tree_step` after 5 committed pairs (random cached keys/values): three
+    nodes under the root at slots 5-7, then children of the second and third at slots 8-9, each seeing the committed
+    pairs, its ancestors' slots and its own. Returns the five outputs and the cache's keys/values of slots 0-9."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    root = torch.randn(1, 1, target.hidden_size, generator=generator).to(dtype)
+    if not in_c:
+        head.__dict__["_hidden_half"] = None
+    cache = random_cache(head)
+    seen = torch.zeros(3, 8, dtype=torch.bool)
+    seen[:, :5] = True
+    seen[[0, 1, 2], [5, 6, 7]] = True
+    first = head.tree_step(target.embed_tokens(torch.tensor([[9, 14, 3]])), root.expand(1, 3, -1),
+                           torch.full((3,), 5), 5, seen, cache)
+    seen = torch.zeros(2, 10, dtype=torch.bool)
+    seen[:, :5] = True
+    seen[0, [6, 8]] = seen[1, [7, 9]] = True
+    second = head.tree_step(target.embed_tokens(torch.tensor([[20, 11]])), first[:, 1:3], torch.full((2,), 6), 8,
+                            seen, cache)
+    return torch.cat([first, second], dim=1), (cache.keys[..., :10, :], cache.values[..., :10, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_trees_depth_runs_as_one_c_layer_and_matches_torchs(dtype, monkeypatch):
+    """A dynamic tree's depth passes through native.c's layer, the earlier depths' nodes in the cache (a region of
+    visibility bits that starts before the pass: tree_back), give the torch tree step's hidden states and keys and
+    values within rounding; and each node's output is bitwise the C chain step's along its path (the same keys in
+    the same order)."""
+    from dflash.models import native
+
+    target, head = head_on_our_kernels(dtype)
+    calls = []
+    layer = native.layer
+    monkeypatch.setattr(native, "layer", lambda *a, **k: calls.append(k.get("tree") is not None) or layer(*a, **k))
+    # torch's float32 product of several rows is not the rows' one by one (its blocking moves with them): the
+    # embedding's half row by row, so that the comparison with chain steps below isolates the C layer's
+    half, product = head.__dict__["_hidden_half"], HiddenHalf.embedding_rows
+    monkeypatch.setattr(half, "embedding_rows", lambda normed: torch.cat(
+        [product(half, normed[:, i: i + 1]) for i in range(normed.shape[1])], dim=1))
+    with torch.inference_mode():
+        ours, our_cache = two_depths_of_a_tree(head, target, dtype, in_c=True)
+        assert calls == [True, True]
+        # each node against the C chain step along its path: slots 5.. in path order, positions 5, 6
+        root = torch.randn(1, 1, target.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+        for path, tokens, nodes in [((0,), [9], [0]), ((1, 3), [14, 20], [1, 3]), ((2, 4), [3, 11], [2, 4])]:
+            cache = random_cache(head)
+            hidden = root
+            for depth, (token, node) in enumerate(zip(tokens, nodes)):
+                hidden = head.step(target.embed_tokens(torch.tensor([[token]])), hidden, 5 + depth, cache)
+                assert torch.equal(hidden[0, 0], ours[0, node]), (path, node)
+        theirs, their_cache = two_depths_of_a_tree(head, target, dtype, in_c=False)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest value: bfloat16 rounds at 2^-8
+    for a, b in [(ours, theirs)] + list(zip(our_cache, their_cache)):
+        assert (a.float() - b.float()).abs().max() <= tolerance * b.float().abs().max()
 
 
 @pytest.mark.parametrize("fastest", ["plan", "native", "vnni"])

@@ -2032,9 +2032,12 @@ enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS 
 typedef struct { /* one pass: `rows` sequences of n new tokens (m in all), their caches, and float32 scratch */
     int64_t rows, n, m, longest, capacity;
     int block; /* 0: causal; 1: a drafter's block, each token attends to all of its row's tokens in the pass */
-    /* a tree pass (NULL: none): token t sees the pass's own token i of its row iff bit i of tree[t] is set (its
-     * ancestors and itself), and every cached position before the pass */
+    /* a tree pass (NULL: none): token t sees the position tree_start + i of its row iff bit i of tree[t] is set
+     * (its ancestors and itself), and every cached position before tree_start; tree_start is the pass's first
+     * position less `tree_back` (an EAGLE-3 tree's depth pass: the earlier depths' nodes sit in the cache, each
+     * node seeing its ancestors among them) */
     const uint64_t *tree;
+    int64_t tree_back;
     const int64_t *starts;
     const void *cos, *sin;
     void *keys, *values;
@@ -2147,7 +2150,7 @@ static void attention_items(void *ctx, int64_t first, int64_t last) {
         int64_t last = whole ? P->starts[r] + P->n - 1 : position_of(P, t);
         attend(R, tokens, group, (const char *)P->keys + row_offset(L, P, t), (const char *)P->values + row_offset(L, P, t),
                g, P->capacity, L->d, last, !whole, L->window, L->scale, L->bf16,
-               P->part[ROW] + item * KEY_BLOCK * L->d, P->tree ? P->tree + t : NULL, P->starts[r]);
+               P->part[ROW] + item * KEY_BLOCK * L->d, P->tree ? P->tree + t : NULL, P->starts[r] - P->tree_back);
         for (int64_t i = 0; A->pairs && i < tokens; i++)
             bf16_array(R.out + i * R.out_token, group * L->d, A->pairs + (t + i) * ap + head * L->d);
     }
@@ -2357,20 +2360,25 @@ static void stack_body(void *arg) {
  * head_dim]): row r's tokens sit at positions starts[r].., attend causally to their row's cache, and their keys and
  * values are written there (caches [rows, kv_heads, capacity, head_dim]). The arguments after `threads` are the
  * layer's own, the same every call: norms and biases in the model dtype (NULL where absent), products as tiles,
- * sizes; `qkv_rows` (NULL: none) is added to each token's q, k and v (Pass.qkv_rows). Returns nonzero when out of
- * memory (nothing written). */
+ * sizes; `qkv_rows` (NULL: none) is added to each token's q, k and v (Pass.qkv_rows). `tree` (NULL: causal): token
+ * t sees its row's cache before starts[r] - tree_back and the positions from there whose bits tree[t] sets
+ * (Pass.tree; tree_back + n <= 64). Returns nonzero when out of memory or asked what it cannot do (nothing written). */
 int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int64_t *starts, const void *cos,
                  const void *sin, void *keys, void *values, int64_t capacity, int threads, int bf16, const void *norm1,
                  const void *norm2, float eps, const void *qkv, const void *qkv_bias, const void *q_norm,
                  const void *k_norm, float qk_eps, const void *o, const void *o_bias, const void *gate_up,
                  const void *down, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
                  float scale, int gemma, int gelu, int64_t window, const void *norm3, const void *norm4,
-                 int64_t rope, const float *qkv_rows) {
+                 int64_t rope, const float *qkv_rows, const uint64_t *tree, int64_t tree_back) {
     /* rope: the constants' RoPE table index, which one layer does not need (cos / sin are its own) */
     Layer L = {bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps, scale,
                hidden, heads, kv_heads, d, inter, NULL, gemma, gelu, window, norm3, norm4, rope};
-    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .starts = starts, .cos = cos, .sin = sin,
-              .keys = keys, .values = values, .threads = threads, .qkv_rows = qkv_rows};
+    if (tree && (tree_back < 0 || tree_back + n > 64)) return 1; /* a tree's visibility is one 64-bit word a token */
+    for (int64_t r = 0; tree && r < rows; r++)
+        if (starts[r] < tree_back) return 1;
+    Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .tree = tree, .tree_back = tree ? tree_back : 0,
+              .starts = starts, .cos = cos, .sin = sin, .keys = keys, .values = values, .threads = threads,
+              .qkv_rows = qkv_rows};
     set_longest(&P);
     int64_t sizes[PARTS];
     if (reserve_pairs(&L, 1, P.m)) return 1;

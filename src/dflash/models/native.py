@@ -130,7 +130,7 @@ def library() -> ctypes.CDLL | None:
                               + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
                               + [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4
                               + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_int64]
-                              + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p])
+                              + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64])
             layer.restype = ctypes.c_int
             stack = lib.dflash_stack
             stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
@@ -350,21 +350,26 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
 
 
 def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
-          values: torch.Tensor, starts: torch.Tensor, qkv_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+          values: torch.Tensor, starts: torch.Tensor, qkv_rows: torch.Tensor | None = None,
+          tree: torch.Tensor | None = None, tree_back: int = 0) -> torch.Tensor | None:
     """One Llama/Qwen decoder layer over n new tokens of each of b sequences (native.c): h [b, n, hidden] ->
     a new [b, n, hidden]. Row r's tokens sit at positions starts[r].. (int64 [b]) and attend causally to their row
     of `keys` / `values` [b, kv_heads, capacity, head_dim], where their own keys and values are written.
-    `qkv_rows` (float32 [b, n, q/k/v width]) is added to each token's q, k and v after their product. None where
-    the kernel is not available (the caller runs its torch forward)."""
+    `qkv_rows` (float32 [b, n, q/k/v width]) is added to each token's q, k and v after their product. `tree`
+    (int64 [b, n]): token t instead sees its row's cache before starts[r] - tree_back and, from there, the
+    positions whose bits tree[t] sets (tree_back + n <= 64). None where the kernel is not available or cannot do
+    it (the caller runs its torch forward)."""
     lib = _library
     if lib is None:
         return None
     out = torch.empty_like(h)
     rows = None if qkv_rows is None else qkv_rows.float().contiguous()
+    tree = None if tree is None else tree.to(torch.int64).contiguous()  # held here while the call reads it
     status = lib.dflash_layer(h.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], starts.data_ptr(),
                               rope[0].data_ptr(), rope[1].data_ptr(), keys.data_ptr(), values.data_ptr(),
                               keys.shape[2], torch.get_num_threads(), *constants,
-                              None if rows is None else rows.data_ptr())
+                              None if rows is None else rows.data_ptr(),
+                              None if tree is None else tree.data_ptr(), tree_back)
     return out if status == 0 else None
 
 

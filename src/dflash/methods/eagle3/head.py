@@ -39,6 +39,7 @@ from ...models import native
 from ...models.cache import KVCache
 from ...models.kernels import FrozenLinear
 from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
+from ...trees import MAX_TREE_TOKENS, as_int64
 
 IGNORE = -100
 DEFAULT_DEPTH = 7
@@ -258,13 +259,20 @@ class Eagle3Head(nn.Module):
         mask = causal_mask(positions, at + m) if m > 1 else None  # causal among the new pairs
         return self.midlayer.finish(hidden, attn.attend(q, keys, values, mask))
 
-    def _native_step(self, embeds: torch.Tensor, hidden: torch.Tensor, at: int, cache: KVCache) -> torch.Tensor | None:
+    def _native_step(self, embeds: torch.Tensor, hidden: torch.Tensor, at: int, cache: KVCache,
+                     tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """`step` in one C call (HiddenHalf), or None where it cannot run there (not frozen, another device, a
-        batch, the plan's kernels not ours at this many rows, a bias or q/k norms)."""
+        batch, the plan's kernels not ours at this many rows, a bias or q/k norms). `tree` = (positions, visible):
+        a tree's depth instead (`tree_step`), the pairs at cache slots at.. and RoPE positions `positions`, each
+        seeing what `visible` marks; the tree's region of the cache (from the committed length on: the earlier
+        depths' nodes, then these) goes to C as a 64-bit word a node (native.c's tree_back), so None also where
+        that region passes 64 slots."""
         half = self.__dict__.get("_hidden_half")
         if half is None or self.training or hidden.device.type != "cpu" or hidden.shape[0] != 1:
             return None
-        mid, m = self.midlayer, embeds.shape[1]
+        mid, m, committed = self.midlayer, embeds.shape[1], cache.lengths[0]
+        if tree is not None and (at + m - committed > MAX_TREE_TOKENS or not bool(tree[1][:, :committed].all())):
+            return None
         constants = native_constants(half, half, mid.mlp, mid.hidden_norm, mid.post_attention_layernorm,
                                      hidden.dtype, m)
         if constants is None:
@@ -274,8 +282,14 @@ class Eagle3Head(nn.Module):
         if not keys.is_contiguous():
             return None
         rows = half.embedding_rows(mid.input_layernorm.rows(embeds.to(hidden.dtype)))
-        rope = self.rotary.spans([at], m, None, hidden.dtype, device=hidden.device)
-        return native.layer(hidden.contiguous(), constants, rope, keys, values, torch.tensor([at]), rows)
+        if tree is None:
+            rope = self.rotary.spans([at], m, None, hidden.dtype, device=hidden.device)
+            return native.layer(hidden.contiguous(), constants, rope, keys, values, torch.tensor([at]), rows)
+        positions, visible = tree
+        rope = self.rotary.spans([at], m, positions[None], hidden.dtype, in_order=False)
+        bits = [sum(1 << j for j, seen in enumerate(row) if seen) for row in visible[:, committed:].tolist()]
+        return native.layer(hidden.contiguous(), constants, rope, keys, values, torch.tensor([at]), rows,
+                            tree=as_int64([bits]), tree_back=at - committed)
 
     def tree_step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot: int,
                   visible: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -284,6 +298,9 @@ class Eagle3Head(nn.Module):
         committed length; `visible` [m, slot + m] says which keys each attends to (the committed ones, its
         ancestors' slots and its own). Returns their output hidden states."""
         m = embeds.shape[1]
+        out = self._native_step(embeds, hidden, slot, cache, tree=(positions, visible))
+        if out is not None:
+            return out
         attn = self.midlayer.self_attn
         x = self.midlayer.attention_input(embeds.to(hidden.dtype), hidden)
         q, k, v = attn.project(x, self.rotary(positions[None], hidden.dtype))
