@@ -450,9 +450,9 @@ static void bf16_array(const float *x, int64_t n, uint16_t *out) {
 /* Whether this build and CPU run bfloat16 products in pairs (native.py lays such weights out for it then). */
 int dflash_bf16_pairs(void) { return PAIRS_BUILT && cpu_has_pairs(); }
 
-/* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs. The pairs kernels are AVX-512VL code,
- * with 32 vector registers: up to 8 rows (24 accumulators) run against a panel at once, where AVX2's 16 registers
- * hold 4 rows' */
+/* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs, 3 (F32_WIDE) float32 in AVX-512VL
+ * code. Kinds 2 and 3 have 32 vector registers: up to 8 rows (24 accumulators) run against a panel at once, where
+ * AVX2's 16 registers hold 4 rows' */
 static const PanelRows panel_kernels_of[4][8] = {
     {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
     {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
