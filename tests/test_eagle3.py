@@ -331,6 +331,52 @@ def test_a_trees_depth_runs_as_one_c_layer_and_matches_torchs(dtype, monkeypatch
         assert (a.float() - b.float()).abs().max() <= tolerance * b.float().abs().max()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_trees_depths_in_c_are_bitwise_their_paths(dtype, seed, monkeypatch):
+    """Random trees of 4-5 depths (2-8 nodes a depth, each under a random node of the depth before; up to 40 slots
+    of tree region, the last depths' pass reaching far past its own tokens): every node's output from the C tree
+    step is bitwise the C chain step's along its path."""
+    target, head = head_on_our_kernels(dtype)
+    half, product = head.__dict__["_hidden_half"], HiddenHalf.embedding_rows
+    monkeypatch.setattr(half, "embedding_rows", lambda normed: torch.cat(  # row by row, as in the test above
+        [product(half, normed[:, i: i + 1]) for i in range(normed.shape[1])], dim=1))
+    generator = torch.Generator().manual_seed(seed)
+    root = torch.randn(1, 1, target.hidden_size, generator=generator).to(dtype)
+    committed = 5
+    cache = random_cache(head, committed, capacity=committed + 48)
+    parents, tokens, outputs, slots = [], [], [], []  # per node, in slot order
+    frontier, slot = [-1], committed
+    with torch.inference_mode():
+        for depth in range(int(torch.randint(4, 6, (1,), generator=generator))):
+            m = int(torch.randint(2, 9, (1,), generator=generator))
+            under = [frontier[int(i)] for i in torch.randint(len(frontier), (m,), generator=generator)]
+            ids = torch.randint(FIRST_WORD, target.vocab_size, (m,), generator=generator).tolist()
+            seen = torch.zeros(m, slot + m, dtype=torch.bool)
+            seen[:, :committed] = True
+            for k, parent in enumerate(under):
+                seen[k, slot + k] = True
+                while parent >= 0:
+                    seen[k, slots[parent]] = True
+                    parent = parents[parent]
+            hidden = torch.stack([root[0, 0] if p < 0 else outputs[p] for p in under])[None]
+            out = head.tree_step(target.embed_tokens(torch.tensor([ids])), hidden,
+                                 torch.full((m,), committed + depth), slot, seen, cache)
+            frontier = list(range(len(parents), len(parents) + m))
+            for k in range(m):
+                parents.append(under[k]), tokens.append(ids[k]), outputs.append(out[0, k]), slots.append(slot + k)
+            slot += m
+        for node in range(len(parents)):
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            chain, hidden = random_cache(head, committed, capacity=committed + 48), root
+            for depth, step_node in enumerate(reversed(path)):
+                hidden = head.step(target.embed_tokens(torch.tensor([[tokens[step_node]]])), hidden,
+                                   committed + depth, chain)
+            assert torch.equal(hidden[0, 0], outputs[node]), (node, path)
+
+
 @pytest.mark.parametrize("fastest", ["plan", "native", "vnni"])
 def test_the_heads_product_takes_the_kernel_a_drafting_pass_measures_fastest(tmp_path, monkeypatch, fastest):
     """The head's shape (its draft vocabulary's rows) is one no plan measured (oneDNN's packed kernel took 0.67 ms of
