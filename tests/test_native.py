@@ -46,11 +46,11 @@ def test_float32_product_matches_f_linear(m, n, k, with_bias):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16])
 def test_float32_rows_give_bitwise_the_products_of_single_rows(m):
     """However the rows are grouped (two panels at a time up to 4 rows; groups of 4, or of up to 8 in AVX-512
-    registers where the CPU has them, evened out where one row would be left), each output is the one chain of FMAs
-    a single row's product makes: verifying k tokens gives bitwise the logits of k steps."""
+    registers where the CPU has them, evened out where the last group would be under half full), each output is
+    the one chain of FMAs a single row's product makes: verifying k tokens gives bitwise the logits of k steps."""
     g = torch.Generator().manual_seed(m)
     weight, x = torch.randn(75, 150, generator=g), torch.randn(m, 150, generator=g)
     tiles = native.tiles(weight)
@@ -158,10 +158,10 @@ def pairs_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 18])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 18])
 def test_pairs_sum_each_output_as_one_chain_whatever_the_rows(m):
     """Every row count (one group of up to 8 rows, requesting the next chunk from 7 rows; groups of up to 8 beyond,
-    evened out where a single row would be left: 9 as 5 + 4, 17 as 6 + 6 + 5) sums each output as
+    evened out where the last would hold under 4: 9 as 5 + 4, 11 as 6 + 5, 17 as 6 + 6 + 5) sums each output as
     the one documented chain of pairs, so a verify pass of k tokens gives bitwise the products of k steps; 150
     inputs pad to 152 (a last pair of zeros, then three more)."""
     g = torch.Generator().manual_seed(m)

@@ -527,11 +527,13 @@ static void widen_panel(const uint16_t *p, int64_t count, float *out) {
 /* Rows x[0:rows] (at most SLICE) against one panel, over all inputs in chunks; sums[r * PANEL + c] on return. */
 #define SLICE 16
 /* The next group's rows, of `left` rows in `groups` groups of at most `most`: full groups, unless that would leave
- * a last group of one row, whose three chains wait on the instruction's latency; then groups as even as can be
- * (9 rows in pairs: 5 and 4, not 8 and 1). Splitting evenly where no single row was left measured slower in
- * float32 (6 rows as 3 and 3: 1.07x 4 and 2) */
+ * a last group of under half as many, whose few chains wait on the instruction's latency; then groups as even as
+ * can be (in pairs 9 rows as 5 + 4, not 8 + 1: 10 as 5 + 5 took 0.95x the time of 8 + 2, 11 as 6 + 5 0.97x 8 + 3).
+ * Splitting evenly where the last group was at least half full measured no faster (12 rows in pairs as 6 + 6:
+ * 0.99x 8 + 4) or slower (float32, 6 rows as 3 + 3: 1.07x 4 + 2). */
 static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left, int64_t most) {
-    return rows > 1 && (rows - 1) % most == 0 ? (left + groups_left - 1) / groups_left : MIN(most, left);
+    int64_t last = rows % most;
+    return last != 0 && 2 * last < most ? (left + groups_left - 1) / groups_left : MIN(most, left);
 }
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
