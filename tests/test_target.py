@@ -224,3 +224,14 @@ def test_an_in_place_write_to_a_models_weight_reaches_our_forward(arch, part):
     assert torch.equal(after, fresh.forward(ids, fresh.new_cache()).logits)
     greedy = written.greedy_of(written.forward(ids, written.new_cache(), logits_at="hidden").hidden)
     assert torch.equal(greedy, after.argmax(-1))
+
+
+def test_feature_layers_out_of_range_are_a_users_error(tiny_targets):
+    from dflash.errors import UserError
+
+    target = tiny_targets["llama"]
+    for layers, bad in [((0, 99), 99), ((-1, 1), -1), ((1, target.num_layers), target.num_layers)]:
+        with pytest.raises(UserError, match=f"feature layer {bad} is out of range for a {target.num_layers}-layer"):
+            target.forward(torch.tensor([[5, 6]]), None, layers)
+    features = target.forward(torch.tensor([[5, 6]]), None, (0, target.num_layers - 1)).features
+    assert features.shape == (1, 2, 2 * target.hidden_size)  # the first and last layers' outputs, side by side

@@ -232,9 +232,12 @@ class TargetModel:
             return TargetOutput(logits=logits, features=features)
         if logits_at == "hidden" and not self.defers_logits:
             raise ValueError("logits_at='hidden' needs a target that defers logits (see defers_logits)")
-        for layer_id in feature_layers:
-            if not 0 <= layer_id < self.num_layers:
-                raise UserError(f"feature layer {layer_id} is out of range for a {self.num_layers}-layer target")
+        # one look at the config a pass, not one per feature layer: transformers' config attributes go through
+        # get_text_config and ~20 hasattr calls each, ~60 lookups a round of a drafter reading 5 layers
+        layers = self.num_layers if feature_layers else 0
+        if feature_layers and not 0 <= min(feature_layers) <= max(feature_layers) < layers:
+            bad = next(i for i in feature_layers if not 0 <= i < layers)
+            raise UserError(f"feature layer {bad} is out of range for a {layers}-layer target")
         if cache is None and not isinstance(self.engine, HFEngine):
             cache = self.new_cache(batch=input_ids.shape[0], capacity=input_ids.shape[1])
         if self.graphs is not None and logits_at == "all" and self.graphs.handles(input_ids, cache):
