@@ -429,8 +429,8 @@ def test_ragged_batches_in_c_match_the_torch_forward(arch, dtype, monkeypatch):
 @pytest.mark.parametrize("head_dim", [16, 64])  # 64: attention sums values in registers, heads of 64 floats at a time
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, head_dim, monkeypatch):
-    """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features: logits, features and
-    cache as the torch forward's. The cache grows past 8, 16 and 32 positions: keys are scored eight at a time and
+    """Passes of 2-16 tokens (causal among themselves, after a cached prefix) with features (written by the C
+    stack straight into their side-by-side layout): logits, features and cache as the torch forward's. The cache grows past 8, 16 and 32 positions: keys are scored eight at a time and
     the rest one by one; past 16 tiny Gemma3's local layers see only their window."""
     ours, theirs = native_and_torch_twins(arch, dtype, head_dim)
     calls = count_layer_calls(monkeypatch)
@@ -440,8 +440,8 @@ def test_verify_passes_in_c_match_the_torch_forward(arch, dtype, head_dim, monke
         block = torch.tensor([[(7 * width + i) % 50 + 5 for i in range(width)]])
         if width == 2:
             block = torch.tensor([ids])[:, :width]
-        got = ours.forward(block, caches[0], (0, 2))
-        expected = theirs.forward(block, caches[1], (0, 2))
+        got = ours.forward(block, caches[0], (2, 0, 2))  # in any order, one named twice: each in its slice
+        expected = theirs.forward(block, caches[1], (2, 0, 2))
         for a, b in ((got.logits, expected.logits), (got.features, expected.features)):
             assert (a.float() - b.float()).abs().max().item() <= TOLERANCE[dtype] * b.float().abs().max().item()
     assert calls[0] == 4 * ours.num_layers

@@ -2330,13 +2330,25 @@ typedef struct {
     const void *h;
     void *h_out, *spare, *keys, *values;
     int64_t cache_stride;
-    size_t elem, bytes;
+    size_t elem;
     float *buf;
     size_t floats;
     void *const *features;
+    int64_t feature_stride; /* elements from one token's row of features to the next's */
     const Context *context; /* a drafter's, else NULL */
     const void *const *coses, *const *sines; /* RoPE tables by layer type (Layer.rope), else NULL: the pass's one */
 } StackCall;
+
+/* m rows of `width` elements (elem bytes each), back to back at src, to dst with `stride` elements between rows */
+static void copy_rows(void *dst, int64_t stride, const void *src, int64_t m, int64_t width, size_t elem) {
+    if (stride == width) {
+        memcpy(dst, src, (size_t)(m * width) * elem);
+        return;
+    }
+    for (int64_t t = 0; t < m; t++)
+        memcpy((char *)dst + (size_t)(t * stride) * elem, (const char *)src + (size_t)(t * width) * elem,
+               (size_t)width * elem);
+}
 
 static void stack_body(void *arg) {
     StackCall *C = arg;
@@ -2353,7 +2365,8 @@ static void stack_body(void *arg) {
         if (C->context) context_kv(&C->layers[i], P, C->context);
         if (C->coses) P->cos = C->coses[C->layers[i].rope], P->sin = C->sines[C->layers[i].rope];
         layer_pass(&C->layers[i], P, in, out);
-        if (C->features && C->features[i]) memcpy(C->features[i], out, C->bytes);
+        if (C->features && C->features[i]) copy_rows(C->features[i], C->feature_stride, out, P->m,
+                                                     C->layers[i].hidden, C->elem);
         in = out;
     }
 }
@@ -2396,7 +2409,9 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
 /* All `count` layers of a model in one call (a Python call between layers ran cold: after a layer has streamed
  * its weights through the caches, the interpreter's own data misses them, ~60 us a layer). cos / sin: the RoPE
  * tables by layer type (Gemma3's local and global layers differ), each layer reading its own (Layer.rope). Layer i's caches start
- * i * cache_stride elements after keys / values; features[i], where not NULL, receives layer i's output. The
+ * i * cache_stride elements after keys / values; features[i], where not NULL, receives layer i's output, each
+ * token's row `feature_stride` elements after the one before (the hidden size: back to back; several layers' outputs
+ * side by side, a token's row after row: their concatenation, as a drafter reads them). The
  * layers alternate between h_out and `spare` (both [rows, n, hidden] in the model dtype), the last one ending in
  * h_out. `tree` (NULL: causal): a tree pass of n <= 64 tokens a row, token t of the pass (row-major) seeing its
  * row's cache before the pass and the pass's tokens whose bits tree[t] sets (the caller's RoPE tables place each
@@ -2404,8 +2419,8 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
 int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t n, const int64_t *starts,
                  const void *const *cos, const void *const *sin, void *keys, void *values, int64_t cache_stride,
                  int64_t capacity, int threads, int64_t count, const Layer *layers, void *const *features,
-                 const uint64_t *tree) {
-    size_t elem = layers[0].bf16 ? 2 : 4, bytes = (size_t)(rows * n * layers[0].hidden) * elem, floats = 0;
+                 int64_t feature_stride, const uint64_t *tree) {
+    size_t elem = layers[0].bf16 ? 2 : 4, floats = 0;
     if (tree && n > 64) return 1; /* a tree's visibility is one 64-bit word a token */
     Pass P = {.rows = rows, .n = n, .m = rows * n, .capacity = capacity, .tree = tree, .starts = starts,
               .cos = cos[0], .sin = sin[0], .threads = threads};
@@ -2415,8 +2430,8 @@ int dflash_stack(const void *h, void *h_out, void *spare, int64_t rows, int64_t 
     if (reserve_pairs(layers, count, P.m)) return 1;
     float *buf = calloc(floats, sizeof(float)); /* one scratch for all layers: fresh pages per layer cost page faults */
     if (!buf) return 1;
-    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, features,
-                   NULL, cos, sin};
+    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, buf, floats, features,
+                   feature_stride, NULL, cos, sin};
     with_workers(threads, stack_body, &C);
     free(buf);
     return 0;
@@ -2434,7 +2449,7 @@ int dflash_drafter_stack(const void *h, void *h_out, void *spare, int64_t n, int
                          const Layer *layers) {
     int bf16 = layers[0].bf16;
     int64_t hidden = layers[0].hidden, hp = PAD8(hidden), width = 0;
-    size_t elem = bf16 ? 2 : 4, bytes = (size_t)(n * hidden) * elem, floats = 0;
+    size_t elem = bf16 ? 2 : 4, floats = 0;
     Pass P = {.rows = 1, .n = n, .m = n, .capacity = capacity, .block = 1, .starts = &start, .cos = cos, .sin = sin,
               .threads = threads};
     set_longest(&P);
@@ -2449,7 +2464,7 @@ int dflash_drafter_stack(const void *h, void *h_out, void *spare, int64_t n, int
     Context X = {buf + floats, m, start - m, ctx_cos, ctx_sin, buf + floats + m * hp};
     for (int64_t t = 0; t < m; t++)
         for (int64_t i = 0; i < hidden; i++) buf[floats + t * hp + i] = load(ctx, t * hidden + i, bf16);
-    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, bytes, buf, floats, NULL,
+    StackCall C = {layers, count, &P, h, h_out, spare, keys, values, cache_stride, elem, buf, floats, NULL, 0,
                    m > 0 ? &X : NULL, NULL, NULL};
     with_workers(threads, stack_body, &C);
     free(buf);

@@ -134,7 +134,8 @@ def library() -> ctypes.CDLL | None:
             layer.restype = ctypes.c_int
             stack = lib.dflash_stack
             stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
-                              + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 3)
+                              + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 2
+                              + [ctypes.c_int64, ctypes.c_void_p])
             stack.restype = ctypes.c_int
             drafter = lib.dflash_drafter_stack
             drafter.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
@@ -397,9 +398,10 @@ def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = N
 
 def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor,
           values: torch.Tensor, starts: list[int], feature_layers: tuple[int, ...],
-          tree: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+          tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Every decoder layer in one call (native.c's dflash_stack): h [b, n, hidden] -> (the last layer's output,
-    {i: layer i's output} for `feature_layers`). ropes: (cos, sin) by layer type, each layer reading its own (its
+    the outputs of `feature_layers` side by side [b, n, len(feature_layers) * hidden], written there by the call, or
+    None for none). ropes: (cos, sin) by layer type, each layer reading its own (its
     constants' `rope`). keys / values: the whole cache [layers, b, kv_heads, capacity, head_dim], each layer's rows
     contiguous. `starts`: each row's first position. `tree`: int64 [b, n] visibility bits of a tree pass
     (`tree_visibility`), None: causal. None where the kernel is not available."""
@@ -407,18 +409,26 @@ def stack(h: torch.Tensor, layers: ctypes.Array, ropes: list[tuple[torch.Tensor,
     if lib is None:
         return None
     out, spare = torch.empty_like(h), torch.empty_like(h)
-    features = {i: torch.empty_like(h) for i in feature_layers}
-    pointers = (ctypes.c_void_p * len(layers))(*(features[i].data_ptr() if i in features else None
-                                                 for i in range(len(layers))))
+    hidden = h.shape[-1]
+    features = h.new_empty(*h.shape[:-1], len(feature_layers) * hidden) if feature_layers else None
+    # layer i's output lands in its slice of every token's row (a torch.cat of the layers' outputs took ~50 us a pass)
+    slot = {i: k for k, i in enumerate(feature_layers)}
+    pointers = (ctypes.c_void_p * len(layers))(*(features.data_ptr() + slot[i] * hidden * h.element_size()
+                                                 if i in slot else None for i in range(len(layers))))
     coses = (ctypes.c_void_p * len(ropes))(*(cos.data_ptr() for cos, _ in ropes))
     sines = (ctypes.c_void_p * len(ropes))(*(sin.data_ptr() for _, sin in ropes))
     first = (ctypes.c_int64 * len(starts))(*starts)  # each row's first position (not a tensor: a cold torch op)
     status = lib.dflash_stack(h.data_ptr(), out.data_ptr(), spare.data_ptr(), h.shape[0], h.shape[1],
                               ctypes.addressof(first), ctypes.addressof(coses), ctypes.addressof(sines), keys.data_ptr(),
                               values.data_ptr(), keys.stride(0), keys.shape[3], torch.get_num_threads(), len(layers),
-                              ctypes.addressof(layers), ctypes.addressof(pointers),
+                              ctypes.addressof(layers), ctypes.addressof(pointers), len(feature_layers) * hidden,
                               None if tree is None else tree.data_ptr())
-    return (out, features) if status == 0 else None
+    if status != 0:
+        return None
+    for k, i in enumerate(feature_layers):  # a layer named twice (EAGLE-3 on a shallow target) was written once
+        if slot[i] != k:
+            features[..., k * hidden: (k + 1) * hidden] = features[..., slot[i] * hidden: (slot[i] + 1) * hidden]
+    return out, features
 
 
 def drafter_stack(h: torch.Tensor, layers: ctypes.Array, rope: tuple[torch.Tensor, torch.Tensor], start: int,

@@ -275,7 +275,7 @@ class Transformer(nn.Module):
             bits = None if tree is None else trees.as_int64([trees.visibility(row) for row in tree.tolist()])
             in_c = self._native_stack(h, ropes, cache, starts, feature_layers, bits)
         if in_c is not None:
-            h, outputs = in_c
+            h, features = in_c
         else:
             if positions is None:
                 start_tensor, positions = positions_of()
@@ -292,8 +292,8 @@ class Transformer(nn.Module):
                           causal=tree is None)
                 if index in feature_layers:
                     outputs[index] = h
+            features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         cache.advance(n)
-        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return (h if isinstance(logits_at, str) and logits_at == "hidden" else self.logits(h, logits_at)), features
 
     @torch.inference_mode()
@@ -342,9 +342,10 @@ class Transformer(nn.Module):
 
     def _native_stack(self, h: torch.Tensor, ropes: dict, cache: KVCache, starts: list[int],
                       feature_layers: tuple[int, ...], tree: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Every layer in ONE C call (native.stack) where every layer can run in C (see DecoderLayer.native_step),
-        each reading its layer type's RoPE: (the last layer's output, the feature layers' outputs); else None (the
+        each reading its layer type's RoPE: (the last layer's output, the feature layers' outputs side by side, or
+        None for none); else None (the
         caller then goes layer by layer, each in C where it can)."""
         keys, values = cache.keys, cache.values
         if (h.device.type != "cpu" or not h.is_contiguous()
