@@ -41,7 +41,9 @@ Switches (the "on" variant is each one's default):
                     inputs (every channel in two bytes, int16's precision) everywhere; both pin the integer screen
   native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `git show
                     REV:src/dflash/models/native.c > /tmp/old.c`), libraries swapped in one process as
-                    scripts/ab_native.py does, on whole generations; both builds must share the tile layout
+                    scripts/ab_native.py does, on whole generations; both builds must share the tile layout and
+                    the C functions' arguments (this checkout's Python calls both: a build from before 0324e6e, whose
+                    dflash_stack took no feature_stride, crashes as soon as a drafter asks for features)
 
 For every prompt and method, the two variants generate in turn, the order flipping every prompt, each with its own
 decoder (its own learnt costs; the switch is set around both its construction and its runs). Prints, per method,
