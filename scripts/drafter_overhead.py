@@ -11,13 +11,11 @@ import statistics
 import sys
 import time
 
-import torch
-
 from dflash import control
-from dflash.bench import read_prompts, resolve_dataset
-from dflash.engine import GenerationConfig, SpeculativeDecoder
-from dflash.loading import build_proposer, load_target_cached, settle_heap
+from dflash.engine import SpeculativeDecoder
+from dflash.loading import build_proposer, settle_heap
 from dflash.methods.base import MethodOptions
+from paired import generation_setup
 
 
 def never_draft(controller, alternative: float = 0.0) -> bool:
@@ -26,19 +24,14 @@ def never_draft(controller, alternative: float = 0.0) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    dtype, dataset, count, repeats = (argv + ["bfloat16", "mt_bench", "4", "3"][len(argv):])[:4]
-    torch.set_num_threads(2)
-    target = load_target_cached("smollm2-135m", dtype)
-    path, template = resolve_dataset(dataset)
-    prompts = [target.encode_prompt(p.turns[0]) for p in read_prompts(path, template, int(count))]
-    config = GenerationConfig(max_new_tokens=128, ignore_eos=True)
+    dtype, target, prompts, config, repeats = generation_setup(argv)
     ar = SpeculativeDecoder(target, build_proposer("ar", target, MethodOptions())[0])
     drafted = SpeculativeDecoder(target, build_proposer("dflash", target, MethodOptions(draft_dtype=dtype))[0])
     ar.generate(prompts[0], config), drafted.generate(prompts[0], config)
     settle_heap()
     adaptive = control.DraftController.should_draft
     ratios = {"dflash": [], "dflash, drafting off": []}
-    for _ in range(int(repeats)):
+    for _ in range(repeats):
         for prompt in prompts:
             seconds = {}
             for name in ("ar", "dflash", "dflash, drafting off"):

@@ -34,3 +34,21 @@ def report(prefix: str, labels: tuple[str, str], widths: tuple[int, ...], second
         print(f"{prefix} width {width}: {first} {1e3 * sorted(a)[PAIRS // 2]:.1f} ms, {second} "
               f"{1e3 * sorted(b)[PAIRS // 2]:.1f} ms, {second}/{first} median {ratios[PAIRS // 2]:.3f} "
               f"(range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+
+def generation_setup(argv: list[str]):
+    """[DTYPE] [DATASET] [PROMPTS] [REPEATS] (defaults bfloat16, mt_bench, 4, 3) -> (dtype, SmolLM2 target, its
+    prompts' ids, a 128-token greedy config, repeats), 2 threads (scripts/drafter_overhead.py,
+    scripts/weights_held_ab.py)."""
+    import torch
+
+    from dflash.bench import read_prompts, resolve_dataset
+    from dflash.engine import GenerationConfig
+    from dflash.loading import load_target_cached
+
+    dtype, dataset, count, repeats = (argv + ["bfloat16", "mt_bench", "4", "3"][len(argv):])[:4]
+    torch.set_num_threads(2)
+    target = load_target_cached("smollm2-135m", dtype)
+    path, template = resolve_dataset(dataset)
+    prompts = [target.encode_prompt(p.turns[0]) for p in read_prompts(path, template, int(count))]
+    return dtype, target, prompts, GenerationConfig(max_new_tokens=128, ignore_eos=True), int(repeats)

@@ -235,3 +235,43 @@ def test_feature_layers_out_of_range_are_a_users_error(tiny_targets):
             target.forward(torch.tensor([[5, 6]]), None, layers)
     features = target.forward(torch.tensor([[5, 6]]), None, (0, target.num_layers - 1)).features
     assert features.shape == (1, 2, 2 * target.hidden_size)  # the first and last layers' outputs, side by side
+
+
+def test_a_generation_reads_the_weights_versions_once_and_sees_writes_made_before_it(monkeypatch):
+    """Inside a generation (TargetModel.weights_held: the engine's run) the C stack checks the weights' versions at
+    the first pass only; a weight written in place between two generations reaches the second one, which gives
+    bitwise what a target built on the written weights gives; outside a generation every pass checks."""
+    from dflash.engine import GenerationConfig, SpeculativeDecoder
+    from dflash.methods.base import Proposer
+    from dflash.models import native
+    from dflash.models.target import choose_kernels
+    from dflash.models.transformer import ProductsUnchanged
+    from dflash.testing import tiny_target
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels: {native.why_not}")
+    written, fresh = tiny_target("llama", logit_scale=4.0), tiny_target("llama", logit_scale=4.0)
+    for target in (written, fresh):
+        choose_kernels(target, "native")
+    asked = []
+    holds = ProductsUnchanged.holds
+    monkeypatch.setattr(ProductsUnchanged, "holds", lambda self, versions=True: asked.append(versions) or holds(
+        self, versions))
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    prompt = [5, 9, 12, 7, 3]
+    written.forward(torch.tensor([prompt]), written.new_cache())  # the stack's arguments made, outside a window
+    asked.clear()
+    before = SpeculativeDecoder(written, Proposer()).generate(prompt, config).tokens
+    assert asked[0] is True and len(asked) > 3 and not any(asked[1:])  # once, then taken as read
+    assert written.engine.versions_held is None  # the window closed
+    with torch.no_grad():
+        written.model.model.layers[1].mlp.down_proj.weight.mul_(-3.0)
+        written.model.lm_head.weight.mul_(2.0)
+    fresh.model.load_state_dict(written.model.state_dict())
+    after = SpeculativeDecoder(written, Proposer()).generate(prompt, config).tokens
+    assert after == SpeculativeDecoder(fresh, Proposer()).generate(prompt, config).tokens
+    assert after != before
+    cache = written.new_cache()
+    for token in prompt:  # steps, as the generation's last passes were (the stack's arguments are kept by width)
+        written.forward(torch.tensor([[token]]), cache)
+    assert asked[-len(prompt):] == [True] * len(prompt)  # outside a generation: every pass

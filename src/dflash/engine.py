@@ -732,10 +732,12 @@ class Engine:
         return new_tokens, None
 
     def run(self) -> list[Sequence]:
-        """Step until every submitted sequence has finished; returns them in the order they finished."""
+        """Step until every submitted sequence has finished; returns them in the order they finished. The target's
+        weights are checked at the first pass, not at every one (TargetModel.weights_held)."""
         done = []
-        while self.busy:
-            done += self.step()
+        with self.target.weights_held():
+            while self.busy:
+                done += self.step()
         return done
 
 

@@ -141,13 +141,14 @@ class ProductsUnchanged:
                 self.state.append((modules, name, lin, lin._buffers, weight, version, lin._kernel_by_bucket))
         self.versions = [(weight, version) for *_, weight, version, _ in self.state if version is not None]
 
-    def holds(self) -> bool:
+    def holds(self, versions: bool = True) -> bool:
+        """`versions` False: the weights' versions are taken as read (TargetModel.weights_held)."""
         if products_generation() != self.generation:
             for modules, name, lin, buffers, weight, _, kernels in self.state:
                 if modules[name] is not lin or buffers["weight"] is not weight or lin._kernel_by_bucket is not kernels:
                     return False
             self.generation = products_generation()  # some other product moved: these stand
-        for weight, version in self.versions:
+        for weight, version in self.versions if versions else ():
             if weight._version != version:
                 return False
         return True
@@ -171,6 +172,9 @@ class Transformer(nn.Module):
         self.final_softcap = final_softcap
         self.kv_heads = layers[0].self_attn.kv_heads
         self.head_dim = layers[0].self_attn.head_dim
+        # the C stack's check of the weights' versions (ProductsUnchanged): None every pass; False at the next pass
+        # only, then True: not until the window ends (TargetModel.weights_held)
+        self.versions_held: bool | None = None
 
     # ---- building ------------------------------------------------------------------------------------------------
     @classmethod
@@ -357,12 +361,14 @@ class Transformer(nn.Module):
         tokens = min(h.shape[0] * h.shape[1], MAX_NATIVE_TOKENS)  # the verify bucket's kernels for any batch
         state = (h.dtype, row_bucket(tokens), native._pairs)
         cached = self.__dict__.get("_stack_args")
-        if cached is None or cached[0] != state or not cached[1].holds():
+        if cached is None or cached[0] != state or not cached[1].holds(versions=self.versions_held is not True):
             constants = [layer._native_constants(h.dtype, tokens) for layer in self.layers]
             if any(c is None for c in constants):
                 return None
             cached = (state, ProductsUnchanged(self.layers), native.stack_args(constants), constants)
             self.__dict__["_stack_args"] = cached
+        if self.versions_held is False:  # checked once for this window (TargetModel.weights_held)
+            self.versions_held = True
         return native.stack(h, cached[2], tables, keys, values, starts, feature_layers, tree)
 
     def logits(self, h: torch.Tensor, logits_at: str | torch.Tensor) -> torch.Tensor | None:
