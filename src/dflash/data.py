@@ -522,10 +522,9 @@ def run(args) -> int:
         if args.table:
             return table_folder(args)
         world = init_world(args.device)
-        try:
-            return regenerate_folder(args, world)
-        finally:
-            world.close()
+        result = regenerate_folder(args, world)  # on an exception no teardown (World.close)
+        world.close()
+        return result
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

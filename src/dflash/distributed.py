@@ -70,7 +70,12 @@ class World:
             torch.distributed.barrier()
 
     def close(self) -> None:
+        """The group's teardown, once every process has got here (call it after a clean finish only: after an
+        exception the others may be inside a collective that would never end, and the launcher ends them). A rank
+        that tore its group down while the other still worked aborted at exit once in a CI run ("terminate called
+        without an active exception": gloo's threads outliving the group)."""
         if self.size > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 

@@ -801,10 +801,9 @@ def run(args) -> int:
     out = Path(args.out)
     examples = load_examples(args.data)
     world = init_world(args.device)
-    try:
-        return train_in(world, args, overrides, out, examples)
-    finally:
-        world.close()
+    result = train_in(world, args, overrides, out, examples)  # on an exception no teardown (World.close)
+    world.close()
+    return result
 
 
 def train_in(world: World, args, overrides: dict, out: Path, examples: list[Example]) -> int:
