@@ -178,9 +178,8 @@ class TargetModel:
         0.12 ms of a 7 ms bfloat16 SmolLM2 step). A weight written in place inside the window takes effect at the
         next window; outside any window, at the next pass."""
         engine = self.engine
-        held = getattr(engine, "versions_held", "none")
-        if held == "none" or held is not None:  # not our forward, or a window already open: that one decides
-            yield
+        if not hasattr(engine, "versions_held") or engine.versions_held is not None:
+            yield  # not our forward, or a window already open: that one decides
             return
         engine.versions_held = False
         try:
