@@ -28,17 +28,22 @@ ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
 } > "$OUT/env-and-tests.txt" 2>&1
 cat "$OUT/env-and-tests.txt"
 
-# graphs first (the figures), float32 graphs (the lossless check: bfloat16 logits tie often enough that passes of
+# progress bars go to the log: a run cut off by its share shows how far it got (the thirty-fourth session's
+# bfloat16 graphs showed nothing). graphs first (the figures), float32 graphs (the lossless check: bfloat16 logits tie often enough that passes of
 # different widths part at exact ties, docs/RESULTS.md, twenty-seventh session), eager last (the measured
 # attention backend); each gets an equal share of what is left
+# (RUNS picks some by name: the thirty-fourth session measured eager, and its bfloat16 graphs ran out of their share)
 if [ "$DEVICE" = cuda ]; then runs=("graphs bfloat16 --cuda-graphs" "graphs-f32 float32 --cuda-graphs" "eager $DTYPE --no-cuda-graphs")
 else runs=("eager $DTYPE --no-cuda-graphs"); fi
+if [ -n "${RUNS:-}" ]; then
+  picked=(); for run in "${runs[@]}"; do [[ " $RUNS " == *" ${run%% *} "* ]] && picked+=("$run"); done; runs=("${picked[@]}")
+fi
 for i in "${!runs[@]}"; do
   read -r name dtype flags <<< "${runs[$i]}"
   share=$(( $(left) / (${#runs[@]} - i) ))
   [ "$share" -gt 20 ] || { echo "$name: no time left"; continue; }
   timeout "$share" "$PY" -m dflash bench --target "$TARGET" --device "$DEVICE" --dtype "$dtype" --dataset gsm8k \
-    --limit "$LIMIT" --methods "$METHODS" --max-new-tokens "$NEW" --no-progress $flags \
+    --limit "$LIMIT" --methods "$METHODS" --max-new-tokens "$NEW" $flags \
     --out "$ROOT/bench-$name" > "$ROOT/bench-$name.log" 2>&1
   echo "$name: rc=$?"
   { echo "== $name"; tail -c 20000 "$ROOT/bench-$name.log"; } >> "$OUT/logs.txt"  # 8 files at most come back
