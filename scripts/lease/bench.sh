@@ -22,7 +22,7 @@ ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
   if [ "$DEVICE" = cuda ]; then  # the graph tests capture for real only where CUDA is
-    timeout $(($(left) / 4)) "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_trees.py 2>&1 | tail -3
+    timeout $(($(left) / 4)) "$PY" -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_graphs.py tests/test_trees.py tests/test_devices.py 2>&1 | tail -25
     echo "graph tests rc=${PIPESTATUS[0]}"
   fi
 } > "$OUT/env-and-tests.txt" 2>&1
