@@ -283,3 +283,52 @@ def test_a_method_that_changes_the_output_is_caught_with_its_logit_gap(tmp_path,
     assert {m["method"] for m in results["mismatches"]} == {"ngram"}
     assert all(m["first_difference"] == 2 and m["logit_gap"] > 0 for m in results["mismatches"])
     assert "largest logit gap at the first difference" in (out / "results.md").read_text()
+
+
+def interrupt_at(monkeypatch, prompt_id: str, signal_name: str | None = None):
+    """The bench's generations raise Ctrl-C's KeyboardInterrupt (or deliver a real signal to this process) at the
+    first run of the prompt `prompt_id`."""
+    import os
+    import signal
+
+    from dflash import bench as bench_module
+
+    run_conversation = bench_module.run_conversation
+
+    def interrupted(runner, target, prompt, *args):
+        if prompt.id == prompt_id:
+            if signal_name is None:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), getattr(signal, signal_name))
+        return run_conversation(runner, target, prompt, *args)
+
+    monkeypatch.setattr(bench_module, "run_conversation", interrupted)
+
+
+@pytest.mark.parametrize("how", [None, "SIGTERM"])
+def test_an_interrupted_bench_writes_the_prompts_every_method_finished(tmp_path, monkeypatch, how):
+    """Ctrl-C or `kill` (as `timeout` sends) during the third prompt: the first two are written, marked as an
+    interrupted run, and the command exits 130."""
+    import signal
+
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": i, "prompt": p} for i, p in
+                                                (("a", "w5 w6 w7"), ("b", "w9"), ("c", "w11 w12"))])
+    interrupt_at(monkeypatch, "c", how)
+    handler = signal.getsignal(signal.SIGTERM)
+    code, out = bench(tmp_path, data, "ar,ngram", "--ignore-eos")
+    assert code == 130 and signal.getsignal(signal.SIGTERM) == handler  # the bench's own handler is gone again
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_prompts"] == 2 and results["interrupted"] == {"prompts_done": 2, "prompts_asked": 3}
+    assert all(m["new_tokens"] == 2 * 16 for m in results["methods"].values())
+    assert results["greedy_mismatches"] == 0 and results["methods"]["ngram"]["tau"] >= 1.0
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == ["a", "a", "b", "b"]
+    assert "2 prompts (interrupted: 2 of the 3 asked)" in (out / "results.md").read_text()
+
+
+def test_a_bench_interrupted_before_its_first_prompt_finished_writes_nothing(tmp_path, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6 w7"}, {"id": "b", "prompt": "w9"}])
+    interrupt_at(monkeypatch, "a")
+    code, out = bench(tmp_path, data, "ar,ngram", "--ignore-eos")
+    assert code == 130 and not (out / "results.json").exists()
+    assert "interrupted" in capsys.readouterr().err

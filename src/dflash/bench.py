@@ -29,8 +29,11 @@ import copy
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -588,40 +591,81 @@ def run(args) -> int:
     runners = build_runners(methods, target, args, sampling)
     settle_heap()
 
-    warm = BenchPrompt("warmup", prompts[0].turns[:1])
-    for runner in runners.values():
-        run_conversation(runner, target, warm, min(WARMUP_TOKENS, args.max_new_tokens), args.ignore_eos)
-
     totals = {m: Totals(block_size=r.block_size) for m, r in runners.items()}
     per_prompt = {m: [] for m in runners}  # each prompt's own Totals, for the intervals
     mismatches, rows = [], []
-    for index, prompt in enumerate(tqdm(prompts, desc="bench", unit="prompt", disable=args.no_progress)):
-        shift = index % len(methods)
-        runs = {}
-        for method in methods[shift:] + methods[:shift]:
-            runs[method] = run_conversation(runners[method], target, prompt, args.max_new_tokens, args.ignore_eos)
-        for method, method_runs in runs.items():
-            per_prompt[method].append(Totals(block_size=runners[method].block_size))
-            for turn, r in enumerate(method_runs):
-                totals[method].add(r)
-                per_prompt[method][-1].add(r)
-                reference = runs["ar"][turn].tokens
-                same = r.tokens == reference
-                # llama.cpp runs other (often quantised) weights: its tokens are not the target's to compare
-                if sampling.greedy and not same and method != LLAMACPP_METHOD:
-                    at = first_difference(r.tokens, reference)
-                    mismatches.append({"id": prompt.id, "turn": turn, "method": method, "first_difference": at,
-                                       "logit_gap": logit_gap(target, runs["ar"][turn], r.tokens, at)})
-                rows.append(_row(prompt.id, turn, method, r, same))
-
-    results = collect_results(args, target, prompts, path, methods, totals, mismatches, sampling.greedy, runners)
+    done = 0  # prompts every method has finished: what an interrupted bench reports
+    with interrupted_by_sigterm():
+        try:
+            warm = BenchPrompt("warmup", prompts[0].turns[:1])
+            warming = tqdm(runners.items(), desc="warm-up", unit="method", disable=args.no_progress)
+            for method, runner in warming:
+                warming.set_postfix_str(method)
+                run_conversation(runner, target, warm, min(WARMUP_TOKENS, args.max_new_tokens), args.ignore_eos)
+            progress = tqdm(prompts, desc="bench", unit="prompt", disable=args.no_progress)
+            for index, prompt in enumerate(progress):
+                shift = index % len(methods)
+                runs = {}
+                for method in methods[shift:] + methods[:shift]:
+                    progress.set_postfix_str(method)
+                    runs[method] = run_conversation(runners[method], target, prompt, args.max_new_tokens,
+                                                    args.ignore_eos)
+                compare_prompt(prompt, runs, runners, target, sampling, totals, per_prompt, mismatches, rows)
+                done += 1
+        except KeyboardInterrupt:
+            if not done:
+                raise
+            print(f"dflash bench: interrupted; the {done} of {len(prompts)} prompts every method finished are "
+                  f"written", file=sys.stderr)
+    results = collect_results(args, target, prompts[:done], path, methods, totals, mismatches, sampling.greedy,
+                              runners)
+    if done < len(prompts):
+        results["interrupted"] = {"prompts_done": done, "prompts_asked": len(prompts)}
     for method, bounds in intervals(per_prompt).items():
         results["methods"][method].update(bounds)
     write_outputs(out_dir, results, rows)
     if mismatches:
         print(f"dflash bench: {len(mismatches)} greedy output(s) differ from ar (see results.json)", file=sys.stderr)
         return 1
-    return 0
+    return 130 if done < len(prompts) else 0
+
+
+@contextmanager
+def interrupted_by_sigterm():
+    """`kill` (SIGTERM, as `timeout` sends) stops a bench as Ctrl-C does, so that the prompts already finished are
+    written (in the main thread only, where Python handles signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def compare_prompt(prompt, runs: dict, runners: dict, target, sampling, totals: dict, per_prompt: dict,
+                   mismatches: list, rows: list) -> None:
+    """One prompt's runs of every method into the totals, each turn's tokens compared with `ar`'s. The comparisons
+    (a logit gap runs a pass) come first and the totals change last, so that an interrupt leaves them whole."""
+    new_mismatches, new_rows = [], []
+    for method, method_runs in runs.items():
+        for turn, r in enumerate(method_runs):
+            reference = runs["ar"][turn].tokens
+            same = r.tokens == reference
+            # llama.cpp runs other (often quantised) weights: its tokens are not the target's to compare
+            if sampling.greedy and not same and method != LLAMACPP_METHOD:
+                at = first_difference(r.tokens, reference)
+                new_mismatches.append({"id": prompt.id, "turn": turn, "method": method, "first_difference": at,
+                                       "logit_gap": logit_gap(target, runs["ar"][turn], r.tokens, at)})
+            new_rows.append(_row(prompt.id, turn, method, r, same))
+    for method, method_runs in runs.items():
+        per_prompt[method].append(Totals(block_size=runners[method].block_size))
+        for r in method_runs:
+            totals[method].add(r)
+            per_prompt[method][-1].add(r)
+    mismatches += new_mismatches
+    rows += new_rows
 
 
 def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
@@ -761,6 +805,11 @@ def machine_line(machine: dict) -> str:
             f"torch {machine.get('torch', '?')}")
 
 
+def interrupted_note(results: dict) -> str:
+    cut = results.get("interrupted")
+    return f" (interrupted: {cut['prompts_done']} of the {cut['prompts_asked']} asked)" if cut else ""
+
+
 def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
     mismatches = results["greedy_mismatches"]
     lines = [
@@ -770,7 +819,7 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         "",
         f"target `{results['target']}` ({results['dtype']}, {results['device']}"
         f"{', CUDA graphs' if results.get('cuda_graphs') else ''}{attention_note(results.get('kernels') or {})}), "
-        f"{results['num_prompts']} prompts "
+        f"{results['num_prompts']} prompts{interrupted_note(results)} "
         f"({results['num_generations']} generations per method), max {results['max_new_tokens']} new tokens, "
         f"T={results['temperature']}, {results['date']}",
         "",
