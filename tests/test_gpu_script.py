@@ -3,6 +3,7 @@ with time-based checkpoints, and a second run that resumes instead of starting o
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,35 @@ def test_the_lease_profile_script_prints_where_the_time_went(tmp_path):
     out, _ = run_lease_script(tmp_path, "profile.sh", prompts=1, FLAGS="")
     profile = (out / "profile.txt").read_text()
     assert "Self CPU time total" in profile and "aten::" in profile and "| ngram |" in profile
+
+
+def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_path):
+    """scripts/lease/train.sh, the lease's one training call (launch.sh, then fetch.sh in the same call), at tiny
+    scale on the CPU: the run is sized to its window, ends inside it, and its final drafter comes back in parts that
+    join into the file it saved."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "mine.jsonl").write_text(
+        "".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(12)))
+    env = dict(os.environ, DFLASH_DATA_DIR=str(data))
+    for command in (["data", "--target", "tiny-llama", "--device", "cpu", "--input", "mine.jsonl", "--max-new-tokens",
+                     "8", "--batch-size", "6", "--out", str(tmp_path / "regenerated")],
+                    ["data", "--out", str(tmp_path / "regenerated"), "--pack", str(tmp_path / "corpus")]):
+        made = subprocess.run([sys.executable, "-m", "dflash", *command], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert made.returncode == 0, made.stderr[-2000:]
+    root, out = tmp_path / "root", tmp_path / "out"
+    env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu", DTYPE="float32",
+               TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1", RATE="0.25",
+               LOAD_S="0", WINDOW="40", ROOT=str(root), OUT=str(out))
+    done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = int(re.search(r"launching (\d+) steps", done.stdout).group(1))  # 0.92 x RATE x the window left
+    assert 8 <= steps <= 9 and "no final drafter yet" not in done.stdout
+    parts = sorted(out.glob("run.model.part*"))
+    assert parts and b"".join(p.read_bytes() for p in parts) == (root / "run" / "final" / "model.safetensors").read_bytes()
+    for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl"):
+        assert (out / f"run.{name}").is_file(), name
+    config = json.loads((out / "run.train_config.json").read_text())
+    assert config["max_steps"] == config["schedule_steps"] == steps and config["init"] == "random"

@@ -5,7 +5,8 @@ ROOT=${ROOT:-/root}; RUN=${RUN:-run}
 : "${GIVEUP:?GIVEUP (epoch seconds) is required}"
 while [ ! -f "$ROOT/$RUN/final/model.safetensors" ] && [ "$(date +%s)" -lt "$GIVEUP" ]; do sleep 5; done
 src="$ROOT/$RUN/final"
-[ -f "$src/model.safetensors" ] || { src=$(ls -d "$ROOT/$RUN"/checkpoints/step-* | tail -1); echo "no final drafter yet"; }
+[ -f "$src/model.safetensors" ] || { src=$(ls -d "$ROOT/$RUN"/checkpoints/step-* 2>/dev/null | tail -1); echo "no final drafter yet"; }
+[ -n "$src" ] && [ -f "$src/model.safetensors" ] || { echo "no drafter to send: $ROOT/$RUN has no checkpoint"; tail -5 "$ROOT/$RUN.log"; exit 1; }
 echo "sending $src"
 mkdir -p "$OUT"; split -b 15000000 -d "$src/model.safetensors" "$OUT/$RUN.model.part"
 cp "$src/config.json" "$OUT/$RUN.config.json"; cp "$src/draft_vocab.json" "$OUT/$RUN.draft_vocab.json"

@@ -6,20 +6,24 @@
 # Each DFlash run times its first step at one sequence per pass and at all of a step's (the log says which won);
 # SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to both runs, e.g. FLAGS="--anchors decoded".
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
+# TARGET, DATA (a packed corpus) and INIT (empty: from scratch) default to SmolLM2, its committed corpus and its
+# shipped drafter (tests/test_gpu_script.py runs train.sh through here on a tiny target and corpus).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
 DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}; SMOKE=${SMOKE:-24}
 LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
-INIT=${INIT:-src/dflash/drafters/smollm2-135m-$METHOD}
+INIT=${INIT-src/dflash/drafters/smollm2-135m-$METHOD}  # INIT= (empty): from scratch
+TARGET=${TARGET:-smollm2-135m}; DATA=${DATA:-corpus/smollm2-135m}  # a tiny target and corpus: the CPU test
 method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-3 head trains on every position
 [ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS" ${SEQS:+--seqs-per-pass "$SEQS"})
 LOAD_S=${LOAD_S:-60}  # a CUDA run's start: the target (GGUF tokenizer, weights); ~100 s in stage 11 with a slow corpus read
 : "${DEADLINE:?DEADLINE (epoch seconds by which the run must have ended) is required}"
+mkdir -p "$ROOT"
 ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
 NPROC=${NPROC:-1}
 if [ "$NPROC" -gt 1 ]; then TRAIN=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m dflash train)
 else TRAIN=(python3 -m dflash train); fi
-COMMON=(--target smollm2-135m --device "$DEVICE" --dtype "$DTYPE" --init-from "$INIT" --data corpus/smollm2-135m
+COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-from "$INIT"} --data "$DATA"
   "${method_flags[@]}" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
   --no-progress --keep-checkpoints 2 ${FLAGS:-})
 if [ -z "${RATE:-}" ]; then
