@@ -157,7 +157,8 @@ def test_captured_graphs_on_cuda_equal_the_eager_forward(arch):
 
 def test_graphs_are_on_by_default_only_where_they_can_run(monkeypatch):
     """The default (--cuda-graphs unset) of generate and bench: on for a CUDA target through our forward; off on a
-    CPU, through transformers' forward, or compiled; --cuda-graphs / --no-cuda-graphs decide otherwise."""
+    CPU or through transformers' forward (compiled or not: --compile then fuses the graphed passes); --cuda-graphs /
+    --no-cuda-graphs decide otherwise."""
     import argparse
 
     from dflash.cli import add_target_arguments
@@ -169,7 +170,7 @@ def test_graphs_are_on_by_default_only_where_they_can_run(monkeypatch):
     assert load_target_cached("tiny-llama").graphs is None
     fallback = TargetModel(target.model, target.tokenizer, "tiny", prefer_transformers=True, measure=False)
     monkeypatch.setattr(TargetModel, "device", property(lambda self: torch.device("cuda", 0)))
-    assert graphs_by_default(target) and not graphs_by_default(target, compiled=True)
+    assert graphs_by_default(target)
     assert not graphs_by_default(fallback)
     parser = argparse.ArgumentParser()
     add_target_arguments(parser)
@@ -274,3 +275,53 @@ def test_a_batch_runs_at_a_padded_row_count_in_its_free_rows():
     assert cache.view(0, 3, spare_after=True).widened(8) is None  # past the cache
     wide = cache.view(0, 3, spare_after=True).widened(4)
     assert wide.batch == 4 and wide.lengths == [0, 0, 0, 0]
+
+
+def test_compiled_graphed_passes_equal_the_eager_forward_and_compile_once_a_width():
+    """--compile on a graphed target (TargetModel.compile_graphs): the graphed pass's layers run through
+    torch.compile (inductor; on CUDA the graphs capture its kernels), one compile per width shared by every layer;
+    its logits equal the eager forward's and generation is token-identical (on a CPU replayed eagerly, compiled)."""
+    import torch._dynamo
+    from dflash.models.kernels import PLAIN
+
+
+    eager, graphed = twins("llama")
+    graphed.use_kernels(PLAIN)  # torch's products, which inductor traces (our C kernels would break its graph)
+    with pytest.raises(UserError):
+        tiny_target("llama").compile_graphs()  # no graphs to compile
+    graphed.compile_graphs()
+    assert "compiled:graphs:" in graphed.measurement_key("pass-costs")
+    torch._dynamo.reset()
+    prompt = eager.encode_prompt(PROMPTS[0])
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    expected = SpeculativeDecoder(eager).generate(prompt, config).tokens
+    assert SpeculativeDecoder(graphed).generate(prompt, config).tokens == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the steps' width, for all four layers
+    ids = torch.tensor([prompt[:3]])
+    cache_eager, cache_graphed = eager.new_cache(capacity=96), graphed.new_cache(capacity=96)
+    want = eager.forward(ids, cache_eager).logits
+    got = graphed.forward(ids, cache_graphed).logits  # a 3-token pass: the graph of width 4, compiled anew
+    assert close(got, want) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    proposer = make_drafter_proposer(graphed)  # a DFlash drafter beside it: its graphed pass compiled too
+    proposer.drafter.use_plan(PLAIN)  # as on a GPU: torch's products (oneDNN's packed ones are opaque to inductor)
+    assert proposer.graphs.compiled
+    drafted = SpeculativeDecoder(graphed, proposer, adaptive=False).generate(prompt, config)
+    assert drafted.tokens == expected and torch._dynamo.utils.counters["stats"]["unique_graphs"] > 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures real graphs)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_compiled_graphs_on_cuda_keep_generation_identical(arch):
+    """--compile on a CUDA target: inductor's kernels captured in the graphs, batched rows and drafts included,
+    give the eager engine's tokens."""
+    eager, graphed = twins(arch, "cuda")
+    graphed.compile_graphs()
+    prompts = [eager.encode_prompt(p) for p in PROMPTS[:3]]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    for proposer in (None, NgramProposer(max_draft=5)):
+        expected = [SpeculativeDecoder(eager, proposer).generate(ids, config).tokens for ids in prompts]
+        engine = Engine(graphed, proposer, max_batch=2)
+        seqs = [engine.submit(ids, config) for ids in prompts]
+        engine.run()
+        assert [s.result.tokens for s in seqs] == expected
+    assert all(g.graph is not None for g in graphed.graphs.graphs.values())

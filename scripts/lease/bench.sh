@@ -33,11 +33,11 @@ cat "$OUT/env-and-tests.txt"
 # different widths part at exact ties, docs/RESULTS.md, twenty-seventh session), eager last (the measured
 # attention backend); each gets an equal share of what is left
 # (RUNS picks some by name: the thirty-fourth session measured eager, and its bfloat16 graphs ran out of their share)
-if [ "$DEVICE" = cuda ]; then runs=("graphs bfloat16 --cuda-graphs" "graphs-f32 float32 --cuda-graphs" "eager $DTYPE --no-cuda-graphs")
+if [ "$DEVICE" = cuda ]; then runs=("graphs bfloat16 --cuda-graphs" "graphs-f32 float32 --cuda-graphs" "eager $DTYPE --no-cuda-graphs"
+  "graphs-compiled bfloat16 --cuda-graphs --compile")  # compiled: only where RUNS names it
 else runs=("eager $DTYPE --no-cuda-graphs"); fi
-if [ -n "${RUNS:-}" ]; then
-  picked=(); for run in "${runs[@]}"; do [[ " $RUNS " == *" ${run%% *} "* ]] && picked+=("$run"); done; runs=("${picked[@]}")
-fi
+RUNS=${RUNS:-graphs graphs-f32 eager}
+picked=(); for run in "${runs[@]}"; do [[ " $RUNS " == *" ${run%% *} "* ]] && picked+=("$run"); done; runs=("${picked[@]}")
 for i in "${!runs[@]}"; do
   read -r name dtype flags <<< "${runs[$i]}"
   share=$(( $(left) / (${#runs[@]} - i) ))

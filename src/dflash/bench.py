@@ -701,6 +701,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "adaptive": not args.whole_blocks,  # of methods without their own ':whole'
         "engine": target.backend,
         "cuda_graphs": target.graphs is not None,  # the target's passes replayed as CUDA graphs (graphs.py)
+        "compiled_graphs": target.graphs_compiled,  # those passes (and a DFlash drafter's) through torch.compile
         "kernels": target.kernel_report,
         # greedy rounds' tokens through a screen of the LM head (models/screening.py), or the whole head (None)
         "greedy_screen": target.screen_kind if target.screens else None,
@@ -818,7 +819,8 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         f"`{results['command']}`",
         "",
         f"target `{results['target']}` ({results['dtype']}, {results['device']}"
-        f"{', CUDA graphs' if results.get('cuda_graphs') else ''}{attention_note(results.get('kernels') or {})}), "
+        f"{', CUDA graphs' if results.get('cuda_graphs') else ''}"
+        f"{' (compiled)' if results.get('compiled_graphs') else ''}{attention_note(results.get('kernels') or {})}), "
         f"{results['num_prompts']} prompts{interrupted_note(results)} "
         f"({results['num_generations']} generations per method), max {results['max_new_tokens']} new tokens, "
         f"T={results['temperature']}, {results['date']}",

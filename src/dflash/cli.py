@@ -52,8 +52,10 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                        help="torch CPU threads, fixed (default: one per core, or one fewer while that measures "
                             "faster, e.g. beside another busy process)")
     group.add_argument("--compile", action="store_true",
-                       help="torch.compile our forward (a minute or more at start; measured on 2 AMD EPYC cores it "
-                            "did not beat the packed eager kernels, see docs/RESULTS.md)")
+                       help="torch.compile our forward: with CUDA graphs, the graphed passes' layers (inductor's "
+                            "fused kernels, captured by the graphs; each pass width compiles at its first use); "
+                            "without, every layer (a minute or more at start; on 2 AMD EPYC cores it did not beat "
+                            "the packed eager kernels, see docs/RESULTS.md)")
     group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps and verify passes as CUDA graphs (each shape captured on first use, "
                             "caches made at 2048 positions or more; default: on for generate and bench with a CUDA "

@@ -36,18 +36,21 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         choose_kernels(target, "native" if kernels == "auto" else kernels)
     else:
         target = load_target(spec, dtype, device, kernels)
-    if compile:
-        compile_target(target)
-    if cuda_graphs if cuda_graphs is not None else graphs_by_default(target, compile):
+    graphs = cuda_graphs if cuda_graphs is not None else graphs_by_default(target)
+    if graphs:  # --compile then fuses the graphed passes' layers, which the graphs capture
         target.use_graphs()
+        if compile:
+            target.compile_graphs()
+    elif compile:
+        compile_target(target)
     return target
 
 
-def graphs_by_default(target: TargetModel, compiled: bool = False) -> bool:
-    """CUDA graphs unless asked otherwise: on a CUDA target through our forward (not transformers', not compiled),
-    where they measured faster. On an H100 (docs/RESULTS.md, twenty-seventh session) `ar` took 2.8 ms a token in
-    graphs and 38.6 ms eagerly, where every one of a step's ~450 small kernels pays its launch."""
-    return target.device.type == "cuda" and target.backend == "dflash" and not compiled
+def graphs_by_default(target: TargetModel) -> bool:
+    """CUDA graphs unless asked otherwise: on a CUDA target through our forward (not transformers'), where they
+    measured faster. On an H100 (docs/RESULTS.md, twenty-seventh session) `ar` took 2.8 ms a token in graphs and
+    38.6 ms eagerly, where every one of a step's ~450 small kernels pays its launch."""
+    return target.device.type == "cuda" and target.backend == "dflash"
 
 
 def target_from_args(args, many_rows: bool = False) -> TargetModel:

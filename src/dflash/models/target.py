@@ -47,6 +47,7 @@ class TargetModel:
     _engine: object = field(default=None, repr=False)
     graphs: PassGraphs | None = field(default=None, repr=False)  # set by use_graphs
     graph_capacity: int = 0  # the cache capacity graphs are made for (new caches get at least this)
+    graphs_compiled: bool = False  # the graphed passes run through torch.compile (compile_graphs)
     defer_logits: bool = True  # let verify passes compute their logits a few positions at a time (defers_logits)
     screen_greedy: bool | None = None  # greedy tokens through the head's screen (None: not decided; engine.py times it)
     screen_kind: str = "bfloat16"  # which screen (models/screening.py KINDS), chosen with screen_greedy
@@ -171,6 +172,14 @@ class TargetModel:
         self.graphs = PassGraphs(self.engine, capture)
         self.graph_capacity = capacity
 
+    def compile_graphs(self) -> None:
+        """torch.compile the passes the CUDA graphs capture (Transformer.compile_static): `--compile` on a graphed
+        target. Their timings are kept apart from the plain graphs' (`measurement_key`)."""
+        if self.graphs is None:
+            raise UserError("compiled graphs need graphs on (use_graphs first)")
+        self.engine.compile_static()
+        self.graphs_compiled = True
+
     @contextmanager
     def weights_held(self):
         """A window (a generation, a batch run) whose passes take the weights as they were at its first pass: the
@@ -202,7 +211,8 @@ class TargetModel:
         kernels.cached_measurement: model, dtype, device and kernel choice, then what was timed."""
         report = self.kernel_report or {}
         # a compiled forward or CUDA graphs time differently from the eager passes: their own entries
-        mode = ("compiled:" if "compile_s" in report else "") + ("graphs:" if self.graphs is not None else "")
+        compiled = "compile_s" in report or self.graphs_compiled
+        mode = ("compiled:" if compiled else "") + ("graphs:" if self.graphs is not None else "")
         return f"{self.name}:{str(self.dtype).removeprefix('torch.')}:{self.device}:{report.get('choices')}:{mode}{what}"
 
     @torch.inference_mode()

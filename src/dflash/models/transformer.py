@@ -43,6 +43,19 @@ class Unsupported(Exception):
     """This model cannot run through our forward; use the transformers fallback."""
 
 
+def static_layer(layer: "DecoderLayer", h: torch.Tensor, rope, layer_keys: torch.Tensor, layer_values: torch.Tensor,
+                 at: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+    """One layer of a graphed pass (Transformer.forward_static): the new keys/values scattered at `at` into the
+    layer's whole buffers, which attention reads. A function of its tensors and the layer alone, so that one
+    torch.compile of it serves every layer (Transformer.compile_static)."""
+    def store(k, v):
+        layer_keys[at] = k
+        layer_values[at] = v
+        return layer_keys, layer_values
+
+    return layer.torch_forward(h, rope, store, mask)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; Gemma's variant also normalises each block's output ("sandwich")."""
 
@@ -212,6 +225,14 @@ class Transformer(nn.Module):
         head = self.lm_head if isinstance(self.lm_head, nn.Linear) else None
         self.head = FrozenLinear.of(head, plan) if head is not None else FrozenLinear(self.lm_head.weight, None, plan)
 
+    def compile_static(self) -> None:
+        """torch.compile the graphed pass's layers (`forward_static`, as CUDA graphs run it): inductor fuses the ops
+        between the products (norms, RoPE, residual adds, the gated activation, the cache writes) into a few
+        kernels, which the graphs then capture. Shapes are static (a graph's width and the cache's capacity), so a
+        graph width compiles once and every layer reuses it (the layer's weights are its inputs). Compiled at each
+        width's first capture: seconds to a minute each, once per process."""
+        self._compiled_static_layer = torch.compile(static_layer, dynamic=False)
+
     def compile(self) -> None:
         """torch.compile every decoder layer (inductor on CPU; dynamic shapes, since cache lengths grow). It fuses the
         small ops between the matmuls; whether that pays is measured (`dflash generate --compile --json` reports
@@ -323,17 +344,10 @@ class Transformer(nn.Module):
             masks = {kind: trees.tree_mask(positions, starts, visible, capacity, window)
                      for kind, window in windows.items()}
         at = scatter_index(positions if slots is None else slots, self.kv_heads)
-
-        def store(index: int):
-            def write(k, v):
-                keys[index][at] = k
-                values[index][at] = v
-                return keys[index], values[index]
-            return write
-
+        run_layer = self.__dict__.get("_compiled_static_layer") or static_layer
         outputs: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
-            h = layer.torch_forward(h, ropes[layer.layer_type], store(index), masks[layer.layer_type])
+            h = run_layer(layer, h, ropes[layer.layer_type], keys[index], values[index], at, masks[layer.layer_type])
             if index in feature_layers:
                 outputs[index] = h
         features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None

@@ -24,9 +24,12 @@ MAX_GRAPHS = 2 * len(WIDTHS)  # a width each, for a cache or two
 class DrafterGraphs(KeptGraphs):
     """`run` is DFlashDrafter.forward with a cache for one sequence, through a graph of its context width."""
 
-    def __init__(self, drafter, capture: bool):
+    def __init__(self, drafter, capture: bool, compiled: bool = False):
         super().__init__(capture, MAX_GRAPHS)
-        self.drafter = drafter
+        self.drafter, self.compiled = drafter, compiled
+        # `compiled` (a target run with --compile): the pass through torch.compile, which the graphs capture
+        self.forward_static = (torch.compile(drafter.forward_static, dynamic=False) if compiled
+                               else drafter.forward_static)
 
     def handles(self, context_count: int, cache, block_size: int) -> bool:
         """Whether a pass with `context_count` new context tokens can replay: a graph width holds them, and the
@@ -59,8 +62,8 @@ class DrafterGraphs(KeptGraphs):
 
         def make():
             def run(block_embeds, block_positions, context_features, context_positions):
-                return (self.drafter.forward_static(block_embeds, block_positions, context_features,
-                                                    context_positions, keys, values),)
+                return (self.forward_static(block_embeds, block_positions, context_features, context_positions,
+                                            keys, values),)
 
             device = keys.device
             return run, {

@@ -110,9 +110,10 @@ class DFlashProposer(FeatureBacklog, Proposer):
         target_graphs = getattr(self.target, "graphs", None)
         if target_graphs is None:
             return None
+        compiled = getattr(self.target, "graphs_compiled", False)  # --compile: the drafter's pass too
         graphs = self.drafter.__dict__.get("_graphs")
-        if graphs is None or graphs.capture != target_graphs.capture:
-            graphs = self.drafter.__dict__["_graphs"] = DrafterGraphs(self.drafter, target_graphs.capture)
+        if graphs is None or (graphs.capture, graphs.compiled) != (target_graphs.capture, compiled):
+            graphs = self.drafter.__dict__["_graphs"] = DrafterGraphs(self.drafter, target_graphs.capture, compiled)
         return graphs
 
     def _new_cache(self, capacity: int):
