@@ -291,6 +291,7 @@ def test_compiled_graphed_passes_equal_the_eager_forward_and_compile_once_a_widt
         tiny_target("llama").compile_graphs()  # no graphs to compile
     graphed.compile_graphs()
     assert "compiled:graphs:" in graphed.measurement_key("pass-costs")
+    assert torch._dynamo.config.recompile_limit >= len(WIDTHS) * 8  # every width at every padded row count
     torch._dynamo.reset()
     prompt = eager.encode_prompt(PROMPTS[0])
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)

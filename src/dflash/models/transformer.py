@@ -231,6 +231,14 @@ class Transformer(nn.Module):
         kernels, which the graphs then capture. Shapes are static (a graph's width and the cache's capacity), so a
         graph width compiles once and every layer reuses it (the layer's weights are its inputs). Compiled at each
         width's first capture: seconds to a minute each, once per process."""
+        import torch._dynamo
+
+        from .graphs import MAX_GRAPHS
+
+        # a graph per width (7) and padded row count (up to 8): past dynamo's default of 8 compiles of one function
+        # the rest would run uncompiled
+        limit = MAX_GRAPHS + 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         self._compiled_static_layer = torch.compile(static_layer, dynamic=False)
 
     def compile(self) -> None:
