@@ -103,3 +103,18 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_p
         assert (out / f"run.{name}").is_file(), name
     config = json.loads((out / "run.train_config.json").read_text())
     assert config["max_steps"] == config["schedule_steps"] == steps and config["init"] == "random"
+
+
+def test_the_lease_training_call_stops_waiting_when_its_run_dies(tmp_path):
+    """A run that dies (here: no corpus where it looks) ends the call at once, saying so, not at the end of its
+    window: on a lent GPU the rest of the window is the lease's time."""
+    import time
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu",
+               DTYPE="float32", TARGET="tiny-llama", DATA=str(tmp_path / "no-corpus"), INIT="", RATE="1",
+               LOAD_S="0", WINDOW="300", ROOT=str(tmp_path / "root"), OUT=str(tmp_path / "out"))
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 1 and time.monotonic() - started < 120
+    assert "the run ended without its final drafter" in done.stdout and "no drafter to send" in done.stdout

@@ -1,9 +1,13 @@
-# The last call: wait for RUN's final drafter until GIVEUP (epoch seconds), else take its newest checkpoint, and send
-# it back through $OUT in parts under 16 MiB (join them here with cat), with its config, vocabulary and logs.
+# The last call: wait for RUN's final drafter until GIVEUP (epoch seconds) while the run lives, else take its newest
+# checkpoint, and send it back through $OUT in parts under 16 MiB (join them here with cat), with its config,
+# vocabulary and logs.
 set -uo pipefail
 ROOT=${ROOT:-/root}; RUN=${RUN:-run}
 : "${GIVEUP:?GIVEUP (epoch seconds) is required}"
-while [ ! -f "$ROOT/$RUN/final/model.safetensors" ] && [ "$(date +%s)" -lt "$GIVEUP" ]; do sleep 5; done
+# a run that died (launch.sh kept its process id) has nothing more to wait for: its newest checkpoint, or nothing
+running() { [ ! -f "$ROOT/$RUN.pid" ] || kill -0 "$(cat "$ROOT/$RUN.pid")" 2>/dev/null; }
+while [ ! -f "$ROOT/$RUN/final/model.safetensors" ] && [ "$(date +%s)" -lt "$GIVEUP" ] && running; do sleep 5; done
+running || [ -f "$ROOT/$RUN/final/model.safetensors" ] || echo "the run ended without its final drafter"
 src="$ROOT/$RUN/final"
 [ -f "$src/model.safetensors" ] || { src=$(ls -d "$ROOT/$RUN"/checkpoints/step-* 2>/dev/null | tail -1); echo "no final drafter yet"; }
 [ -n "$src" ] && [ -f "$src/model.safetensors" ] || { echo "no drafter to send: $ROOT/$RUN has no checkpoint"; tail -5 "$ROOT/$RUN.log"; exit 1; }

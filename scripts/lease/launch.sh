@@ -37,3 +37,4 @@ steps=$(python3 -c "import time; print(max(8, int(0.92 * $RATE * ($DEADLINE - ti
 echo "rate ${RATE} steps/s: launching $steps steps into $ROOT/$RUN"
 setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --schedule-steps "$steps" --max-steps "$steps" \
   --log-every 20 --eval-every 500 --save-every 100000 --save-minutes 3 > "$ROOT/$RUN.log" 2>&1 < /dev/null &
+echo $! > "$ROOT/$RUN.pid"  # fetch.sh stops waiting when it is gone
