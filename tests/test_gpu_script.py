@@ -98,7 +98,8 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_p
     steps = int(re.search(r"launching (\d+) steps", done.stdout).group(1))  # 0.92 x RATE x the window left
     assert 8 <= steps <= 9 and "no final drafter yet" not in done.stdout
     parts = sorted(out.glob("run.model.part*"))
-    assert parts and b"".join(p.read_bytes() for p in parts) == (root / "run" / "final" / "model.safetensors").read_bytes()
+    saved = (root / "run" / "final" / "model.safetensors").read_bytes()
+    assert parts and b"".join(p.read_bytes() for p in parts) == saved
     for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl"):
         assert (out / f"run.{name}").is_file(), name
     config = json.loads((out / "run.train_config.json").read_text())

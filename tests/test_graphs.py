@@ -324,3 +324,40 @@ def test_captured_compiled_graphs_on_cuda_keep_generation_identical(arch):
     eager, graphed = twins(arch, "cuda")
     graphed.compile_graphs()
     assert_batched_graphs_keep_the_tokens(eager, graphed)
+
+
+def test_a_bench_reports_the_graphs_captured_and_what_capturing_them_took(monkeypatch):
+    """Each kept set of graphs counts its captures and the seconds they took (compiles included: they happen in the
+    capture's warm-up calls); `dflash bench` reports the target's and its drafters' (results.json and results.md)."""
+    import time
+
+    from dflash.bench import EngineRunner, graph_capture_lines, graph_captures
+    from dflash.models.graphs import CapturedCall
+    from dflash.sampling import SamplingConfig
+
+    class Recorded:  # what a captured CUDA graph offers the replay
+        def replay(self):
+            pass
+
+        def pool(self):
+            return None
+
+    def capture(self, pool):  # a capture's warm-up: the call runs (eagerly here), taking its time
+        time.sleep(0.02)
+        self.outputs = self.run(**self.inputs)
+        self.graph = Recorded()
+
+    monkeypatch.setattr(CapturedCall, "_capture", capture)
+    eager, graphed = twins("llama")
+    assert graph_captures(eager, {}) is None  # no graphs, nothing to report
+    graphed.graphs.capture = True  # the graphs made from now on capture (through the stand-in above)
+    proposer = make_drafter_proposer(graphed)
+    runner = EngineRunner("dflash", graphed, proposer, SamplingConfig(), adaptive=False)
+    runner.generate(graphed.encode_prompt(PROMPTS[0]), 12, True)
+    report = graph_captures(graphed, {"ar": EngineRunner("ar", graphed, NgramProposer(), SamplingConfig()),
+                                      "dflash": runner})
+    target, (drafter,) = report["target"], report["drafters"]
+    assert target["graphs"] == graphed.graphs.captures >= 1 and drafter["graphs"] == proposer.graphs.captures >= 1
+    assert target["capture_seconds"] >= 0.02 * target["graphs"] and drafter["capture_seconds"] >= 0.02
+    line = graph_capture_lines(report)[0]
+    assert line.startswith(f"CUDA graphs captured (compiles included): target {target['graphs']} in")

@@ -668,6 +668,23 @@ def compare_prompt(prompt, runs: dict, runners: dict, target, sampling, totals: 
     rows += new_rows
 
 
+def graph_captures(target, runners: dict) -> dict | None:
+    """The graphs the run captured and the seconds that took, the target's and its drafters' (a drafter keeps its
+    graphs beside its weights: shared by the methods that draft with it); None without graphs."""
+    if target.graphs is None:
+        return None
+    drafters = {}
+    for runner in runners.values():
+        proposer = getattr(getattr(getattr(runner, "decoder", None), "engine", None), "proposer", None)
+        graphs = getattr(getattr(proposer, "drafter", None), "__dict__", {}).get("_graphs")
+        if graphs is not None:
+            drafters[id(graphs)] = graphs.report()
+    report = {"target": target.graphs.report()}
+    if drafters:
+        report["drafters"] = list(drafters.values())
+    return report
+
+
 def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
     row = {"id": prompt_id, "turn": turn, "method": method, "new_tokens": len(r.tokens),
            "ttft_ms": 1000 * r.ttft_s, "total_s": r.total_s, "same_as_ar": same}
@@ -702,6 +719,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         "engine": target.backend,
         "cuda_graphs": target.graphs is not None,  # the target's passes replayed as CUDA graphs (graphs.py)
         "compiled_graphs": target.graphs_compiled,  # those passes (and a DFlash drafter's) through torch.compile
+        "graph_captures": graph_captures(target, runners),  # what capturing (and compiling) them cost
         "kernels": target.kernel_report,
         # greedy rounds' tokens through a screen of the LM head (models/screening.py), or the whole head (None)
         "greedy_screen": target.screen_kind if target.screens else None,
@@ -806,6 +824,14 @@ def machine_line(machine: dict) -> str:
             f"torch {machine.get('torch', '?')}")
 
 
+def graph_capture_lines(captures: dict | None) -> list[str]:
+    if not captures:
+        return []
+    parts = [f"target {captures['target']['graphs']} in {captures['target']['capture_seconds']} s"]
+    parts += [f"drafter {d['graphs']} in {d['capture_seconds']} s" for d in captures.get("drafters", [])]
+    return [f"CUDA graphs captured (compiles included): {', '.join(parts)}", ""]
+
+
 def interrupted_note(results: dict) -> str:
     cut = results.get("interrupted")
     return f" (interrupted: {cut['prompts_done']} of the {cut['prompts_asked']} asked)" if cut else ""
@@ -827,6 +853,7 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         "",
         f"machine: {machine_line(results.get('machine', {}))}",
         "",
+        *graph_capture_lines(results.get("graph_captures")),
         markdown_table(results),
         "",
         "speedup = ar TPOT / method TPOT (decode); e2e speedup = tokens/s ratio including TTFT; in brackets, 95% "

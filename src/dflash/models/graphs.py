@@ -22,6 +22,7 @@ how the CPU tests check everything here but the capture itself.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -93,6 +94,7 @@ class KeptGraphs:
         self.graphs: OrderedDict[tuple, CapturedCall] = OrderedDict()
         self.pool = None
         self.captures = 0  # graphs made so far (a report, and what tests count)
+        self.capture_seconds = 0.0  # spent capturing them (their warm-up calls, and any compiling, included)
 
     def kept(self, key: tuple, make: Callable[[], tuple[Callable[..., tuple], dict[str, torch.Tensor]]]
              ) -> CapturedCall:
@@ -110,8 +112,15 @@ class KeptGraphs:
 
     def replay(self, graph: CapturedCall) -> tuple:
         """Run `graph` on its current inputs; its outputs (overwritten by its next replay)."""
+        capturing = graph.capture and graph.graph is None
+        started = time.perf_counter()
         self.pool = graph.replay(self.pool)
+        if capturing:
+            self.capture_seconds += time.perf_counter() - started
         return graph.outputs
+
+    def report(self) -> dict:
+        return {"graphs": self.captures, "capture_seconds": round(self.capture_seconds, 2)}
 
 
 class PassGraphs(KeptGraphs):
