@@ -29,11 +29,8 @@ import copy
 import json
 import os
 import platform
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -577,6 +574,7 @@ def validate(args) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
+    from .cli import kill_stops_like_ctrl_c
     from .loading import settle_heap, target_from_args
     from .sampling import SamplingConfig
 
@@ -595,7 +593,7 @@ def run(args) -> int:
     per_prompt = {m: [] for m in runners}  # each prompt's own Totals, for the intervals
     mismatches, rows = [], []
     done = 0  # prompts every method has finished: what an interrupted bench reports
-    with interrupted_by_sigterm():
+    with kill_stops_like_ctrl_c():  # the prompts finished are written
         try:
             warm = BenchPrompt("warmup", prompts[0].turns[:1])
             warming = tqdm(runners.items(), desc="warm-up", unit="method", disable=args.no_progress)
@@ -630,20 +628,6 @@ def run(args) -> int:
     return 130 if done < len(prompts) else 0
 
 
-@contextmanager
-def interrupted_by_sigterm():
-    """`kill` (SIGTERM, as `timeout` sends) stops a bench as Ctrl-C does, so that the prompts already finished are
-    written (in the main thread only, where Python handles signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
 def compare_prompt(prompt, runs: dict, runners: dict, target, sampling, totals: dict, per_prompt: dict,
                    mismatches: list, rows: list) -> None:
     """One prompt's runs of every method into the totals, each turn's tokens compared with `ar`'s. The comparisons
@@ -675,9 +659,9 @@ def graph_captures(target, runners: dict) -> dict | None:
         return None
     drafters = {}
     for runner in runners.values():
-        proposer = getattr(getattr(getattr(runner, "decoder", None), "engine", None), "proposer", None)
-        graphs = getattr(getattr(proposer, "drafter", None), "__dict__", {}).get("_graphs")
-        if graphs is not None:
+        decoder = getattr(runner, "decoder", None)  # hf and llamacpp run without our engine
+        graphs = getattr(decoder.engine.proposer, "graphs", None) if decoder is not None else None
+        if graphs is not None:  # a DFlash proposer's (kept by its drafter: one set per drafter)
             drafters[id(graphs)] = graphs.report()
     report = {"target": target.graphs.report()}
     if drafters:

@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 
 from . import threads
@@ -329,6 +330,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=module.run)
     return parser
 
+
+
+@contextmanager
+def kill_stops_like_ctrl_c():
+    """`kill` (SIGTERM, as `timeout` sends) raises KeyboardInterrupt inside the block, as Ctrl-C does, so that long
+    work (a bench, a regeneration) writes what it finished before `main` exits with 130. In the main thread only,
+    where Python handles signals; the previous handler is put back after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

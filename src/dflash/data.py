@@ -509,14 +509,11 @@ def table_folder(args) -> int:
 
 
 def run(args) -> int:
-    import signal
-
+    from .cli import kill_stops_like_ctrl_c
     from .distributed import init_world
 
     validate(args)
-    # `kill` (SIGTERM) stops a background run like Ctrl-C: the rows finished so far are flushed first
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
+    with kill_stops_like_ctrl_c():  # a background run's rows finished so far are flushed first
         if args.pack:
             return pack_folder(args)
         if args.table:
@@ -525,8 +522,6 @@ def run(args) -> int:
         result = regenerate_folder(args, world)  # on an exception no teardown (World.close)
         world.close()
         return result
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def regenerate_folder(args, world) -> int:
