@@ -110,3 +110,21 @@ def test_a_cuda_targets_load_chooses_attention_through_our_forward_only(monkeypa
     assert (heads, kv_heads, head_dim) == (attention.heads, attention.kv_heads, attention.head_dim)
     choose_kernels(fallback)
     assert len(asked) == 1 and "attention" not in fallback.kernel_report
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_causal_attention_equals_the_mask_of_bools_it_stands_for(gqa):
+    """CAUSAL runs SDPA's causal kernel (and, where SDPA cannot run, e.g. soft-capped logits, becomes the lower
+    triangle of bools): the same outputs, bitwise on the CPU, as the explicit mask."""
+    from dflash.models.layers import softcapped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 16, generator=g)
+    keys = torch.randn(2, 2 if gqa else 4, 37, 16, generator=g)
+    values = torch.randn(keys.shape, generator=g)
+    lower = torch.ones(37, 37, dtype=torch.bool).tril()
+    causal = sdpa_backends.attention(q, keys, values, sdpa_backends.CAUSAL, 0.25, gqa)
+    assert torch.equal(causal, sdpa_backends.attention(q, keys, values, lower, 0.25, gqa))
+    assert not torch.allclose(causal, sdpa_backends.attention(q, keys, values, None, 0.25, gqa))
+    capped = softcapped_attention(q, keys, values, sdpa_backends.CAUSAL, 0.25, 5.0)
+    assert torch.equal(capped, softcapped_attention(q, keys, values, lower, 0.25, 5.0))

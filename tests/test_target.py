@@ -275,3 +275,42 @@ def test_a_generation_reads_the_weights_versions_once_and_sees_writes_made_befor
     for token in prompt:  # steps, as the generation's last passes were (the stack's arguments are kept by width)
         written.forward(torch.tensor([[token]]), cache)
     assert asked[-len(prompt):] == [True] * len(prompt)  # outside a generation: every pass
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_fresh_prefill_attends_causally_and_equals_the_masked_pass(family_targets, arch, monkeypatch):
+    """A prompt into an empty cache runs SDPA's causal kernel (no mask of bools), except on sliding-window layers
+    the prompt outruns (tiny Gemma3: window 16); after a cached prefix the mask stays. Logits, features and the
+    cache's keys and values are bitwise those of the same pass given masks of bools."""
+    from dflash.models import sdpa_backends
+    from dflash.models.layers import causal_mask
+
+    target = family_targets[arch]
+    ids = torch.randint(1, 60, (2, 40), generator=torch.Generator().manual_seed(3))
+    seen = []
+    real = sdpa_backends.attention
+
+    def recording(q, keys, values, mask, *args, **kwargs):
+        seen.append(mask if mask is sdpa_backends.CAUSAL else None if mask is None else tuple(mask.shape))
+        return real(q, keys, values, mask, *args, **kwargs)
+
+    def run():
+        cache = target.new_cache(2, 48)
+        out = target.forward(ids, cache, (0, 2))
+        return out, cache
+
+    monkeypatch.setattr(sdpa_backends, "attention", recording)
+    causal, causal_cache = run()
+    windows = [layer.window for layer in target.engine.layers]
+    assert seen == [sdpa_backends.CAUSAL if w is None or w >= 40 else (2, 1, 40, 40) for w in windows]
+    if arch == "gemma3":
+        assert None not in windows and any(w < 40 for w in windows)
+    after_prompt = torch.tensor([[40, 41], [40, 41]])  # two more tokens a row after the cached prompt
+    assert Transformer._mask(after_prompt, [40, 40], 2, 42, None).shape == (2, 1, 2, 42)
+    monkeypatch.setattr(Transformer, "_mask", staticmethod(lambda positions, starts, n, end, w:
+                                                           causal_mask(positions, end, w)))
+    masked, masked_cache = run()
+    torch.testing.assert_close(causal.logits, masked.logits, rtol=0, atol=0)
+    torch.testing.assert_close(causal.features, masked.features, rtol=0, atol=0)
+    for a, b in ((causal_cache.keys, masked_cache.keys), (causal_cache.values, masked_cache.values)):
+        assert torch.equal(a[..., :40, :], b[..., :40, :])

@@ -227,7 +227,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         """softmax(q k^T * scale [masked]) v -> [b, s, H * d]. mask: bool, True = may attend, broadcastable to
-        [b, H, s, keys]."""
+        [b, H, s, keys]; or sdpa_backends.CAUSAL (queries and keys from the same first position)."""
         if softcap is None:
             out = sdpa_backends.attention(q, keys, values, mask, self.scale, self.heads != self.kv_heads)
         else:
@@ -250,6 +250,7 @@ def softcapped_attention(q, keys, values, mask, scale: float, softcap: float) ->
     """Attention with tanh-capped logits (Gemma2-style `attn_logit_softcapping`), which SDPA cannot express."""
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    mask = sdpa_backends.bool_mask(mask, q.shape[2], keys.shape[2], q.device)
     scores = torch.tanh((q @ keys.transpose(-1, -2)) * scale / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import trees
 from .cache import KVCache, scatter_index
-from . import native
+from . import native, sdpa_backends
 from .kernels import FrozenLinear, KernelPlan, products_generation, row_bucket
 from .layers import Attention, GatedMLP, RMSNorm, Rotary, causal_mask, native_constants
 from .screening import ScreenedHead
@@ -460,10 +460,13 @@ class Transformer(nn.Module):
     @staticmethod
     def _mask(positions: torch.Tensor, starts: list[int], n: int, end: int, window: int | None):
         """None where every key up to `end` is visible to every query (one new token per row, rows aligned, no
-        window reached): then attention needs no mask at all."""
+        window reached): then attention needs no mask at all. CAUSAL where every row starts empty and no window
+        is reached (a fresh prefill): SDPA's causal kernel then skips the masked half."""
         aligned = all(s == starts[0] for s in starts)
         if n == 1 and aligned and (window is None or end <= window):
             return None
+        if end == n and (window is None or end <= window):
+            return sdpa_backends.CAUSAL
         return causal_mask(positions, end, window)
 
 
