@@ -39,6 +39,9 @@ Switches (the "on" variant is each one's default):
   screen-wide       that integer screen rounds its inputs wide where many rows are screened (all but each row's 8
                     largest channels in a byte, their high bytes summed apart; `models/native.c`), against dense
                     inputs (every channel in two bytes, int16's precision) everywhere; both pin the integer screen
+  prompts-in-c      prompts go through the C stack, 64 tokens a pass (`Transformer.prompts_in_c_up_to`), against
+                    torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
+                    target's outputs may differ: the two round a prompt's sums differently
   native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `git show
                     REV:src/dflash/models/native.c > /tmp/old.c`), libraries swapped in one process as
                     scripts/ab_native.py does, on whole generations; both builds must share the tile layout and
@@ -154,6 +157,10 @@ def set_native_build(target, on: bool) -> None:
     native._library = NATIVE_BUILDS[on]
 
 
+def set_prompts_in_c(target, on: bool) -> None:
+    target.engine.prompts_in_c_up_to = 1 << 30 if on else 0
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
@@ -162,8 +169,8 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
-            "screen-wide": set_screen_wide, "native-build": set_native_build}
-CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs"}  # switches whose variants may differ in output (each lossless on its own)
+            "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c}
+CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs", "prompts-in-c"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED
@@ -208,6 +215,7 @@ def main() -> int:
             proposers[method, variant] = proposer
             decoders[method, variant] = SpeculativeDecoder(target, proposer, adaptive=not spec.whole_blocks)
     times = {key: [] for key in decoders}
+    ttfts = {key: [] for key in decoders}  # milliseconds to the first token, single generations only
     identical = {method: True for method, _ in decoders}
     groups = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
     for index, group in enumerate(groups):
@@ -223,6 +231,7 @@ def main() -> int:
                     continue
                 result = decoders[method, variant].generate(group[0], config)
                 times[method, variant].append(tpot_ms(result))
+                ttfts[method, variant].append(1000 * result.stats.ttft_s)
                 outputs[variant] = result.tokens
             identical[method] &= outputs["off"] == outputs["on"]
             print(f"{'batch' if args.batch > 1 else 'prompt'} {index}: {method:14s} " + "  ".join(
@@ -236,9 +245,16 @@ def main() -> int:
         row = {"off_tpot_ms": statistics.median(off), "on_tpot_ms": statistics.median(on),
                "ratio_median": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
                "identical": identical[method]}
+        ttft = ""
+        if ttfts[method, "off"]:
+            row.update({f"{v}_ttft_ms": statistics.median(ttfts[method, v]) for v in VARIANTS})
+            row["ttft_ratio_median"] = statistics.median(a / b for a, b in zip(ttfts[method, "on"],
+                                                                               ttfts[method, "off"]))
+            ttft = (f"  TTFT off {row['off_ttft_ms']:.0f} ms, on {row['on_ttft_ms']:.0f} ms, on/off median "
+                    f"{row['ttft_ratio_median']:.3f}")
         report["methods"][method] = row
         print(f"{method:14s} {row['off_tpot_ms']:8.1f} {row['on_tpot_ms']:8.1f}  "
-              f"{row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})  {identical[method]}")
+              f"{row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})  {identical[method]}{ttft}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -363,11 +363,13 @@ def test_the_stack_check_compares_products_only_when_one_may_have_changed():
 
 @needs_native
 def test_rows_of_more_than_sixteen_tokens_take_the_torch_layers_batches_do_not(monkeypatch):
-    """A first row of 17 new tokens is a prefill: torch's layers. Any number of rows of up to 16 (a batch of steps
+    """A first row of 17 new tokens is a prompt: torch's layers where prompts are kept out of C. Any number of rows of up to 16 (a batch of steps
     or of verify passes, here 2 x 9 = 18 tokens) runs in C, so that each row's tokens go through the chains they
     would alone (test_batching: batched rounds equal solo runs), and so do rows of up to 64 after a cached prefix
-    (verify passes of blocks over 16); 65 go to torch."""
+    (verify passes of blocks over 16); 65 go to torch. (Prompts kept out of C, as a machine where torch's layers
+    read them faster measures: test_prompts_run_through_the_c_stack_in_passes_of_64 has the other choice.)"""
     target = tiny_target("llama", logit_scale=4.0)
+    target.engine.prompts_in_c_up_to = 0
     calls = count_layer_calls(monkeypatch)
     single = target.new_cache(capacity=160)
     target.forward(torch.tensor([list(range(5, 22))]), single)  # 17 tokens: a prefill
@@ -381,6 +383,43 @@ def test_rows_of_more_than_sixteen_tokens_take_the_torch_layers_batches_do_not(m
     assert calls[0] == 4 * target.num_layers
     target.forward(torch.tensor([[(3 * i) % 50 + 5 for i in range(65)]]), single)
     assert calls[0] == 4 * target.num_layers
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prompts_run_through_the_c_stack_in_passes_of_64(arch, dtype, monkeypatch):
+    """A one-row prompt goes through the C stack, 64 tokens a pass, up to the measured length (unmeasured targets:
+    any). Each token takes the chains of a step, so a prompt split anywhere else writes bitwise the same cache and
+    gives the same logits and features (a prefix cache's hit reads what the whole prompt would have written); every
+    logits_at reads the same hidden states; torch's layers, whole, agree within rounding."""
+    target = tiny_target(arch, logit_scale=4.0, hidden_size=128)
+    target.model.to(dtype)
+    choose_kernels(target, "native")
+    engine = target.engine
+    calls = count_layer_calls(monkeypatch)
+    prompt = torch.tensor([[(7 * i) % 50 + 5 for i in range(150)]])
+    whole = target.new_cache(capacity=160)
+    logits, features = engine(prompt, whole, (0, 2))
+    assert calls[0] == 3 * target.num_layers  # 64 + 64 + 22 tokens
+    split = target.new_cache(capacity=160)
+    first, rest = engine(prompt[:, :37], split, (0, 2)), engine(prompt[:, 37:], split, (0, 2))
+    assert torch.equal(torch.cat([first[0], rest[0]], 1), logits)
+    assert torch.equal(torch.cat([first[1], rest[1]], 1), features)
+    assert torch.equal(split.keys[..., :150, :], whole.keys[..., :150, :])
+    assert torch.equal(split.values[..., :150, :], whole.values[..., :150, :])
+    for logits_at, expected in (("last", logits[:, -1:]), (torch.tensor([99]), logits[:, 99:100]), ("none", None)):
+        got, got_features = engine(prompt, target.new_cache(capacity=160), (0, 2), logits_at)
+        assert (got is None and expected is None) or torch.equal(got, expected)
+        assert torch.equal(got_features, features)
+    hidden, _ = engine(prompt, target.new_cache(capacity=160), (), "hidden")
+    assert torch.equal(engine.logits(hidden, "all"), logits)
+    engine.prompts_in_c_up_to = 149  # measured up to 149 tokens: this prompt goes to torch's layers, whole
+    calls[0] = 0
+    in_torch, torch_features = engine(prompt, target.new_cache(capacity=160), (0, 2))
+    assert calls[0] == 0
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(in_torch, logits, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(torch_features.float(), features.float(), rtol=tolerance, atol=tolerance)
 
 
 @needs_native
@@ -514,11 +553,12 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_steps(arch, dtype, head_dim, 
     choose_kernels(target, "native")
     calls = count_layer_calls(monkeypatch)
     words = "w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21 w22 w23 w1 w2 w3".split()
-    ids = (target.encode_prompt(" ".join(words)) * 4)[:context]  # > 16 tokens: torch prefill
+    ids = (target.encode_prompt(" ".join(words)) * 4)[:context]
     block = [9, 33, 2, 17, 40, 8, 11]
     together, alone = target.new_cache(), target.new_cache()
     target.forward(torch.tensor([ids]), together)
     target.forward(torch.tensor([ids]), alone)
+    calls[0] = 0  # the prompts' passes (in C as well, unmeasured) are not what is counted
     wide = target.forward(torch.tensor([block]), together, (1, 2)).logits[0]
     steps = torch.cat([target.forward(torch.tensor([[token]]), alone, (1, 2)).logits[0] for token in block])
     assert torch.equal(wide, steps)

@@ -314,3 +314,15 @@ def test_a_fresh_prefill_attends_causally_and_equals_the_masked_pass(family_targ
     torch.testing.assert_close(causal.features, masked.features, rtol=0, atol=0)
     for a, b in ((causal_cache.keys, masked_cache.keys), (causal_cache.values, masked_cache.values)):
         assert torch.equal(a[..., :40, :], b[..., :40, :])
+
+
+def test_prompts_go_to_the_c_stack_up_to_the_longest_length_it_won_at():
+    from dflash.models.target import prompts_in_c_from
+
+    def medians(c64, c384):
+        return {"c64": c64, "torch64": 1.0, "c384": c384, "torch384": 1.0}
+
+    assert prompts_in_c_from(medians(0.8, 0.9)) == 1 << 30  # won at the longest measured: every length
+    assert prompts_in_c_from(medians(0.8, 1.1)) == 64
+    assert prompts_in_c_from(medians(1.1, 0.9)) == 0  # lost at the shortest: none
+    assert prompts_in_c_from(medians(1.0, 1.0)) == 0  # a tie keeps torch's layers

@@ -26,6 +26,7 @@ from .transformer import Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_CHOICES = ("auto", "packed", "plain", "native")
+PROMPT_LENGTHS = (64, 384)  # the prompt lengths at which the C stack is timed against torch's layers
 
 
 @dataclass
@@ -307,6 +308,8 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
             report["attention"] = sdpa_backends.choose(target.device, target.dtype, engine.layers[0].self_attn.heads,
                                                        engine.kv_heads, engine.head_dim)
         target.use_kernels(plan, report)
+        if isinstance(engine, Transformer):  # the C stack runs prompts only on the kernels it was built for
+            engine.prompts_in_c_up_to = engine.prompts_in_c_up_to if kernels == "native" else 0
         return
     engine = target.engine
     model_key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}"
@@ -316,6 +319,47 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
                                      still_valid=lambda cached: plan_still_fits(target, cached))
     target.use_kernels(plan, {"kernels": "auto", "measured_now": measured, "choices": plan.summary(),
                               "measure_s": round(time.perf_counter() - start, 3)})
+    choose_prompts_in_c(target)
+
+
+def prompts_in_c_from(medians: dict[str, float], lengths=PROMPT_LENGTHS) -> int:
+    """Transformer.prompts_in_c_up_to from the medians of prompts timed both ways ("c64", "torch64", ...): up to
+    the longest of `lengths` at which the C stack was faster, it and every shorter one; past the longest measured,
+    the choice made there holds."""
+    up_to = 0
+    for n in sorted(lengths):
+        if medians[f"c{n}"] >= medians[f"torch{n}"]:
+            return up_to
+        up_to = n
+    return 1 << 30
+
+
+def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
+    """Whether prompts go through the C stack, 64 tokens a pass, or torch's layers whole, and up to what length:
+    which is faster depends on the machine (oneDNN's products over many rows against the C stack's fused layer and
+    attention; Transformer._prompt_in_c). Prompts of PROMPT_LENGTHS timed both ways, interleaved, once per machine,
+    model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores)."""
+    from . import native
+
+    engine = target.engine
+    if not isinstance(engine, Transformer) or target.device.type != "cpu" or native.library() is None:
+        return
+    ids = torch.tensor([[5 + i % 50 for i in range(max(PROMPT_LENGTHS))]])
+
+    def measure() -> dict:
+        def prompt(n: int, up_to: int):
+            def call():
+                engine.prompts_in_c_up_to = up_to
+                target.forward(ids[:, :n], target.new_cache(capacity=n), logits_at="last")
+            return call
+
+        calls = {f"{way}{n}": prompt(n, up_to) for n in PROMPT_LENGTHS for way, up_to in (("torch", 0), ("c", 1 << 30))}
+        medians = interleaved_medians(calls, repeats)
+        return {"up_to": prompts_in_c_from(medians), **{name: round(s, 5) for name, s in medians.items()}}
+
+    engine.prompts_in_c_up_to = cached_timing(target, f"prompts-in-c:{native.build_id()}", measure)["up_to"]
+    if target.kernel_report is not None:
+        target.kernel_report["prompts_in_c_up_to"] = engine.prompts_in_c_up_to
 
 
 def plan_still_fits(target: TargetModel, plan: KernelPlan, timer=None) -> bool:

@@ -188,6 +188,10 @@ class Transformer(nn.Module):
         # the C stack's check of the weights' versions (ProductsUnchanged): None every pass; False at the next pass
         # only, then True: not until the window ends (TargetModel.weights_held)
         self.versions_held: bool | None = None
+        # prompts (a row's pass from an empty cache, or of over 64 new tokens) of up to this many tokens run through
+        # the C stack, 64 tokens a pass: measured per machine at load (engine.measured_prompts_in_c); 0: torch's
+        # layers. Unmeasured (test targets): all of them, so every engine test reads its prompts in C
+        self.prompts_in_c_up_to = 1 << 30
 
     # ---- building ------------------------------------------------------------------------------------------------
     @classmethod
@@ -281,6 +285,9 @@ class Transformer(nn.Module):
         as before, but sits at the position of its depth and attends to the cached positions and its ancestors."""
         b, n = input_ids.shape
         starts = cache.lengths
+        prompt_in_c = tree is None and not runs_in_c(n, starts) and self._prompt_in_c(input_ids)
+        if prompt_in_c and n > MAX_VERIFY_TOKENS:
+            return self._prompt_in_chunks(input_ids, cache, feature_layers, logits_at)
         end = max(starts) + n
         cache.reserve(end)
         device = input_ids.device
@@ -304,7 +311,7 @@ class Transformer(nn.Module):
         in_c = None
         # a tree pass of up to 64 nodes runs in C too (with the verify bucket's kernels, as a batch does): through
         # torch's layers a 32-node float32 SmolLM2 pass took 60 ms, in C 41 (2 Zen 4 cores)
-        if tree is None and runs_in_c(n, starts) or tree is not None and self._tree_in_c(n, end):
+        if tree is None and (prompt_in_c or runs_in_c(n, starts)) or tree is not None and self._tree_in_c(n, end):
             bits = None if tree is None else trees.as_int64([trees.visibility(row) for row in tree.tolist()])
             in_c = self._native_stack(h, ropes, cache, starts, feature_layers, bits)
         if in_c is not None:
@@ -327,6 +334,30 @@ class Transformer(nn.Module):
                     outputs[index] = h
             features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         cache.advance(n)
+        return (h if isinstance(logits_at, str) and logits_at == "hidden" else self.logits(h, logits_at)), features
+
+    def _prompt_in_c(self, input_ids: torch.Tensor) -> bool:
+        """Whether a pass that runs_in_c leaves to torch (a prompt) goes through the C stack instead, by the
+        measured choice: one row on the CPU, up to prompts_in_c_up_to tokens. Why: on 2 Zen 4 cores a 48-400
+        token prompt took 0.77-0.96x the time in bfloat16 and ~0.8-0.9x in float32 (the C stack fuses what
+        torch runs as ~10 elementwise ops a layer, and its attention reads the cache in pairs), but 800 bfloat16
+        tokens 1.06x (oneDNN's products over many rows beat the verify bucket's kernels); docs/RESULTS.md,
+        thirty-fifth session."""
+        return (input_ids.shape[0] == 1 and input_ids.shape[1] <= self.prompts_in_c_up_to
+                and input_ids.device.type == "cpu" and native.library() is not None)
+
+    def _prompt_in_chunks(self, input_ids: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...],
+                          logits_at: str | torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A long prompt as passes of MAX_VERIFY_TOKENS, each through the C stack (forward's result)."""
+        n = input_ids.shape[1]
+        hidden, features = [], []
+        for first in range(0, n, MAX_VERIFY_TOKENS):
+            h, f = self.forward(input_ids[:, first:first + MAX_VERIFY_TOKENS], cache, feature_layers, "hidden")
+            hidden.append(h)
+            if f is not None:
+                features.append(f)
+        h = torch.cat(hidden, dim=1) if len(hidden) > 1 else hidden[0]
+        features = torch.cat(features, dim=1) if features else None
         return (h if isinstance(logits_at, str) and logits_at == "hidden" else self.logits(h, logits_at)), features
 
     @torch.inference_mode()
