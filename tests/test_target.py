@@ -326,3 +326,33 @@ def test_prompts_go_to_the_c_stack_up_to_the_longest_length_it_won_at():
     assert prompts_in_c_from(medians(0.8, 1.1)) == 64
     assert prompts_in_c_from(medians(1.1, 0.9)) == 0  # lost at the shortest: none
     assert prompts_in_c_from(medians(1.0, 1.0)) == 0  # a tie keeps torch's layers
+
+
+def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_path, monkeypatch):
+    """choose_prompts_in_c times real prompts both ways through this target's own forward, caches the choice per
+    machine (a second load reads it) and reports it; DFLASH_PROMPTS_IN_C=0 keeps prompts in torch's layers."""
+    from dflash.models import target as target_module
+    from dflash.models.target import PROMPT_LENGTHS, choose_prompts_in_c
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    target = tiny_target("llama")
+    timed = []
+
+    def medians(calls, repeats):
+        for name, call in calls.items():
+            call()  # each way really runs its prompt
+            timed.append((name, target.engine.prompts_in_c_up_to))
+        return {name: 0.5 if name == f"c{PROMPT_LENGTHS[0]}" else 1.0 for name in calls}  # C wins only at 64
+
+    monkeypatch.setattr(target_module, "interleaved_medians", medians)
+    choose_prompts_in_c(target)
+    assert target.engine.prompts_in_c_up_to == PROMPT_LENGTHS[0] == target.kernel_report["prompts_in_c_up_to"]
+    assert {name: up_to for name, up_to in timed} == {f"{way}{n}": (0 if way == "torch" else 1 << 30)
+                                                       for n in PROMPT_LENGTHS for way in ("torch", "c")}
+    timed.clear()
+    again = tiny_target("llama")
+    choose_prompts_in_c(again)
+    assert not timed and again.engine.prompts_in_c_up_to == PROMPT_LENGTHS[0]
+    monkeypatch.setenv("DFLASH_PROMPTS_IN_C", "0")
+    choose_prompts_in_c(again)
+    assert again.engine.prompts_in_c_up_to == 0

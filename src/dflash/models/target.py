@@ -7,6 +7,7 @@ exposes as `output_hidden_states[i + 1]` (index 0 is the embedding output).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -338,11 +339,15 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     """Whether prompts go through the C stack, 64 tokens a pass, or torch's layers whole, and up to what length:
     which is faster depends on the machine (oneDNN's products over many rows against the C stack's fused layer and
     attention; Transformer._prompt_in_c). Prompts of PROMPT_LENGTHS timed both ways, interleaved, once per machine,
-    model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores)."""
+    model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores). DFLASH_PROMPTS_IN_C=0 keeps every prompt
+    in torch's layers, unmeasured."""
     from . import native
 
     engine = target.engine
     if not isinstance(engine, Transformer) or target.device.type != "cpu" or native.library() is None:
+        return
+    if os.environ.get("DFLASH_PROMPTS_IN_C", "1") == "0":
+        engine.prompts_in_c_up_to = 0
         return
     ids = torch.tensor([[5 + i % 50 for i in range(max(PROMPT_LENGTHS))]])
 
