@@ -39,6 +39,8 @@ Switches (the "on" variant is each one's default):
   screen-wide       that integer screen rounds its inputs wide where many rows are screened (all but each row's 8
                     largest channels in a byte, their high bytes summed apart; `models/native.c`), against dense
                     inputs (every channel in two bytes, int16's precision) everywhere; both pin the integer screen
+  chained-prior     a draft position without a confidence (prompt lookup's) starts from the estimate of the position
+                    before it (`control.Calibration`), against 0.5 at every position
   prompts-in-c      prompts go through the C stack, 64 tokens a pass (`Transformer.prompts_in_c_up_to`), against
                     torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
                     target's outputs may differ: the two round a prompt's sums differently
@@ -64,7 +66,7 @@ from pathlib import Path
 import torch
 
 from dflash.bench import parse_method, read_prompts, resolve_dataset
-from dflash import engine
+from dflash import control, engine
 from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening
 from dflash.loading import build_proposer, load_target_cached
 from dflash.corpus import read_packed
@@ -157,6 +159,10 @@ def set_native_build(target, on: bool) -> None:
     native._library = NATIVE_BUILDS[on]
 
 
+def set_chained_prior(target, on: bool) -> None:
+    control.CHAINED_PRIOR = on  # read at every price; each variant's decoder keeps its own calibrations
+
+
 def set_prompts_in_c(target, on: bool) -> None:
     target.engine.prompts_in_c_up_to = 1 << 30 if on else 0
 
@@ -169,7 +175,8 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "bf16-pairs": set_bf16_pairs, "int8-vnni": set_int8_vnni, "screen-steps": set_screen_steps,
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
-            "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c}
+            "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
+            "chained-prior": set_chained_prior}
 CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs", "prompts-in-c"}  # switches whose variants may differ in output (each lossless on its own)
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)

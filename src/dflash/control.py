@@ -36,6 +36,7 @@ CONFIDENCE_BINS = 10
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the drafter's own confidence before the calibration learns
 SMOOTHING = 0.15  # EMA weight of a new observation (rate, gain, draft time, the machine's speed)
 SHAPE_SMOOTHING = 0.02  # how fast a pass width's cost relative to the machine's speed moves
+CHAINED_PRIOR = True  # a draft position's prior is the one before it's estimate (Calibration); False: 0.5 each
 GAIN_SMOOTHING = 0.3  # the value of drafting moves with the text: a probe that finds a predictable stretch counts
 PROBE_FIRST, PROBE_MAX = 4, 64  # rounds without drafting before the next probe, doubling while it does not pay ...
 PROBE_BUDGET = 0.015  # ... but never so far apart that a cheap drafter's probes would cost more than this much time
@@ -46,8 +47,11 @@ class Calibration:
     """P(draft accepted | every draft before it was) by the drafter's confidence (binned), or by draft position
     for drafters without one (ngram), kept apart by the draft's label where it has one (prompt lookup: the length of
     its match, 0 for the target's continuation table; in HumanEval a 3-token match's drafts were accepted 79% of the
-    time, a 1-token match's 8%). Starts
-    from the confidence itself (or 0.5) and learns from every round."""
+    time, a 1-token match's 8%). Starts from the confidence itself, or by position from 0.5 at the first and, at
+    each later one, from what the position before it has learnt, and learns from every round. Why the chain: a
+    position is only observed where a round verified that deep, so at a flat 0.5 a later position that no round
+    had reached kept every round at one draft (a repetitive 2750-token prompt: the first draft accepted 93% of the
+    time, tau 1.75, each later draft priced at 0.5; RESULTS.md, thirty-fifth session)."""
 
     def __init__(self, positions: int):
         self.positions = positions
@@ -56,11 +60,24 @@ class Calibration:
         self.by_label: dict[int | None, tuple[list[float], list[float]]] = {}  # label -> (tried, accepted) by position
         self.by_confidence: bool | None = None  # whether the drafts verified so far came with confidences
         self.position_tried, self.position_accepted = self._positions(None)
+        self._chained: dict[int | None, list[float]] = {}  # label -> probability by position, until the next round
 
     def _positions(self, label: int | None) -> tuple[list[float], list[float]]:
         if label not in self.by_label:
             self.by_label[label] = ([0.0] * self.positions, [0.0] * self.positions)
         return self.by_label[label]
+
+    def _by_position(self, label: int | None) -> list[float]:
+        """Each position's probability, its prior the estimate of the position before it (0.5 at the first)."""
+        if label not in self._chained:
+            tried, accepted = self._positions(label)
+            chained, prior = [], 0.5
+            for t, a in zip(tried, accepted):
+                estimate = (a + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+                chained.append(estimate)
+                prior = estimate if CHAINED_PRIOR else 0.5
+            self._chained[label] = chained
+        return self._chained[label]
 
     @staticmethod
     def _bin(confidence: float) -> int:
@@ -68,8 +85,7 @@ class Calibration:
 
     def probability(self, position: int, confidence: float | None, label: int | None = None) -> float:
         if confidence is None:
-            tried, accepted = self._positions(label)
-            return (accepted[position] + 0.5 * PRIOR_WEIGHT) / (tried[position] + PRIOR_WEIGHT)
+            return self._by_position(label)[position]
         b = self._bin(confidence)
         return (self.accepted[b] + confidence * PRIOR_WEIGHT) / (self.tried[b] + PRIOR_WEIGHT)
 
@@ -87,14 +103,14 @@ class Calibration:
             return 1.0
         if self.by_confidence:
             return self.highest_probability()
-        return max((a + 0.5 * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
-                   for tried, accepted in self.by_label.values() for t, a in zip(tried, accepted))
+        return max(max(self._by_position(label)) for label in list(self.by_label))
 
     def observe(self, confidences: list[float] | None, verified: int, accepted: int, label: int | None = None) -> None:
         """`verified` drafts went to the target and the first `accepted` of them were accepted: each draft up to
         the first rejection counts as a trial (later ones were never reached)."""
         if verified > 0:
             self.by_confidence = confidences is not None
+        self._chained.pop(label, None)
         tried, hits = self._positions(label) if confidences is None else (None, None)
         for j in range(min(verified, accepted + 1)):
             hit = 1.0 if j < accepted else 0.0
@@ -160,8 +176,8 @@ class CostModel:
 
     A wide pass's share of attention grows with the context its tokens attend to: measured after 64 and 512
     tokens, a 4-token bfloat16 pass cost 1.13x and 1.30x a step, a 16-token one 1.70x and 2.32x (2 Zen 4 cores). So
-    where the costs were measured at two contexts (`seed`), each width's relative cost moves linearly with the
-    context a pass is at; its shape learnt online corrects the value at the reference context."""
+    where the costs were measured at several contexts (`seed`), each width's relative cost moves linearly with the
+    context a pass is at (`growth_by_width`); its shape learnt online corrects the value at the reference context."""
 
     def __init__(self):
         self.level: float | None = None  # seconds of a pass of relative cost 1
@@ -188,17 +204,16 @@ class CostModel:
             self.observe_drafting(drafting)
 
     def seed(self, relative: dict[int, float], context: int = 0,
-             longer: tuple[int, dict[int, float]] | None = None) -> None:
+             longer: dict[int, dict[int, float]] | None = None) -> None:
         """Start from pass costs measured at load after `context` tokens, relative to a 1-token pass
         (`measured_pass_costs`): learnt online alone, a width first seen at a quiet moment kept looking cheaper than
         a plain step for hundreds of rounds, and the controller verified 4-7 drafts a round where one paid (0.88x on
-        MATH-500). `longer`: (a longer context, the relative costs measured after it), for their growth."""
+        MATH-500). `longer`: {a longer context: the relative costs measured after it}, for their growth
+        (`growth_by_width`)."""
         self.relative, self.reference = dict(relative), context
         self._envelopes.clear()
-        if longer is not None:
-            long_context, long_relative = longer
-            self.growth = {w: max(0.0, (long_relative[w] - r) / (long_context - context))
-                           for w, r in relative.items() if w in long_relative}
+        if longer:
+            self.growth = growth_by_width({context: relative, **longer})
 
     def seed_batches(self, tokens: int) -> None:
         """Price the passes of a batch wider than any measured width, up to `tokens`, in proportion to their tokens:
@@ -269,6 +284,35 @@ class CostModel:
         if context is None or not self.growth:
             return 0.0
         return max(0.0, _interpolated(self.growth, width)) * (context - self.reference)
+
+
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pooling adjacent violators): a wider pass costs at
+    least a narrower one, so a reading that says otherwise is noise, spread over its neighbours rather than raised
+    to the dearest of them."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, n), (b, m) = blocks.pop(-2), blocks.pop()
+            blocks.append([(a * n + b * m) / (n + m), n + m])
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
+def growth_by_width(by_context: dict[int, dict[int, float]]) -> dict[int, float]:
+    """Each width's relative cost added per token of context: the least-squares slope over the contexts measured,
+    then made non-decreasing in width (a wider pass's attention grows at least as fast) and never negative. A slope
+    from two nearby contexts is mostly noise: fitted to 64 and 512 tokens, a 2-token pass's grew faster than an
+    8-token one's and priced it at 1.96x a step after 2750 tokens (1.10x measured)."""
+    contexts = sorted(by_context)
+    widths = sorted(set.intersection(*(set(by_context[c]) for c in contexts)))
+    mean_c = sum(contexts) / len(contexts)
+    spread = sum((c - mean_c) ** 2 for c in contexts)
+    slopes = []
+    for w in widths:
+        mean_r = sum(by_context[c][w] for c in contexts) / len(contexts)
+        slopes.append(sum((c - mean_c) * (by_context[c][w] - mean_r) for c in contexts) / spread)
+    return {w: max(0.0, g) for w, g in zip(widths, nondecreasing(slopes))}
 
 
 def _interpolated(values: dict[int, float], width: int) -> float:

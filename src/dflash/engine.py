@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from .control import Calibration, CostModel, DraftController, TreeCalibration, batch_width, expected_accepted
+from .control import (Calibration, CostModel, DraftController, TreeCalibration, batch_width, expected_accepted,
+                      nondecreasing)
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import TABLE_LABEL, Draft, Proposer
@@ -207,7 +208,7 @@ class Engine:
             target.screen_greedy = measured_screening(target)
         if adaptive and getattr(target, "measure", False) and (proposer is not None and proposer.max_draft > 0):
             (short, relative), *longer = sorted(measured_pass_costs(target).items())
-            self.costs.seed(relative, short, longer[-1] if longer else None)
+            self.costs.seed(relative, short, dict(longer))
             if max_batch > 1:
                 self.costs.seed_batches(max_batch * (proposer.max_draft + 1))
         # a wide round computes its logits in two steps while rounds that need the second step are rarer than the
@@ -744,63 +745,68 @@ class Engine:
 PASS_WIDTHS = (1, 2, 4, 8, 16)
 
 
-PASS_CONTEXTS = (64, 512)  # measured after these many tokens: a wide pass's share of attention grows with it
+# measured after these many tokens: a wide pass's share of attention grows with it. Three, the longest well past
+# the others: the growth fitted to 64 and 512 alone was mostly noise (a float32 2-token pass priced at 1.96x a step
+# after 2750 tokens where it cost 1.10x, and a repetitive 2750-token prompt's lookup never drafted; RESULTS.md,
+# thirty-fifth session)
+PASS_CONTEXTS = (64, 512, 1536)
 
 
 def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, contexts=PASS_CONTEXTS
                         ) -> dict[int, dict[int, float]]:
     """{context: {width: the cost of a target pass of that width relative to a 1-token pass}} after each of
-    `contexts` tokens, timed at load (widths interleaved, the fastest of `repeats`: other work only ever adds time;
-    never cheaper for a wider pass) and cached per machine, model and kernel choice (`cached_timing`: measured again
-    if taken on a busier machine): a second or two, once. The controller's online estimates start from these
+    `contexts` tokens, timed at load (contexts and widths interleaved, the median over `repeats` runs of each
+    pass's time over its run's step at that context; never cheaper for a wider pass) and cached per machine, model
+    and kernel choice (`cached_timing`: measured again if taken on a busier machine): a few seconds, once (most of
+    it the longest context's prompt). The controller's online estimates start from these
     instead of from their first readings."""
     from .models.target import cached_timing
 
     screened = target.screens  # greedy rounds read the head's screen (the cost a bench at T=0 meets)
 
-    def at(context: int) -> dict[str, float]:
-        cache = target.new_cache(capacity=context + max(widths) + 1)
-        target.forward(torch.tensor([[5 + i % 50 for i in range(context)]], device=target.device), cache)
-        times: dict[int, list[float]] = {w: [] for w in widths}
-        for run in range(repeats + 1):
-            for w in widths:
-                started = time.perf_counter()
-                # as a round runs it, rejecting early
-                deferred = screened or (target.defers_logits and w > FIRST_LOGITS)
-                out = target.forward(torch.tensor([[7] * w], device=target.device), cache,
-                                     logits_at="hidden" if deferred else "all")
-                if screened:
-                    target.greedy_of(out.hidden[:, :FIRST_SCREENED]).tolist()  # the host sync a round has
-                else:
-                    logits = target.logits_of(out.hidden[:, :FIRST_LOGITS]) if deferred else out.logits
-                    logits.argmax(-1).tolist()
-                if run:
-                    times[w].append(time.perf_counter() - started)
-                cache.truncate(context)
-        relative = nondecreasing([min(times[w]) / min(times[widths[0]]) for w in widths])
-        return {str(w): round(r, 4) for w, r in zip(widths, relative)}
+    def timed_pass(cache, context: int, width: int) -> float:
+        started = time.perf_counter()
+        deferred = screened or (target.defers_logits and width > FIRST_LOGITS)  # as a round runs it, rejecting early
+        out = target.forward(torch.tensor([[7] * width], device=target.device), cache,
+                             logits_at="hidden" if deferred else "all")
+        if screened:
+            target.greedy_of(out.hidden[:, :FIRST_SCREENED]).tolist()  # the host sync a round has
+        else:
+            logits = target.logits_of(out.hidden[:, :FIRST_LOGITS]) if deferred else out.logits
+            logits.argmax(-1).tolist()
+        cache.truncate(context)
+        return time.perf_counter() - started
 
     def measure() -> dict:
         fitting = sorted({max(1, min(c, target.max_context - max(widths) - 1)) for c in contexts})
-        return {"relative": {str(c): at(c) for c in fitting}}
+        caches = {}
+        for context in fitting:
+            caches[context] = target.new_cache(capacity=context + max(widths) + 1)
+            target.forward(torch.tensor([[5 + i % 50 for i in range(context)]], device=target.device),
+                           caches[context])
+        # every context's passes in each run, each width against the step of the same run and context: the
+        # machine's load moves between contexts measured one after the other (a 16-token pass after 1536 tokens
+        # came out cheaper, relative to its step, than after 512)
+        ratios: dict[tuple[int, int], list[float]] = {(c, w): [] for c in fitting for w in widths}
+        for run in range(repeats + 1):
+            for context in fitting:
+                times = {w: timed_pass(caches[context], context, w) for w in widths}
+                if run:
+                    for w in widths:
+                        ratios[context, w].append(times[w] / times[widths[0]])
+        relative = {}
+        for context in fitting:
+            medians = [sorted(ratios[context, w])[repeats // 2] for w in widths]
+            relative[str(context)] = {str(w): round(r, 4) for w, r in zip(widths, nondecreasing(medians))}
+        return {"relative": relative}
 
     deferred = ":deferred" if target.defers_logits else ""  # rounds whose head stops early cost another curve
     deferred += ":screened" if screened else ""
-    relative = cached_timing(target, f"pass-costs-by-context{deferred}", measure)["relative"]
+    key = f"pass-costs-by-context:{','.join(map(str, contexts))}{deferred}"
+    relative = cached_timing(target, key, measure)["relative"]
     return {int(c): {int(w): r for w, r in by_width.items()} for c, by_width in relative.items()}
 
 
-def nondecreasing(values: list[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pooling adjacent violators): a wider pass costs at
-    least a narrower one, so a reading that says otherwise is noise, spread over its neighbours rather than raised
-    to the dearest of them."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (a, n), (b, m) = blocks.pop(-2), blocks.pop()
-            blocks.append([(a * n + b * m) / (n + m), n + m])
-    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def _keep_going(seq: Sequence):
