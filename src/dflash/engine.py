@@ -807,8 +807,6 @@ def measured_pass_costs(target, widths=PASS_WIDTHS, repeats: int = 5, contexts=P
     return {int(c): {int(w): r for w, r in by_width.items()} for c, by_width in relative.items()}
 
 
-
-
 def _keep_going(seq: Sequence):
     """What a sequence's proposer asks before drafting or reading further drafts (None: draft the whole block)."""
     if seq.controller.whole_blocks:
