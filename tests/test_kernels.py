@@ -489,3 +489,18 @@ def test_int8_head_plan_keeps_the_target_s_kernels_for_its_shapes():
     assert plan.kernel(64, 32, torch.float32, 8) == "native"
     assert plan.kernel(64, 32, torch.float32, 1) == "int8" and plan.kernel(1000, 32, torch.float32, 4) == "int8"
     assert plan.in_float() is target_plan
+
+
+def test_a_process_says_once_that_it_is_timing_the_machine(tmp_path, monkeypatch, capsys):
+    """A fresh machine's first run times ~15 things, half a minute or more: the first measurement of a process says
+    so on stderr, later ones and cached results do not."""
+    from dflash.models import kernels
+    from dflash.models.kernels import cached_measurement
+
+    monkeypatch.setattr(kernels, "_announced", False)
+    cache = tmp_path / "plans.json"
+    assert cached_measurement("a", lambda: {"x": 1}, "machine", cache) == ({"x": 1}, True)
+    assert cached_measurement("b", lambda: {"x": 2}, "machine", cache) == ({"x": 2}, True)
+    assert cached_measurement("a", lambda: {"x": 3}, "machine", cache) == ({"x": 1}, False)
+    err = capsys.readouterr().err
+    assert err.count("timing kernels and passes on this machine") == 1 and str(cache) in err

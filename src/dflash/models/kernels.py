@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -432,18 +433,28 @@ def plan_cache_file() -> Path:
     return cache_dir() / "kernel_plans.json"
 
 
+_announced = False  # whether this process has said it is timing this machine (cached_measurement)
+
+
 def cached_measurement(key: str, measure: Callable[[], dict], fingerprint: str | None = None,
                        cache_file: Path | None = None,
                        still_valid: Callable[[dict], bool] | None = None) -> tuple[dict, bool]:
     """(result, measured_now): what `measure()` returned for `key` on this machine, from the per-machine cache, or
     measured now (and cached). A result measured on another CPU, torch build or thread count is never reused, nor
-    one that `still_valid` rejects (e.g. one measured while another job held the cores)."""
+    one that `still_valid` rejects (e.g. one measured while another job held the cores). The first measurement of
+    a process says so on stderr: a fresh machine's first run spends ~15 of them, half a minute or more on 2 cores,
+    and had nothing to show for it."""
     fingerprint = fingerprint or machine_fingerprint()
     cache_file = cache_file or plan_cache_file()
     full_key = f"{fingerprint}/{key}"
     stored = _read_json(cache_file)
     if full_key in stored and (still_valid is None or still_valid(stored[full_key])):
         return stored[full_key], False
+    global _announced
+    if not _announced:
+        _announced = True
+        print(f"[dflash] timing kernels and passes on this machine, once (kept in {cache_file})", file=sys.stderr,
+              flush=True)
     result = measure()
     stored = _read_json(cache_file)  # re-read: another process may have written meanwhile
     stored[full_key] = result
