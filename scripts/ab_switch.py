@@ -74,6 +74,7 @@ from dflash.methods import continuations, ngram
 from dflash.methods.base import SHIPPED_DRAFTERS, MethodOptions
 from dflash.methods.dflash import proposer as dflash_proposer
 from dflash.models import native
+from dflash.models.transformer import EVERY_PROMPT
 from batch_methods import run_batch
 
 VARIANTS = ("off", "on")
@@ -164,7 +165,7 @@ def set_chained_prior(target, on: bool) -> None:
 
 
 def set_prompts_in_c(target, on: bool) -> None:
-    target.engine.prompts_in_c_up_to = 1 << 30 if on else 0
+    target.engine.prompts_in_c_up_to = EVERY_PROMPT if on else 0
 
 
 def set_screen_steps(target, on: bool) -> None:

@@ -16,6 +16,7 @@ import torch
 import paired
 from dflash.loading import load_target_cached
 from dflash.models import transformer
+from dflash.models.transformer import EVERY_PROMPT
 from dflash.models.layers import causal_mask
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     last = {}
 
     def run(label: str, n: int) -> None:
-        engine.prompts_in_c_up_to = 1 << 30 if label == "c" else 0
+        engine.prompts_in_c_up_to = EVERY_PROMPT if label == "c" else 0
         transformer.Transformer._mask = with_bools if label == "mask" else as_built
         try:
             last[label, n] = target.forward(ids[:, :n], target.new_cache(1, n), logits_at="last").logits

@@ -331,7 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 @contextmanager
 def kill_stops_like_ctrl_c():
     """`kill` (SIGTERM, as `timeout` sends) raises KeyboardInterrupt inside the block, as Ctrl-C does, so that long
@@ -348,6 +347,7 @@ def kill_stops_like_ctrl_c():
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -23,7 +23,7 @@ from .hf import HFEngine
 from .graphs import PassGraphs
 from . import sdpa_backends
 from .kernels import NATIVE, PACKED, PLAIN, STALE_RATIO, KernelPlan, kernel_plan_for, shape_key
-from .transformer import Transformer, Unsupported
+from .transformer import EVERY_PROMPT, Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_CHOICES = ("auto", "packed", "plain", "native")
@@ -309,8 +309,8 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
             report["attention"] = sdpa_backends.choose(target.device, target.dtype, engine.layers[0].self_attn.heads,
                                                        engine.kv_heads, engine.head_dim)
         target.use_kernels(plan, report)
-        if isinstance(engine, Transformer):  # the C stack runs prompts only on the kernels it was built for
-            engine.prompts_in_c_up_to = engine.prompts_in_c_up_to if kernels == "native" else 0
+        if isinstance(engine, Transformer) and kernels != "native":  # forced torch kernels: prompts stay in torch
+            engine.prompts_in_c_up_to = 0
         return
     engine = target.engine
     model_key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}"
@@ -332,7 +332,7 @@ def prompts_in_c_from(medians: dict[str, float], lengths=PROMPT_LENGTHS) -> int:
         if medians[f"c{n}"] >= medians[f"torch{n}"]:
             return up_to
         up_to = n
-    return 1 << 30
+    return EVERY_PROMPT
 
 
 def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
@@ -358,7 +358,8 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
                 target.forward(ids[:, :n], target.new_cache(capacity=n), logits_at="last")
             return call
 
-        calls = {f"{way}{n}": prompt(n, up_to) for n in PROMPT_LENGTHS for way, up_to in (("torch", 0), ("c", 1 << 30))}
+        ways = (("torch", 0), ("c", EVERY_PROMPT))
+        calls = {f"{way}{n}": prompt(n, up_to) for n in PROMPT_LENGTHS for way, up_to in ways}
         medians = interleaved_medians(calls, repeats)
         return {"up_to": prompts_in_c_from(medians), **{name: round(s, 5) for name, s in medians.items()}}
 

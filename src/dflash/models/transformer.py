@@ -29,6 +29,7 @@ MAX_NATIVE_TOKENS = 16  # the most new tokens per row a pass may have to run its
 # (kernels.py). Every row's tokens then go through the same chains as a step of that row alone, so a batched round
 # commits the tokens a sequence alone would: through torch's kernels, a batch of 4 rows verifying 4 drafts each
 # (20 tokens) rounded bfloat16 sums differently and changed 3 of 4 GSM8K outputs. Longer rows are prefills, but
+EVERY_PROMPT = 1 << 30  # Transformer.prompts_in_c_up_to where prompts of any length run through the C stack
 MAX_VERIFY_TOKENS = trees.MAX_TREE_TOKENS  # ... after a cached prefix, rows of up to 64 run in C too: verify
 # passes of blocks over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of
 # ngram@32:whole.
@@ -189,9 +190,9 @@ class Transformer(nn.Module):
         # only, then True: not until the window ends (TargetModel.weights_held)
         self.versions_held: bool | None = None
         # prompts (a row's pass from an empty cache, or of over 64 new tokens) of up to this many tokens run through
-        # the C stack, 64 tokens a pass: measured per machine at load (engine.measured_prompts_in_c); 0: torch's
+        # the C stack, 64 tokens a pass: measured per machine at load (target.choose_prompts_in_c); 0: torch's
         # layers. Unmeasured (test targets): all of them, so every engine test reads its prompts in C
-        self.prompts_in_c_up_to = 1 << 30
+        self.prompts_in_c_up_to = EVERY_PROMPT
 
     # ---- building ------------------------------------------------------------------------------------------------
     @classmethod
@@ -338,11 +339,11 @@ class Transformer(nn.Module):
 
     def _prompt_in_c(self, input_ids: torch.Tensor) -> bool:
         """Whether a pass that runs_in_c leaves to torch (a prompt) goes through the C stack instead, by the
-        measured choice: one row on the CPU, up to prompts_in_c_up_to tokens. Why: on 2 Zen 4 cores a 48-400
-        token prompt took 0.77-0.96x the time in bfloat16 and ~0.8-0.9x in float32 (the C stack fuses what
-        torch runs as ~10 elementwise ops a layer, and its attention reads the cache in pairs), but 800 bfloat16
-        tokens 1.06x (oneDNN's products over many rows beat the verify bucket's kernels); docs/RESULTS.md,
-        thirty-fifth session."""
+        measured choice: one row on the CPU, up to prompts_in_c_up_to tokens. Why: on 2 Zen 4 cores a 48-800
+        token prompt took 0.75-0.86x the time in float32 and 0.62-0.95x in bfloat16 (the C stack fuses what
+        torch runs as ~10 elementwise ops a layer, and its attention reads the cache in pairs), the longer the
+        closer in bfloat16, where oneDNN's products over many rows beat the verify bucket's kernels; another CPU
+        may decide otherwise (docs/RESULTS.md, thirty-fifth session)."""
         return (input_ids.shape[0] == 1 and input_ids.shape[1] <= self.prompts_in_c_up_to
                 and input_ids.device.type == "cpu" and native.library() is not None)
 
