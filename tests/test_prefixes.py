@@ -122,3 +122,19 @@ def test_entries_stay_within_the_budget_least_recently_used_first():
     cache.store([5, 9, 9, 9, 9, 8], kv(6), kv(6), None)  # an extension replaces its prefix; 4 makes room
     assert [e.tokens for e in cache.entries.values()] == [[2, 9, 9, 9, 9], [5, 9, 9, 9, 9, 8]]
     assert cache.longest([4, 9, 9, 9, 9]) is None and cache.longest([2, 9, 9]) is None  # gone; under MIN_PREFIX
+
+
+def test_a_prefix_read_into_a_row_another_prompt_used_changes_no_token(tiny_targets):
+    """Requests one after another in a batch of one reuse its row: the stored prefix's keys and values are copied
+    over another prompt's, and the rest of the prompt and the generation read only those, so the tokens are those
+    of a run without prefix caching, and so are their log-probabilities."""
+    target = tiny_targets["llama"]
+    first = prompts(target)[0]
+    other = target.encode_prompt(" ".join(f"w{41 + i % 19}" for i in range(40)))
+    order = [first, other, first]
+    _, plain = run(target, Proposer(), order, 0, max_batch=1, logprobs=0)
+    _, cached = run(target, Proposer(), order, 1 << 30, max_batch=1, logprobs=0)
+    assert [r.tokens for r in cached] == [r.tokens for r in plain]
+    assert cached[2].stats.cached_prompt_tokens > 30
+    for a, b in zip(cached[2].logprobs, plain[2].logprobs):  # not only the argmax: the distributions
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
