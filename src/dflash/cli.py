@@ -41,13 +41,14 @@ class ArgumentParser(argparse.ArgumentParser):
 # ---- shared argument groups -------------------------------------------------------------------------------------
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
     from .hub import DEFAULT_TARGET
-    from .models.target import DTYPES, KERNEL_CHOICES
+    from .models.target import KERNEL_CHOICES, TARGET_DTYPES
 
     group = p.add_argument_group("target")
     group.add_argument("--target", default=DEFAULT_TARGET,
                        help=f"registry name, HF folder, .gguf file or hub id (default: {DEFAULT_TARGET})")
-    group.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                       help="the target's dtype (default: float32, the exact one)")
+    group.add_argument("--dtype", default="float32", choices=list(TARGET_DTYPES),
+                       help="the target's dtype (default: float32, the exact one); int8: int8 weights in its decoder "
+                            "layers, a scale per output row, with bfloat16 activations (CPU; like llama.cpp's Q8_0)")
     group.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu or cuda (default: cuda if present)")
     group.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads, fixed (default: one per core, or one fewer while that measures "

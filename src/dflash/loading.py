@@ -12,7 +12,7 @@ import torch
 from .errors import UserError
 from .methods import registry
 from .methods.base import MethodOptions, Proposer
-from .models.target import DTYPES, TargetModel, choose_kernels, compile_target, load_target
+from .models.target import TARGET_DTYPES, TargetModel, choose_kernels, compile_target, load_target, quantize_int8
 
 TINY_ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
 
@@ -28,11 +28,13 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         arch = spec.removeprefix("tiny-")
         if arch not in TINY_ARCHS:
             raise UserError(f"unknown tiny target {spec!r}; use {', '.join('tiny-' + a for a in TINY_ARCHS)}")
-        if dtype not in DTYPES:
-            raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if dtype not in TARGET_DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")
         target = tiny_target(arch, logit_scale=4.0)
         target.measure = False
-        target.model.to(DTYPES[dtype])
+        target.model.to(TARGET_DTYPES[dtype])
+        if dtype == "int8":
+            quantize_int8(target)
         choose_kernels(target, "native" if kernels == "auto" else kernels)
     else:
         target = load_target(spec, dtype, device, kernels)

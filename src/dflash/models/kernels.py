@@ -195,6 +195,7 @@ class FrozenLinear(nn.Module):
         self._tiles_for: tuple | None = None
         self._vnni: tuple[torch.Tensor, torch.Tensor] | None = None
         self._vnni_for: tuple | None = None
+        self._int8_weights: tuple[torch.Tensor, torch.Tensor, tuple] | None = None  # (q, scales, weight signature)
         self.use_plan(plan or PACKED)
 
     def __setattr__(self, name, value):
@@ -284,12 +285,40 @@ class FrozenLinear(nn.Module):
         return self._packed
 
     def native_tiles(self) -> torch.Tensor | None:
-        """Our kernel's layout of the CURRENT weight (native.py), or None where that kernel is not available."""
-        signature = self._signature() + (native._pairs,)  # the layout of bfloat16 weights may be switched
+        """Our kernel's layout of the CURRENT weight (native.py), or None where that kernel is not available: the
+        int8 one where the weight is int8 (`quantize_int8`) and our kernels read int8 here."""
+        int8 = self.int8_weights()
+        signature = self._signature() + (native._pairs, int8 is not None)  # layouts may be switched (A/B runs)
         if self._tiles_for != signature:
-            self._tiles = native.tiles(self.weight) if native.supports(self.weight) else None
+            if int8 is not None:
+                self._tiles = native.int8_pair_tiles(*int8)
+            else:
+                self._tiles = native.tiles(self.weight) if native.supports(self.weight) else None
             self._tiles_for = signature
         return self._tiles
+
+    def quantize_int8(self) -> None:
+        """Makes this an int8 product (an int8 target's, `--dtype int8`): each output row of the bfloat16 weight
+        rounded to 255 levels of its own scale (native.int8_weights), and the weight replaced in place by the
+        bfloat16 values w' those stand for, so that every reader of it (torch's kernels, transformers' modules
+        sharing its storage) runs the int8 model; our kernels read the int8 bytes, half the memory, multiplying
+        by each row's scale after the sum instead (the same model up to rounding, as torch's kernels and ours
+        are for any bfloat16 model). An in-place write to the weight later ends it: the new weight runs as it
+        is."""
+        if self.weight.dtype != torch.bfloat16:
+            raise ValueError(f"int8 weights stand for bfloat16 ones, not {self.weight.dtype}")
+        q, scales, approx = native.int8_weights(self.weight)
+        with torch.inference_mode() if self.weight.is_inference() else torch.no_grad():
+            self.weight.copy_(approx)
+        self._int8_weights = (q, scales, self._signature())
+
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, scales) of an int8 product whose weight is still the one they stand for, where our kernels read
+        int8 here (native.int8_pairs); else None."""
+        held = self._int8_weights
+        if held is None or held[2] != self._signature() or not native.int8_pairs():
+            return None
+        return held[0], held[1]
 
     def int8(self):
         """fbgemm's int8 form of the CURRENT weight, or None where there is none (then the float kernels run)."""

@@ -324,7 +324,7 @@ def native_constants(owner: nn.Module, attn: Attention, mlp: GatedMLP, norm1: RM
                 mlp._modules.get("down_fast"))  # per call: plain dict lookups, not __getattr__
     if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
         return None
-    key = (dtype, native._pairs, window, rope, tuple(lin._signature() for lin in products))
+    key = (dtype, native._pairs, native._int8_pairs, window, rope, tuple(lin._signature() for lin in products))
     cached = owner.__dict__.get("_native_cache")
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -353,8 +353,9 @@ def _native_weights(attn: Attention, mlp: GatedMLP, norm1: RMSNorm, norm2: RMSNo
                    q_norm=attn.q_norm.weight if attn.q_norm is not None else None,
                    k_norm=attn.k_norm.weight if attn.k_norm is not None else None,
                    norm3=sandwich[0].weight if sandwich else None, norm4=sandwich[1].weight if sandwich else None)
+    int8 = [weights[name].dtype == torch.int8 for name in products if weights[name] is not None]
     if any(n.unit_offset != norm1.unit_offset for n in norms) or any(
-            w is None or w.dtype != dtype or not w.is_contiguous()
-            for name, w in weights.items() if w is not None or name in products):
-        return None
+            w is None or native.tiles_dtype(w) != dtype or not w.is_contiguous()
+            for name, w in weights.items() if w is not None or name in products) or 0 < sum(int8) < len(products):
+        return None  # (int8 tiles: all four products or none)
     return weights

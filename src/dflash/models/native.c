@@ -295,7 +295,7 @@ typedef void (*TwoPanels)(const void *w, int64_t size, const float *x, int64_t l
 
 #define PANEL_ROWS(NAME, BF16, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
-                     int64_t pf_step, int resume) {                                                                   \
+                     int64_t pf_step, int resume) {                                                                                  \
         panel_rows(w, BF16, x, ldx, k8, R, out, pf, pf_step, resume);                                                 \
     }
 PANEL_ROWS(panel_f32_1, 0, 1)
@@ -369,6 +369,107 @@ PAIR_PANEL_ROWS(panel_pairs_5, 5)
 PAIR_PANEL_ROWS(panel_pairs_6, 6)
 PAIR_PANEL_ROWS(panel_pairs_7, 7)
 PAIR_PANEL_ROWS(panel_pairs_8, 8)
+/* int8 weights in pairs: y[c] = s[c] * (the pairs kernel's sum over the bfloat16 values of q[c, i]), with q an
+ * integer in [-127, 127] and s its output column's float32 scale (applied with the bias, add_bias). Half the bytes of
+ * bfloat16 weights, the same VDPBF16PS chains: with every s = 1 the sums are bitwise those of the pairs kernel on
+ * bfloat16 tiles of q. q is stored as sign and magnitude (bit 7: negative), and each byte becomes its bfloat16 by
+ * table, sixty-four at a time (AVX512-VBMI): the magnitude picks the high and the low byte of bf16(|q|) from two
+ * 128-byte tables, the sign goes into the high one, and unpacking interleaves them into words: five instructions
+ * per 64 weights where widening through float32 (sign-extend, convert, round to bfloat16) took twelve, and a step's
+ * products ran no faster than bfloat16's from memory. The bytes of four units (4 x 48, an input
+ * pair of the panel's 24 columns each) lie as three blocks of 64 in the order unpacking wants (native.py,
+ * int8_pair_tiles): block b holds the panel's vectors 4b..4b+3 (vector 3u + c: unit u's columns 8c..8c+7). */
+#define INT8_TARGET __attribute__((target("avx512f,avx512vl,avx512bf16,avx512bw,avx512vbmi")))
+typedef struct {
+    __m512i hi_a, hi_b, lo_a, lo_b, sign;
+} Int8Tables;
+INT8_TARGET static inline Int8Tables int8_tables(void) {
+    uint8_t hi[128], lo[128];
+    for (int a = 0; a < 128; a++) {
+        uint16_t bits = f32_to_bf16((float)a);
+        hi[a] = (uint8_t)(bits >> 8), lo[a] = (uint8_t)bits;
+    }
+    Int8Tables T = {_mm512_loadu_si512(hi), _mm512_loadu_si512(hi + 64), _mm512_loadu_si512(lo),
+                    _mm512_loadu_si512(lo + 64), _mm512_set1_epi8((char)0x80)};
+    return T;
+}
+/* 64 weights' bytes -> their bfloat16 values, as w02 (the block's vectors 0 and 2, in its low and high halves)
+ * and w13 */
+INT8_TARGET static inline __attribute__((always_inline)) void int8_block(const int8_t *p, const Int8Tables *T,
+                                                                         __m512i *w02, __m512i *w13) {
+    __m512i q = _mm512_loadu_si512(p); /* sign and magnitude; the tables' lookups read the magnitude's 7 bits */
+    __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(T->hi_a, q, T->hi_b), q, T->sign, 0xF8);
+    __m512i lo = _mm512_permutex2var_epi8(T->lo_a, q, T->lo_b); /* (0xF8 above: hi | (q & 0x80)) */
+    *w02 = _mm512_unpacklo_epi8(lo, hi), *w13 = _mm512_unpackhi_epi8(lo, hi);
+}
+INT8_TARGET static inline __attribute__((always_inline)) void int8_pair_panel_rows(
+    const void *wp, const float *x, int64_t ldx, int64_t k2, const int R, float *out, const char *pf, int64_t pf_step,
+    int resume) {
+    const int8_t *w = wp;
+    const Int8Tables T = int8_tables();
+    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5) ACC_ZERO(6) ACC_ZERO(7)
+    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
+    for (int64_t i = 0; i < k2; i += 4) { /* k2 is a multiple of 4 (inputs padded to 8) */
+        for (int u = 0; u < 4; u++) request_share(pf, i + u, pf_step);
+        const int8_t *g = w + i * 2 * PANEL;
+        __m512i w02, w13;
+#define VEC_DP(vec, c, u)                                                                                             \
+    {                                                                                                                 \
+        __m256bh v_ = (__m256bh)(vec);                                                                                \
+        VEC_ROW(0, c, u) VEC_ROW(1, c, u) VEC_ROW(2, c, u) VEC_ROW(3, c, u)                                           \
+        VEC_ROW(4, c, u) VEC_ROW(5, c, u) VEC_ROW(6, c, u) VEC_ROW(7, c, u)                                           \
+    }
+#define VEC_ROW(r, c, u)                                                                                              \
+    if (R > r) a##r##c = _mm256_dpbf16_ps(a##r##c, v_, same_pair(x + r * ldx, i + u));
+#define LOW(z) _mm512_castsi512_si256(z)
+#define HIGH(z) _mm512_extracti64x4_epi64(z, 1)
+        int8_block(g, &T, &w02, &w13);
+        VEC_DP(LOW(w02), 0, 0) VEC_DP(LOW(w13), 1, 0) VEC_DP(HIGH(w02), 2, 0) VEC_DP(HIGH(w13), 0, 1)
+        int8_block(g + 64, &T, &w02, &w13);
+        VEC_DP(LOW(w02), 1, 1) VEC_DP(LOW(w13), 2, 1) VEC_DP(HIGH(w02), 0, 2) VEC_DP(HIGH(w13), 1, 2)
+        int8_block(g + 128, &T, &w02, &w13);
+        VEC_DP(LOW(w02), 2, 2) VEC_DP(LOW(w13), 0, 3) VEC_DP(HIGH(w02), 1, 3) VEC_DP(HIGH(w13), 2, 3)
+#undef LOW
+#undef HIGH
+#undef VEC_ROW
+#undef VEC_DP
+    }
+    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
+}
+#define INT8_PANEL_ROWS(NAME, R)                                                                                     \
+    INT8_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k2, float *out, const char *pf,  \
+                                 int64_t pf_step, int resume) {                                                       \
+        int8_pair_panel_rows(w, x, ldx, k2, R, out, pf, pf_step, resume);                                             \
+    }
+INT8_PANEL_ROWS(panel_int8_1, 1)
+INT8_PANEL_ROWS(panel_int8_2, 2)
+INT8_PANEL_ROWS(panel_int8_3, 3)
+INT8_PANEL_ROWS(panel_int8_4, 4)
+INT8_PANEL_ROWS(panel_int8_5, 5)
+INT8_PANEL_ROWS(panel_int8_6, 6)
+INT8_PANEL_ROWS(panel_int8_7, 7)
+INT8_PANEL_ROWS(panel_int8_8, 8)
+/* A chunk of `count` int8 units (a multiple of 4) as the bfloat16 pairs kernel's units, into out (count * PANEL
+ * words): wide passes expand each chunk once for all their groups of rows, rather than once per group in the
+ * kernel above */
+INT8_TARGET static void int8_expand(const void *wp, int64_t count, uint32_t *out) {
+    const int8_t *w = wp;
+    const Int8Tables T = int8_tables();
+    for (int64_t i = 0; i < count; i += 4)
+        for (int b = 0; b < 3; b++) {
+            __m512i w02, w13;
+            int8_block(w + (i * 2 * PANEL + 64 * b), &T, &w02, &w13);
+            __m256i *v = (__m256i *)(out + i * PANEL + 32 * b); /* vector 4b + j of the run at v + j */
+            _mm256_storeu_si256(v, _mm512_castsi512_si256(w02));
+            _mm256_storeu_si256(v + 1, _mm512_castsi512_si256(w13));
+            _mm256_storeu_si256(v + 2, _mm512_extracti64x4_epi64(w02, 1));
+            _mm256_storeu_si256(v + 3, _mm512_extracti64x4_epi64(w13, 1));
+        }
+}
+static int cpu_has_vbmi(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+}
 /* Eight logits of a bfloat16 head as the pairs kernel stores them, rows ids[] of w: each one chain of VDPBF16PS (the
  * same instruction, lane 0) over the pairs of w and of x (bfloat16 values), rounded to bfloat16; k even (the tiles'
  * zero padding adds nothing). Eight chains side by side: one waits on the instruction's latency. */
@@ -426,12 +527,22 @@ static int cpu_has_pairs(void) {
 #define panel_pairs_6 NULL
 #define panel_pairs_7 NULL
 #define panel_pairs_8 NULL
+#define panel_int8_1 NULL
+#define panel_int8_2 NULL
+#define panel_int8_3 NULL
+#define panel_int8_4 NULL
+#define panel_int8_5 NULL
+#define panel_int8_6 NULL
+#define panel_int8_7 NULL
+#define panel_int8_8 NULL
 static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k, float *out) {
     (void)w, (void)ids, (void)x, (void)k;
     for (int t = 0; t < 8; t++) out[t] = NAN;
 }
 static int cpu_has_pairs(void) { return 0; }
 static int cpu_has_avx512vl(void) { return 0; }
+static int cpu_has_vbmi(void) { return 0; }
+static void int8_expand(const void *w, int64_t count, uint32_t *out) { (void)w, (void)count, (void)out; }
 #define panel_f32x_1 NULL
 #define panel_f32x_2 NULL
 #define panel_f32x_3 NULL
@@ -450,16 +561,22 @@ static void bf16_array(const float *x, int64_t n, uint16_t *out) {
 /* Whether this build and CPU run bfloat16 products in pairs (native.py lays such weights out for it then). */
 int dflash_bf16_pairs(void) { return PAIRS_BUILT && cpu_has_pairs(); }
 
+/* Whether this build and CPU run int8 weights in pairs (INT8_PAIRS: AVX512-BF16 and AVX512-VBMI) */
+int dflash_int8_pairs(void) { return PAIRS_BUILT && cpu_has_pairs() && cpu_has_vbmi(); }
+
 /* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs, 3 (F32_WIDE) float32 in AVX-512VL
- * code. Kinds 2 and 3 have 32 vector registers: up to 8 rows (24 accumulators) run against a panel at once, where
- * AVX2's 16 registers hold 4 rows' */
-static const PanelRows panel_kernels_of[4][8] = {
+ * code, 4 (INT8_PAIRS) int8 in pairs. Kinds 2-4 have 32 vector registers: up to 8 rows (24 accumulators) run against
+ * a panel at once, where AVX2's 16 registers hold 4 rows' */
+#define INT8_PAIRS 4
+static const PanelRows panel_kernels_of[5][8] = {
     {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
     {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
     {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4, panel_pairs_5, panel_pairs_6, panel_pairs_7,
      panel_pairs_8},
     {panel_f32x_1, panel_f32x_2, panel_f32x_3, panel_f32x_4, panel_f32x_5, panel_f32x_6, panel_f32x_7,
-     panel_f32x_8}};
+     panel_f32x_8},
+    {panel_int8_1, panel_int8_2, panel_int8_3, panel_int8_4, panel_int8_5, panel_int8_6, panel_int8_7,
+     panel_int8_8}};
 #define F32_WIDE 3 /* float32 panels run by the AVX-512VL kernels (a kind of the table above, not of a Product) */
 static int f32_wide = -1; /* -1: not yet asked */
 static inline int run_kind(int kind) {
@@ -482,10 +599,12 @@ typedef struct {
     float *yf;
     int64_t m, n, k8;
     int round; /* outputs rounded to bfloat16 values (a bfloat16 layer's) */
+    const float *scales; /* INT8_PAIRS: the output columns' scales, after the panels (native.py); else NULL */
 } Product;
 
-static inline int64_t units_of(const Product *W) { return W->kind == 2 ? W->k8 / 2 : W->k8; }
-static inline int64_t unit_bytes(const Product *W) { return W->kind == 1 ? 2 : 4; } /* per panel column */
+static inline int in_pairs(int kind) { return kind == 2 || kind == INT8_PAIRS; }
+static inline int64_t units_of(const Product *W) { return in_pairs(W->kind) ? W->k8 / 2 : W->k8; }
+static inline int64_t unit_bytes(const Product *W) { return W->kind == 1 || W->kind == INT8_PAIRS ? 2 : 4; } /* per panel column */
 
 /* *buffer with room for `floats`, grown (never shrunk) as needed; NULL when out of memory. */
 static float *kept_buffer(float **buffer, int64_t *size, int64_t floats) {
@@ -535,19 +654,27 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
     int64_t last = rows % most;
     return last != 0 && 2 * last < most ? (left + groups_left - 1) / groups_left : MIN(most, left);
 }
+/* Rows beyond which int8 weights are expanded a chunk at a time (int8_expand) rather than in the kernel: up to 8,
+ * one group, in the kernel took 0.88-0.96x the time of expanding (5-8 rows), from 9 rows expanding once for all
+ * groups 0.78x (16 rows; all products of SmolLM2's layers from memory, AMD EPYC Zen 4, 2 threads) */
+#ifndef INT8_INLINE_ROWS
+#define INT8_INLINE_ROWS 8
+#endif
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
-    int widen = wide && rows > 4, kind = run_kind(widen ? 0 : W->kind);
+    int widen = wide && W->kind == 1 && rows > 4, expand = wide && W->kind == INT8_PAIRS && rows > INT8_INLINE_ROWS;
+    int kind = run_kind(widen ? 0 : expand ? 2 : W->kind);
     int64_t k8 = units_of(W), elem = unit_bytes(W), most = group_rows_of(kind), groups = (rows + most - 1) / most;
     /* A group of 7-8 rows in pairs alone also requests the next chunk while it works on this one (its arithmetic
      * nears the memory's time; 8 rows 0.95x the time, 5 rows 1.01-1.08x) */
     int request = groups > 1 || rows > 6;
-    int64_t chunk = !request && !widen ? k8 : W->kind == 2 ? PAIR_CHUNK : CHUNK;
+    int64_t chunk = !request && !widen && !expand ? k8 : in_pairs(W->kind) ? PAIR_CHUNK : CHUNK;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
         const void *w = at;
         if (widen) widen_panel(w, count * PANEL, wide), w = wide;
+        if (expand) int8_expand(w, count, (uint32_t *)wide), w = wide;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
          * panels lie back to back; past the last panel a request is harmless, prefetches never fault), so the
          * memory streams while the FMAs run over this one; one group leaves it to the hardware prefetcher
@@ -562,18 +689,21 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
 }
 
 /* y[0:cols] = sums[0:cols] + bias[0:cols] (+ 0 without a bias: -0 becomes +0), rounded to bfloat16 values where
- * `round` (a bfloat16 layer's products), eight at a time where a whole panel lands. One value at a time this was 6%
- * of a 16-token bfloat16 pass; the rounding, done after the product on the calling thread alone, 2% more while the
- * other thread waited. */
-static inline void add_bias(float *y, const float *sums, const float *bias, int64_t cols, int round) {
+ * `round` (a bfloat16 layer's products), eight at a time where a whole panel lands; int8 weights' sums are first
+ * multiplied by their columns' `scales` (NULL: none). One value at a time this was 6% of a 16-token bfloat16 pass;
+ * the rounding, done after the product on the calling thread alone, 2% more while the other thread waited. */
+static inline void add_bias(float *y, const float *sums, const float *bias, int64_t cols, int round,
+                            const float *scales) {
     int64_t c = 0;
     if (cols == PANEL)
         for (; c < PANEL; c += 8) {
-            __m256 v = _mm256_add_ps(_mm256_loadu_ps(sums + c), bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps());
+            __m256 sum = _mm256_loadu_ps(sums + c);
+            if (scales) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(scales + c));
+            __m256 v = _mm256_add_ps(sum, bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps());
             _mm256_storeu_ps(y + c, round ? _mm256_castsi256_ps(bf16_bits8(v)) : v);
         }
     for (; c < cols; c++) {
-        float v = sums[c] + (bias ? bias[c] : 0.0f);
+        float v = (scales ? sums[c] * scales[c] : sums[c]) + (bias ? bias[c] : 0.0f);
         y[c] = round ? bf16_to_f32(f32_to_bf16(v)) : v;
     }
 }
@@ -592,20 +722,22 @@ static void two_panel_slice(const Product *W, const char *stored, int64_t p, flo
     for (int64_t r = 0; r < m; r++)
         for (int64_t q = 0; q < 2; q++)
             add_bias(W->yf + r * n + PANEL * (p + q), sums + (r * 2 + q) * PANEL,
-                     W->bias ? W->bias + PANEL * (p + q) : NULL, MIN(PANEL, n - PANEL * (p + q)), W->round);
+                     W->bias ? W->bias + PANEL * (p + q) : NULL, MIN(PANEL, n - PANEL * (p + q)), W->round, NULL);
 }
 
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
     int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
-    float *wide = W->kind == 1 && m > 4 ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL; /* NULL: widen in the kernel */
+    /* NULL: widen (expand) in the kernel */
+    float *wide = (W->kind == 1 && m > 4) || (W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS)
+                      ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
         /* a step or a narrow pass: two panels at a time, but in pairs: there one panel's stream ran 1-4 rows in
          * 0.90-0.96x the time (AMD EPYC Zen 4, 2 threads, thirty-third session: VDPBF16PS's 2 a cycle leave the
          * single stream's three chains time to spare, and two streams did not read faster) */
-        if (W->kind != 2 && m <= TWO_PANEL_ROWS && p + 1 < last) {
+        if (!in_pairs(W->kind) && m <= TWO_PANEL_ROWS && p + 1 < last) {
             two_panel_slice(W, stored, p, sums);
             p++;
             continue;
@@ -615,7 +747,8 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
             int64_t rows = MIN(SLICE, m - j0);
             panel_slice(W, stored, W->xf + j0 * k8, rows, wide, sums);
             for (int64_t r = 0; r < rows; r++)
-                add_bias(W->yf + (j0 + r) * n + PANEL * p, sums + r * PANEL, W->bias ? W->bias + PANEL * p : NULL, cols, W->round);
+                add_bias(W->yf + (j0 + r) * n + PANEL * p, sums + r * PANEL, W->bias ? W->bias + PANEL * p : NULL, cols,
+                         W->round, W->scales ? W->scales + PANEL * p : NULL);
         }
     }
 }
@@ -659,14 +792,20 @@ static const float *as_pairs(const float *xf, int64_t m, int64_t k8) { /* (x [m,
     return (const float *)pairs;
 }
 
-/* `kind` as in Product, or PAIRS_GIVEN: kind 2 with xf in pairs already (the layer's producer wrote them:
- * layer_pairs); nonzero when out of memory (nothing written) */
+/* `kind` as in Product, or PAIRS_GIVEN / INT8_PAIRS_GIVEN: kind 2 / INT8_PAIRS with xf in pairs already (the
+ * layer's producer wrote them: layer_pairs); nonzero when out of memory (nothing written) */
 #define PAIRS_GIVEN 3
+#define INT8_PAIRS_GIVEN 5
 static int run(const void *tiles, int kind, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
                int64_t k8, int threads, int round) {
     if (kind == PAIRS_GIVEN) kind = 2;
-    else if (kind == 2 && !(xf = as_pairs(xf, m, k8))) return 1;
-    ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8, round}, threads};
+    else if (kind == INT8_PAIRS_GIVEN) kind = INT8_PAIRS;
+    else if (in_pairs(kind) && !(xf = as_pairs(xf, m, k8))) return 1;
+    /* an int8 layout's scales follow its panels: (n / PANEL rounded up) panels of k8 / 2 units, 2 * PANEL bytes each;
+     * PANEL float32 scales a panel */
+    const float *scales = kind == INT8_PAIRS ? (const float *)((const char *)tiles + (n + PANEL - 1) / PANEL * PANEL * k8)
+                                             : NULL;
+    ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8, round, scales}, threads};
     with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
     return 0;
 }
@@ -693,7 +832,7 @@ int dflash_linear_f32(const float *tiles, const float *x, const float *bias, flo
     return 0;
 }
 
-/* bfloat16 input, tiles (in pairs where `pairs`), bias and output; float32 sums. */
+/* bfloat16 input, tiles (in pairs where `pairs`; int8 in pairs where `pairs` is 2), bias and output; float32 sums. */
 int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                        int64_t k, int threads, int pairs) {
     /* the float32 sums (an LM head's: 196 KB a row for SmolLM2) in a buffer kept per thread: a fresh allocation of
@@ -704,7 +843,7 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
     float *xf = padded_input(x, 1, m, k, k8), *yf = kept_buffer(&kept, &kept_size, m * n + n);
     float *bf = bias && yf ? yf + m * n : NULL;
     for (int64_t i = 0; bf && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
-    int failed = !xf || !yf || run(tiles, pairs ? 2 : 1, xf, bf, yf, m, n, k8, threads, 0);
+    int failed = !xf || !yf || run(tiles, pairs == 2 ? INT8_PAIRS : pairs ? 2 : 1, xf, bf, yf, m, n, k8, threads, 0);
     free(xf);
     if (failed) return 1;
     int64_t i = 0;
@@ -2027,7 +2166,12 @@ typedef struct { /* one layer's own arguments, the same every call */
     int64_t window;
     const void *norm3, *norm4;
     int64_t rope;
+    int int8; /* its four products' tiles hold int8 weights in pairs (INT8_PAIRS; the layer is bfloat16 in pairs) */
 } Layer;
+
+/* The kind of a layer's products, and the same with their inputs in pairs already (layer_pairs) */
+static inline int weights_of(const Layer *L) { return L->int8 ? INT8_PAIRS : L->bf16; }
+static inline int given_pairs_of(const Layer *L) { return L->int8 ? INT8_PAIRS_GIVEN : PAIRS_GIVEN; }
 
 enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS };
 
@@ -2101,7 +2245,7 @@ static void project(const Layer *L, Pass *P) {
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm1, L->eps, L->hidden, L->bf16,
                                                 P->part[XN] + t * hp, L->gemma);
     /* with qkv_rows, the sums are rounded (bfloat16) once, after the rows are added, as one product would */
-    product_rounded(L->qkv, L->qkv_bias, L->bf16, P->part[XN], qkv, P->m, width, L->hidden, P->threads,
+    product_rounded(L->qkv, L->qkv_bias, weights_of(L), P->part[XN], qkv, P->m, width, L->hidden, P->threads,
                     P->part[BIAS], L->bf16 != 0 && !P->qkv_rows);
     for (int64_t i = 0; P->qkv_rows && i < P->m * width; i++) qkv[i] = rnd(qkv[i] + P->qkv_rows[i], L->bf16);
     for (int64_t t = 0; t < P->m; t++) {
@@ -2174,10 +2318,10 @@ static void attention(const Layer *L, Pass *P) {
     int64_t width = L->heads * L->d, ap = PAD8(width);
     if (A.pairs) {
         for (int64_t t = 0; ap > width && t < P->m; t++) memset(A.pairs + t * ap + width, 0, 2 * (size_t)(ap - width));
-        product(L->o, L->o_bias, PAIRS_GIVEN, (const float *)A.pairs, P->part[O_OUT], P->m, L->hidden, width,
+        product(L->o, L->o_bias, given_pairs_of(L), (const float *)A.pairs, P->part[O_OUT], P->m, L->hidden, width,
                 P->threads, P->part[BIAS]);
     } else {
-        product(L->o, L->o_bias, L->bf16, P->part[ATT], P->part[O_OUT], P->m, L->hidden, width, P->threads,
+        product(L->o, L->o_bias, weights_of(L), P->part[ATT], P->part[O_OUT], P->m, L->hidden, width, P->threads,
                 P->part[BIAS]);
     }
     if (L->norm3) normalize_rows(L, P, L->norm3, P->part[O_OUT]);
@@ -2238,14 +2382,14 @@ static void mlp(const Layer *L, Pass *P, void *h_out) {
     float *gu = P->part[GU];
     for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
                                                 P->part[XN] + t * hp, L->gemma);
-    product(L->gate_up, NULL, L->bf16, P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
+    product(L->gate_up, NULL, weights_of(L), P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
     Gating G = {gu, P->part[ACT], inter, ip, L->bf16, L->gelu, layer_pairs(L->bf16)};
     parallel_for(P->m, 1, P->m * inter >= 8192 ? P->threads : 1, gate_tokens, &G);
     if (G.pairs)
-        product(L->down, NULL, PAIRS_GIVEN, (const float *)G.pairs, P->part[DOWN_OUT], P->m, L->hidden, inter,
+        product(L->down, NULL, given_pairs_of(L), (const float *)G.pairs, P->part[DOWN_OUT], P->m, L->hidden, inter,
                 P->threads, P->part[BIAS]);
     else
-        product(L->down, NULL, L->bf16, P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
+        product(L->down, NULL, weights_of(L), P->part[ACT], P->part[DOWN_OUT], P->m, L->hidden, inter, P->threads,
                 P->part[BIAS]);
     if (L->norm4) normalize_rows(L, P, L->norm4, P->part[DOWN_OUT]);
     int64_t i = 0, count = P->m * L->hidden;
@@ -2267,7 +2411,7 @@ static void layer_pass(const Layer *L, Pass *P, const void *h, void *h_out) {
 /* Reserves the pairs buffer the products of `count` layers over m rows need (bfloat16 in pairs only): inside a
  * layer nothing may fail. Nonzero when out of memory. */
 static int reserve_pairs(const Layer *layers, int64_t count, int64_t m) {
-    if (layers[0].bf16 != 2) return 0;
+    if (layers[0].bf16 != 2) return layers[0].int8; /* int8 tiles come only in a bfloat16 layer in pairs */
     int64_t widest = 0;
     for (int64_t i = 0; i < count; i++)
         widest = MAX(widest, MAX(PAD8(layers[i].hidden), MAX(PAD8(layers[i].heads * layers[i].d), PAD8(layers[i].inter))));
@@ -2384,10 +2528,10 @@ int dflash_layer(const void *h, void *h_out, int64_t rows, int64_t n, const int6
                  const void *k_norm, float qk_eps, const void *o, const void *o_bias, const void *gate_up,
                  const void *down, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d, int64_t inter,
                  float scale, int gemma, int gelu, int64_t window, const void *norm3, const void *norm4,
-                 int64_t rope, const float *qkv_rows, const uint64_t *tree, int64_t tree_back) {
+                 int64_t rope, int int8, const float *qkv_rows, const uint64_t *tree, int64_t tree_back) {
     /* rope: the constants' RoPE table index, which one layer does not need (cos / sin are its own) */
     Layer L = {bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps, scale,
-               hidden, heads, kv_heads, d, inter, NULL, gemma, gelu, window, norm3, norm4, rope};
+               hidden, heads, kv_heads, d, inter, NULL, gemma, gelu, window, norm3, norm4, rope, int8};
     if (tree && (tree_back < 0 || tree_back + n > 64)) return 1; /* a tree's visibility is one 64-bit word a token */
     for (int64_t r = 0; tree && r < rows; r++)
         if (starts[r] < tree_back) return 1;

@@ -34,6 +34,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
 _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
+_int8_pairs = False  # int8 weights' products run in C (see int8_pairs)
 _int8_vnni = False  # the int8 screen in integers (see int8_vnni)
 _screen_wide = False  # ... its inputs wide where many rows are screened (see screen_wide)
 why_not = ""  # why the kernel is unavailable, for reports
@@ -84,7 +85,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_pairs
     if _tried:
         return _library
     _tried = True
@@ -106,6 +107,7 @@ def library() -> ctypes.CDLL | None:
                 fn.restype = ctypes.c_int
             lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
             lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
+            lib.dflash_int8_pairs.argtypes, lib.dflash_int8_pairs.restype = [], ctypes.c_int
             lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
             lib.dflash_set_attention_pairs.restype = ctypes.c_int
             if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
@@ -130,7 +132,8 @@ def library() -> ctypes.CDLL | None:
                               + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
                               + [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4
                               + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_int64]
-                              + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64])
+                              + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 2
+                              + [ctypes.c_int64])
             layer.restype = ctypes.c_int
             stack = lib.dflash_stack
             stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
@@ -147,6 +150,7 @@ def library() -> ctypes.CDLL | None:
             norm.restype = ctypes.c_int
             _library = lib
             _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
+            _int8_pairs = _pairs and bool(lib.dflash_int8_pairs()) and os.environ.get("DFLASH_INT8_PAIRS", "1") != "0"
             _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
             _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
@@ -161,7 +165,8 @@ def build_id() -> str:
     lib = library()
     if lib is None:
         return "none"
-    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+vnni" if _int8_vnni else "")
+    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+int8" if _int8_pairs else "")
+            + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 
 
@@ -180,6 +185,25 @@ def set_bf16_pairs(on: bool) -> bool:
     if on and (lib is None or not lib.dflash_bf16_pairs()):
         raise RuntimeError("this build or CPU cannot multiply bfloat16 in pairs (AVX512-BF16)")
     _pairs = bool(on)
+    return old
+
+
+def int8_pairs() -> bool:
+    """Whether int8 weights (an int8 target's, `--dtype int8`) are read as int8 by our products (native.c,
+    INT8_PAIRS): where this build and CPU have AVX512-BF16 and AVX512-VBMI, bfloat16 weights are in pairs, and
+    DFLASH_INT8_PAIRS is not 0. Elsewhere such a model runs the bfloat16 weights its int8 ones stand for."""
+    library()
+    return _int8_pairs
+
+
+def set_int8_pairs(on: bool) -> bool:
+    """Switches whether int8 weights laid out from now on are read as int8 (for tests and A/B runs); returns the old
+    setting."""
+    global _int8_pairs
+    lib, old = library(), _int8_pairs
+    if on and (lib is None or not _pairs or not lib.dflash_int8_pairs()):
+        raise RuntimeError("this build or CPU cannot run int8 weights in pairs (AVX512-BF16 and AVX512-VBMI)")
+    _int8_pairs = bool(on)
     return old
 
 
@@ -304,8 +328,51 @@ def tiles(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     return memory.lasting(tuple(panels.shape), panels.dtype).copy_(panels)  # streamed every pass: on huge pages
 
 
+INT8_SMALLEST_SCALE = 2.0 ** -100  # keeps every q * scale a normal float (VCVTNEPS2BF16 flushes subnormals)
+
+
+def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 [n, k], scales float32 [n], the weight they stand for, bfloat16 [n, k]) of a weight [n, k]: each row
+    rounded to nearest on its own symmetric scale (its largest magnitude / 127), the weight w' = bf16(q * scale) as
+    torch rounds a float32 product to bfloat16, which is what native.c's int8 kernel multiplies by (int8_pair_tiles).
+    A model whose weights are replaced by w' is the int8 model, whichever form its products read."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(INT8_SMALLEST_SCALE)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales, (q.float() * scales[:, None]).to(torch.bfloat16)
+
+
+def int8_pair_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """native.c's layout of int8 weights q (in [-127, 127]) in pairs (INT8_PAIRS), a view [panels, k8 / 2, 24, 2] of
+    int8 whose buffer goes on past its end with each panel's 24 scales (float32 [panels, 24]). The bytes are the
+    bfloat16 pairs layout of `tiles` (for input pair j, the 24 columns' two weights), a byte each as sign (bit 7) and
+    magnitude, reordered within each run of four pairs:
+    as twelve vectors of sixteen weights (eight columns' pairs) in three blocks of four, vector v of a block, weight
+    e, at byte 32 (v // 2) + 16 (e // 8) + 8 (v % 2) + e % 8, where native.c's unpacking of each 128-bit lane puts
+    it back. Half the bytes of the bfloat16 tiles."""
+    n, k = q.shape
+    magnitude = q.detach().to(torch.int16).abs()
+    coded = (magnitude | (q.detach() < 0).to(torch.int16) << 7).to(torch.uint8).view(torch.int8)  # sign, magnitude
+    padded = torch.nn.functional.pad(coded, (0, -k % 8, 0, -n % PANEL))
+    count, k8 = padded.shape[0] // PANEL, padded.shape[1]
+    panels = padded.view(count, PANEL, k8).transpose(1, 2).reshape(count, k8 // 2, 2, PANEL).transpose(2, 3)
+    # [count, k8 / 8 runs, 3 blocks, v // 2, v % 2, e // 8, e % 8] -> swap (v % 2) and (e // 8)
+    blocks = panels.reshape(count, k8 // 8, 3, 2, 2, 2, 8).transpose(4, 5)
+    weight_bytes = count * PANEL * k8
+    buffer = memory.lasting((weight_bytes + count * PANEL * 4,), torch.int8)
+    buffer[weight_bytes:].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, -n % PANEL)))
+    view = buffer[:weight_bytes].view(count, k8 // 2, PANEL, 2)
+    view.view(blocks.shape).copy_(blocks)
+    return view
+
+
 def in_pairs(weight_tiles: torch.Tensor) -> bool:
     return weight_tiles.dim() == 4
+
+
+def tiles_dtype(weight_tiles: torch.Tensor) -> torch.dtype:
+    """The dtype of the inputs and outputs a layout's products take: int8 tiles' are bfloat16."""
+    return torch.bfloat16 if weight_tiles.dtype == torch.int8 else weight_tiles.dtype
 
 
 def tile_inputs(weight_tiles: torch.Tensor) -> int:
@@ -318,7 +385,7 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     then uses torch's)."""
     lib = _library
     k = x.shape[-1]
-    if (lib is None or x.dtype != weight_tiles.dtype or (bias is not None and not bias.is_contiguous())
+    if (lib is None or x.dtype != tiles_dtype(weight_tiles) or (bias is not None and not bias.is_contiguous())
             or -(-k // 8) * 8 != tile_inputs(weight_tiles)):  # a wrong width: torch's kernel says so, we would read past
         return None
     x = x.contiguous()
@@ -326,7 +393,7 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     args = (weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
             x.numel() // k, out_features, k, torch.get_num_threads())
     status = (lib.dflash_linear_f32(*args) if x.dtype == torch.float32
-              else lib.dflash_linear_bf16(*args, int(in_pairs(weight_tiles))))
+              else lib.dflash_linear_bf16(*args, 2 if weight_tiles.dtype == torch.int8 else int(in_pairs(weight_tiles))))
     return y if status == 0 else None
 
 
@@ -340,14 +407,16 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
     constants. The tensors must outlive the tuple (the caller keeps them). The first, native.c's `bf16`: 0 float32,
     1 bfloat16, 2 bfloat16 with its products' tiles in pairs (all four are laid out alike). Gemma3's layers add
     `gemma` (unit-offset norms), `gelu`, a sliding `window`, norms 3 and 4 (sandwich) and their RoPE table's index
-    `rope` (shape's keys; absent: a Llama/Qwen layer)."""
+    `rope` (shape's keys; absent: a Llama/Qwen layer). The last, `int8`: its products' tiles hold int8 weights
+    (int8_pair_tiles; all four alike, in a bfloat16 layer in pairs)."""
     bf16 = 0 if dtype != torch.bfloat16 else 2 if in_pairs(weights["qkv"]) else 1
     return (bf16, _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
             _ptr(weights["qkv"]), _ptr(weights["qkv_bias"]), _ptr(weights["q_norm"]), _ptr(weights["k_norm"]),
             shape["qk_eps"], _ptr(weights["o"]), _ptr(weights["o_bias"]), _ptr(weights["gate_up"]),
             _ptr(weights["down"]), shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"],
             shape["intermediate"], shape["scale"], int(shape.get("gemma", False)), int(shape.get("gelu", False)),
-            shape.get("window") or 0, _ptr(weights.get("norm3")), _ptr(weights.get("norm4")), shape.get("rope", 0))
+            shape.get("window") or 0, _ptr(weights.get("norm3")), _ptr(weights.get("norm4")), shape.get("rope", 0),
+            int(weights["qkv"].dtype == torch.int8))
 
 
 def layer(h: torch.Tensor, constants: tuple, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
@@ -381,7 +450,7 @@ class LayerArgs(ctypes.Structure):
         (name, ctypes.c_float) for name in ("eps", "qk_eps", "scale")] + [
         (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "inter")] + [("kv", ctypes.c_void_p)] + [
         ("gemma", ctypes.c_int), ("gelu", ctypes.c_int), ("window", ctypes.c_int64), ("norm3", ctypes.c_void_p),
-        ("norm4", ctypes.c_void_p), ("rope", ctypes.c_int64)]
+        ("norm4", ctypes.c_void_p), ("rope", ctypes.c_int64), ("int8", ctypes.c_int)]
 
 
 def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = None) -> ctypes.Array:
@@ -389,9 +458,10 @@ def stack_args(constants: list[tuple], context_kv: list[torch.Tensor] | None = N
     DFlash drafter's per-layer tiles of its injected-context key/value product (for `drafter_stack`)."""
     def one(c: tuple, kv: torch.Tensor | None) -> LayerArgs:
         (bf16, norm1, norm2, eps, qkv, qkv_bias, q_norm, k_norm, qk_eps, o, o_bias, gate_up, down, hidden, heads,
-         kv_heads, d, inter, scale, gemma, gelu, window, norm3, norm4, rope) = c
+         kv_heads, d, inter, scale, gemma, gelu, window, norm3, norm4, rope, int8) = c
         return LayerArgs(bf16, norm1, norm2, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, down, eps, qk_eps,
-                         scale, hidden, heads, kv_heads, d, inter, _ptr(kv), gemma, gelu, window, norm3, norm4, rope)
+                         scale, hidden, heads, kv_heads, d, inter, _ptr(kv), gemma, gelu, window, norm3, norm4, rope,
+                         int8)
     kvs = context_kv or [None] * len(constants)
     return (LayerArgs * len(constants))(*(one(c, kv) for c, kv in zip(constants, kvs)))
 

@@ -21,11 +21,13 @@ from ..errors import UserError
 from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
 from .hf import HFEngine
 from .graphs import PassGraphs
-from . import sdpa_backends
+from . import native, sdpa_backends
 from .kernels import NATIVE, PACKED, PLAIN, STALE_RATIO, KernelPlan, kernel_plan_for, shape_key
 from .transformer import EVERY_PROMPT, Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a target's precisions: DTYPES, and int8 weights in its decoder layers with bfloat16 activations (quantize_int8)
+TARGET_DTYPES = {**DTYPES, "int8": torch.bfloat16}
 KERNEL_CHOICES = ("auto", "packed", "plain", "native")
 PROMPT_LENGTHS = (64, 384)  # the prompt lengths at which the C stack is timed against torch's layers
 
@@ -53,6 +55,7 @@ class TargetModel:
     defer_logits: bool = True  # let verify passes compute their logits a few positions at a time (defers_logits)
     screen_greedy: bool | None = None  # greedy tokens through the head's screen (None: not decided; engine.py times it)
     screen_kind: str = "bfloat16"  # which screen (models/screening.py KINDS), chosen with screen_greedy
+    int8: bool = False  # its decoder layers' weights are int8 (quantize_int8)
     _step_ms_now: float | None = field(default=None, repr=False)  # a 1-token pass timed in this process (cached_timing)
 
     def __post_init__(self):
@@ -96,6 +99,11 @@ class TargetModel:
     @property
     def dtype(self) -> torch.dtype:
         return self._output_embeddings().weight.dtype
+
+    @property
+    def precision(self) -> str:
+        """The dtype's name, or "int8" for an int8 target (bfloat16 activations)."""
+        return "int8" if self.int8 else str(self.dtype).removeprefix("torch.")
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -215,7 +223,7 @@ class TargetModel:
         # a compiled forward or CUDA graphs time differently from the eager passes: their own entries
         compiled = "compile_s" in report or self.graphs_compiled
         mode = ("compiled:" if compiled else "") + ("graphs:" if self.graphs is not None else "")
-        return f"{self.name}:{str(self.dtype).removeprefix('torch.')}:{self.device}:{report.get('choices')}:{mode}{what}"
+        return f"{self.name}:{self.precision}:{self.device}:{report.get('choices')}:{mode}{what}"
 
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -296,6 +304,31 @@ class TargetModel:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def quantize_int8(target: TargetModel) -> None:
+    """Makes a bfloat16 target an int8 one: every weight of its decoder layers' products rounded per output row to
+    255 levels of its own scale and replaced by the bfloat16 values those stand for (FrozenLinear.quantize_int8),
+    the embeddings, norms and LM head kept. Like llama.cpp's Q8_0 (which scales blocks of 32 weights), for a CPU
+    whose steps are bound by the memory the weights take: our kernels read a byte a weight where the CPU has
+    AVX512-BF16 and VBMI, elsewhere the bfloat16 values. Speculative decoding stays exact with respect to this
+    model, which is not the bfloat16 one: its greedy text can differ from theirs (docs/RESULTS.md measures by how
+    much)."""
+    if target.dtype != torch.bfloat16:
+        raise ValueError("quantize_int8 needs a bfloat16 target")
+    engine = target.engine
+    if isinstance(engine, Transformer):
+        for layer in engine.layers:
+            for block, name in (("self_attn", "qkv"), ("self_attn", "o_fast"), ("mlp", "gate_up"), ("mlp", "down_fast")):
+                getattr(getattr(layer, block), name).quantize_int8()
+    else:  # transformers' forward: the same rounding, written into its linears (no int8 kernel there)
+        head = target._output_embeddings().weight
+        with torch.no_grad():
+            for module in target.model.modules():
+                if isinstance(module, nn.Linear) and module.weight is not head and module.weight.dim() == 2:
+                    module.weight.copy_(native.int8_weights(module.weight)[2])
+    target.int8 = True
+    target.use_kernels(target.kernel_plan, target.kernel_report)  # lays the int8 tiles out
+
+
 def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
     """Set the target's matmul kernels: `auto` measures them on this machine (cached per machine and model),
     `packed` / `plain` / `native` force one kernel everywhere (where a weight has no native form: torch's)."""
@@ -313,7 +346,7 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
             engine.prompts_in_c_up_to = 0
         return
     engine = target.engine
-    model_key = f"{target.name}:{str(target.dtype).removeprefix('torch.')}"
+    model_key = f"{target.name}:{target.precision}"
     start = time.perf_counter()
     plan, measured = kernel_plan_for(model_key, engine.frozen_linears(),
                                      refine=lambda measured_plan: settle_layer_kernels(target, measured_plan),
@@ -502,11 +535,13 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
     """Load a target from a registry name, a local HF folder, a .gguf file, or a hub id (when online)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in TARGET_DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} asked for but CUDA is not available")
-    torch_dtype = DTYPES[dtype]
+    if dtype == "int8" and not device.startswith("cpu"):
+        raise UserError("--dtype int8 is for CPU targets (on a GPU, bfloat16 steps are not bound by the weights' bytes)")
+    torch_dtype = TARGET_DTYPES[dtype]
     path = Path(spec).expanduser()
     try:
         if spec in REGISTRY:
@@ -537,5 +572,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
         raise UserError(f"could not load target {spec!r}{where}: {exc.__class__.__name__}; registry names: {known}"
                         ) from exc
     target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
+    if dtype == "int8":
+        quantize_int8(target)
     choose_kernels(target, kernels)
     return target

@@ -1,0 +1,201 @@
+"""int8 targets (`--dtype int8`, models/target.py quantize_int8): weights rounded per output row, the bfloat16 values
+they stand for written into the model, and our kernels reading the int8 bytes (native.c, INT8_PAIRS) where the CPU
+has AVX512-BF16 and VBMI. The product is the pairs kernel's chain over the integers, scaled after the sum; verify
+passes stay bitwise their steps, so speculative decoding stays exact for the int8 model."""
+
+import pytest
+import torch
+
+from conftest import ARCHS, OracleProposer, RandomProposer
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.loading import load_target_cached
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
+from dflash.methods.dflash.proposer import DFlashProposer
+from dflash.methods.ngram import NgramProposer
+from dflash.models import native
+from dflash.models.target import choose_kernels, quantize_int8
+from dflash.testing import tiny_target
+
+
+def int8_runs_here() -> bool:
+    return native.library() is not None and native.int8_pairs()
+
+
+needs_int8 = pytest.mark.skipif(not int8_runs_here(), reason="no AVX512-BF16 + VBMI here: int8 weights run as bf16")
+
+
+def pairs_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """VDPBF16PS's sums as documented (test_native.py): per pair of inputs the odd product first, each step an FMA."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for j in range(0, weight.shape[1], 2):
+        if j + 1 < weight.shape[1]:
+            acc = acc + xf[:, j + 1: j + 2] * wf[:, j + 1][None]
+        acc = acc + xf[:, j: j + 1] * wf[:, j][None]
+    return acc
+
+
+def test_rows_round_to_255_levels_of_their_own_scale():
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(30, 70, generator=g) * torch.logspace(-3, 1, 30)[:, None]).bfloat16()
+    weight[3] = 0  # an all-zero row keeps a positive scale and zero weights
+    q, scales, approx = native.int8_weights(weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scales.dtype == torch.float32
+    assert torch.equal(q.abs().amax(dim=1)[[i for i in range(30) if i != 3]], torch.full((29,), 127, dtype=torch.int8))
+    assert scales[3] > 0 and not q[3].any() and not approx[3].float().any()
+    assert torch.equal(approx, (q.float() * scales[:, None]).bfloat16())
+    # each weight within half a level (plus bfloat16's rounding of the level)
+    error = (approx.float() - weight.float()).abs()
+    assert (error <= 0.5 * scales[:, None] + approx.float().abs() * 2 ** -8 + 1e-30).all()
+
+
+@needs_int8
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (50, 20), (96, 576)])
+def test_int8_products_are_the_pairs_chain_over_the_integers_scaled_after(m, n, k):
+    """Every row count (in the kernel up to 8 rows, expanded a chunk at a time beyond) and padded shape: each
+    output is the pairs kernel's one chain over bf16(q), times its row's scale, rounded once; with unit scales
+    bitwise the bfloat16 pairs kernel on bf16(q)."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    weight = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q, scales, _ = native.int8_weights(weight)
+    got = native.linear(x, native.int8_pair_tiles(q, scales), n, None)
+    assert torch.equal(got, (pairs_chain(x, q.bfloat16()) * scales).bfloat16())
+    ones = native.linear(x, native.int8_pair_tiles(q, torch.ones(n)), n, None)
+    assert torch.equal(ones, native.linear(x, native.tiles(q.bfloat16(), pairs=True), n, None))
+    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], native.int8_pair_tiles(q, scales), n, None)
+                                       for i in range(m)]))
+
+
+@needs_int8
+def test_every_byte_value_reads_as_its_integer():
+    """All 255 levels, both signs, through the tables: a one-hot input picks each weight out."""
+    q = torch.arange(-127, 128, dtype=torch.int8)[: 240].view(24, 10)
+    x = torch.eye(10).bfloat16()
+    got = native.linear(x, native.int8_pair_tiles(q, torch.ones(24)), 24, None)
+    assert torch.equal(got.float(), q.float().T)
+    rest = torch.arange(113, 128, dtype=torch.int8).view(15, 1).expand(15, 2).contiguous()
+    assert torch.equal(native.linear(torch.ones(1, 2).bfloat16(), native.int8_pair_tiles(-rest, torch.ones(15)), 15,
+                                     None).float(), -2 * rest[:, 0].float()[None])
+
+
+def int8_twins(arch: str):
+    """One tiny int8 target twice: through our kernels (int8 tiles where they run here) and through plain torch on
+    the bfloat16 values the int8 weights stand for."""
+    ours, theirs = (tiny_target(arch, logit_scale=4.0) for _ in range(2))
+    for target, kernels in ((ours, "native"), (theirs, "plain")):
+        target.model.to(torch.bfloat16)
+        quantize_int8(target)
+        choose_kernels(target, kernels)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_int8_target_is_the_bfloat16_model_of_its_levels(arch):
+    """Both twins hold the same rounded weights (written into transformers' modules too), and their logits agree
+    within bfloat16's tolerance through the C layers; the embeddings and the head keep their weights."""
+    ours, theirs = int8_twins(arch)
+    original = tiny_target(arch, logit_scale=4.0)
+    original.model.to(torch.bfloat16)
+    assert ours.int8 and ours.precision == "int8"
+    for (name, a), (_, b), (_, c) in zip(ours.model.named_parameters(), theirs.model.named_parameters(),
+                                         original.model.named_parameters()):
+        assert torch.equal(a, b), name
+        if "proj" in name and a.dim() == 2:
+            assert not torch.equal(a, c), f"{name} was not rounded"
+            _, _, again = native.int8_weights(c)
+            assert torch.equal(a, again), name
+        elif "embed" in name or "norm" in name:
+            assert torch.equal(a, c), name
+    if int8_runs_here():
+        assert ours.engine.layers[0].self_attn.qkv.native_tiles().dtype == torch.int8
+    ids = ours.encode_prompt("w20 w31 w9 w9 w40 w12 w3")
+    caches = ours.new_cache(), theirs.new_cache()
+    ours.forward(torch.tensor([ids]), caches[0])
+    theirs.forward(torch.tensor([ids]), caches[1])
+    for token in [5, 9, 33, 2, 17]:
+        got = ours.forward(torch.tensor([[token]]), caches[0]).logits
+        expected = theirs.forward(torch.tensor([[token]]), caches[1]).logits
+        assert (got - expected).abs().max() <= 3e-2 * expected.abs().max(), f"after token {token}"
+
+
+@needs_int8
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_int8_verify_passes_give_bitwise_the_logits_of_steps(arch):
+    target = tiny_target(arch, logit_scale=4.0, hidden_size=128)
+    target.model.to(torch.bfloat16)
+    quantize_int8(target)
+    choose_kernels(target, "native")
+    for tokens in (1, 16):  # the C layers run, their four products reading int8
+        assert target.engine.layers[0]._native_constants(torch.bfloat16, tokens)[-1] == 1
+    prompt = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8")
+    for width in (4, 9, 16):
+        block = [(5 * i + 7) % 50 + 5 for i in range(width)]
+        together, alone = target.new_cache(capacity=128), target.new_cache(capacity=128)
+        target.forward(torch.tensor([prompt]), together)
+        target.forward(torch.tensor([prompt]), alone)
+        wide = target.forward(torch.tensor([block]), together).logits[0]
+        steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+        assert torch.equal(wide, steps), f"width {width}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_lossless_on_an_int8_target(arch):
+    """Speculative decoding with every kind of proposer gives the int8 target's own greedy tokens."""
+    target = int8_twins(arch)[0]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, 2, num_layers=1, block_size=8, num_features=2)
+    drafter = DFlashDrafter.untrained(cfg, 0).freeze().to(torch.bfloat16)
+    for prompt in ["w1 w2 w3 w4 w5", "w20 w31 w9 w9 w40 w12 w3"]:
+        ids = target.encode_prompt(prompt)
+        reference = SpeculativeDecoder(target).generate(ids, config)
+        for proposer in (DFlashProposer(drafter, target), NgramProposer(max_draft=7),
+                         OracleProposer(reference.tokens, len(ids), 7), RandomProposer(target.vocab_size, 7)):
+            result = SpeculativeDecoder(target, proposer).generate(ids, config)
+            assert result.tokens == reference.tokens, f"{proposer.name} changed the greedy output"
+
+
+@needs_int8
+def test_without_int8_kernels_the_same_levels_run_as_bfloat16():
+    """DFLASH_INT8_PAIRS=0 (or a CPU without VBMI): the layers read the bfloat16 values of the levels, close to
+    the int8 kernel's logits (the scale applied before the sum instead of after)."""
+    target = int8_twins("llama")[0]
+    ids = target.encode_prompt("w20 w31 w9 w9 w40")
+    logits = {}
+    for on in (True, False):
+        old = native.set_int8_pairs(on)
+        try:
+            dtype = target.engine.layers[0].self_attn.qkv.native_tiles().dtype
+            assert dtype == (torch.int8 if on else torch.bfloat16)
+            logits[on] = target.forward(torch.tensor([ids]), target.new_cache()).logits
+        finally:
+            native.set_int8_pairs(old)
+    assert (logits[True] - logits[False]).abs().max() <= 3e-2 * logits[False].abs().max()
+
+
+def test_a_weight_written_in_place_ends_its_int8_form():
+    target = int8_twins("llama")[0]
+    qkv = target.engine.layers[0].self_attn.qkv
+    assert (qkv.int8_weights() is not None) == int8_runs_here()
+    with torch.no_grad():
+        qkv.weight.mul_(2)
+    assert qkv.int8_weights() is None
+    assert qkv.native_tiles() is None or qkv.native_tiles().dtype == torch.bfloat16
+
+
+def test_int8_needs_a_bfloat16_target_and_a_cpu():
+    from dflash.models.target import load_target
+
+    with pytest.raises(ValueError):
+        quantize_int8(tiny_target("llama"))  # float32
+    with pytest.raises(UserError, match="int8"):  # refused before anything loads
+        load_target("smollm2-135m", "int8", device="meta")
+
+
+def test_the_cli_takes_int8_for_a_tiny_target():
+    target = load_target_cached("tiny-llama", "int8")
+    assert target.int8 and target.dtype == torch.bfloat16
+    with pytest.raises(UserError, match="unknown dtype"):
+        load_target_cached("tiny-llama", "int4")
