@@ -383,14 +383,16 @@ PAIR_PANEL_ROWS(panel_pairs_8, 8)
 typedef struct {
     __m512i hi_a, hi_b, lo_a, lo_b, sign;
 } Int8Tables;
-INT8_TARGET static inline Int8Tables int8_tables(void) {
-    uint8_t hi[128], lo[128];
+static uint8_t int8_high[128], int8_low[128]; /* bf16(a)'s bytes for a = 0..127, made when the library loads */
+__attribute__((constructor)) static void make_int8_tables(void) {
     for (int a = 0; a < 128; a++) {
         uint16_t bits = f32_to_bf16((float)a);
-        hi[a] = (uint8_t)(bits >> 8), lo[a] = (uint8_t)bits;
+        int8_high[a] = (uint8_t)(bits >> 8), int8_low[a] = (uint8_t)bits;
     }
-    Int8Tables T = {_mm512_loadu_si512(hi), _mm512_loadu_si512(hi + 64), _mm512_loadu_si512(lo),
-                    _mm512_loadu_si512(lo + 64), _mm512_set1_epi8((char)0x80)};
+}
+INT8_TARGET static inline Int8Tables int8_tables(void) { /* made per call, the first version cost ~15% of a step */
+    Int8Tables T = {_mm512_loadu_si512(int8_high), _mm512_loadu_si512(int8_high + 64), _mm512_loadu_si512(int8_low),
+                    _mm512_loadu_si512(int8_low + 64), _mm512_set1_epi8((char)0x80)};
     return T;
 }
 /* 64 weights' bytes -> their bfloat16 values, as w02 (the block's vectors 0 and 2, in its low and high halves)
