@@ -10,7 +10,7 @@ over prompts of the per-prompt time ratios (int8 / bfloat16), so the shared mach
 each prompt's bfloat16 greedy answer (teacher-forced, both models reading the same tokens): how often the int8
 model's next-token argmax is the bfloat16 model's, and the mean KL divergence of its distribution from theirs; the
 float32 model against the bfloat16 one the same way, for scale (bfloat16 itself moves text away from float32).
-Also: how many int8 greedy answers equal the bfloat16 ones, and where the others first differ.
+Also: how many int8 (and float32) greedy answers equal the bfloat16 ones, and where int8's others first differ.
 """
 
 import argparse
@@ -75,6 +75,7 @@ def main(argv: list[str]) -> int:
             reference = row[f"{methods[0]}:bfloat16"]["tokens"]
             int8_tokens = row[f"{methods[0]}:int8"]["tokens"]
             row["same_text"] = int8_tokens == reference
+            row["same_text_f32"] = generate(targets["float32"], None, ids, args.max_new)[0] == reference
             row["first_difference"] = next((i for i, (a, b) in enumerate(zip(reference, int8_tokens)) if a != b),
                                            None if len(reference) == len(int8_tokens) else min(len(reference),
                                                                                                len(int8_tokens)))
@@ -84,7 +85,8 @@ def main(argv: list[str]) -> int:
             rows.append(row)
             print(f"{dataset} {prompt.id}: " + "  ".join(
                 f"{m} {row[f'{m}:int8']['s'] / row[f'{m}:bfloat16']['s']:.2f}x" for m in methods)
-                + f"  same text {row['same_text']}  argmax agreement int8 {row['int8_vs_bf16'][0]:.3f}"
+                + f"  same text int8 {row['same_text']} f32 {row['same_text_f32']}"
+                f"  argmax agreement int8 {row['int8_vs_bf16'][0]:.3f}"
                 f" f32 {row['f32_vs_bf16'][0]:.3f}", flush=True)
     print()
     for dataset in args.datasets.split(",") + ["all"]:
@@ -100,9 +102,11 @@ def main(argv: list[str]) -> int:
             parts.append(f"{m}: time int8/bf16 {ratio:.3f} (median), {tokps['bfloat16']:.1f} -> "
                          f"{tokps['int8']:.1f} tok/s{tau}")
         same = sum(r["same_text"] for r in chosen)
+        same_f32 = sum(r["same_text_f32"] for r in chosen)
         agree = {key: statistics.mean(r[key][0] for r in chosen) for key in ("int8_vs_bf16", "f32_vs_bf16")}
         kl = {key: statistics.mean(r[key][1] for r in chosen) for key in ("int8_vs_bf16", "f32_vs_bf16")}
-        print(f"{dataset} ({len(chosen)}): " + "; ".join(parts) + f"; same greedy text {same}/{len(chosen)}; "
+        print(f"{dataset} ({len(chosen)}): " + "; ".join(parts)
+              + f"; greedy text as bf16's: int8 {same}/{len(chosen)}, f32 {same_f32}/{len(chosen)}; "
               f"argmax agreement with bf16: int8 {agree['int8_vs_bf16']:.4f} (KL {kl['int8_vs_bf16']:.5f}), "
               f"f32 {agree['f32_vs_bf16']:.4f} (KL {kl['f32_vs_bf16']:.5f})")
     if args.json:

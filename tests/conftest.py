@@ -65,6 +65,34 @@ def pairs_run_here() -> bool:
     return lib is not None and bool(lib.dflash_bf16_pairs())
 
 
+def pairs_chain(x, weight):
+    """VDPBF16PS's sums, as documented: for each pair of inputs, the odd one's product added first, then the even
+    one's, each rounded to float32 (a product of two bfloat16 is exact in float32, so each step is an FMA)."""
+    import torch
+
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for j in range(0, weight.shape[1], 2):
+        if j + 1 < weight.shape[1]:
+            acc = acc + xf[:, j + 1: j + 2] * wf[:, j + 1][None]
+        acc = acc + xf[:, j: j + 1] * wf[:, j][None]
+    return acc
+
+
+def wide_pass_and_steps(target, width: int):
+    """(the logits of one pass of `width` tokens, those of the same tokens one step at a time), both after the same
+    8-token prompt: a verify pass must give bitwise its steps for speculation to be lossless"""
+    import torch
+
+    prompt = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8")
+    block = [(5 * i + 7) % 50 + 5 for i in range(width)]
+    together, alone = target.new_cache(capacity=128), target.new_cache(capacity=128)
+    target.forward(torch.tensor([prompt]), together)
+    target.forward(torch.tensor([prompt]), alone)
+    wide = target.forward(torch.tensor([block]), together).logits[0]
+    return wide, torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+
+
 @pytest.fixture(params=["widened", "pairs"])
 def bf16_layout(request):
     """bfloat16 weights laid out for the widening kernel, then in pairs (where the CPU has AVX512-BF16); the

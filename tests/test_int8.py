@@ -6,7 +6,7 @@ passes stay bitwise their steps, so speculative decoding stays exact for the int
 import pytest
 import torch
 
-from conftest import ARCHS, OracleProposer, RandomProposer
+from conftest import ARCHS, OracleProposer, RandomProposer, pairs_chain, wide_pass_and_steps
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.loading import load_target_cached
@@ -23,17 +23,6 @@ def int8_runs_here() -> bool:
 
 
 needs_int8 = pytest.mark.skipif(not int8_runs_here(), reason="no AVX512-BF16 + VBMI here: int8 weights run as bf16")
-
-
-def pairs_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """VDPBF16PS's sums as documented (test_native.py): per pair of inputs the odd product first, each step an FMA."""
-    xf, wf = x.float(), weight.float()
-    acc = torch.zeros(x.shape[0], weight.shape[0])
-    for j in range(0, weight.shape[1], 2):
-        if j + 1 < weight.shape[1]:
-            acc = acc + xf[:, j + 1: j + 2] * wf[:, j + 1][None]
-        acc = acc + xf[:, j: j + 1] * wf[:, j][None]
-    return acc
 
 
 def test_rows_round_to_255_levels_of_their_own_scale():
@@ -130,14 +119,8 @@ def test_int8_verify_passes_give_bitwise_the_logits_of_steps(arch):
     choose_kernels(target, "native")
     for tokens in (1, 16):  # the C layers run, their four products reading int8
         assert target.engine.layers[0]._native_constants(torch.bfloat16, tokens)[-1] == 1
-    prompt = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8")
-    for width in (4, 9, 16):
-        block = [(5 * i + 7) % 50 + 5 for i in range(width)]
-        together, alone = target.new_cache(capacity=128), target.new_cache(capacity=128)
-        target.forward(torch.tensor([prompt]), together)
-        target.forward(torch.tensor([prompt]), alone)
-        wide = target.forward(torch.tensor([block]), together).logits[0]
-        steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+    for width in (4, 9, 16, 33):
+        wide, steps = wide_pass_and_steps(target, width)
         assert torch.equal(wide, steps), f"width {width}"
 
 
@@ -194,7 +177,12 @@ def test_int8_needs_a_bfloat16_target_and_a_cpu():
         load_target("smollm2-135m", "int8", device="meta")
 
 
-def test_the_cli_takes_int8_for_a_tiny_target():
+def test_the_cli_takes_int8(capsys):
+    from dflash.cli import main
+
+    code = main(["generate", "--target", "tiny-llama", "--dtype", "int8", "--method", "ngram", "--max-new-tokens",
+                 "16", "--compare-ar", "w1 w2 w3 w1 w2"])
+    assert code == 0 and "outputs identical" in capsys.readouterr().err
     target = load_target_cached("tiny-llama", "int8")
     assert target.int8 and target.dtype == torch.bfloat16
     with pytest.raises(UserError, match="unknown dtype"):

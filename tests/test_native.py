@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pairs_run_here
+from conftest import pairs_chain, pairs_run_here, wide_pass_and_steps
 from dflash.models import native
 from dflash.models.kernels import NATIVE, FrozenLinear, measure_plan, shape_key
 
@@ -142,18 +142,6 @@ def test_bfloat16_tiles_in_pairs_keep_two_inputs_of_a_column_together():
     assert tiles[:, 5:].float().abs().sum() == 0 and tiles[1, :, 6:].float().abs().sum() == 0  # padding
     assert native.tiles(weight, pairs=False).shape == (2, 16, 24)
     assert native.tiles(weight.float(), pairs=True).shape == (2, 16, 24)  # float32 never pairs
-
-
-def pairs_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """VDPBF16PS's sums, as documented: for each pair of inputs, the odd one's product added first, then the even
-    one's, each rounded to float32 (a product of two bfloat16 is exact in float32, so each step is an FMA)."""
-    xf, wf = x.float(), weight.float()
-    acc = torch.zeros(x.shape[0], weight.shape[0])
-    for j in range(0, weight.shape[1], 2):
-        if j + 1 < weight.shape[1]:
-            acc = acc + xf[:, j + 1: j + 2] * wf[:, j + 1][None]
-        acc = acc + xf[:, j: j + 1] * wf[:, j][None]
-    return acc
 
 
 @needs_native
@@ -430,13 +418,7 @@ def test_verify_passes_over_sixteen_tokens_give_bitwise_the_logits_of_steps(widt
     target = tiny_target("qwen3", logit_scale=4.0, hidden_size=128)
     target.model.to(dtype)
     choose_kernels(target, "native")
-    prompt = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8")
-    block = [(5 * i + 7) % 50 + 5 for i in range(width)]
-    together, alone = target.new_cache(capacity=128), target.new_cache(capacity=128)
-    target.forward(torch.tensor([prompt]), together)
-    target.forward(torch.tensor([prompt]), alone)
-    wide = target.forward(torch.tensor([block]), together).logits[0]
-    steps = torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
+    wide, steps = wide_pass_and_steps(target, width)
     assert torch.equal(wide, steps)
 
 

@@ -295,7 +295,7 @@ typedef void (*TwoPanels)(const void *w, int64_t size, const float *x, int64_t l
 
 #define PANEL_ROWS(NAME, BF16, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
-                     int64_t pf_step, int resume) {                                                                                  \
+                     int64_t pf_step, int resume) {                                                                   \
         panel_rows(w, BF16, x, ldx, k8, R, out, pf, pf_step, resume);                                                 \
     }
 PANEL_ROWS(panel_f32_1, 0, 1)
@@ -376,9 +376,9 @@ PAIR_PANEL_ROWS(panel_pairs_8, 8)
  * table, sixty-four at a time (AVX512-VBMI): the magnitude picks the high and the low byte of bf16(|q|) from two
  * 128-byte tables, the sign goes into the high one, and unpacking interleaves them into words: five instructions
  * per 64 weights where widening through float32 (sign-extend, convert, round to bfloat16) took twelve, and a step's
- * products ran no faster than bfloat16's from memory. The bytes of four units (4 x 48, an input
- * pair of the panel's 24 columns each) lie as three blocks of 64 in the order unpacking wants (native.py,
- * int8_pair_tiles): block b holds the panel's vectors 4b..4b+3 (vector 3u + c: unit u's columns 8c..8c+7). */
+ * products ran no faster than bfloat16's from memory. The bytes of four units (4 x 48, an input pair of the panel's
+ * 24 columns each) lie as three blocks of 64 in the order unpacking wants (native.py, int8_pair_tiles): block b holds
+ * the panel's vectors 4b..4b+3 (vector 3u + c: unit u's columns 8c..8c+7). */
 #define INT8_TARGET __attribute__((target("avx512f,avx512vl,avx512bf16,avx512bw,avx512vbmi")))
 typedef struct {
     __m512i hi_a, hi_b, lo_a, lo_b, sign;
@@ -390,7 +390,7 @@ __attribute__((constructor)) static void make_int8_tables(void) {
         int8_high[a] = (uint8_t)(bits >> 8), int8_low[a] = (uint8_t)bits;
     }
 }
-INT8_TARGET static inline Int8Tables int8_tables(void) { /* made per call, the first version cost ~15% of a step */
+INT8_TARGET static inline Int8Tables int8_tables(void) { /* loaded per call (built per call: ~15% of a step) */
     Int8Tables T = {_mm512_loadu_si512(int8_high), _mm512_loadu_si512(int8_high + 64), _mm512_loadu_si512(int8_low),
                     _mm512_loadu_si512(int8_low + 64), _mm512_set1_epi8((char)0x80)};
     return T;
@@ -606,7 +606,9 @@ typedef struct {
 
 static inline int in_pairs(int kind) { return kind == 2 || kind == INT8_PAIRS; }
 static inline int64_t units_of(const Product *W) { return in_pairs(W->kind) ? W->k8 / 2 : W->k8; }
-static inline int64_t unit_bytes(const Product *W) { return W->kind == 1 || W->kind == INT8_PAIRS ? 2 : 4; } /* per panel column */
+static inline int64_t unit_bytes(const Product *W) { /* per panel column */
+    return W->kind == 1 || W->kind == INT8_PAIRS ? 2 : 4;
+}
 
 /* *buffer with room for `floats`, grown (never shrunk) as needed; NULL when out of memory. */
 static float *kept_buffer(float **buffer, int64_t *size, int64_t floats) {
@@ -805,8 +807,8 @@ static int run(const void *tiles, int kind, const float *xf, const float *bias, 
     else if (in_pairs(kind) && !(xf = as_pairs(xf, m, k8))) return 1;
     /* an int8 layout's scales follow its panels: (n / PANEL rounded up) panels of k8 / 2 units, 2 * PANEL bytes each;
      * PANEL float32 scales a panel */
-    const float *scales = kind == INT8_PAIRS ? (const float *)((const char *)tiles + (n + PANEL - 1) / PANEL * PANEL * k8)
-                                             : NULL;
+    int64_t panels = (n + PANEL - 1) / PANEL;
+    const float *scales = kind == INT8_PAIRS ? (const float *)((const char *)tiles + panels * PANEL * k8) : NULL;
     ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8, round, scales}, threads};
     with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
     return 0;

@@ -393,7 +393,8 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     args = (weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
             x.numel() // k, out_features, k, torch.get_num_threads())
     status = (lib.dflash_linear_f32(*args) if x.dtype == torch.float32
-              else lib.dflash_linear_bf16(*args, 2 if weight_tiles.dtype == torch.int8 else int(in_pairs(weight_tiles))))
+              else lib.dflash_linear_bf16(*args, 2 if weight_tiles.dtype == torch.int8
+                                          else int(in_pairs(weight_tiles))))
     return y if status == 0 else None
 
 

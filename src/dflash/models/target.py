@@ -317,8 +317,8 @@ def quantize_int8(target: TargetModel) -> None:
     engine = target.engine
     if isinstance(engine, Transformer):
         for layer in engine.layers:
-            for block, name in (("self_attn", "qkv"), ("self_attn", "o_fast"), ("mlp", "gate_up"), ("mlp", "down_fast")):
-                getattr(getattr(layer, block), name).quantize_int8()
+            for product in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast):
+                product.quantize_int8()
     else:  # transformers' forward: the same rounding, written into its linears (no int8 kernel there)
         head = target._output_embeddings().weight
         with torch.no_grad():
@@ -540,7 +540,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device {device!r} asked for but CUDA is not available")
     if dtype == "int8" and not device.startswith("cpu"):
-        raise UserError("--dtype int8 is for CPU targets (on a GPU, bfloat16 steps are not bound by the weights' bytes)")
+        raise UserError("--dtype int8 is for CPU targets (a GPU's bfloat16 steps are not bound by the weights' bytes)")
     torch_dtype = TARGET_DTYPES[dtype]
     path = Path(spec).expanduser()
     try:
