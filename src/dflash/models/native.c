@@ -395,14 +395,14 @@ INT8_TARGET static inline Int8Tables int8_tables(void) { /* loaded per call (bui
                     _mm512_loadu_si512(int8_low + 64), _mm512_set1_epi8((char)0x80)};
     return T;
 }
-/* 64 weights' bytes -> their bfloat16 values, as w02 (the block's vectors 0 and 2, in its low and high halves)
- * and w13 */
+/* 64 weights' bytes -> their bfloat16 values, as w01 (the block's vectors 0 and 1, in its low and high halves)
+ * and w23 */
 INT8_TARGET static inline __attribute__((always_inline)) void int8_block(const int8_t *p, const Int8Tables *T,
-                                                                         __m512i *w02, __m512i *w13) {
+                                                                         __m512i *w01, __m512i *w23) {
     __m512i q = _mm512_loadu_si512(p); /* sign and magnitude; the tables' lookups read the magnitude's 7 bits */
     __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(T->hi_a, q, T->hi_b), q, T->sign, 0xF8);
     __m512i lo = _mm512_permutex2var_epi8(T->lo_a, q, T->lo_b); /* (0xF8 above: hi | (q & 0x80)) */
-    *w02 = _mm512_unpacklo_epi8(lo, hi), *w13 = _mm512_unpackhi_epi8(lo, hi);
+    *w01 = _mm512_unpacklo_epi8(lo, hi), *w23 = _mm512_unpackhi_epi8(lo, hi);
 }
 INT8_TARGET static inline __attribute__((always_inline)) void int8_pair_panel_rows(
     const void *wp, const float *x, int64_t ldx, int64_t k2, const int R, float *out, const char *pf, int64_t pf_step,
@@ -414,7 +414,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8_pair_panel_ro
     for (int64_t i = 0; i < k2; i += 4) { /* k2 is a multiple of 4 (inputs padded to 8) */
         for (int u = 0; u < 4; u++) request_share(pf, i + u, pf_step);
         const int8_t *g = w + i * 2 * PANEL;
-        __m512i w02, w13;
+        __m512i w01, w23;
 #define VEC_DP(vec, c, u)                                                                                             \
     {                                                                                                                 \
         __m256bh v_ = (__m256bh)(vec);                                                                                \
@@ -425,12 +425,12 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8_pair_panel_ro
     if (R > r) a##r##c = _mm256_dpbf16_ps(a##r##c, v_, same_pair(x + r * ldx, i + u));
 #define LOW(z) _mm512_castsi512_si256(z)
 #define HIGH(z) _mm512_extracti64x4_epi64(z, 1)
-        int8_block(g, &T, &w02, &w13);
-        VEC_DP(LOW(w02), 0, 0) VEC_DP(LOW(w13), 1, 0) VEC_DP(HIGH(w02), 2, 0) VEC_DP(HIGH(w13), 0, 1)
-        int8_block(g + 64, &T, &w02, &w13);
-        VEC_DP(LOW(w02), 1, 1) VEC_DP(LOW(w13), 2, 1) VEC_DP(HIGH(w02), 0, 2) VEC_DP(HIGH(w13), 1, 2)
-        int8_block(g + 128, &T, &w02, &w13);
-        VEC_DP(LOW(w02), 2, 2) VEC_DP(LOW(w13), 0, 3) VEC_DP(HIGH(w02), 1, 3) VEC_DP(HIGH(w13), 2, 3)
+        int8_block(g, &T, &w01, &w23);
+        VEC_DP(LOW(w01), 0, 0) VEC_DP(HIGH(w01), 1, 0) VEC_DP(LOW(w23), 2, 0) VEC_DP(HIGH(w23), 0, 1)
+        int8_block(g + 64, &T, &w01, &w23);
+        VEC_DP(LOW(w01), 1, 1) VEC_DP(HIGH(w01), 2, 1) VEC_DP(LOW(w23), 0, 2) VEC_DP(HIGH(w23), 1, 2)
+        int8_block(g + 128, &T, &w01, &w23);
+        VEC_DP(LOW(w01), 2, 2) VEC_DP(HIGH(w01), 0, 3) VEC_DP(LOW(w23), 1, 3) VEC_DP(HIGH(w23), 2, 3)
 #undef LOW
 #undef HIGH
 #undef VEC_ROW
@@ -459,13 +459,10 @@ INT8_TARGET static void int8_expand(const void *wp, int64_t count, uint32_t *out
     const Int8Tables T = int8_tables();
     for (int64_t i = 0; i < count; i += 4)
         for (int b = 0; b < 3; b++) {
-            __m512i w02, w13;
-            int8_block(w + (i * 2 * PANEL + 64 * b), &T, &w02, &w13);
-            __m256i *v = (__m256i *)(out + i * PANEL + 32 * b); /* vector 4b + j of the run at v + j */
-            _mm256_storeu_si256(v, _mm512_castsi512_si256(w02));
-            _mm256_storeu_si256(v + 1, _mm512_castsi512_si256(w13));
-            _mm256_storeu_si256(v + 2, _mm512_extracti64x4_epi64(w02, 1));
-            _mm256_storeu_si256(v + 3, _mm512_extracti64x4_epi64(w13, 1));
+            __m512i w01, w23;
+            int8_block(w + (i * 2 * PANEL + 64 * b), &T, &w01, &w23);
+            uint32_t *v = out + i * PANEL + 32 * b; /* the run's vectors 4b.. (8 words each) */
+            _mm512_storeu_si512(v, w01), _mm512_storeu_si512(v + 16, w23);
         }
 }
 static int cpu_has_vbmi(void) {

@@ -348,16 +348,17 @@ def int8_pair_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     bfloat16 pairs layout of `tiles` (for input pair j, the 24 columns' two weights), a byte each as sign (bit 7) and
     magnitude, reordered within each run of four pairs:
     as twelve vectors of sixteen weights (eight columns' pairs) in three blocks of four, vector v of a block, weight
-    e, at byte 32 (v // 2) + 16 (e // 8) + 8 (v % 2) + e % 8, where native.c's unpacking of each 128-bit lane puts
-    it back. Half the bytes of the bfloat16 tiles."""
+    e, at byte 32 (v % 2) + 16 (e // 8) + 8 (v // 2) + e % 8, where native.c's unpacking of each 128-bit lane puts
+    it back (vectors 0 and 1 side by side from the low bytes of the lanes, 2 and 3 from the high ones). Half the
+    bytes of the bfloat16 tiles."""
     n, k = q.shape
     magnitude = q.detach().to(torch.int16).abs()
     coded = (magnitude | (q.detach() < 0).to(torch.int16) << 7).to(torch.uint8).view(torch.int8)  # sign, magnitude
     padded = torch.nn.functional.pad(coded, (0, -k % 8, 0, -n % PANEL))
     count, k8 = padded.shape[0] // PANEL, padded.shape[1]
     panels = padded.view(count, PANEL, k8).transpose(1, 2).reshape(count, k8 // 2, 2, PANEL).transpose(2, 3)
-    # [count, k8 / 8 runs, 3 blocks, v // 2, v % 2, e // 8, e % 8] -> swap (v % 2) and (e // 8)
-    blocks = panels.reshape(count, k8 // 8, 3, 2, 2, 2, 8).transpose(4, 5)
+    # [count, k8 / 8 runs, 3 blocks, v // 2, v % 2, e // 8, e % 8] -> (v % 2, e // 8, v // 2, e % 8)
+    blocks = panels.reshape(count, k8 // 8, 3, 2, 2, 2, 8).permute(0, 1, 2, 4, 5, 3, 6)
     weight_bytes = count * PANEL * k8
     buffer = memory.lasting((weight_bytes + count * PANEL * 4,), torch.int8)
     buffer[weight_bytes:].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, -n % PANEL)))
