@@ -187,3 +187,15 @@ def test_the_cli_takes_int8(capsys):
     assert target.int8 and target.dtype == torch.bfloat16
     with pytest.raises(UserError, match="unknown dtype"):
         load_target_cached("tiny-llama", "int4")
+
+
+def test_where_int8_kernels_do_not_run_the_user_is_told(capsys):
+    old = native.set_int8_pairs(False) if native.library() is not None else None
+    try:
+        target = tiny_target("llama")
+        target.model.to(torch.bfloat16)
+        quantize_int8(target)
+        assert "int8 weights run as their bfloat16 values here" in capsys.readouterr().err
+    finally:
+        if old is not None:
+            native.set_int8_pairs(old)

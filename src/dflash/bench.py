@@ -683,7 +683,7 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
     results = {
         "target": args.target,
         "device": str(target.device),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": target.precision,  # "int8" for an int8 target (bfloat16 activations)
         "draft_dtype": args.draft_dtype,
         "drafters": {m: r.report for m, r in runners.items() if getattr(r, "report", None)},
         "threads": {m: r.threads for m, r in runners.items() if getattr(r, "threads", None)},

@@ -327,6 +327,10 @@ def quantize_int8(target: TargetModel) -> None:
                     module.weight.copy_(native.int8_weights(module.weight)[2])
     target.int8 = True
     target.use_kernels(target.kernel_plan, target.kernel_report)  # lays the int8 tiles out
+    if target.device.type == "cpu" and not native.int8_pairs():
+        why = native.why_not or "needs AVX512-BF16 and AVX512-VBMI, or DFLASH_INT8_PAIRS=0"
+        print(f"[dflash] {target.name}: int8 weights run as their bfloat16 values here ({why}): the same model, "
+              "without int8's speed", file=sys.stderr)
 
 
 def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
