@@ -198,10 +198,10 @@ def test_gguf_weight_type_comes_from_the_last_name_suffix():
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("kind", ["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8_0"])
 def test_float_copies_of_the_registry_gguf(tmp_path, kind):
-    """`--llamacpp-gguf f32` / `bf16`: llama.cpp's converter writes the copy once, with the float32 target's
-    weights (bf16: rounded to bfloat16, the bfloat16 target's)."""
+    """`--llamacpp-gguf f32` / `bf16` / `q8_0`: llama.cpp's converter writes the copy once, with the float32
+    target's weights (bf16: rounded to bfloat16, the bfloat16 target's; q8_0: llama.cpp's int8 of them)."""
     pytest.importorskip("llama_cpp")
     import shutil
 
@@ -215,7 +215,7 @@ def test_float_copies_of_the_registry_gguf(tmp_path, kind):
     copy = converted_gguf(source, kind)
     assert copy.name.endswith(f".{kind.upper()}.gguf") and converted_gguf(source, kind) == copy  # made once
     tensors = {t.name: t for t in gguf.GGUFReader(copy).tensors}
-    expected = gguf.GGMLQuantizationType.F32 if kind == "f32" else gguf.GGMLQuantizationType.BF16
+    expected = getattr(gguf.GGMLQuantizationType, kind.upper())
     assert tensors["blk.0.ffn_up.weight"].tensor_type == expected
 
 

@@ -318,14 +318,17 @@ class LlamaCppRunner:
         return Run(tokens, self.decode(shown), (first_at or time.perf_counter()) - start, total)
 
 
-CONVERSIONS = {"f32": ("F32", "LLAMA_FTYPE_ALL_F32"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16")}
+CONVERSIONS = {"f32": ("F32", "LLAMA_FTYPE_ALL_F32"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16"),
+               "q8_0": ("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0")}
 
 
 def converted_gguf(source: Path, kind: str = "f32") -> Path:
-    """An F32 or BF16 copy (`kind` f32 / bf16) of a GGUF file, made once by llama.cpp's own converter beside the
-    original. The registry's SmolLM2 file is Q4_1 and the float32 target is that file dequantised, so the F32 copy
-    holds the very weights the target runs, and the BF16 copy those of the bfloat16 target (the same weights
-    rounded to bfloat16): llama.cpp and dflash then do the same arithmetic on the same numbers."""
+    """An F32, BF16 or Q8_0 copy (`kind` f32 / bf16 / q8_0) of a GGUF file, made once by llama.cpp's own converter
+    beside the original. The registry's SmolLM2 file is Q4_1 and the float32 target is that file dequantised, so the
+    F32 copy holds the very weights the target runs, and the BF16 copy those of the bfloat16 target (the same
+    weights rounded to bfloat16): llama.cpp and dflash then do the same arithmetic on the same numbers. Q8_0 is
+    llama.cpp's int8 (a scale per 32 weights), beside an int8 target (a scale per row): alike in bytes, not in
+    numbers."""
     import ctypes
 
     import llama_cpp
@@ -553,7 +556,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-gguf", default=None, metavar="FILE",
                    help="GGUF file for the llamacpp baseline (default: the registry's file for the target); f32 / "
                         "bf16: an F32 / BF16 copy of the registry's file, made once by llama.cpp (the float32 / "
-                        "bfloat16 target's weights)")
+                        "bfloat16 target's weights); q8_0: llama.cpp's int8 copy, beside --dtype int8")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
