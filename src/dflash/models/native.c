@@ -377,8 +377,9 @@ PAIR_PANEL_ROWS(panel_pairs_8, 8)
  * 128-byte tables, the sign goes into the high one, and unpacking interleaves them into words: five instructions
  * per 64 weights where widening through float32 (sign-extend, convert, round to bfloat16) took twelve, and a step's
  * products ran no faster than bfloat16's from memory. The bytes of four units (4 x 48, an input pair of the panel's
- * 24 columns each) lie as three blocks of 64 in the order unpacking wants (native.py, int8_pair_tiles): block b holds
- * the panel's vectors 4b..4b+3 (vector 3u + c: unit u's columns 8c..8c+7). */
+ * 24 columns each) lie as three blocks of 64 in the order unpacking wants (native.py, int8_pair_tiles): the first
+ * unpacks into units 0 and 1's columns 0-15, the second into units 2 and 3's, the third into all four's columns
+ * 16-23. */
 #define INT8_TARGET __attribute__((target("avx512f,avx512vl,avx512bf16,avx512bw,avx512vbmi")))
 typedef struct {
     __m512i hi_a, hi_b, lo_a, lo_b, sign;
@@ -395,8 +396,7 @@ INT8_TARGET static inline Int8Tables int8_tables(void) { /* loaded per call (bui
                     _mm512_loadu_si512(int8_low + 64), _mm512_set1_epi8((char)0x80)};
     return T;
 }
-/* 64 weights' bytes -> their bfloat16 values, as w01 (the block's vectors 0 and 1, in its low and high halves)
- * and w23 */
+/* 64 weights' bytes -> their bfloat16 values, 32 words in each of w01 and w23 (their order: native.py) */
 INT8_TARGET static inline __attribute__((always_inline)) void int8_block(const int8_t *p, const Int8Tables *T,
                                                                          __m512i *w01, __m512i *w23) {
     __m512i q = _mm512_loadu_si512(p); /* sign and magnitude; the tables' lookups read the magnitude's 7 bits */
@@ -404,39 +404,54 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8_block(const i
     __m512i lo = _mm512_permutex2var_epi8(T->lo_a, q, T->lo_b); /* (0xF8 above: hi | (q & 0x80)) */
     *w01 = _mm512_unpacklo_epi8(lo, hi), *w23 = _mm512_unpackhi_epi8(lo, hi);
 }
+/* A row's sums: columns 0-15 of the panel in a zmm, 16-23 in a ymm: 16 registers for 8 rows, where 24 ymm left too
+ * few beside the tables */
+#define Z_ZERO(r) __m512 z##r = _mm512_setzero_ps(); __m256 y##r = _mm256_setzero_ps();
+#define Z_LOAD(r)                                                                                                     \
+    if (R > r && resume) z##r = _mm512_loadu_ps(out + r * PANEL), y##r = _mm256_loadu_ps(out + r * PANEL + 16);
+#define Z_STORE(r)                                                                                                    \
+    if (R > r) _mm512_storeu_ps(out + r * PANEL, z##r), _mm256_storeu_ps(out + r * PANEL + 16, y##r);
+INT8_TARGET static inline __m512bh same_pair16(const float *x, int64_t j) { /* input pair j, in every lane */
+    uint32_t bits;
+    memcpy(&bits, x + j, 4);
+    return (__m512bh)_mm512_set1_epi32((int)bits);
+}
 INT8_TARGET static inline __attribute__((always_inline)) void int8_pair_panel_rows(
     const void *wp, const float *x, int64_t ldx, int64_t k2, const int R, float *out, const char *pf, int64_t pf_step,
     int resume) {
     const int8_t *w = wp;
     const Int8Tables T = int8_tables();
-    ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5) ACC_ZERO(6) ACC_ZERO(7)
-    ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
+    Z_ZERO(0) Z_ZERO(1) Z_ZERO(2) Z_ZERO(3) Z_ZERO(4) Z_ZERO(5) Z_ZERO(6) Z_ZERO(7)
+    Z_LOAD(0) Z_LOAD(1) Z_LOAD(2) Z_LOAD(3) Z_LOAD(4) Z_LOAD(5) Z_LOAD(6) Z_LOAD(7)
     for (int64_t i = 0; i < k2; i += 4) { /* k2 is a multiple of 4 (inputs padded to 8) */
         for (int u = 0; u < 4; u++) request_share(pf, i + u, pf_step);
         const int8_t *g = w + i * 2 * PANEL;
-        __m512i w01, w23;
-#define VEC_DP(vec, c, u)                                                                                             \
+        __m512i a, b;
+#define Z_DP(vec, u)                                                                                                  \
+    {                                                                                                                 \
+        __m512bh v_ = (__m512bh)(vec);                                                                                \
+        Z_ROW(0, u) Z_ROW(1, u) Z_ROW(2, u) Z_ROW(3, u) Z_ROW(4, u) Z_ROW(5, u) Z_ROW(6, u) Z_ROW(7, u)               \
+    }
+#define Z_ROW(r, u) if (R > r) z##r = _mm512_dpbf16_ps(z##r, v_, same_pair16(x + r * ldx, i + u));
+#define Y_DP(vec, u)                                                                                                  \
     {                                                                                                                 \
         __m256bh v_ = (__m256bh)(vec);                                                                                \
-        VEC_ROW(0, c, u) VEC_ROW(1, c, u) VEC_ROW(2, c, u) VEC_ROW(3, c, u)                                           \
-        VEC_ROW(4, c, u) VEC_ROW(5, c, u) VEC_ROW(6, c, u) VEC_ROW(7, c, u)                                           \
+        Y_ROW(0, u) Y_ROW(1, u) Y_ROW(2, u) Y_ROW(3, u) Y_ROW(4, u) Y_ROW(5, u) Y_ROW(6, u) Y_ROW(7, u)               \
     }
-#define VEC_ROW(r, c, u)                                                                                              \
-    if (R > r) a##r##c = _mm256_dpbf16_ps(a##r##c, v_, same_pair(x + r * ldx, i + u));
-#define LOW(z) _mm512_castsi512_si256(z)
-#define HIGH(z) _mm512_extracti64x4_epi64(z, 1)
-        int8_block(g, &T, &w01, &w23);
-        VEC_DP(LOW(w01), 0, 0) VEC_DP(HIGH(w01), 1, 0) VEC_DP(LOW(w23), 2, 0) VEC_DP(HIGH(w23), 0, 1)
-        int8_block(g + 64, &T, &w01, &w23);
-        VEC_DP(LOW(w01), 1, 1) VEC_DP(HIGH(w01), 2, 1) VEC_DP(LOW(w23), 0, 2) VEC_DP(HIGH(w23), 1, 2)
-        int8_block(g + 128, &T, &w01, &w23);
-        VEC_DP(LOW(w01), 2, 2) VEC_DP(HIGH(w01), 0, 3) VEC_DP(LOW(w23), 1, 3) VEC_DP(HIGH(w23), 2, 3)
-#undef LOW
-#undef HIGH
-#undef VEC_ROW
-#undef VEC_DP
+#define Y_ROW(r, u) if (R > r) y##r = _mm256_dpbf16_ps(y##r, v_, same_pair(x + r * ldx, i + u));
+        int8_block(g, &T, &a, &b); /* units 0 and 1, columns 0-15 */
+        Z_DP(a, 0) Z_DP(b, 1)
+        int8_block(g + 64, &T, &a, &b); /* units 2 and 3, columns 0-15 */
+        Z_DP(a, 2) Z_DP(b, 3)
+        int8_block(g + 128, &T, &a, &b); /* columns 16-23: units 0 and 1 in a, 2 and 3 in b */
+        Y_DP(_mm512_castsi512_si256(a), 0) Y_DP(_mm512_extracti64x4_epi64(a, 1), 1)
+        Y_DP(_mm512_castsi512_si256(b), 2) Y_DP(_mm512_extracti64x4_epi64(b, 1), 3)
+#undef Z_DP
+#undef Z_ROW
+#undef Y_DP
+#undef Y_ROW
     }
-    ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
+    Z_STORE(0) Z_STORE(1) Z_STORE(2) Z_STORE(3) Z_STORE(4) Z_STORE(5) Z_STORE(6) Z_STORE(7)
 }
 #define INT8_PANEL_ROWS(NAME, R)                                                                                     \
     INT8_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k2, float *out, const char *pf,  \
@@ -457,13 +472,20 @@ INT8_PANEL_ROWS(panel_int8_8, 8)
 INT8_TARGET static void int8_expand(const void *wp, int64_t count, uint32_t *out) {
     const int8_t *w = wp;
     const Int8Tables T = int8_tables();
-    for (int64_t i = 0; i < count; i += 4)
-        for (int b = 0; b < 3; b++) {
-            __m512i w01, w23;
-            int8_block(w + (i * 2 * PANEL + 64 * b), &T, &w01, &w23);
-            uint32_t *v = out + i * PANEL + 32 * b; /* the run's vectors 4b.. (8 words each) */
-            _mm512_storeu_si512(v, w01), _mm512_storeu_si512(v + 16, w23);
-        }
+    for (int64_t i = 0; i < count; i += 4) {
+        const int8_t *g = w + i * 2 * PANEL;
+        uint32_t *u = out + i * PANEL; /* unit j's 24 words at u + j * PANEL */
+        __m512i a, b;
+        int8_block(g, &T, &a, &b);
+        _mm512_storeu_si512(u, a), _mm512_storeu_si512(u + PANEL, b);
+        int8_block(g + 64, &T, &a, &b);
+        _mm512_storeu_si512(u + 2 * PANEL, a), _mm512_storeu_si512(u + 3 * PANEL, b);
+        int8_block(g + 128, &T, &a, &b);
+        _mm256_storeu_si256((__m256i *)(u + 16), _mm512_castsi512_si256(a));
+        _mm256_storeu_si256((__m256i *)(u + PANEL + 16), _mm512_extracti64x4_epi64(a, 1));
+        _mm256_storeu_si256((__m256i *)(u + 2 * PANEL + 16), _mm512_castsi512_si256(b));
+        _mm256_storeu_si256((__m256i *)(u + 3 * PANEL + 16), _mm512_extracti64x4_epi64(b, 1));
+    }
 }
 static int cpu_has_vbmi(void) {
     __builtin_cpu_init();

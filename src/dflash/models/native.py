@@ -346,19 +346,21 @@ def int8_pair_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """native.c's layout of int8 weights q (in [-127, 127]) in pairs (INT8_PAIRS), a view [panels, k8 / 2, 24, 2] of
     int8 whose buffer goes on past its end with each panel's 24 scales (float32 [panels, 24]). The bytes are the
     bfloat16 pairs layout of `tiles` (for input pair j, the 24 columns' two weights), a byte each as sign (bit 7) and
-    magnitude, reordered within each run of four pairs:
-    as twelve vectors of sixteen weights (eight columns' pairs) in three blocks of four, vector v of a block, weight
-    e, at byte 32 (v % 2) + 16 (e // 8) + 8 (v // 2) + e % 8, where native.c's unpacking of each 128-bit lane puts
-    it back (vectors 0 and 1 side by side from the low bytes of the lanes, 2 and 3 from the high ones). Half the
-    bytes of the bfloat16 tiles."""
+    magnitude, reordered within each run of four input pairs (units) as three blocks of 64 bytes, each two vectors
+    of 32 weights that native.c's unpacking puts back (vector h's weight 8l + j at byte 16l + 8h + j): units 0 and
+    1's columns 0-15, units 2 and 3's, then columns 16-23 of units 0 and 1, and of units 2 and 3. Half the bytes of
+    the bfloat16 tiles."""
     n, k = q.shape
     magnitude = q.detach().to(torch.int16).abs()
     coded = (magnitude | (q.detach() < 0).to(torch.int16) << 7).to(torch.uint8).view(torch.int8)  # sign, magnitude
     padded = torch.nn.functional.pad(coded, (0, -k % 8, 0, -n % PANEL))
     count, k8 = padded.shape[0] // PANEL, padded.shape[1]
     panels = padded.view(count, PANEL, k8).transpose(1, 2).reshape(count, k8 // 2, 2, PANEL).transpose(2, 3)
-    # [count, k8 / 8 runs, 3 blocks, v // 2, v % 2, e // 8, e % 8] -> (v % 2, e // 8, v // 2, e % 8)
-    blocks = panels.reshape(count, k8 // 8, 3, 2, 2, 2, 8).permute(0, 1, 2, 4, 5, 3, 6)
+    runs = panels.reshape(count, k8 // 8, 4, PANEL * 2)  # [count, runs, unit, 24 columns x 2 inputs]
+    low, high = runs[..., :32], runs[..., 32:]  # columns 0-15 of each unit, then 16-23
+    vectors = torch.stack([low[:, :, 0], low[:, :, 1], low[:, :, 2], low[:, :, 3],
+                           high[:, :, 0:2].flatten(2), high[:, :, 2:4].flatten(2)], dim=2)  # [count, runs, 6, 32]
+    blocks = vectors.view(count, k8 // 8, 3, 2, 4, 8).transpose(3, 4)  # (h, lane, j) -> (lane, h, j)
     weight_bytes = count * PANEL * k8
     buffer = memory.lasting((weight_bytes + count * PANEL * 4,), torch.int8)
     buffer[weight_bytes:].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, -n % PANEL)))
