@@ -199,3 +199,16 @@ def test_where_int8_kernels_do_not_run_the_user_is_told(capsys):
     finally:
         if old is not None:
             native.set_int8_pairs(old)
+
+
+def test_weights_loaded_into_an_int8_target_are_rounded_again():
+    """`load_state_dict` into an int8 target: its products are made again from the loaded weights, rounded as an
+    int8 target's are (else it would run them unrounded while calling itself int8)."""
+    target = int8_twins("llama")[0]
+    fresh = tiny_target("llama", logit_scale=4.0, seed=1)
+    fresh.model.to(torch.bfloat16)
+    target.model.load_state_dict(fresh.model.state_dict())
+    qkv = target.engine.layers[0].self_attn.qkv
+    _, _, expected = native.int8_weights(fresh.engine.layers[0].self_attn.qkv.weight)
+    assert torch.equal(qkv.weight, expected)
+    assert (qkv.int8_weights() is not None) == int8_runs_here()

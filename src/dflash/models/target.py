@@ -151,6 +151,8 @@ class TargetModel:
         the weights as loaded. Without this a loaded model kept running its old weights in the C layers."""
         if isinstance(self._engine, Transformer):
             self._engine.freeze(self.kernel_plan)
+            if self.int8:  # the weights as loaded, rounded as an int8 target's are
+                quantize_products(self._engine)
             for linear in self._engine.frozen_linears():
                 linear.lay_out()
 
@@ -316,9 +318,7 @@ def quantize_int8(target: TargetModel) -> None:
         raise ValueError("quantize_int8 needs a bfloat16 target")
     engine = target.engine
     if isinstance(engine, Transformer):
-        for layer in engine.layers:
-            for product in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast):
-                product.quantize_int8()
+        quantize_products(engine)
     else:  # transformers' forward: the same rounding, written into its linears (no int8 kernel there)
         head = target._output_embeddings().weight
         with torch.no_grad():
@@ -331,6 +331,12 @@ def quantize_int8(target: TargetModel) -> None:
         why = native.why_not or "needs AVX512-BF16 and AVX512-VBMI, or DFLASH_INT8_PAIRS=0"
         print(f"[dflash] {target.name}: int8 weights run as their bfloat16 values here ({why}): the same model, "
               "without int8's speed", file=sys.stderr)
+
+
+def quantize_products(engine: Transformer) -> None:
+    for layer in engine.layers:
+        for product in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast):
+            product.quantize_int8()
 
 
 def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
