@@ -1,6 +1,6 @@
 """What one speculative round costs on this machine, against the weight-bandwidth bound (milliseconds).
 
-Usage: .venv/bin/python scripts/profile_round.py [float32|bfloat16] [THREADS] [--json FILE]
+Usage: .venv/bin/python scripts/profile_round.py [float32|bfloat16|int8] [THREADS] [--json FILE]
 
 The bound: a decode step must read every weight once, so it cannot beat weight bytes / memory bandwidth. The
 bandwidth is measured in the same run, two ways: a read-only pass over a buffer the size of the model (`sum`), and
@@ -89,6 +89,8 @@ def main() -> None:
     proposer, _ = build_proposer("dflash", target, MethodOptions(draft_dtype="auto"))
     layers = proposer.feature_layers
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    if target.int8:  # the decoder products' weights are read as a byte each (where our kernels read int8)
+        weight_bytes -= sum(lin.weight.numel() for lin in target.engine.frozen_linears() if lin.int8_weights())
     hf = TargetModel(target.model, target.tokenizer, target.name, prefer_transformers=True)
     # the bandwidth of this shared machine moves: measured before, between and after the passes, median of the three
     readings = [bandwidth_gb_s(weight_bytes, target.dtype)]
