@@ -152,3 +152,26 @@ def test_graph_safe_passes_decode_like_the_engine(target):
     result = SpeculativeDecoder(graphed, build_proposer("dflash", graphed)[0]).generate(ids, config)
     assert result.tokens == reference
     assert graphed.graphs.captures >= 2  # steps and verify passes both went through graphs
+
+
+def test_an_int8_target_decodes_its_own_greedy_text_with_every_method():
+    """SmolLM2 with `--dtype int8` (its real shapes through the int8 kernels where they run): the shipped drafter with
+    prompt lookup, a tree, an oracle and random drafts all give the int8 model's own greedy tokens, in whole blocks
+    too (verify passes of 16 tokens, bitwise their steps)."""
+    from dflash.loading import load_target_cached
+
+    int8 = load_target_cached("smollm2-135m", "int8")
+    assert int8.precision == "int8"
+    ids = int8.encode_prompt(PROMPTS[0])
+    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    reference = SpeculativeDecoder(int8).generate(ids, config)
+    proposers = {
+        "shipped dflash+ngram": build_proposer("dflash+ngram", int8)[0],
+        "shipped dflash, a tree of 15": build_proposer("dflash", int8, MethodOptions(tree=15))[0],
+        "oracle": OracleProposer(reference.tokens, len(ids), 15),
+        "random": RandomProposer(int8.vocab_size, 15),
+    }
+    for name, proposer in proposers.items():
+        for adaptive in (True, False):
+            result = SpeculativeDecoder(int8, proposer, adaptive=adaptive).generate(ids, config)
+            assert result.tokens == reference.tokens, f"{name} (adaptive {adaptive}) changed the greedy output"
