@@ -458,14 +458,9 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8_pair_panel_ro
                                  int64_t pf_step, int resume) {                                                       \
         int8_pair_panel_rows(w, x, ldx, k2, R, out, pf, pf_step, resume);                                             \
     }
-INT8_PANEL_ROWS(panel_int8_1, 1)
-INT8_PANEL_ROWS(panel_int8_2, 2)
-INT8_PANEL_ROWS(panel_int8_3, 3)
-INT8_PANEL_ROWS(panel_int8_4, 4)
-INT8_PANEL_ROWS(panel_int8_5, 5)
-INT8_PANEL_ROWS(panel_int8_6, 6)
-INT8_PANEL_ROWS(panel_int8_7, 7)
-INT8_PANEL_ROWS(panel_int8_8, 8)
+INT8_PANEL_ROWS(panel_int8_1, 1) INT8_PANEL_ROWS(panel_int8_2, 2) INT8_PANEL_ROWS(panel_int8_3, 3)
+INT8_PANEL_ROWS(panel_int8_4, 4) INT8_PANEL_ROWS(panel_int8_5, 5) INT8_PANEL_ROWS(panel_int8_6, 6)
+INT8_PANEL_ROWS(panel_int8_7, 7) INT8_PANEL_ROWS(panel_int8_8, 8)
 /* A chunk of `count` int8 units (a multiple of 4) as the bfloat16 pairs kernel's units, into out (count * PANEL
  * words): wide passes expand each chunk once for all their groups of rows, rather than once per group in the
  * kernel above */
