@@ -287,8 +287,9 @@ class FrozenLinear(nn.Module):
     def native_tiles(self) -> torch.Tensor | None:
         """Our kernel's layout of the CURRENT weight (native.py), or None where that kernel is not available: the
         int8 one where the weight is int8 (`quantize_int8`) and our kernels read int8 here."""
-        int8 = self.int8_weights()
-        signature = self._signature() + (native._pairs, int8 is not None)  # layouts may be switched (A/B runs)
+        weight = self._signature()
+        int8 = self.int8_weights(weight)
+        signature = weight + (native._pairs, int8 is not None)  # layouts may be switched (A/B runs)
         if self._tiles_for != signature:
             if int8 is not None:
                 self._tiles = native.int8_pair_tiles(*int8)
@@ -312,11 +313,11 @@ class FrozenLinear(nn.Module):
             self.weight.copy_(approx)
         self._int8_weights = (q, scales, self._signature())
 
-    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def int8_weights(self, signature: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q, scales) of an int8 product whose weight is still the one they stand for, where our kernels read
-        int8 here (native.int8_pairs); else None."""
+        int8 here (native.int8_pairs); else None. `signature`: the weight's, if the caller has it."""
         held = self._int8_weights
-        if held is None or held[2] != self._signature() or not native.int8_pairs():
+        if held is None or held[2] != (signature or self._signature()) or not native.int8_pairs():
             return None
         return held[0], held[1]
 

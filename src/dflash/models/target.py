@@ -313,7 +313,7 @@ def quantize_int8(target: TargetModel) -> None:
     whose steps are bound by the memory the weights take: our kernels read a byte a weight where the CPU has
     AVX512-BF16 and VBMI, elsewhere the bfloat16 values. Speculative decoding stays exact with respect to this
     model, which is not the bfloat16 one: its greedy text can differ from theirs (docs/RESULTS.md measures by how
-    much)."""
+    much). Call it before choose_kernels (as load_target does): the plan is measured on the int8 products."""
     if target.dtype != torch.bfloat16:
         raise ValueError("quantize_int8 needs a bfloat16 target")
     engine = target.engine
@@ -326,7 +326,8 @@ def quantize_int8(target: TargetModel) -> None:
                 if isinstance(module, nn.Linear) and module.weight is not head and module.weight.dim() == 2:
                     module.weight.copy_(native.int8_weights(module.weight)[2])
     target.int8 = True
-    target.use_kernels(target.kernel_plan, target.kernel_report)  # lays the int8 tiles out
+    # no laying out here: choose_kernels, which follows at load, lays out what its plan picks (the default plan's
+    # oneDNN copies made now would be thrown away); a product laid out before is re-laid at its next use
     if target.device.type == "cpu" and not native.int8_pairs():
         why = native.why_not or "needs AVX512-BF16 and AVX512-VBMI, or DFLASH_INT8_PAIRS=0"
         print(f"[dflash] {target.name}: int8 weights run as their bfloat16 values here ({why}): the same model, "

@@ -29,10 +29,10 @@ MAX_NATIVE_TOKENS = 16  # the most new tokens per row a pass may have to run its
 # (kernels.py). Every row's tokens then go through the same chains as a step of that row alone, so a batched round
 # commits the tokens a sequence alone would: through torch's kernels, a batch of 4 rows verifying 4 drafts each
 # (20 tokens) rounded bfloat16 sums differently and changed 3 of 4 GSM8K outputs. Longer rows are prefills, but
-EVERY_PROMPT = 1 << 30  # Transformer.prompts_in_c_up_to where prompts of any length run through the C stack
 MAX_VERIFY_TOKENS = trees.MAX_TREE_TOKENS  # ... after a cached prefix, rows of up to 64 run in C too: verify
 # passes of blocks over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of
 # ngram@32:whole.
+EVERY_PROMPT = 1 << 30  # Transformer.prompts_in_c_up_to where prompts of any length run through the C stack
 
 
 def runs_in_c(n: int, starts: list[int]) -> bool:
