@@ -332,3 +332,40 @@ def test_a_bench_interrupted_before_its_first_prompt_finished_writes_nothing(tmp
     code, out = bench(tmp_path, data, "ar,ngram", "--ignore-eos")
     assert code == 130 and not (out / "results.json").exists()
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_a_run_that_made_graphs_is_timed_again_on_their_replays(tmp_path, monkeypatch):
+    """With graphs on (their bookkeeping run eagerly here, as the CPU tests run it), a timed run that meets a graph
+    width the short warm-up did not is run again and its repeat kept: the same tokens, and a repeat that made no
+    graph of its own. The warm-up's 8 tokens of `ar` need only width 1, `dflash:whole`'s rounds wider ones."""
+    from dflash import bench as bench_module
+    from dflash.models.target import TargetModel
+
+    use_graphs = TargetModel.use_graphs
+    monkeypatch.setattr(TargetModel, "use_graphs", lambda self, capacity=2048, capture=None:
+                        use_graphs(self, capacity, capture=False))
+    run_conversation, calls = bench_module.run_conversation, []
+
+    def counted(runner, target, prompt, *args):
+        made = bench_module.graphs_made(target, {"r": runner})
+        runs = run_conversation(runner, target, prompt, *args)
+        calls.append((prompt.id, runner.method, bench_module.graphs_made(target, {"r": runner}) - made, runs))
+        return runs
+
+    monkeypatch.setattr(bench_module, "run_conversation", counted)
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6 w7 w5 w6 w7"}, {"id": "b", "prompt": "w9"}])
+    code, out = bench(tmp_path, data, "ar,dflash:whole", "--cuda-graphs", "--block-size", "8", "--ignore-eos")
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0 and results["cuda_graphs"] is True and results["greedy_mismatches"] == 0
+    timed = calls[2:]  # after the two warm-ups
+    again = [(i, c) for i, c in enumerate(timed) if c[2] > 0]
+    assert again, "no timed run met a new graph width: the test no longer tests anything"
+    for i, (prompt_id, method, made, runs) in again:
+        repeat = timed[i + 1]
+        assert repeat[:2] == (prompt_id, method) and repeat[2] == 0
+        assert [r.tokens for r in repeat[3]] == [r.tokens for r in runs]
+    retimed = {}
+    for _, (_, method, _, _) in again:
+        retimed[method] = retimed.get(method, 0) + 1
+    assert results["retimed_runs"] == retimed
+    assert "timed again on replays: " in (out / "results.md").read_text()
