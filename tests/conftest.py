@@ -22,6 +22,20 @@ def unfrozen_heap():
         gc.unfreeze()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cuda_attention_chosen():
+    """On a CUDA machine, the tiny targets' eager attention runs under a measured SDPA backend, as a loaded target's
+    does (target.py, sdpa_backends.py): torch's default plans every fresh shape anew (SmolLM2's calls: 43-64 ms
+    each on a lent H200, docs/data/h200_38), and decoding meets a fresh shape at every call, so eager tests on
+    CUDA would pay that thousands of times."""
+    if torch.cuda.is_available():
+        from dflash.models import sdpa_backends
+
+        # the tiny targets' heads (testing.tiny_config): 4 query heads, 2 key/value heads of 16
+        sdpa_backends.choose(torch.device("cuda", torch.cuda.current_device()), torch.float32, 4, 2, 16)
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_targets():
     from dflash.testing import tiny_target
