@@ -13,6 +13,13 @@ from plot_training import save_figure
 LABELS = {"dflash": "DFlash (2 layers, block 16)", "eagle3": "EAGLE-3 (1 layer, depth 7)"}
 
 
+def gpu_minutes(point: dict) -> str:
+    """A GPU stage's minutes on each kind of GPU behind it, e.g. "23.7 H100-minutes + 7.1 H200-minutes"."""
+    kinds = [(key.removesuffix("_minutes").upper(), minutes) for key, minutes in point.items()
+             if key.endswith("_minutes") and key != "core_minutes"]
+    return " + ".join(f"{minutes} {kind}-minutes" for kind, minutes in kinds)
+
+
 def main() -> None:
     import matplotlib
 
@@ -33,11 +40,10 @@ def main() -> None:
     # a GPU stage: its CPU core-minutes on the axis, its GPU minutes in words
     for i, p in enumerate(data.get("dflash_gpu", [])):
         ax.plot([p["core_minutes"]], [p["tau"]], marker="*", markersize=12, linestyle="none", color=f"C{2 + i}",
-                label=f"DFlash + {p['h100_minutes']} H100-minutes")
+                label=f"DFlash + {gpu_minutes(p)}")
         ax.annotate(f"s{p['stage']}", (p["core_minutes"], p["tau"]), textcoords="offset points", xytext=(6, 2),
                     fontsize=8)
-        print(f"| DFlash, stage {p['stage']} | {p['core_minutes']} core-min + {p['h100_minutes']} H100-min: "
-              f"{p['tau']:.2f} |")
+        print(f"| DFlash, stage {p['stage']} | {p['core_minutes']} core-min + {gpu_minutes(p)}: {p['tau']:.2f} |")
     ax.set_xscale("log")
     save_figure(fig, ax, out, "training compute (CPU core-minutes, log scale)", "GSM8K tau, whole blocks")
 
