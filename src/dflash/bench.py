@@ -3,7 +3,8 @@
     dflash bench --dataset gsm8k --limit 20 --methods ar,hf,ngram,dflash,eagle3 --max-new-tokens 256 --out runs/gsm8k
 
 All methods run in one process, interleaved per prompt (the order rotates from prompt to prompt so no method always
-runs on a cache warmed by another), after one short warm-up generation each. `hf` is the target's own
+runs on a cache warmed by another), after one short warm-up generation each; a timed run during which CUDA graphs
+were captured (or compiled) is run again and its repeat kept (`run_on_replays`). `hf` is the target's own
 `model.generate` (greedy or sampled), timed the same way, to show that our `ar` path is not a slow strawman.
 
 Aggregates (DFLASH_SPEC.md section 7), pooled over all generations rather than averaged per prompt:
