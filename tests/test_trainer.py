@@ -279,6 +279,35 @@ def test_checkpoints_from_before_loss_vocab_resume_on_the_full_vocabulary(tmp_pa
         trainer.TrainConfig(loss_vocab="rows").validate()
 
 
+@pytest.mark.parametrize("distill", [False, True])
+def test_a_step_never_reads_the_device(target, distill):
+    """The drafter pass, the loss and the backward pass of several sequences run with the drafter, the target's
+    embeddings and head and the features on the meta device, which holds shapes but no values: any operation whose
+    size or value the host must read from the device (a boolean index, unique, item: each a full stop of a GPU's queue)
+    would fail there. Labels, loss rows and vocabularies are worked out on the host instead (block_loss)."""
+    import types
+
+    width = target.config.hidden_size
+    cfg = DFlashConfig.for_target(target.config, target.vocab_size, MASK_ID, num_layers=2, block_size=4,
+                                  num_features=2)
+    drafter = DFlashDrafter.untrained(cfg).to("meta")
+    drafter.draft_vocab = list(range(0, target.vocab_size, 2))
+    on_meta = types.SimpleNamespace(
+        device=torch.device("meta"), max_context=4096, lm_head=torch.nn.Linear(width, 64, bias=False, device="meta"),
+        embed_tokens=torch.nn.Embedding(target.vocab_size, width, device="meta"))
+    objective = DFlashObjective(drafter, on_meta, anchors_per_seq=8, distill=distill)
+    sequences = [torch.tensor(record["input_ids"]) for record in counting_records(2)]
+    starts = [8, 8]
+    anchors = [sample_anchors(len(seq), 8, 8, np.random.default_rng(i)) for i, seq in enumerate(sequences)]
+    length = max(len(seq) for seq in sequences)
+    features = torch.empty(2, length, 2 * width, device="meta")
+    logits = torch.empty(2, length, target.vocab_size, device="meta") if distill else None
+    results = objective.blocks_results(sequences, anchors, starts, context=(features, logits))
+    sum(result.loss for result in results).backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in drafter.parameters())
+    assert [r.correct.shape for r in results] == [(len(a), 3) for a in anchors]
+
+
 # ---- the drafter pass ------------------------------------------------------------------------------------------------
 def test_training_pass_equals_inference_per_block(target):
     """Every block of the one sparse-mask pass gives the hidden states the drafter computes at inference time

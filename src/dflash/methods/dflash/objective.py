@@ -22,6 +22,8 @@ from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, check_kv_heads, d
 IGNORE = -100
 DEFAULT_DRAFT_VOCAB = 8192
 GAMMA_BY_BLOCK_SIZE = ((8, 4.0), (10, 5.0), (16, 7.0))  # the paper's loss decay per block size
+CPU_CHUNK_ROWS = 512  # rows of logits at once in the loss: [512, 16K] float32 is 32 MB
+GPU_CHUNK_FLOATS = 1 << 28  # on a GPU, up to 1 GiB of float32 logits at once: one chunk a sequence at 16K rows
 
 
 # ---- block construction ----------------------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, teacher_logits=None, teacher_rows=None,
-                teacher_columns=None, chunk_rows: int = 512):
+                teacher_columns=None, chunk_rows: int = CPU_CHUNK_ROWS):
         values = hidden.detach()
         weight_sum = weights.sum().clamp_min(1e-12)
         need_grad = hidden.requires_grad
@@ -173,13 +175,30 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
 
 
+def chunk_rows_for(device: torch.device, vocab: int) -> int:
+    """Rows of logits a LinearCrossEntropy chunk computes at once. On a CPU, CPU_CHUNK_ROWS. On a GPU as many as fit
+    GPU_CHUNK_FLOATS, since each chunk costs ~35 operations (kernel launches there) whatever its size: in 512-row
+    chunks the loss of one step of the paper's recipe (8 sequences x 512 anchors) dispatched 3,700 operations, more
+    than the rest of the step together (2,150); in one chunk a sequence, 600 (scripts/count_train_ops.py)."""
+    if device.type == "cpu":
+        return CPU_CHUNK_ROWS
+    return max(CPU_CHUNK_ROWS, GPU_CHUNK_FLOATS // max(1, vocab))
+
+
 def linear_cross_entropy(hidden, head_weight, labels, weights, teacher_logits=None, teacher_rows=None,
                          teacher_columns=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean loss, argmax predictions) of the logits hidden @ head_weight.T; see LinearCrossEntropy.
     hidden [N, D], head_weight [V, D] (frozen), labels [N], weights [N]; teacher_logits [S, V'] and teacher_rows [N]
     for self-distillation, with teacher_columns [V] when the head holds only some of the teacher's columns."""
     return LinearCrossEntropy.apply(hidden, head_weight.detach(), labels, weights.to(torch.float32), teacher_logits,
-                                    teacher_rows, teacher_columns)
+                                    teacher_rows, teacher_columns, chunk_rows_for(hidden.device, head_weight.shape[0]))
+
+
+def on_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued without waiting: a blocking copy to a GPU waits for everything queued
+    before it, so each one would stall the host until the GPU caught up (non_blocking from pageable memory still
+    copies the values before it returns, so the host tensor may change afterwards)."""
+    return values.to(device, non_blocking=True)
 
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: torch.Tensor,
@@ -192,25 +211,37 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: tor
     The LM head runs only on positions with a label: the vocabulary projection is the largest tensor in a step.
     With `vocab` (sorted token ids) it also runs only on those rows, the ones drafting scores: a label outside
     them cannot be drafted, so it adds nothing to the loss and counts as a miss.
+
+    `labels`, `teacher_rows` and `vocab` may live on the host while `hidden` is on a GPU (training builds them
+    there): which rows have labels is then worked out on the host, so the step never waits on the GPU for it
+    (a boolean index on the GPU would: its size is only known once the GPU has computed the mask).
     """
+    device = hidden.device
     valid = labels != IGNORE
-    valid_labels = labels[valid]
-    loss_weights = weights.to(hidden.device).expand_as(labels)[valid]
-    head, loss_labels = lm_head.weight, valid_labels
+    rows = valid.flatten().nonzero()[:, 0]
+    valid_labels = labels.flatten()[rows]
+    loss_weights = weights.to(labels.device).expand_as(labels).flatten()[rows]
+    loss_labels = valid_labels
     if vocab is not None:
-        column = torch.full((head.shape[0],), -1, dtype=torch.long, device=labels.device)
+        column = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long, device=labels.device)
         column[vocab] = torch.arange(vocab.shape[0], device=labels.device)
         loss_labels = column[valid_labels]
         loss_weights = loss_weights * (loss_labels >= 0)
-        head, loss_labels = head[vocab], loss_labels.clamp_min(0)
-    rows = teacher_rows[valid] if teacher_rows is not None else None
-    loss, predictions = linear_cross_entropy(hidden[valid], head, loss_labels, loss_weights, teacher_logits, rows,
-                                             vocab if teacher_logits is not None else None)
+        loss_labels = loss_labels.clamp_min(0)
+        vocab = on_device(vocab, device)
+    head = lm_head.weight if vocab is None else lm_head.weight[vocab]
+    teacher = on_device(teacher_rows.flatten()[rows.to(teacher_rows.device)], device) \
+        if teacher_rows is not None else None
+    rows = on_device(rows, device)
+    loss, predictions = linear_cross_entropy(hidden.flatten(0, 1).index_select(0, rows), head,
+                                             on_device(loss_labels, device), on_device(loss_weights, device),
+                                             teacher_logits, teacher, vocab if teacher_logits is not None else None)
     if vocab is not None:
         predictions = vocab[predictions]
-    correct = torch.zeros_like(valid)
-    correct[valid] = predictions == valid_labels
-    return BlockResult(loss, correct[:, 1:], valid[:, 1:], loss_weights.sum())
+    hits = predictions == on_device(valid_labels, device)
+    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=device).index_put_((rows,), hits)
+    valid = on_device(valid, device)
+    return BlockResult(loss, correct.view_as(valid)[:, 1:], valid[:, 1:], loss_weights.sum())
 
 
 def accept_lengths(correct: torch.Tensor) -> torch.Tensor:
@@ -260,14 +291,17 @@ class DFlashObjective:
         self.anchors_per_seq = anchors_per_seq
         self.max_length = min(max_length, target.max_context)
         self.gamma = gamma if gamma is not None else default_gamma(self.block_size)
-        self.weights = position_weights(self.block_size, self.gamma).to(target.device)
+        self.weights = position_weights(self.block_size, self.gamma)  # on the host, like the labels they weigh
         self.feature_layers = tuple(drafter.config.target_layer_ids)
 
     def sequence(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return input_ids[: self.max_length].to(self.target.device, torch.long)
+        """The training sequence, on the host: a step builds its blocks, labels and loss rows there and sends them to
+        the GPU without waiting for it (`on_device`)."""
+        return torch.as_tensor(input_ids[: self.max_length], dtype=torch.long, device="cpu")
 
     def target_pass(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(features, logits or None), each [b, S, ...]: one clean target forward of the sequences [b, S]."""
+        input_ids = on_device(input_ids, self.target.device)
         out = self.target.forward(input_ids, None, self.feature_layers, logits_at="all" if self.distill else "none")
         # target.forward runs in inference mode; autograd may not save inference tensors, so copy out of it
         return out.features.clone(), (out.logits.clone() if out.logits is not None else None)
@@ -286,8 +320,8 @@ class DFlashObjective:
         if self.loss_vocab == "full" or draft_vocab is None:
             return None
         if self._base_vocab[0] is not draft_vocab:  # prepare_new may set the vocabulary after construction
-            self._base_vocab = (draft_vocab, torch.tensor(draft_vocab, dtype=torch.long, device=input_ids.device))
-        return torch.unique(torch.cat([self._base_vocab[1], input_ids[:loss_start]]))
+            self._base_vocab = (draft_vocab, torch.tensor(draft_vocab, dtype=torch.long))
+        return torch.unique(torch.cat([self._base_vocab[1], input_ids[:loss_start].cpu()]))  # on the host: no wait
 
     def blocks_result(self, input_ids: torch.Tensor, anchors: torch.Tensor, loss_start: int = 0) -> BlockResult:
         """Run every block anchored at `anchors` through the drafter in one pass."""
@@ -309,30 +343,32 @@ class DFlashObjective:
         what `blocks_result` gives for that sequence alone (`context`: the target pass of the `padded` sequences,
         where the caller ran it already). Block lists are padded to the longest with blocks that have no labels;
         blocks never see each other. On a GPU one sequence per pass left the H100 half idle in stage 11 (launches
-        and Python, not arithmetic)."""
-        device = sequences[0].device
+        and Python, not arithmetic). Blocks, labels and loss rows are built on the host (sequences on a GPU are
+        copied back first) and sent over without waiting."""
+        device = self.target.device
+        sequences = [seq.cpu() for seq in sequences]
         count = len(sequences)
-        batches = [build_block_batch(seq, anchors, self.block_size, self.model.config.mask_token_id)
+        batches = [build_block_batch(seq, anchors.cpu(), self.block_size, self.model.config.mask_token_id)
                    for seq, anchors in zip(sequences, anchor_sets)]
         nblocks = max(batch.block_ids.shape[0] for batch in batches)
         ids = self.padded(sequences)
         length = ids.shape[1]
-        block_ids = torch.full((count, nblocks, self.block_size), self.model.config.mask_token_id, device=device)
-        positions = torch.arange(1, 1 + self.block_size, device=device).repeat(count, nblocks, 1)
-        anchors = torch.ones(count, nblocks, dtype=torch.long, device=device)  # a padding block: anchor 1, no labels
+        block_ids = torch.full((count, nblocks, self.block_size), self.model.config.mask_token_id)
+        positions = torch.arange(1, 1 + self.block_size).repeat(count, nblocks, 1)
+        anchors = torch.ones(count, nblocks, dtype=torch.long)  # a padding block: anchor 1, no labels
         for row, batch in enumerate(batches):
             used = batch.block_ids.shape[0]
             block_ids[row, :used], positions[row, :used] = batch.block_ids, batch.positions
             anchors[row, :used] = batch.layout.anchors
         features, logits = context if context is not None else self.target_pass(ids)
         with torch.no_grad():
-            embeds = self.target.embed_tokens(block_ids.reshape(count, -1))
+            embeds = self.target.embed_tokens(on_device(block_ids.reshape(count, -1), device))
         hidden = self.model(
             embeds,
-            positions.reshape(count, -1),
+            on_device(positions.reshape(count, -1), device),
             features,
             torch.arange(length, device=device).expand(count, -1),
-            mask=BlockLayout(anchors, self.block_size),
+            mask=BlockLayout(on_device(anchors, device), self.block_size),
         )
         results = []
         for row, (seq, batch, loss_start) in enumerate(zip(sequences, batches, loss_starts)):
