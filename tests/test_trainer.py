@@ -540,6 +540,60 @@ def test_decoded_anchors_resume_exactly(tmp_path):
         trainer.TrainConfig().replace({"anchors": "every"})
 
 
+# ---- a time limit (--minutes) ----------------------------------------------------------------------------------------
+def timed_trainer(target, tmp_path, step_seconds, finish_by, fit_schedule=True):
+    """A trainer whose clock advances only by its steps: step_seconds(step) each."""
+    examples = [trainer.example_of(r) for r in counting_records(12)]
+    objective = DFlashObjective(tiny_drafter(target, num_layers=1, block_size=4), target, anchors_per_seq=8)
+    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=50, lr=3e-3, eval_every=10_000,
+                                 save_every=10_000, log_every=1)
+    run = trainer.Trainer(objective, config, tmp_path, examples, [], progress=False, finish_by=finish_by,
+                          fit_schedule=fit_schedule)
+    now = [0.0]
+    run.clock = lambda: now[0]
+    step = run.train_step
+
+    def timed_step(indices):
+        now[0] += step_seconds(run.state.step + 1)
+        return step(indices)
+
+    run.train_step = timed_step
+    return run, now
+
+
+def test_a_time_limit_fits_the_schedule_to_the_pace(target, tmp_path):
+    """At 1 s a step from a clock at 0 and 100 s allowed, the pace timed between steps 16 and 48 leaves
+    0.92 x (100 - 48 - 15 s for the final save) = 34 more steps: the warmup and cosine end at step 82, where the
+    learning rate reaches zero, and the saved config says so (a resumed run keeps that schedule)."""
+    run, now = timed_trainer(target, tmp_path, lambda step: 1.0, finish_by=100.0)
+    assert run.total_steps == 50 * 12
+    (tmp_path / trainer.CONFIG_FILE).write_text(run.config.to_json())
+    run.fit()
+    assert run.state.step == run.total_steps == 82 and now[0] == 82.0
+    assert run.warmup_steps == round(0.04 * 82)
+    assert run.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+    saved = trainer.TrainConfig.from_file(tmp_path / trainer.CONFIG_FILE)
+    assert saved.schedule_steps == saved.max_steps == 82
+    assert trainer.read_checkpoint_config(trainer.checkpoint_dirs(tmp_path)[-1]).schedule_steps == 82
+
+
+def test_a_time_limit_stops_a_run_that_slows_down(target, tmp_path):
+    """Steps that take 5 s from step 61 on: the look after step 65 (at 85 s) sees that the next one would end past
+    100 s less the final save's 15, so the run stops there and still writes its final drafter. Without
+    fit_schedule (a resumed run, or a given length) the schedule stays as it was."""
+    run, now = timed_trainer(target, tmp_path, lambda step: 1.0 if step <= 60 else 5.0, finish_by=100.0,
+                             fit_schedule=False)
+    run.fit()
+    assert run.state.step == 65 and now[0] == 85.0
+    assert run.total_steps == 50 * 12 and run.config.schedule_steps is None
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_minutes_must_be_positive(tmp_path):
+    with pytest.raises(UserError, match="--minutes must be > 0"):
+        trainer.run(train_args(tmp_path / "data.jsonl", tmp_path / "out", "--minutes", "0"))
+
+
 # ---- the command: resume, checkpoints, config ------------------------------------------------------------------------
 def train_argv(data, out, *extra):
     return ["train", "--target", "tiny-llama", "--data", str(data), "--out", str(out), "--no-progress",

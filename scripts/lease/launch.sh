@@ -1,22 +1,22 @@
-# The launch call (carrying the last GGUF part, or after the call that did; join.sh): join and check the GGUF, time
-# SMOKE real steps, then start the run in its own session, sized to end by DEADLINE (epoch seconds): the schedule
-# anneals inside the lease. RATE (steps/s) skips the timing, e.g. for a second stage; INIT is the warm start.
-# METHOD=eagle3 trains the shipped EAGLE-3 head instead (RUN=eagle RATE=... beside a DFlash run: both in one lease).
-# NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one process left an H100 47% busy).
-# Each DFlash run times its first step at one sequence per pass and at all of a step's (the log says which won);
-# SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to both runs, e.g. FLAGS="--anchors decoded".
-# CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 SMOKE=4 ROOT=/tmp/x DEADLINE=$(($(date +%s)+150))
+# The launch call (carrying the last GGUF part, or after the call that did; join.sh): join and check the GGUF, then
+# start the run in its own session, to end by DEADLINE (epoch seconds): `dflash train --minutes` sizes it to the pace
+# it measures, so the schedule anneals inside the lease. INIT is the warm start.
+# METHOD=eagle3 trains the shipped EAGLE-3 head instead (RUN=eagle beside a DFlash run: both in one lease, the same
+# minutes of the same GPU). NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one
+# process left an H100 47% busy). Each DFlash run times its first step at one sequence per pass and at all of a
+# step's (the log says which won); SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to both runs,
+# e.g. FLAGS="--anchors decoded".
+# CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 ROOT=/tmp/x DEADLINE=$(($(date +%s)+60))
 # TARGET, DATA (a packed corpus) and INIT (empty: from scratch) default to SmolLM2, its committed corpus and its
 # shipped drafter (tests/test_gpu_script.py runs train.sh through here on a tiny target and corpus).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
-DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}; SMOKE=${SMOKE:-24}
+DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}
 LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
 INIT=${INIT-src/dflash/drafters/smollm2-135m-$METHOD}  # INIT= (empty): from scratch
 TARGET=${TARGET:-smollm2-135m}; DATA=${DATA:-corpus/smollm2-135m}  # a tiny target and corpus: the CPU test
 method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-3 head trains on every position
 [ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS" ${SEQS:+--seqs-per-pass "$SEQS"})
-LOAD_S=${LOAD_S:-60}  # a CUDA run's start: the target (GGUF tokenizer, weights); ~100 s in stage 11 with a slow corpus read
 : "${DEADLINE:?DEADLINE (epoch seconds by which the run must have ended) is required}"
 mkdir -p "$ROOT"
 ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
@@ -26,15 +26,11 @@ else TRAIN=(python3 -m dflash train); fi
 COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-from "$INIT"} --data "$DATA"
   "${method_flags[@]}" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
   --no-progress --keep-checkpoints 2 ${FLAGS:-})
-if [ -z "${RATE:-}" ]; then
-  "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN-smoke" --max-steps "$SMOKE" --schedule-steps 1000 \
-    --log-every 4 --eval-every 100000 --save-every 100000 > "$ROOT/$RUN-smoke.log" 2>&1 || { tail -30 "$ROOT/$RUN-smoke.log"; exit 4; }
-  tail -2 "$ROOT/$RUN-smoke.log"
-  # the last window: the first steps pay for CUDA's warm-up (a full run went ~2x faster than all 16 smoke steps)
-  RATE=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'steps_per_s' in l]; print(r[-1]['steps_per_s'])" "$ROOT/$RUN-smoke/log.jsonl")
-fi
-steps=$(python3 -c "import time; print(max(8, int(0.92 * $RATE * ($DEADLINE - time.time() - $LOAD_S))))")
-echo "rate ${RATE} steps/s: launching $steps steps into $ROOT/$RUN"
-setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --schedule-steps "$steps" --max-steps "$steps" \
+# the run times its own pace over its first steps and fits its warmup and cosine to the minutes left (`dflash train
+# --minutes`), so its schedule anneals inside the lease whatever the GPU's pace (until the thirty-ninth session a
+# smoke run or a RATE from an earlier lease sized it from here; stage 15 ended ~100 s early that way)
+minutes=$(python3 -c "import time; print(round(($DEADLINE - time.time() - 3) / 60, 3))")
+echo "launching a run of $minutes minutes into $ROOT/$RUN"
+setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --minutes "$minutes" \
   --log-every 20 --eval-every 500 --save-every 100000 --save-minutes 3 > "$ROOT/$RUN.log" 2>&1 < /dev/null &
 echo $! > "$ROOT/$RUN.pid"  # fetch.sh stops waiting when it is gone

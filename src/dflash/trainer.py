@@ -49,6 +49,14 @@ ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random str
 CHECKPOINT_RE = re.compile(r"^step-(\d{6,})$")
 STATE_FILE, CONFIG_FILE = "trainer_state.pt", "train_config.json"
 STATE_VERSION = 1
+# a run with a time limit (--minutes) times its pace between these steps of its invocation (the first steps pay for
+# warm-up: on a GPU they ran ~2x slower than the rest), then sizes itself to the time left
+PACE_FROM, PACE_TO = 16, 48
+TIME_MARGIN = 0.92  # of the time left, the share a sized run plans to fill (its pace wanders; a run that falls
+# behind anyway stops early, `keep_time`)
+FINAL_SECONDS = 15.0  # kept back for the last evaluation, checkpoint and export
+EVAL_SHARE = 0.5  # an evaluated sequence's cost as a share of a training step's (stage 15 on an H200: ~7 s for
+# 93 held-out sequences at 0.145 s a step; a CPU spends less, so there the run ends a little early)
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
@@ -350,7 +358,10 @@ def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int) -> float:
 
 class Trainer:
     def __init__(self, objective: Objective, config: TrainConfig, out: str | Path, train: list[Example],
-                 heldout: list[Example], progress: bool = True, world: World = SINGLE):
+                 heldout: list[Example], progress: bool = True, world: World = SINGLE,
+                 finish_by: float | None = None, fit_schedule: bool = False):
+        """`finish_by`: a time.monotonic() by which the run must have ended (`keep_time`); `fit_schedule`: also fit
+        the warmup and cosine schedule to the steps that fit before it."""
         if not train:
             raise UserError("no training sequences left (all too short or held out)")
         if config.grad_accum < world.size:
@@ -362,16 +373,22 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.steps_per_epoch = math.ceil(len(train) / config.grad_accum)
-        self.total_steps = config.schedule_steps or config.epochs * self.steps_per_epoch
-        warmup = max(1, round(config.warmup_ratio * self.total_steps)) if config.warmup_ratio > 0 else 0
-        total = self.total_steps
+        self.set_schedule(config.schedule_steps or config.epochs * self.steps_per_epoch)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: cosine_with_warmup(step, total, warmup)
+            self.optimizer, lambda step: cosine_with_warmup(step, self.total_steps, self.warmup_steps)
         )
+        self.finish_by, self.fit_schedule, self.clock = finish_by, fit_schedule, time.monotonic
+        self.pace_mark: float | None = None
+        self.last_look: tuple[int, float] | None = None  # (steps done, clock) at keep_time's last look
         self.state = TrainState()
         self.fingerprint = data_fingerprint(train)
         self.log_path = self.out / "log.jsonl"
         self.per_pass = self.sequences_per_pass()
+
+    def set_schedule(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+        ratio = self.config.warmup_ratio
+        self.warmup_steps = max(1, round(ratio * total_steps)) if ratio > 0 else 0
 
     # ---- precision ---------------------------------------------------------------------------------------------------
     def autocast(self):
@@ -495,7 +512,8 @@ class Trainer:
         window: list[dict[str, torch.Tensor]] = []
         window_seconds = 0.0  # training time only: evaluations and checkpoints would distort steps/s
         order, order_epoch = None, None
-        last_save = time.monotonic()
+        last_save = self.started_at = self.clock()
+        first = self.state.step
         while self.state.step < stop:
             if order_epoch != self.state.epoch:
                 order, order_epoch = self.epoch_order(self.state.epoch), self.state.epoch
@@ -505,6 +523,9 @@ class Trainer:
             self.advance(len(indices))
             bar.update(1)
             step = self.state.step
+            if self.finish_by is not None and step < stop:
+                stop = self.keep_time(step - first, stop)
+                bar.total = max(stop, step)
             if step % self.config.log_every == 0 or step == stop:
                 record = self.log_window(window, window_seconds + time.perf_counter() - started)
                 shown = {k: f"{record[k]:.3f}" for k in ("loss", "tau", "steps_per_s") if k in record}
@@ -514,20 +535,69 @@ class Trainer:
                 window_seconds += time.perf_counter() - started
             if self.heldout and self.world.main and (step % self.config.eval_every == 0 or step == stop):
                 self.evaluate()
-            overdue = self.config.save_minutes and time.monotonic() - last_save >= 60 * self.config.save_minutes
+            overdue = self.config.save_minutes and self.clock() - last_save >= 60 * self.config.save_minutes
             if self.world.size > 1 and self.config.save_minutes:  # process 0's clock decides for everyone
-                overdue = bool(self.world_flag(bool(overdue)))
+                overdue = bool(self.main_value(float(bool(overdue))))
             if step % self.config.save_every == 0 or step == stop or overdue:
                 if self.world.main:
                     self.save_checkpoint()
-                last_save = time.monotonic()
+                last_save = self.clock()
         bar.close()
         if self.world.main:
             self.export_final()
         self.world.barrier()  # nobody leaves before the final drafter is written
         return self.state
 
-    def world_flag(self, value: bool) -> float:
+    def keep_time(self, done: int, stop: int) -> int:
+        """The step at which a run that must end by `finish_by` stops, after `done` steps of this invocation. Between
+        steps PACE_FROM and PACE_TO it times its pace, then plans the steps that fit the time left (evaluations and
+        the final save included; with `fit_schedule` its warmup and cosine end there too, so the learning rate
+        anneals to zero as time runs out). Every log_every steps it stops early if the time left would not hold the
+        steps until its next look at the pace since the last one."""
+        now = self.clock()
+        if done == PACE_FROM:
+            self.pace_mark = now
+        if self.last_look is None:  # from the end of the first step (a GPU's first step warms kernels up)
+            self.last_look = (done, now)
+        if done == PACE_TO and self.pace_mark is not None:
+            seconds = (now - self.pace_mark) / (PACE_TO - PACE_FROM)
+            fits = int(self.main_value(self.steps_in_time(seconds, now)))
+            if self.fit_schedule:
+                self.set_schedule(fits)
+                self.config = self.config.replace({"schedule_steps": fits, "max_steps": fits})
+                if self.world.main:
+                    (self.out / CONFIG_FILE).write_text(self.config.to_json())
+            self.say(f"[dflash] {1 / seconds:.2f} steps/s: {'the schedule ends' if self.fit_schedule else 'stopping'}"
+                     f" at step {min(fits, stop) if not self.fit_schedule else fits}, "
+                     f"{(self.finish_by - now) / 60:.1f} min from now")
+            return fits if self.fit_schedule else min(stop, fits)
+        if done % self.config.log_every == 0 and done > self.last_look[0]:
+            # the pace since the last look, evaluations and checkpoints included: errs long
+            seconds = (now - self.last_look[1]) / (done - self.last_look[0])
+            self.last_look = (done, now)
+            steps_to_next_look = min(self.config.log_every, stop - self.state.step)
+            late = now + steps_to_next_look * seconds + FINAL_SECONDS > self.finish_by
+            if self.main_value(float(late)):
+                self.say(f"[dflash] out of time: stopping at step {self.state.step}")
+                return self.state.step
+        return stop
+
+    def steps_in_time(self, seconds_per_step: float, now: float) -> int:
+        """The last step that fits before `finish_by` at this pace, evaluations and the final save included."""
+        per_step = seconds_per_step
+        if self.heldout:
+            per_step += len(self.heldout) * EVAL_SHARE * seconds_per_step / self.config.eval_every
+        left = self.finish_by - now - FINAL_SECONDS
+        return self.state.step + max(1, int(TIME_MARGIN * left / per_step))
+
+    def say(self, text: str) -> None:
+        if self.world.main:
+            print(text, file=sys.stderr)
+
+    def main_value(self, value: float) -> float:
+        """Process 0's `value` in every process (one clock decides for all)."""
+        if self.world.size == 1:
+            return value
         flag = torch.tensor([float(value) if self.world.main else 0.0], device=self.params[0].device)
         self.world.sum_([flag])
         return flag.item()
@@ -663,6 +733,11 @@ def add_arguments(p) -> None:
                    help="continue exactly from OUT's newest checkpoint, or from the given checkpoint / run folder")
     p.add_argument("--plot", action="store_true", help="write OUT/curves.png (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="end within this many minutes of the command's start: the run times its pace over its first "
+                        "steps and stops at the last step that fits (evaluations and the final save included). A new "
+                        "run without --schedule-steps or --max-steps also fits its warmup and cosine to those steps, "
+                        "so its learning rate anneals to zero as the time runs out")
     options = p.add_argument_group("training options (also the keys of --config)")
     hints = get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
@@ -793,6 +868,10 @@ def not_trainable(method: str) -> UserError:
 def run(args) -> int:
     from .methods import registry
 
+    started = time.monotonic()  # --minutes counts from here: loading the data and the target is part of the time
+    if args.minutes is not None and not args.minutes > 0:
+        raise UserError(f"--minutes must be > 0, got {args.minutes}")
+
     if args.method is not None and args.method not in registry.trainable():
         raise not_trainable(args.method)
     overrides = cli_overrides(args)
@@ -801,13 +880,16 @@ def run(args) -> int:
     out = Path(args.out)
     examples = load_examples(args.data)
     world = init_world(args.device)
-    result = train_in(world, args, overrides, out, examples)  # on an exception no teardown (World.close)
+    finish_by = started + 60 * args.minutes if args.minutes is not None else None
+    result = train_in(world, args, overrides, out, examples, finish_by)  # on an exception no teardown (World.close)
     world.close()
     return result
 
 
-def train_in(world: World, args, overrides: dict, out: Path, examples: list[Example]) -> int:
-    """One process's part of `dflash train` (the only one without torchrun)."""
+def train_in(world: World, args, overrides: dict, out: Path, examples: list[Example],
+             finish_by: float | None = None) -> int:
+    """One process's part of `dflash train` (the only one without torchrun); `finish_by`: --minutes' end, a
+    time.monotonic()."""
     say = (lambda text: print(text, file=sys.stderr)) if world.main else (lambda text: None)
     objective, config, resume_from = build_run(args, overrides, out)
     usable = [e for e in examples if objective.usable(e)]
@@ -816,7 +898,10 @@ def train_in(world: World, args, overrides: dict, out: Path, examples: list[Exam
     train, heldout = split_heldout(usable, config.eval_fraction)
     if resume_from is None and not args.init_from:
         recipe_of(config).prepare_new(objective, train, config)
-    trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress, world=world)
+    # --minutes fits the schedule of a new run whose length was not given, and only stops any other run in time
+    fit_schedule = resume_from is None and config.schedule_steps is None and config.max_steps is None
+    trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress, world=world,
+                      finish_by=finish_by, fit_schedule=fit_schedule)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
         say(f"[dflash] resumed from {resume_from} at step {trainer.state.step}")
