@@ -414,3 +414,24 @@ def test_target_ids_follow_the_draft_vocabulary(tiny_targets):
     assert head.target_ids() == head.draft_to_target(torch.arange(35)).tolist() == list(range(FIRST_WORD, 40))
     head.set_draft_vocab(range(20, 55))
     assert head.target_ids() == list(range(20, 55))
+
+
+def test_a_training_step_never_reads_the_device(tiny_targets):
+    """The unrolled loss and its backward pass run with the head, the target's embeddings and the features on the
+    meta device (shapes, no values), where any operation whose size or value the host must read from the device
+    would fail: on a GPU each would stall the step. Labels and their rows come from the host (draft_labels)."""
+    import types
+
+    target = tiny_targets["llama"]
+    head = fresh_head(target)
+    target_ids = head.target_ids()  # kept while the vocabulary stands (read once, before training)
+    head = head.to("meta")
+    head.target_ids = lambda: target_ids
+    width = target.config.hidden_size
+    on_meta = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(target.vocab_size, width, device="meta"))
+    ids = torch.randint(FIRST_WORD, target.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    features = torch.empty(2, 16, len(head.feature_layers) * width, device="meta")
+    loss, metrics = eagle3_loss(head, on_meta, ids, torch.tensor([4, 8]), features, steps=3)
+    loss.backward()
+    assert loss.device.type == "meta" and metrics["accuracy"].shape == (3,)
+    assert all(p.grad is not None for p in head.parameters() if p.requires_grad)

@@ -79,6 +79,18 @@ def _label_mask(input_ids: torch.Tensor, loss_start) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device)[None] >= start
 
 
+def draft_labels(head: Eagle3Head, input_ids: torch.Tensor, loss_start) -> torch.Tensor:
+    """On the host: the draft index of token j+2 for each pair j [b, s-2], IGNORE before `loss_start` and where the
+    draft vocabulary lacks the token. Which rows have labels is then known without asking a GPU (each boolean index
+    there stalls the step until the GPU has caught up)."""
+    input_ids = input_ids.cpu()
+    lookup = torch.full((head.config.vocab_size,), IGNORE, dtype=torch.long)
+    lookup[torch.tensor(head.target_ids(), dtype=torch.long)] = torch.arange(head.config.draft_vocab_size)
+    labels = lookup[input_ids[:, 2:]]
+    mask = loss_start.cpu() if isinstance(loss_start, torch.Tensor) else loss_start
+    return labels.masked_fill(~_label_mask(input_ids, mask)[:, 2:], IGNORE)
+
+
 def eagle3_loss(head: Eagle3Head, target, input_ids: torch.Tensor, loss_start, features: torch.Tensor | None = None,
                 steps: int = DEFAULT_DEPTH, decay: float = 0.8) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Training-time-test loss over sequences `input_ids` [b, s] (prompt + target-regenerated response).
@@ -89,34 +101,38 @@ def eagle3_loss(head: Eagle3Head, target, input_ids: torch.Tensor, loss_start, f
     positions before `loss_start` are ignored. `features` [b, s, 3D]: the target's outputs of head.feature_layers
     (computed here when None). Metrics (detached, on the device): loss, accuracy [steps] (top-1 per step) and tau
     (1 + mean number of leading correct steps over chains with all steps labelled; a surrogate of acceptance).
+    Labels and their rows are worked out on the host (`draft_labels`), so the step never waits on a GPU.
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.shape[1] < 3:
         raise ValueError("eagle3_loss needs sequences of at least 3 tokens")
+    device = head.fc.weight.device
+    labels = draft_labels(head, input_ids, loss_start)
+    input_ids = input_ids.to(device, non_blocking=True)
     if features is None:
         features = target.forward(input_ids, None, head.feature_layers, logits_at="none").features
     if features.is_inference():  # autograd may not save inference tensors (target.forward runs in inference mode)
         features = features.clone()
     with torch.no_grad():
         embeds = target.embed_tokens(input_ids[:, 1:-1])
-    labels = head.target_to_draft(input_ids[:, 2:])
-    labels = labels.masked_fill(~_label_mask(input_ids, loss_start)[:, 2:], IGNORE)
     outputs = unroll(head, embeds, head.fuse(features[:, :-2]), steps)
 
-    total = weight_sum = torch.zeros((), device=input_ids.device)
+    total = weight_sum = torch.zeros((), device=device)
     accuracy, correct_steps = [], []
     for k, hidden in enumerate(outputs):
         step_labels = labels.clone()
         step_labels[:, :k] = IGNORE  # no real root k pairs back
-        valid = step_labels != IGNORE
-        logits = head.logits(hidden[valid])
-        if logits.shape[0]:
-            total = total + decay**k * F.cross_entropy(logits.float(), step_labels[valid])
+        rows = (step_labels != IGNORE).flatten().nonzero()[:, 0]
+        wanted = step_labels.flatten()[rows].to(device, non_blocking=True)
+        rows = rows.to(device, non_blocking=True)
+        logits = head.logits(hidden.flatten(0, 1).index_select(0, rows))
+        if rows.numel():
+            total = total + decay**k * F.cross_entropy(logits.float(), wanted)
             weight_sum = weight_sum + decay**k
-        correct = torch.zeros_like(valid)
-        correct[valid] = logits.argmax(-1) == step_labels[valid]
-        accuracy.append(correct.sum() / valid.sum().clamp_min(1))
+        correct = torch.zeros(labels.numel(), dtype=torch.bool, device=device)
+        correct = correct.index_put_((rows,), logits.argmax(-1) == wanted).view(labels.shape)
+        accuracy.append(correct.sum() / max(1, rows.numel()))
         correct_steps.append(correct)
     loss = total / weight_sum.clamp_min(1e-12)
     return loss, {"loss": loss.detach(), "accuracy": torch.stack(accuracy).detach(),
@@ -124,14 +140,19 @@ def eagle3_loss(head: Eagle3Head, target, input_ids: torch.Tensor, loss_start, f
 
 
 def _surrogate_tau(correct_steps: list[torch.Tensor], labels: torch.Tensor, steps: int) -> torch.Tensor:
-    """1 + leading correct drafts of the chain rooted at each pair r (its step-k draft sits at pair r+k)."""
+    """1 + leading correct drafts of the chain rooted at each pair r (its step-k draft sits at pair r+k); `labels`
+    on the host, so which chains have every step labelled is known there."""
+    device = correct_steps[0].device
     n = labels.shape[1] - steps + 1
     if n <= 0:
-        return torch.ones((), device=labels.device)
-    chain_ok = torch.stack([c[:, k : k + n] for k, c in enumerate(correct_steps)], dim=-1)  # [b, n, steps]
+        return torch.ones((), device=device)
     has_all = torch.stack([labels[:, k : k + n] != IGNORE for k in range(steps)], dim=-1).all(-1)
+    chains = has_all.flatten().nonzero()[:, 0]
+    if not chains.numel():
+        return torch.ones((), device=device)
+    chain_ok = torch.stack([c[:, k : k + n] for k, c in enumerate(correct_steps)], dim=-1)  # [b, n, steps]
     lengths = 1 + chain_ok.long().cumprod(-1).sum(-1).float()
-    return (lengths[has_all].mean() if has_all.any() else torch.ones((), device=labels.device)).detach()
+    return lengths.flatten().index_select(0, chains.to(device, non_blocking=True)).mean().detach()
 
 
 class Eagle3Objective:
@@ -148,7 +169,8 @@ class Eagle3Objective:
         self.max_length = min(max_length, target.max_context)
 
     def sequence(self, input_ids) -> torch.Tensor:
-        return torch.as_tensor(input_ids)[: self.max_length].to(self.target.device, torch.long)
+        """On the host: eagle3_loss builds the labels there and sends the ids over without waiting."""
+        return torch.as_tensor(input_ids)[: self.max_length].to("cpu", torch.long)
 
     def usable(self, example) -> bool:
         """False when the (truncated) sequence has no response token that a pair predicts (pairs predict j + 2)."""
