@@ -483,11 +483,28 @@ def test_decode_rounds_equal_decoding(target, own_greedy):
     walked, decoded = [], []
     for example in heldout:
         prompt = example.input_ids[: example.loss_start].tolist()
-        walked.append(objective.decoded_rounds(example.input_ids.long(), example.loss_start))
+        ids = example.input_ids.long()
+        walked += [objective.decoded_rounds([ids], [example.loss_start], objective.target_pass(ids[None]))]
         decoded.append(decoder.generate(prompt, OWN_GREEDY).stats.accept_lengths)
     assert sum(map(len, decoded)) < 0.8 * 30 * len(heldout)  # the drafter predicts some of it: not a trivial walk
     assert walked == decoded
     assert all(sum(rounds) == 29 for rounds in decoded)  # tau counts committed tokens: the first came from the prefill
+
+
+def test_evaluation_in_shared_passes_gives_the_same_figures(target, own_greedy):
+    """The held-out evaluation with several sequences a pass (as a GPU run evaluates: groups of 4 and 2 here) gives
+    the figures of one sequence a pass: blocks never see each other, and padding comes after every position."""
+    _, heldout, folder = own_greedy
+    objective = DFlashObjective(DFlashDrafter.load(folder, dtype=torch.float32), target, anchors_per_seq=16)
+
+    def rngs():
+        return [np.random.default_rng([0, trainer.EVAL_STREAM, i]) for i in range(len(heldout))]
+
+    alone, shared = objective.evaluate(heldout, rngs()), objective.evaluate(heldout, rngs(), per_pass=4)
+    assert alone.keys() == shared.keys()
+    for name in alone:
+        assert shared[name] == pytest.approx(alone[name], rel=1e-5), name
+    assert alone["eval_decode_tau"] > 1.0 and alone["eval_tau"] > 1.0  # it predicts some: not a trivial match
 
 
 @pytest.mark.parametrize("window", [64, 12])
@@ -541,23 +558,29 @@ def test_decoded_anchors_resume_exactly(tmp_path):
 
 
 # ---- a time limit (--minutes) ----------------------------------------------------------------------------------------
-def timed_trainer(target, tmp_path, step_seconds, finish_by, fit_schedule=True):
-    """A trainer whose clock advances only by its steps: step_seconds(step) each."""
-    examples = [trainer.example_of(r) for r in counting_records(12)]
+def timed_trainer(target, tmp_path, step_seconds, finish_by, fit_schedule=True, eval_seconds=None, eval_every=10_000):
+    """A trainer whose clock advances only by its steps, step_seconds(step) each, and by its evaluations (of two
+    held-out sequences), eval_seconds each."""
+    examples = [trainer.example_of(r) for r in counting_records(14)]
+    heldout = examples[12:] if eval_seconds is not None else []
     objective = DFlashObjective(tiny_drafter(target, num_layers=1, block_size=4), target, anchors_per_seq=8)
-    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=50, lr=3e-3, eval_every=10_000,
+    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=50, lr=3e-3, eval_every=eval_every,
                                  save_every=10_000, log_every=1)
-    run = trainer.Trainer(objective, config, tmp_path, examples, [], progress=False, finish_by=finish_by,
+    run = trainer.Trainer(objective, config, tmp_path, examples[:12], heldout, progress=False, finish_by=finish_by,
                           fit_schedule=fit_schedule)
     now = [0.0]
     run.clock = lambda: now[0]
-    step = run.train_step
+    step, evaluate = run.train_step, objective.evaluate
 
     def timed_step(indices):
         now[0] += step_seconds(run.state.step + 1)
         return step(indices)
 
-    run.train_step = timed_step
+    def timed_evaluation(*args, **kwargs):
+        now[0] += eval_seconds
+        return evaluate(*args, **kwargs)
+
+    run.train_step, objective.evaluate = timed_step, timed_evaluation
     return run, now
 
 
@@ -587,6 +610,19 @@ def test_a_time_limit_stops_a_run_that_slows_down(target, tmp_path):
     assert run.state.step == 65 and now[0] == 85.0
     assert run.total_steps == 50 * 12 and run.config.schedule_steps is None
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_time_limit_counts_the_evaluations_it_times(target, tmp_path):
+    """1 s a step, and 10 s for each evaluation, every 10 steps. The pace between steps 16 and 48 leaves out the
+    three evaluations inside (1 s a step, not 1.9), and the run times one more at step 48 (88 s -> 98 s): at
+    1 + 10 / 10 s a step, 0.92 x (200 - 98 - 15) s hold 40 more steps. The run ends at step 88, its final evaluation
+    inside the 15 s kept back for the end."""
+    run, now = timed_trainer(target, tmp_path, lambda step: 1.0, finish_by=200.0, eval_seconds=10.0, eval_every=10)
+    run.fit()
+    assert run.state.step == run.total_steps == 88 and now[0] == 88 + 10 * 10 <= 200
+    evaluated = [r["step"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())
+                 if "eval_tau" in r]
+    assert evaluated == [10, 20, 30, 40, 48, 50, 60, 70, 80, 88]
 
 
 def test_minutes_must_be_positive(tmp_path):

@@ -55,8 +55,6 @@ PACE_FROM, PACE_TO = 16, 48
 TIME_MARGIN = 0.92  # of the time left, the share a sized run plans to fill (its pace wanders; a run that falls
 # behind anyway stops early, `keep_time`)
 FINAL_SECONDS = 15.0  # kept back for the last evaluation, checkpoint and export
-EVAL_SHARE = 0.5  # an evaluated sequence's cost as a share of a training step's (stage 15 on an H200: ~7 s for
-# 93 held-out sequences at 0.145 s a step; a CPU spends less, so there the run ends a little early)
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
@@ -378,8 +376,10 @@ class Trainer:
             self.optimizer, lambda step: cosine_with_warmup(step, self.total_steps, self.warmup_steps)
         )
         self.finish_by, self.fit_schedule, self.clock = finish_by, fit_schedule, time.monotonic
-        self.pace_mark: float | None = None
+        self.pace_mark: tuple[float, float] | None = None  # (clock, evaluation_seconds) at step PACE_FROM
+        self.evaluation_seconds = 0.0  # spent in evaluate() by this invocation
         self.last_look: tuple[int, float] | None = None  # (steps done, clock) at keep_time's last look
+        self.evaluated_at: int | None = None  # the step of the last evaluation
         self.state = TrainState()
         self.fingerprint = data_fingerprint(train)
         self.log_path = self.out / "log.jsonl"
@@ -533,7 +533,8 @@ class Trainer:
                 window, window_seconds = [], 0.0
             else:
                 window_seconds += time.perf_counter() - started
-            if self.heldout and self.world.main and (step % self.config.eval_every == 0 or step == stop):
+            if self.heldout and self.world.main and (step % self.config.eval_every == 0 or step == stop) \
+                    and self.evaluated_at != step:
                 self.evaluate()
             overdue = self.config.save_minutes and self.clock() - last_save >= 60 * self.config.save_minutes
             if self.world.size > 1 and self.config.save_minutes:  # process 0's clock decides for everyone
@@ -550,18 +551,25 @@ class Trainer:
 
     def keep_time(self, done: int, stop: int) -> int:
         """The step at which a run that must end by `finish_by` stops, after `done` steps of this invocation. Between
-        steps PACE_FROM and PACE_TO it times its pace, then plans the steps that fit the time left (evaluations and
-        the final save included; with `fit_schedule` its warmup and cosine end there too, so the learning rate
+        steps PACE_FROM and PACE_TO it times its pace, and at PACE_TO an evaluation, then plans the steps that fit
+        the time left (evaluations and the final save included; with `fit_schedule` its warmup and cosine end there too, so the learning rate
         anneals to zero as time runs out). Every log_every steps it stops early if the time left would not hold the
         steps until its next look at the pace since the last one."""
         now = self.clock()
         if done == PACE_FROM:
-            self.pace_mark = now
+            self.pace_mark = (now, self.evaluation_seconds)
         if self.last_look is None:  # from the end of the first step (a GPU's first step warms kernels up)
             self.last_look = (done, now)
         if done == PACE_TO and self.pace_mark is not None:
-            seconds = (now - self.pace_mark) / (PACE_TO - PACE_FROM)
-            fits = int(self.main_value(self.steps_in_time(seconds, now)))
+            # training's pace: evaluations between the two marks (eval_every < 32) have their own share below
+            evaluations = self.evaluation_seconds - self.pace_mark[1]
+            seconds = (now - self.pace_mark[0] - evaluations) / (PACE_TO - PACE_FROM)
+            evaluation = 0.0  # an evaluation's seconds, timed on one (which also puts an early point on the curve)
+            if self.heldout and self.world.main:
+                before = self.evaluation_seconds
+                self.evaluate()
+                evaluation, now = self.evaluation_seconds - before, self.clock()
+            fits = int(self.main_value(self.steps_in_time(seconds, evaluation, now)))
             if self.fit_schedule:
                 self.set_schedule(fits)
                 self.config = self.config.replace({"schedule_steps": fits, "max_steps": fits})
@@ -582,11 +590,10 @@ class Trainer:
                 return self.state.step
         return stop
 
-    def steps_in_time(self, seconds_per_step: float, now: float) -> int:
-        """The last step that fits before `finish_by` at this pace, evaluations and the final save included."""
-        per_step = seconds_per_step
-        if self.heldout:
-            per_step += len(self.heldout) * EVAL_SHARE * seconds_per_step / self.config.eval_every
+    def steps_in_time(self, seconds_per_step: float, evaluation: float, now: float) -> int:
+        """The last step that fits before `finish_by` at this pace, with an evaluation of `evaluation` seconds every
+        eval_every steps and the final save."""
+        per_step = seconds_per_step + evaluation / self.config.eval_every
         left = self.finish_by - now - FINAL_SECONDS
         return self.state.step + max(1, int(TIME_MARGIN * left / per_step))
 
@@ -613,11 +620,16 @@ class Trainer:
         return record
 
     def evaluate(self) -> dict:
+        self.evaluated_at, started = self.state.step, self.clock()
         self.model.eval()
         rngs = [np.random.default_rng([self.config.seed, EVAL_STREAM, i]) for i in range(len(self.heldout))]
         with self.autocast():
-            record = {"step": self.state.step, **self.objective.evaluate(self.heldout, rngs)}
+            # as many sequences a pass as training's (one where the objective's evaluate takes one at a time)
+            shared = {"per_pass": self.per_pass} if (self.per_pass or 1) > 1 and hasattr(self.objective, "losses") \
+                else {}
+            record = {"step": self.state.step, **self.objective.evaluate(self.heldout, rngs, **shared)}
         self.append_log(record)
+        self.evaluation_seconds += self.clock() - started
         return record
 
     def append_log(self, record: dict) -> None:

@@ -430,25 +430,31 @@ class DFlashObjective:
         return anchor_sets
 
     @torch.no_grad()
-    def evaluate(self, examples, rngs) -> dict:
+    def evaluate(self, examples, rngs, per_pass: int = 1) -> dict:
         """Surrogate tau (mean over held-out anchors of 1 + leading correct positions), loss and per-position
         accuracy, pooled over all held-out anchors; and `eval_decode_tau`, the tau greedy whole-block decoding gets
         over the first `anchors_per_seq` tokens of each held-out response (`decode_rounds`). The two differ: decoding
         starts its blocks right after a rejected draft, where the text is harder than at a random position (on the
-        shipped drafter's held-out set, 1.59 against 1.82 at random anchors over the same tokens)."""
+        shipped drafter's held-out set, 1.59 against 1.82 at random anchors over the same tokens). `per_pass`
+        sequences share a target and a drafter pass, as a training step's do (the same figures, in fewer passes:
+        on a GPU each pass costs its launches, whatever its width)."""
         loss_sum = weight_sum = 0.0
         correct = valid = None
         lengths, rounds = [], []
-        for example, rng in zip(examples, rngs):
-            input_ids = self.sequence(example.input_ids)
-            anchors = sample_anchors(input_ids.shape[0], example.loss_start, self.anchors_per_seq, rng)
-            result = self.blocks_result(input_ids, anchors, example.loss_start)
-            loss_sum += float(result.loss * result.weight_sum)
-            weight_sum += float(result.weight_sum)
-            c, v = result.correct.sum(0), result.valid.sum(0)
-            correct, valid = (c, v) if correct is None else (correct + c, valid + v)
-            lengths.append(accept_lengths(result.correct))
-            rounds += self.decoded_rounds(input_ids, example.loss_start)
+        for first in range(0, len(examples), per_pass):
+            group = examples[first: first + per_pass]
+            sequences = [self.sequence(example.input_ids) for example in group]
+            starts = [example.loss_start for example in group]
+            anchor_sets = [sample_anchors(seq.shape[0], start, self.anchors_per_seq, rng)
+                           for seq, start, rng in zip(sequences, starts, rngs[first: first + per_pass])]
+            context = self.target_pass(self.padded(sequences))
+            for result in self.blocks_results(sequences, anchor_sets, starts, context):
+                loss_sum += float(result.loss * result.weight_sum)
+                weight_sum += float(result.weight_sum)
+                c, v = result.correct.sum(0), result.valid.sum(0)
+                correct, valid = (c, v) if correct is None else (correct + c, valid + v)
+                lengths.append(accept_lengths(result.correct))
+            rounds += self.decoded_rounds(sequences, starts, context)
         if not lengths:
             return {}
         return {
@@ -458,14 +464,25 @@ class DFlashObjective:
             "eval_accuracy": (correct / valid.clamp_min(1)).tolist(),
         }
 
-    def decoded_rounds(self, input_ids: torch.Tensor, loss_start: int) -> list[int]:
-        """Accept lengths of greedy whole-block decoding over the first `anchors_per_seq` response tokens: a block at
-        every one of those positions in one pass, then `decode_rounds`."""
-        candidates = anchor_candidates(input_ids.shape[0], loss_start)
-        window = torch.arange(candidates.start, min(candidates.stop, candidates.start + self.anchors_per_seq))
-        if candidates.start != loss_start or not len(window):
-            return []  # no context before the first response token: decoding never starts there
-        return decode_rounds(accept_lengths(self.blocks_result(input_ids, window, loss_start).correct).tolist())
+    def decoded_rounds(self, sequences: list[torch.Tensor], loss_starts: list[int], context: tuple) -> list[int]:
+        """Accept lengths of greedy whole-block decoding over the first `anchors_per_seq` response tokens of each
+        sequence: a block at every one of those positions in one pass, then `decode_rounds`. `context`: the target
+        pass of the `padded` sequences."""
+        windows = []
+        for seq, start in zip(sequences, loss_starts):
+            candidates = anchor_candidates(seq.shape[0], start)
+            window = torch.arange(candidates.start, min(candidates.stop, candidates.start + self.anchors_per_seq))
+            # no context before the first response token, or no response: decoding never starts there
+            windows.append(window if candidates.start == start and len(window) else None)
+        kept = [i for i, window in enumerate(windows) if window is not None]
+        if not kept:
+            return []
+        if len(kept) < len(sequences):  # the pass needs the target pass of exactly its sequences
+            sequences, loss_starts = [sequences[i] for i in kept], [loss_starts[i] for i in kept]
+            context = self.target_pass(self.padded(sequences))
+        probes = self.blocks_results(sequences, [windows[i] for i in kept], loss_starts, context)
+        return [length for probe in probes
+                for length in decode_rounds(accept_lengths(probe.correct).tolist())]
 
     def save(self, folder, dtype: torch.dtype | None = torch.bfloat16) -> None:
         self.model.save(folder, dtype=dtype)
