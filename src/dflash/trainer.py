@@ -512,7 +512,7 @@ class Trainer:
         window: list[dict[str, torch.Tensor]] = []
         window_seconds = 0.0  # training time only: evaluations and checkpoints would distort steps/s
         order, order_epoch = None, None
-        last_save = self.started_at = self.clock()
+        last_save = self.clock()
         first = self.state.step
         while self.state.step < stop:
             if order_epoch != self.state.epoch:
@@ -552,9 +552,9 @@ class Trainer:
     def keep_time(self, done: int, stop: int) -> int:
         """The step at which a run that must end by `finish_by` stops, after `done` steps of this invocation. Between
         steps PACE_FROM and PACE_TO it times its pace, and at PACE_TO an evaluation, then plans the steps that fit
-        the time left (evaluations and the final save included; with `fit_schedule` its warmup and cosine end there too, so the learning rate
-        anneals to zero as time runs out). Every log_every steps it stops early if the time left would not hold the
-        steps until its next look at the pace since the last one."""
+        the time left (evaluations and the final save included; with `fit_schedule` its warmup and cosine end there
+        too, so the learning rate anneals to zero as time runs out). Every log_every steps it stops early if the
+        time left would not hold the steps until its next look, at the pace since its last one."""
         now = self.clock()
         if done == PACE_FROM:
             self.pace_mark = (now, self.evaluation_seconds)
@@ -575,10 +575,10 @@ class Trainer:
                 self.config = self.config.replace({"schedule_steps": fits, "max_steps": fits})
                 if self.world.main:
                     (self.out / CONFIG_FILE).write_text(self.config.to_json())
+            stop = fits if self.fit_schedule else min(stop, fits)
             self.say(f"[dflash] {1 / seconds:.2f} steps/s: {'the schedule ends' if self.fit_schedule else 'stopping'}"
-                     f" at step {min(fits, stop) if not self.fit_schedule else fits}, "
-                     f"{(self.finish_by - now) / 60:.1f} min from now")
-            return fits if self.fit_schedule else min(stop, fits)
+                     f" at step {stop}, {(self.finish_by - now) / 60:.1f} min from now")
+            return stop
         if done % self.config.log_every == 0 and done > self.last_look[0]:
             # the pace since the last look, evaluations and checkpoints included: errs long
             seconds = (now - self.last_look[1]) / (done - self.last_look[0])
