@@ -104,8 +104,9 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_p
     parts = sorted(out.glob("run.model.part*"))
     saved = (root / "run" / "final" / "model.safetensors").read_bytes()
     assert parts and b"".join(p.read_bytes() for p in parts) == saved
-    for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl"):
+    for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl", "profile.txt"):
         assert (out / f"run.{name}").is_file(), name
+    assert len(list(out.iterdir())) <= 8  # what $OUT can bring back
     config = json.loads((out / "run.train_config.json").read_text())
     assert config["max_steps"] == config["schedule_steps"] == steps > 48 and config["init"] == "random"
     last = json.loads((out / "run.log.jsonl").read_text().splitlines()[-1])["step"]  # the last evaluation's

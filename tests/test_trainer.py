@@ -625,6 +625,21 @@ def test_a_time_limit_counts_the_evaluations_it_times(target, tmp_path):
     assert evaluated == [10, 20, 30, 40, 48, 50, 60, 70, 80, 88]
 
 
+@pytest.mark.parametrize("max_steps, profiled", [("8", "steps 5-7"), ("6", "steps 5-6")])
+def test_profile_of_a_few_steps(resume_runs, tmp_path, max_steps, profiled):
+    """--profile writes torch.profiler's table of steps 5-7 (here, on a CPU, by the host's time), or of the steps
+    from 5 on where the run ends sooner, and trains as it would have."""
+    root, data = resume_runs
+    assert trainer.run(train_args(data, tmp_path / "out", "--profile", "--max-steps", max_steps)) == 0
+    table = (tmp_path / "out" / trainer.PROFILE_FILE).read_text()
+    assert table.startswith(profiled) and "by the host's own time" in table and "aten::" in table
+    assert "device's own time" not in table
+    if max_steps == "8":  # the weights of the unprofiled run of the same 8 steps
+        profiled_weights, plain = checkpoint_weights(tmp_path / "out", 8), checkpoint_weights(root / "straight", 8)
+        for name in plain:
+            torch.testing.assert_close(profiled_weights[name], plain[name], atol=1e-6, rtol=1e-5)
+
+
 def test_minutes_must_be_positive(tmp_path):
     with pytest.raises(UserError, match="--minutes must be > 0"):
         trainer.run(train_args(tmp_path / "data.jsonl", tmp_path / "out", "--minutes", "0"))

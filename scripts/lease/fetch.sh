@@ -16,4 +16,5 @@ mkdir -p "$OUT"; split -b 15000000 -d "$src/model.safetensors" "$OUT/$RUN.model.
 cp "$src/config.json" "$OUT/$RUN.config.json"; cp "$src/draft_vocab.json" "$OUT/$RUN.draft_vocab.json"
 cp "$ROOT/$RUN/train_config.json" "$OUT/$RUN.train_config.json"; cp "$ROOT/$RUN/log.jsonl" "$OUT/$RUN.log.jsonl"
 tail -c 100000 "$ROOT/$RUN.log" > "$OUT/$RUN.stderr.log"
+[ -f "$ROOT/$RUN/profile.txt" ] && cp "$ROOT/$RUN/profile.txt" "$OUT/$RUN.profile.txt"  # the 8th file at most
 ls -l "$OUT"; grep eval_tau "$ROOT/$RUN/log.jsonl" | cut -c1-100

@@ -26,6 +26,7 @@ else TRAIN=(python3 -m dflash train); fi
 COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-from "$INIT"} --data "$DATA"
   "${method_flags[@]}" --eval-fraction 0.006 --epochs 10 --grad-accum "$ACCUM" --lr "$LR" --seed "$SEED"
   --no-progress --keep-checkpoints 2 ${FLAGS:-})
+[ "${PROFILE:-1}" = 1 ] && COMMON+=(--profile)  # steps 5-7 through torch.profiler: where a GPU step's time goes
 # the run times its own pace over its first steps and fits its warmup and cosine to the minutes left (`dflash train
 # --minutes`), so its schedule anneals inside the lease whatever the GPU's pace (until the thirty-ninth session a
 # smoke run or a RATE from an earlier lease sized it from here; stage 15 ended ~100 s early that way)

@@ -55,6 +55,8 @@ PACE_FROM, PACE_TO = 16, 48
 TIME_MARGIN = 0.92  # of the time left, the share a sized run plans to fill (its pace wanders; a run that falls
 # behind anyway stops early, `keep_time`)
 FINAL_SECONDS = 15.0  # kept back for the last evaluation, checkpoint and export
+PROFILED = (4, 7)  # --profile records steps 5-7 of an invocation: after the first steps' warm-up, before the pace
+PROFILE_FILE = "profile.txt"
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
@@ -357,9 +359,10 @@ def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int) -> float:
 class Trainer:
     def __init__(self, objective: Objective, config: TrainConfig, out: str | Path, train: list[Example],
                  heldout: list[Example], progress: bool = True, world: World = SINGLE,
-                 finish_by: float | None = None, fit_schedule: bool = False):
+                 finish_by: float | None = None, fit_schedule: bool = False, profile: bool = False):
         """`finish_by`: a time.monotonic() by which the run must have ended (`keep_time`); `fit_schedule`: also fit
-        the warmup and cosine schedule to the steps that fit before it."""
+        the warmup and cosine schedule to the steps that fit before it; `profile`: write OUT/profile.txt
+        (`Profile`)."""
         if not train:
             raise UserError("no training sequences left (all too short or held out)")
         if config.grad_accum < world.size:
@@ -380,6 +383,7 @@ class Trainer:
         self.evaluation_seconds = 0.0  # spent in evaluate() by this invocation
         self.last_look: tuple[int, float] | None = None  # (steps done, clock) at keep_time's last look
         self.evaluated_at: int | None = None  # the step of the last evaluation
+        self.profile = Profile(self.out / PROFILE_FILE, self.say) if profile and world.main else None
         self.state = TrainState()
         self.fingerprint = data_fingerprint(train)
         self.log_path = self.out / "log.jsonl"
@@ -518,9 +522,13 @@ class Trainer:
             if order_epoch != self.state.epoch:
                 order, order_epoch = self.epoch_order(self.state.epoch), self.state.epoch
             indices = self.next_batch(order)
+            if self.profile is not None and self.state.step - first == PROFILED[0]:
+                self.profile.start(self.params[0].device, self.state.step)
             started = time.perf_counter()
             window.append(self.train_step(indices))
             self.advance(len(indices))
+            if self.profile is not None and self.state.step - first == PROFILED[1]:
+                self.profile.finish(self.state.step)
             bar.update(1)
             step = self.state.step
             if self.finish_by is not None and step < stop:
@@ -544,6 +552,8 @@ class Trainer:
                     self.save_checkpoint()
                 last_save = self.clock()
         bar.close()
+        if self.profile is not None:  # a run that ended inside the profiled steps
+            self.profile.finish(self.state.step)
         if self.world.main:
             self.export_final()
         self.world.barrier()  # nobody leaves before the final drafter is written
@@ -695,6 +705,51 @@ class Trainer:
         return final
 
 
+class Profile:
+    """`dflash train --profile`: torch.profiler over a few steps (PROFILED), written to a file as two tables of
+    operations, by the device's time (a GPU's kernels) and by the host's (Python and launches). Profiling never stops
+    a run: a profiler that fails says so and the run goes on."""
+
+    def __init__(self, path: Path, say):
+        self.path, self.say, self.profiler, self.device, self.started, self.first = path, say, None, None, 0.0, 0
+
+    def start(self, device: torch.device, step: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.device, self.first = device, step
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        try:
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+        except Exception as exc:  # noqa: BLE001 - a profile is a by-product: the run matters more
+            self.say(f"[dflash] --profile: the profiler did not start ({exc}); training goes on")
+            self.profiler = None
+        self.started = time.perf_counter()
+
+    def finish(self, step: int) -> None:
+        if self.profiler is None:
+            return
+        steps = max(1, step - self.first)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.started
+        try:
+            self.profiler.__exit__(None, None, None)
+            averages = self.profiler.key_averages()
+            parts = [f"steps {self.first + 1}-{step}: {seconds:.3f} s ({seconds / steps * 1000:.1f} ms a step, "
+                     "profiled)\n"]
+            if self.device.type != "cpu":
+                by_device = averages.table(sort_by="self_device_time_total", row_limit=30)
+                parts += ["\nby the device's own time\n", by_device]
+            parts += ["\nby the host's own time\n", averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("".join(parts))
+            self.say(f"[dflash] --profile: {steps} steps in {seconds:.2f} s, tables in {self.path}")
+        except Exception as exc:  # noqa: BLE001
+            self.say(f"[dflash] --profile: no tables ({exc}); training goes on")
+        self.profiler = None
+
+
 # ---- plots -----------------------------------------------------------------------------------------------------------
 def write_plot(log_path: Path, png_path: Path) -> bool:
     """Loss, mean accuracy and surrogate tau against step. Skipped (False) when matplotlib is not installed."""
@@ -745,6 +800,9 @@ def add_arguments(p) -> None:
                    help="continue exactly from OUT's newest checkpoint, or from the given checkpoint / run folder")
     p.add_argument("--plot", action="store_true", help="write OUT/curves.png (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--profile", action="store_true",
+                   help=f"profile steps {PROFILED[0] + 1}-{PROFILED[1]} (torch.profiler) into OUT/{PROFILE_FILE}: "
+                        "operations by the device's time and by the host's")
     p.add_argument("--minutes", type=float, default=None,
                    help="end within this many minutes of the command's start: the run times its pace over its first "
                         "steps and stops at the last step that fits (evaluations and the final save included). A new "
@@ -913,7 +971,7 @@ def train_in(world: World, args, overrides: dict, out: Path, examples: list[Exam
     # --minutes fits the schedule of a new run whose length was not given, and only stops any other run in time
     fit_schedule = resume_from is None and config.schedule_steps is None and config.max_steps is None
     trainer = Trainer(objective, config, out, train, heldout, progress=not args.no_progress, world=world,
-                      finish_by=finish_by, fit_schedule=fit_schedule)
+                      finish_by=finish_by, fit_schedule=fit_schedule, profile=args.profile)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
         say(f"[dflash] resumed from {resume_from} at step {trainer.state.step}")
