@@ -640,6 +640,24 @@ def test_profile_of_a_few_steps(resume_runs, tmp_path, max_steps, profiled):
             torch.testing.assert_close(profiled_weights[name], plain[name], atol=1e-6, rtol=1e-5)
 
 
+def test_a_time_limit_leaves_the_profile_out_of_the_pace(target, tmp_path):
+    """A profile whose tables take 40 s after step 7 (47 s -> 87 s on the clock) does not make 1-s steps look like
+    5-s ones: the look after step 10 goes on, and at step 48 (88 s) 0.92 x (110 - 88 - 15) s fit 6 more steps."""
+    run, now = timed_trainer(target, tmp_path, lambda step: 1.0, finish_by=110.0)
+    run.config = run.config.replace({"log_every": 10})
+
+    class SlowTables:
+        def start(self, device, step):
+            pass
+
+        def finish(self, step):
+            now[0] += 40.0 if step == 7 else 0.0
+
+    run.profile = SlowTables()
+    run.fit()
+    assert run.state.step == run.total_steps == 54 and now[0] == 94.0
+
+
 def test_minutes_must_be_positive(tmp_path):
     with pytest.raises(UserError, match="--minutes must be > 0"):
         trainer.run(train_args(tmp_path / "data.jsonl", tmp_path / "out", "--minutes", "0"))

@@ -379,9 +379,11 @@ class Trainer:
             self.optimizer, lambda step: cosine_with_warmup(step, self.total_steps, self.warmup_steps)
         )
         self.finish_by, self.fit_schedule, self.clock = finish_by, fit_schedule, time.monotonic
-        self.pace_mark: tuple[float, float] | None = None  # (clock, evaluation_seconds) at step PACE_FROM
-        self.evaluation_seconds = 0.0  # spent in evaluate() by this invocation
-        self.last_look: tuple[int, float] | None = None  # (steps done, clock) at keep_time's last look
+        # keep_time's clocks: time aside from training (evaluations, a profile's tables) never counts in its pace
+        self.aside_seconds = 0.0  # this invocation's evaluations and profile
+        self.evaluation_cost = 0.0  # the last evaluation's seconds
+        self.pace_mark: tuple[float, float] | None = None  # (clock, aside_seconds) at step PACE_FROM
+        self.last_look: tuple[int, float, float] | None = None  # (steps done, clock, aside_seconds) at the last look
         self.evaluated_at: int | None = None  # the step of the last evaluation
         self.profile = Profile(self.out / PROFILE_FILE, self.say) if profile and world.main else None
         self.state = TrainState()
@@ -528,7 +530,9 @@ class Trainer:
             window.append(self.train_step(indices))
             self.advance(len(indices))
             if self.profile is not None and self.state.step - first == PROFILED[1]:
-                self.profile.finish(self.state.step)
+                aside = self.clock()
+                self.profile.finish(self.state.step)  # its tables take a while: not training's time
+                self.aside_seconds += self.clock() - aside
             bar.update(1)
             step = self.state.step
             if self.finish_by is not None and step < stop:
@@ -567,19 +571,16 @@ class Trainer:
         time left would not hold the steps until its next look, at the pace since its last one."""
         now = self.clock()
         if done == PACE_FROM:
-            self.pace_mark = (now, self.evaluation_seconds)
+            self.pace_mark = (now, self.aside_seconds)
         if self.last_look is None:  # from the end of the first step (a GPU's first step warms kernels up)
-            self.last_look = (done, now)
+            self.last_look = (done, now, self.aside_seconds)
         if done == PACE_TO and self.pace_mark is not None:
-            # training's pace: evaluations between the two marks (eval_every < 32) have their own share below
-            evaluations = self.evaluation_seconds - self.pace_mark[1]
-            seconds = (now - self.pace_mark[0] - evaluations) / (PACE_TO - PACE_FROM)
-            evaluation = 0.0  # an evaluation's seconds, timed on one (which also puts an early point on the curve)
-            if self.heldout and self.world.main:
-                before = self.evaluation_seconds
+            # training's pace: evaluations between the marks (eval_every < 32) have their own share below
+            seconds = (now - self.pace_mark[0] - (self.aside_seconds - self.pace_mark[1])) / (PACE_TO - PACE_FROM)
+            if self.heldout and self.world.main:  # timed on one (which also puts an early point on the curve)
                 self.evaluate()
-                evaluation, now = self.evaluation_seconds - before, self.clock()
-            fits = int(self.main_value(self.steps_in_time(seconds, evaluation, now)))
+                now = self.clock()
+            fits = int(self.main_value(self.steps_in_time(seconds, self.evaluation_cost, now)))
             if self.fit_schedule:
                 self.set_schedule(fits)
                 self.config = self.config.replace({"schedule_steps": fits, "max_steps": fits})
@@ -590,11 +591,16 @@ class Trainer:
                      f" at step {stop}, {(self.finish_by - now) / 60:.1f} min from now")
             return stop
         if done % self.config.log_every == 0 and done > self.last_look[0]:
-            # the pace since the last look, evaluations and checkpoints included: errs long
-            seconds = (now - self.last_look[1]) / (done - self.last_look[0])
-            self.last_look = (done, now)
-            steps_to_next_look = min(self.config.log_every, stop - self.state.step)
-            late = now + steps_to_next_look * seconds + FINAL_SECONDS > self.finish_by
+            # the pace since the last look, checkpoints included (errs long), evaluations counted apart: the next
+            # look comes after steps_ahead more steps, and after an evaluation if one falls before the last step
+            looked, then, aside = self.last_look
+            seconds = (now - then - (self.aside_seconds - aside)) / (done - looked)
+            self.last_look = (done, now, self.aside_seconds)
+            step, steps_ahead = self.state.step, min(self.config.log_every, stop - self.state.step)
+            next_evaluation = (step // self.config.eval_every + 1) * self.config.eval_every  # the one at stop: FINAL
+            evaluating = bool(self.heldout) and next_evaluation <= step + steps_ahead and next_evaluation < stop
+            ahead = steps_ahead * seconds + (self.evaluation_cost if evaluating else 0.0)
+            late = now + ahead + FINAL_SECONDS > self.finish_by
             if self.main_value(float(late)):
                 self.say(f"[dflash] out of time: stopping at step {self.state.step}")
                 return self.state.step
@@ -639,7 +645,8 @@ class Trainer:
                 else {}
             record = {"step": self.state.step, **self.objective.evaluate(self.heldout, rngs, **shared)}
         self.append_log(record)
-        self.evaluation_seconds += self.clock() - started
+        self.evaluation_cost = self.clock() - started
+        self.aside_seconds += self.evaluation_cost
         return record
 
     def append_log(self, record: dict) -> None:
