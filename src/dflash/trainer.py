@@ -270,6 +270,7 @@ class Objective(Protocol):
     def loss(self, example: Example, rng: np.random.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def evaluate(self, examples: list[Example], rngs: list[np.random.Generator]) -> dict: ...
+    # (an objective with a batched `losses` also takes per_pass=N: N sequences a pass, as its training steps run)
 
     def save(self, folder: Path, dtype: torch.dtype | None) -> None: ...
 
@@ -640,9 +641,8 @@ class Trainer:
         self.model.eval()
         rngs = [np.random.default_rng([self.config.seed, EVAL_STREAM, i]) for i in range(len(self.heldout))]
         with self.autocast():
-            # as many sequences a pass as training's (one where the objective's evaluate takes one at a time)
-            shared = {"per_pass": self.per_pass} if (self.per_pass or 1) > 1 and hasattr(self.objective, "losses") \
-                else {}
+            # as many sequences a pass as training's (always one for an objective without `losses`)
+            shared = {"per_pass": self.per_pass} if (self.per_pass or 1) > 1 else {}
             record = {"step": self.state.step, **self.objective.evaluate(self.heldout, rngs, **shared)}
         self.append_log(record)
         self.evaluation_cost = self.clock() - started

@@ -83,10 +83,13 @@ def draft_labels(head: Eagle3Head, input_ids: torch.Tensor, loss_start) -> torch
     """On the host: the draft index of token j+2 for each pair j [b, s-2], IGNORE before `loss_start` and where the
     draft vocabulary lacks the token. Which rows have labels is then known without asking a GPU (each boolean index
     there stalls the step until the GPU has caught up)."""
-    input_ids = input_ids.cpu()
-    lookup = torch.full((head.config.vocab_size,), IGNORE, dtype=torch.long)
-    lookup[torch.tensor(head.target_ids(), dtype=torch.long)] = torch.arange(head.config.draft_vocab_size)
-    labels = lookup[input_ids[:, 2:]]
+    input_ids, target_ids = input_ids.cpu(), head.target_ids()
+    kept = head.__dict__.get("_host_lookup")  # kept while the vocabulary stands (target_ids gives the same list)
+    if kept is None or kept[0] is not target_ids:
+        lookup = torch.full((head.config.vocab_size,), IGNORE, dtype=torch.long)
+        lookup[torch.tensor(target_ids, dtype=torch.long)] = torch.arange(head.config.draft_vocab_size)
+        kept = head.__dict__["_host_lookup"] = (target_ids, lookup)
+    labels = kept[1][input_ids[:, 2:]]
     mask = loss_start.cpu() if isinstance(loss_start, torch.Tensor) else loss_start
     return labels.masked_fill(~_label_mask(input_ids, mask)[:, 2:], IGNORE)
 
