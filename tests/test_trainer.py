@@ -26,7 +26,8 @@ from dflash.methods.dflash.objective import (
     sample_anchors,
 )
 from dflash.cli import build_parser
-from dflash.methods.dflash.drafter import BlockLayout, DFlashConfig, DFlashDrafter, block_sparse_attention
+from dflash.methods.dflash.attention import BlockLayout, block_sparse_attention
+from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.errors import UserError
 from dflash.testing import tiny_target
 

@@ -93,6 +93,9 @@ class TrainConfig:
     seqs_per_pass: int = option(0, "dflash: sequences run through the target and the drafter together (0: auto: "
                                    "1 on a CPU; on a GPU, 1 or a step's share, whichever its first step times "
                                    "faster)")
+    attention: str = option("auto", "dflash: the training attention's kernel: blocks (torch operations, any "
+                                    "device), flex (FlexAttention over a block mask, compiled; CUDA only) or auto "
+                                    "(on a GPU, whichever its first step times faster; blocks elsewhere)")
     gamma: float | None = option(None, "dflash: loss decay over block positions (7 for B=16, 5 for B=10, 4 for B=8, "
                                        "interpolated)")
     loss: str = option("ce", "dflash: ce (cross-entropy on the target's regenerated tokens) or kl (self-distillation: "
@@ -119,6 +122,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         from .methods import registry
+        from .methods.dflash.attention import KERNELS as ATTENTION_KERNELS
 
         if self.method not in registry.trainable():
             raise not_trainable(self.method)
@@ -155,6 +159,8 @@ class TrainConfig:
             raise UserError(f"anchors must be uniform or decoded, got {self.anchors!r}")
         if self.loss_vocab not in ("draft", "full"):
             raise UserError(f"loss_vocab must be draft or full, got {self.loss_vocab!r}")
+        if self.attention not in ("auto", *ATTENTION_KERNELS):
+            raise UserError(f"attention must be auto, {', '.join(ATTENTION_KERNELS)}, got {self.attention!r}")
         if self.init not in ("random", "target"):
             raise UserError(f"init must be random or target, got {self.init!r}")
         return self
@@ -190,7 +196,8 @@ def read_config_values(path: str | Path) -> dict:
 
 
 # Options a resumed run may change: they do not affect the weights it computes (seqs_per_pass only their rounding).
-RESUMABLE = ("log_every", "eval_every", "save_every", "save_minutes", "keep_checkpoints", "max_steps", "seqs_per_pass")
+RESUMABLE = ("log_every", "eval_every", "save_every", "save_minutes", "keep_checkpoints", "max_steps", "seqs_per_pass",
+             "attention")
 # The most an automatic --seqs-per-pass packs on a GPU: numbers in one hidden state of all of a pass's blocks (the
 # drafter keeps a few dozen such tensors per layer for its backward pass). 8 SmolLM2 sequences at 512 anchors: 38M.
 PASS_ACTIVATIONS = 1 << 26
@@ -391,6 +398,7 @@ class Trainer:
         self.fingerprint = data_fingerprint(train)
         self.log_path = self.out / "log.jsonl"
         self.per_pass = self.sequences_per_pass()
+        self.attention_untimed = len(getattr(objective, "attention_choices", list)()) > 1  # `timed_attention`
 
     def set_schedule(self, total_steps: int) -> None:
         self.total_steps = total_steps
@@ -455,6 +463,33 @@ class Trainer:
             print(f"[dflash] sequences per pass: {best} ({timing} for one step's sequences)", file=sys.stderr)
         return best
 
+    def timed_attention(self, indices: list[int]) -> None:
+        """Sets the objective's attention kernel to the fastest of its `attention_choices` on this GPU, timed like
+        `timed_per_pass` (the second of two runs of this step's sequences; the first compiles). A kernel that fails
+        here (a compile error, say) is reported and left out: the run goes on with the others."""
+        choices = self.objective.attention_choices()
+        seconds = {}
+        for kernel in choices:
+            self.objective.attention = kernel
+            try:
+                for _ in range(2):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    self.accumulate(indices, self.per_pass)
+                    torch.cuda.synchronize()
+                    seconds[kernel] = time.perf_counter() - started
+            except Exception as exc:  # noqa: BLE001 - any failure of a candidate only rules it out
+                seconds[kernel] = math.inf
+                self.say(f"[dflash] attention {kernel} failed here, left out: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                torch.cuda.empty_cache()
+        self.optimizer.zero_grad(set_to_none=True)
+        best = min(choices, key=lambda kernel: seconds[kernel])
+        best = choices[int(self.main_value(choices.index(best)))]  # one kernel for every process: process 0's
+        self.objective.attention = best
+        timing = ", ".join(f"{k}: {v:.2f} s" for k, v in seconds.items())
+        self.say(f"[dflash] training attention: {best} ({timing} for one step's sequences)")
+
     def next_batch(self, order: np.ndarray) -> list[int]:
         start = self.state.position
         return order[start : start + self.config.grad_accum].tolist()
@@ -465,6 +500,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.per_pass is None:
             self.per_pass = self.timed_per_pass(indices)
+        if self.attention_untimed:
+            self.attention_untimed = False
+            self.timed_attention(indices)
         totals = self.accumulate(indices, self.per_pass)
         if self.world.size > 1:
             for p in self.params:

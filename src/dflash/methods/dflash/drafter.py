@@ -31,6 +31,7 @@ from ...models.cache import KVCache, scatter_index
 from ...models.kernels import FrozenLinear
 from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, native_constants
 from ...models.transformer import MAX_NATIVE_TOKENS
+from .attention import BlockLayout, block_attention
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -152,42 +153,6 @@ def repeat_kv_rows(weight: torch.Tensor, head_dim: int, factor: int) -> torch.Te
     return weight.reshape(rows // head_dim, 1, head_dim, width).expand(-1, factor, -1, -1).reshape(-1, width)
 
 
-# ---- training attention ------------------------------------------------------------------------------------------
-@dataclass
-class BlockLayout:
-    """The training layout of a drafter call: the query tokens are len(anchors) blocks of block_size tokens, block i
-    anchored at position anchors[i], and the context holds positions 0..S-1. Block i sees context positions
-    < anchors[i] and its own block bidirectionally, never another block (DFLASH_SPEC.md section 4). Passed instead of
-    a dense mask so attention never materialises the [N, S + N] mask, of which all but N * (S + B) entries are False.
-    anchors [b, nblocks] gives each row of a batch of sequences its own blocks."""
-
-    anchors: torch.Tensor  # [nblocks] (every row alike) or [b, nblocks], long
-    block_size: int
-
-
-def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
-    """Attention under `layout` in O(N * (S + B)): scores against the context (hidden from each block's anchor on)
-    and against the block's own B keys, one softmax over both. Equals SDPA with the dense block mask.
-    q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV).
-    Returns [b, H, N, d]."""
-    b, heads, n, d = q.shape
-    kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[-1], layout.block_size
-    group = heads // kv_heads
-    q = q.reshape(b, kv_heads, group, n, d) * d**-0.5
-    ctx_scores = q @ ctx_k[:, :, None].transpose(-1, -2)  # [b, KV, group, N, S]
-    visible = torch.arange(s, device=q.device) < layout.anchors.repeat_interleave(size, dim=-1)[..., None]
-    if visible.dim() == 3:  # [b, N, S]: each row its own anchors
-        visible = visible[:, None, None]
-    ctx_scores = ctx_scores.masked_fill(~visible, float("-inf"))
-    blocked_q = q.reshape(b, kv_heads, group, nblocks, size, d)
-    own_scores = blocked_q @ k.reshape(b, kv_heads, 1, nblocks, size, d).transpose(-1, -2)  # [..., nblocks, B, B]
-    scores = torch.cat([ctx_scores, own_scores.reshape(b, kv_heads, group, n, size)], dim=-1)
-    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
-    out = probs[..., :s] @ ctx_v[:, :, None]
-    own = probs[..., s:].reshape(b, kv_heads, group, nblocks, size, size) @ v.reshape(b, kv_heads, 1, nblocks, size, d)
-    return (out + own.reshape(b, kv_heads, group, n, d)).reshape(b, heads, n, d)
-
-
 # ---- the model -----------------------------------------------------------------------------------------------------
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
@@ -208,7 +173,7 @@ class DecoderLayer(nn.Module):
             keys, values = cache.write(index, k, v, offset=ctx_k.shape[2])
             out = attn.attend(q, keys, values)
         elif isinstance(mask, BlockLayout):
-            out = block_sparse_attention(q, ctx_k, ctx_v, k, v, mask)
+            out = block_attention(q, ctx_k, ctx_v, k, v, mask)
             out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
         else:
             out = attn.attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)

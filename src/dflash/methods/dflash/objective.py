@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ...errors import UserError
-from .drafter import BlockLayout, DFlashConfig, DFlashDrafter, check_kv_heads, default_mask_token_id, repeat_kv_rows
+from .attention import KERNELS, BlockLayout, flex_unavailable
+from .drafter import DFlashConfig, DFlashDrafter, check_kv_heads, default_mask_token_id, repeat_kv_rows
 
 IGNORE = -100
 DEFAULT_DRAFT_VOCAB = 8192
@@ -280,7 +281,15 @@ class DFlashObjective:
     name = "dflash"
 
     def __init__(self, drafter, target, anchors_per_seq: int, gamma: float | None = None, max_length: int = 3072,
-                 distill: bool = False, loss_vocab: str = "draft", anchor_policy: str = "uniform"):
+                 distill: bool = False, loss_vocab: str = "draft", anchor_policy: str = "uniform",
+                 attention: str = "blocks"):
+        """`attention`: the training attention's kernel (attention.KERNELS), or auto: blocks until `dflash train`
+        times `attention_choices` at its first step."""
+        if attention != "auto" and attention != "blocks" and flex_unavailable(target.device):
+            raise UserError(f"--attention {attention}: {flex_unavailable(target.device)}")
+        self.attention_setting = attention
+        self.attention = "blocks" if attention == "auto" else attention
+        self.flex_batch: int | None = None  # the sequences per pass flex compiled for (`blocks_results`)
         self.model = drafter
         self.anchor_policy = anchor_policy  # "uniform" or "decoded" (`decoded_anchors`)
         self.target = target
@@ -305,6 +314,25 @@ class DFlashObjective:
         out = self.target.forward(input_ids, None, self.feature_layers, logits_at="all" if self.distill else "none")
         # target.forward runs in inference mode; autograd may not save inference tensors, so copy out of it
         return out.features.clone(), (out.logits.clone() if out.logits is not None else None)
+
+    def attention_choices(self) -> list[str]:
+        """The attention kernels `dflash train` times at its first step (auto, where flex can train), else the one
+        set."""
+        if self.attention_setting != "auto":
+            return [self.attention_setting]
+        return ["blocks"] if flex_unavailable(self.target.device) else list(KERNELS)
+
+    def pass_kernel(self, count: int, nblocks: int) -> tuple[str, int]:
+        """(kernel, blocks per sequence) of a pass of `count` sequences with up to `nblocks` blocks each. flex
+        compiles for one shape: its passes pad every sequence to anchors_per_seq blocks (nearly all passes have
+        that many already) and keep the sequences per pass of its first; any other pass, and any pass without
+        gradients, takes blocks."""
+        if self.attention != "flex" or not torch.is_grad_enabled():
+            return "blocks", nblocks
+        self.flex_batch = self.flex_batch or count
+        if count != self.flex_batch:
+            return "blocks", nblocks
+        return "flex", max(nblocks, self.anchors_per_seq)
 
     @property
     def activations_per_sequence(self) -> int:
@@ -356,7 +384,7 @@ class DFlashObjective:
         count = len(sequences)
         batches = [build_block_batch(seq, anchors.cpu(), self.block_size, self.model.config.mask_token_id)
                    for seq, anchors in zip(sequences, anchor_sets)]
-        nblocks = max(batch.block_ids.shape[0] for batch in batches)
+        kernel, nblocks = self.pass_kernel(count, max(batch.block_ids.shape[0] for batch in batches))
         ids = self.padded(sequences)
         length = ids.shape[1]
         block_ids = torch.full((count, nblocks, self.block_size), self.model.config.mask_token_id)
@@ -374,7 +402,7 @@ class DFlashObjective:
             on_device(positions.reshape(count, -1), device),
             features,
             torch.arange(length, device=device).expand(count, -1),
-            mask=BlockLayout(on_device(anchors, device), self.block_size),
+            mask=BlockLayout(on_device(anchors, device), self.block_size, kernel, self.max_length),
         )
         results = []
         for row, (seq, batch, loss_start) in enumerate(zip(sequences, batches, loss_starts)):
@@ -496,7 +524,8 @@ class DFlashTraining:
     fixed_shape_note = ""
     # an --init-from drafter is widened or deepened to these without changing its outputs
     free_on_init = ("kv_heads", "num_layers")
-    own_options = ("anchors_per_seq", "anchors", "gamma", "loss", "init", "loss_vocab", "kv_heads", "seqs_per_pass")
+    own_options = ("anchors_per_seq", "anchors", "gamma", "loss", "init", "loss_vocab", "kv_heads", "seqs_per_pass",
+                   "attention")
 
     def new_model(self, target, config) -> DFlashDrafter:
         cfg = DFlashConfig.for_target(
@@ -528,7 +557,8 @@ class DFlashTraining:
             drafter = drafter.with_kv_heads(config.kv_heads)
         drafter = drafter.with_layers(config.num_layers)
         return DFlashObjective(drafter, target, config.anchors_per_seq, config.gamma, config.max_length,
-                               distill=config.loss == "kl", loss_vocab=config.loss_vocab, anchor_policy=config.anchors)
+                               distill=config.loss == "kl", loss_vocab=config.loss_vocab, anchor_policy=config.anchors,
+                               attention=config.attention)
 
     def prepare_new(self, objective, train_examples, config) -> None:
         """A new drafter drafts among the most frequent response tokens of the training sequences (its draft

@@ -1,0 +1,181 @@
+"""The drafter's training attention: every block of a sequence over one context, in one pass (DFLASH_SPEC.md section 4).
+
+Block i, anchored at position a_i, sees the context positions before a_i and its own block (bidirectionally), never
+another block. Two kernels compute it, with the same result:
+- `blocks` (any device): scores against the context and against the block's own keys, one softmax over both, in
+  torch operations. It materialises the [heads, N, S] scores. On a GPU they are read and written several times a
+  layer, forward and backward: 8 sequences x 8,192 block tokens x ~750 context positions is ~0.9 GB in bfloat16 each
+  time, likely most of a step's memory traffic.
+- `flex` (CUDA): PyTorch's FlexAttention, compiled, over a block mask built here from the anchors. Tiles of keys
+  that a tile of queries cannot see are skipped, and no score leaves the kernel. FlexAttention has no CPU backward
+  pass. The context is padded to a fixed capacity, so one compile serves every step.
+`dflash train` picks the kernel by timing its first step on a GPU (trainer `timed_attention`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("blocks", "flex")
+TILE = 128  # FlexAttention's tile: queries and keys in blocks of 128
+
+
+@dataclass
+class BlockLayout:
+    """The training layout of a drafter call: the query tokens are len(anchors) blocks of block_size tokens, block i
+    anchored at position anchors[i], and the context holds positions 0..S-1. Block i sees context positions
+    < anchors[i] and its own block bidirectionally, never another block. Passed instead of a dense mask so attention
+    never materialises the [N, S + N] mask, of which all but N * (S + B) entries are False.
+    anchors [b, nblocks] gives each row of a batch of sequences its own blocks."""
+
+    anchors: torch.Tensor  # [nblocks] (every row alike) or [b, nblocks], long
+    block_size: int
+    kernel: str = "blocks"  # one of KERNELS; flex only runs where gradients are taken (a forward alone uses blocks)
+    capacity: int = 0  # flex: context positions padded to this many (fixed shapes compile once); 0: S, rounded
+
+
+def block_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
+    """Attention under `layout` by its kernel, [b, H, N, d]. A pass without gradients (held-out evaluation, decoded
+    anchors) always takes `blocks`: a compiled forward alone would be one more compile."""
+    if layout.kernel == "flex" and torch.is_grad_enabled():
+        return flex_block_attention(q, ctx_k, ctx_v, k, v, layout)
+    return block_sparse_attention(q, ctx_k, ctx_v, k, v, layout)
+
+
+def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
+    """Attention under `layout` in O(N * (S + B)): scores against the context (hidden from each block's anchor on)
+    and against the block's own B keys, one softmax over both. Equals SDPA with the dense block mask.
+    q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV).
+    Returns [b, H, N, d]."""
+    b, heads, n, d = q.shape
+    kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[-1], layout.block_size
+    group = heads // kv_heads
+    q = q.reshape(b, kv_heads, group, n, d) * d**-0.5
+    ctx_scores = q @ ctx_k[:, :, None].transpose(-1, -2)  # [b, KV, group, N, S]
+    visible = torch.arange(s, device=q.device) < layout.anchors.repeat_interleave(size, dim=-1)[..., None]
+    if visible.dim() == 3:  # [b, N, S]: each row its own anchors
+        visible = visible[:, None, None]
+    ctx_scores.masked_fill_(~visible, float("-inf"))  # in place: the product's backward never reads its output
+    blocked_q = q.reshape(b, kv_heads, group, nblocks, size, d)
+    own_scores = blocked_q @ k.reshape(b, kv_heads, 1, nblocks, size, d).transpose(-1, -2)  # [..., nblocks, B, B]
+    scores = torch.cat([ctx_scores, own_scores.reshape(b, kv_heads, group, n, size)], dim=-1)
+    # the scores' own dtype in and out: autocast would widen bfloat16 scores to float32 and write them so, then copy
+    # them back, forward and backward (~5x the bytes of this softmax); its kernels sum in float32 either way
+    with autocast_off(q.device.type):
+        probs = scores.softmax(-1).to(v.dtype)
+    out = probs[..., :s] @ ctx_v[:, :, None]
+    own = probs[..., s:].reshape(b, kv_heads, group, nblocks, size, size) @ v.reshape(b, kv_heads, 1, nblocks, size, d)
+    return (out + own.reshape(b, kv_heads, group, n, d)).reshape(b, heads, n, d)
+
+
+def autocasting(device_type: str) -> bool:
+    """Whether autocast is on for this device type (never on a device autocast does not know, such as meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off where it is on."""
+    return torch.autocast(device_type, enabled=False) if autocasting(device_type) else nullcontext()
+
+
+# ---- FlexAttention -------------------------------------------------------------------------------------------------
+def flex_unavailable(device: torch.device) -> str:
+    """Why `flex` cannot train on `device` ("" where it can)."""
+    if torch.device(device).type != "cuda":
+        return "FlexAttention trains on CUDA only (it has no CPU backward pass)"
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError as exc:
+        return f"this torch has no FlexAttention ({exc})"
+    return ""
+
+
+_compiled_flex = None
+
+
+def compiled_flex():
+    """flex_attention compiled once per process: uncompiled it runs a dense reference that materialises the
+    scores. Static shapes: the layout pads them (`flex_block_attention`), so steps share one graph."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def padded_capacity(layout: BlockLayout, context: int) -> int:
+    """Context positions the flex kernel sees: the layout's capacity (at least the context), in whole tiles, so
+    that a tile of keys is all context or all block keys."""
+    return -(-max(layout.capacity, context) // TILE) * TILE
+
+
+def flex_block_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout, flex=None) -> torch.Tensor:
+    """`block_sparse_attention` by FlexAttention: keys are the context padded to `padded_capacity`, then every
+    block's own keys; `flex_block_mask` says which tiles to compute. `flex`: the attention function (default the
+    compiled one; tests pass the eager reference). Under autocast every input goes to its dtype first: RoPE leaves q
+    and k in float32 while v comes out of a bfloat16 product, and the kernel wants one dtype."""
+    b, heads, n, _ = q.shape
+    kv_heads, s = ctx_k.shape[1], ctx_k.shape[2]
+    capacity = padded_capacity(layout, s)
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if autocasting(device_type) else q.dtype
+    pad = (0, 0, 0, capacity - s)
+    keys = torch.cat([F.pad(ctx_k.to(dtype), pad), k.to(dtype)], dim=2)
+    values = torch.cat([F.pad(ctx_v.to(dtype), pad), v.to(dtype)], dim=2)
+    mask = flex_block_mask(layout.anchors, layout.block_size, b, n, capacity)
+    with autocast_off(device_type):
+        return (flex or compiled_flex())(q.to(dtype), keys, values, block_mask=mask, enable_gqa=heads != kv_heads)
+
+
+def flex_block_mask(anchors: torch.Tensor, block_size: int, batch: int, queries: int, capacity: int):
+    """The BlockMask of a layout whose keys are `capacity` context positions (a multiple of TILE; positions past the
+    real context are padding no anchor reaches) followed by the `queries` block tokens' own keys.
+
+    Built from the anchors with tensor operations on their device, so nothing waits for a GPU. Per tile of TILE
+    queries (TILE / block_size blocks of sorted anchors, so their anchors lie close together), a context tile is
+    full where it ends at or before the tile's lowest anchor, partial where it starts before its highest, skipped
+    otherwise; the tiles holding the tile's own block keys are partial. Partial tiles apply `mask_mod`, per query
+    and key."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = anchors.device
+    per_query = (anchors if anchors.dim() == 2 else anchors.expand(batch, -1)).repeat_interleave(block_size, dim=-1)
+    q_tiles, kv_tiles = -(-queries // TILE), (capacity + queries + TILE - 1) // TILE
+    spare = q_tiles * TILE - queries
+    lowest = F.pad(per_query, (0, spare), value=capacity).view(batch, q_tiles, TILE).amin(-1)[..., None]
+    highest = F.pad(per_query, (0, spare), value=0).view(batch, q_tiles, TILE).amax(-1)[..., None]
+    starts = torch.arange(kv_tiles, device=device) * TILE  # first key of each key tile
+    in_context = starts < capacity
+    full = in_context & (starts + TILE <= lowest)  # [b, q_tiles, kv_tiles]
+    seen = in_context & (starts < highest)
+    first_query = torch.arange(q_tiles, device=device) * TILE
+    last_query = (first_query + TILE).clamp(max=queries) - 1
+    own_from = capacity + first_query // block_size * block_size  # the tile's own block keys, [from, to)
+    own_to = capacity + (last_query // block_size + 1) * block_size
+    own = ~in_context & (starts < own_to[:, None]) & (starts + TILE > own_from[:, None])  # [q_tiles, kv_tiles]
+    partial = (seen & ~full) | own
+
+    # mask_mod reads each query's anchor; padded to whole tiles (the kernel may ask for a query past the last)
+    query_anchor = F.pad(per_query, (0, spare), value=0)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_own_block = (kv_idx - capacity) // block_size == q_idx // block_size
+        return torch.where(kv_idx < capacity, kv_idx < query_anchor[b, q_idx], in_own_block)
+
+    counts, indices = tiles_in_order(partial)
+    full_counts, full_indices = tiles_in_order(full)
+    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                    seq_lengths=(queries, capacity + queries))
+
+
+def tiles_in_order(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [b, q_tiles, kv_tiles] tile mask as BlockMask's (counts [b, 1, q_tiles], indices [b, 1, q_tiles,
+    kv_tiles]): each query tile's key tiles to compute first, in order."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[:, None], indices[:, None]

@@ -1,0 +1,228 @@
+"""The drafter's training attention kernels (methods/dflash/attention.py): FlexAttention's block mask against the
+dense definition, its values and gradients against `blocks`, and how `dflash train` picks a kernel."""
+
+import shutil
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+from dflash import trainer
+from dflash.cli import build_parser
+from dflash.errors import UserError
+from dflash.methods.dflash import attention, objective as objective_module
+from dflash.methods.dflash.attention import TILE, BlockLayout, block_attention, block_sparse_attention, \
+    flex_block_attention, flex_block_mask
+from dflash.methods.dflash.objective import DFlashObjective
+from dflash.testing import tiny_target
+from test_trainer import counting_records, eagle3_argv, tiny_drafter, train_args, write_shards
+
+
+def random_layout(batch, nblocks, block_size, context, seed, capacity=0):
+    """Sorted distinct anchors in [1, context) per row, as `sample_anchors` draws them."""
+    gen = torch.Generator().manual_seed(seed)
+    anchors = torch.stack([torch.sort(torch.randperm(context - 1, generator=gen)[:nblocks] + 1).values
+                           for _ in range(batch)])
+    return BlockLayout(anchors, block_size, "flex", capacity)
+
+
+def dense_truth(anchors, block_size, capacity):
+    """[b, N, capacity + N]: query n (block n // B) sees context key j < its anchor and the keys of its own block."""
+    per_query = anchors.repeat_interleave(block_size, dim=-1)
+    n = per_query.shape[-1]
+    keys = torch.arange(capacity + n)
+    own_block = (keys - capacity).div(block_size, rounding_mode="floor")
+    queries_block = torch.arange(n) // block_size
+    context = keys[None, None] < per_query[..., None]
+    own = own_block[None, None] == queries_block[None, :, None]
+    return torch.where(keys < capacity, context, own)
+
+
+def tiles(dense, queries, keys, reduce):
+    """A [b, N, K] mask reduced over TILE x TILE tiles by `reduce` (any/all), padded rows and keys left out."""
+    b = dense.shape[0]
+    q_tiles, k_tiles = -(-queries // TILE), -(-keys // TILE)
+    grid = torch.full((b, q_tiles * TILE, k_tiles * TILE), reduce is torch.all)
+    grid[:, :queries, :keys] = dense
+    return reduce(reduce(grid.view(b, q_tiles, TILE, k_tiles, TILE), dim=4), dim=2)
+
+
+@pytest.mark.parametrize("nblocks,block_size,context,capacity", [
+    (40, 16, 300, 0),  # 5 query tiles of 8 blocks each
+    (37, 5, 200, 512),  # blocks across tile edges; a last partial tile; context padded past the real one
+    (300, 16, 320, 0),  # blocks at nearly every position: many full context tiles
+    (9, 16, 140, 256),
+])
+def test_block_mask_lists_exactly_the_tiles_to_compute(nblocks, block_size, context, capacity):
+    """Partial or full: exactly the tiles holding a visible pair; full: exactly the context tiles all visible (the
+    kernel skips mask_mod there); never both. Its mask_mod is the dense definition."""
+    layout = random_layout(2, nblocks, block_size, context, seed=nblocks)
+    capacity = attention.padded_capacity(BlockLayout(layout.anchors, block_size, capacity=capacity), context)
+    queries = nblocks * block_size
+    mask = flex_block_mask(layout.anchors, block_size, 2, queries, capacity)
+    truth = dense_truth(layout.anchors, block_size, capacity)
+    keys = capacity + queries
+    partial, full = (torch.zeros(2, 1, -(-queries // TILE), -(-keys // TILE), dtype=torch.bool) for _ in range(2))
+    for dense, counts, indices in ((partial, mask.kv_num_blocks, mask.kv_indices),
+                                   (full, mask.full_kv_num_blocks, mask.full_kv_indices)):
+        for b in range(2):
+            for t in range(dense.shape[2]):
+                dense[b, 0, t, indices[b, 0, t, : counts[b, 0, t]].long()] = True
+    assert not (partial & full).any()
+    assert torch.equal((partial | full)[:, 0], tiles(truth, queries, keys, torch.any))
+    in_context = torch.arange(full.shape[-1]) * TILE < capacity
+    assert torch.equal(full[:, 0], tiles(truth, queries, keys, torch.all) & in_context)
+    assert full.any() or nblocks != 300  # the dense case has full tiles to skip mask_mod on
+    assert torch.equal(create_mask(mask.mask_mod, 2, 1, queries, keys, device="cpu")[:, 0], truth)
+
+
+def reference_flex(q, keys, values, block_mask, enable_gqa):
+    """FlexAttention's definition, dense, with gradients on the CPU (the real kernel has no CPU backward pass)."""
+    b, _, queries, _ = q.shape
+    dense = create_mask(block_mask.mask_mod, b, 1, queries, keys.shape[2], device=q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=dense, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("kv_heads,block_size,capacity", [(4, 16, 0), (2, 5, 512), (1, 4, 0)])
+def test_flex_equals_blocks_in_values_and_gradients(kv_heads, block_size, capacity):
+    """The padding of the context, the keys after it and GQA give `blocks`' outputs and every gradient; and
+    FlexAttention's own (eager) forward agrees."""
+    torch.manual_seed(kv_heads)
+    heads, dim, context, nblocks = 4, 16, 150, 23
+    layout = random_layout(2, nblocks, block_size, context, seed=block_size, capacity=capacity)
+    n = nblocks * block_size
+    tensors = [torch.randn(2, h, length, dim, dtype=torch.float64, requires_grad=True)
+               for h, length in ((heads, n), (kv_heads, context), (kv_heads, context), (kv_heads, n), (kv_heads, n))]
+    blocks = block_sparse_attention(*tensors, layout)
+    flex = flex_block_attention(*tensors, layout, flex=reference_flex)
+    torch.testing.assert_close(flex, blocks)
+    grad = torch.randn_like(blocks)
+    for ours, theirs in zip(torch.autograd.grad(flex, tensors, grad), torch.autograd.grad(blocks, tensors, grad)):
+        torch.testing.assert_close(ours, theirs)
+    with torch.no_grad():
+        eager = flex_block_attention(*(t.float() for t in tensors), layout, flex=flex_attention)
+    torch.testing.assert_close(eager, blocks.float(), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler")
+def test_compiled_flex_skips_only_what_no_query_sees():
+    """The compiled kernel skips the tiles the block mask leaves out and skips mask_mod on full tiles: what the
+    block mask says must then be right (the eager reference ignores it)."""
+    torch.manual_seed(0)
+    layout = random_layout(2, 60, 16, 400, seed=1)
+    n = 60 * 16
+    q, ctx_k, ctx_v, k, v = (torch.randn(2, h, length, 16) for h, length in ((4, n), (2, 400), (2, 400), (2, n), (2, n)))
+    compiled = torch.compile(flex_attention, dynamic=False)
+    out = flex_block_attention(q, ctx_k, ctx_v, k, v, layout, flex=compiled)
+    torch.testing.assert_close(out, block_sparse_attention(q, ctx_k, ctx_v, k, v, layout), atol=2e-6, rtol=1e-5)
+
+
+def test_a_pass_without_gradients_takes_blocks(monkeypatch):
+    """Held-out evaluation and decoded anchors run without gradients: flex would compile a forward of its own."""
+    monkeypatch.setattr(attention, "flex_block_attention", lambda *a: pytest.fail("flex ran without gradients"))
+    layout = random_layout(1, 5, 4, 30, seed=0)
+    tensors = [torch.randn(1, 2, length, 8) for length in (20, 30, 30, 20, 20)]
+    with torch.no_grad():
+        assert torch.equal(block_attention(*tensors, layout), block_sparse_attention(*tensors, layout))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", logit_scale=4.0)
+
+
+def test_flex_passes_pad_to_one_shape(target, monkeypatch):
+    """flex compiles for one shape: its passes have anchors_per_seq blocks a sequence and the sequences per pass of
+    the first; another count, or a pass without gradients, takes blocks."""
+    objective = DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16)
+    assert objective.pass_kernel(3, 10) == ("blocks", 10)  # blocks set
+    objective.attention = "flex"
+    assert objective.pass_kernel(3, 10) == ("flex", 16)
+    assert objective.pass_kernel(3, 16) == ("flex", 16)
+    assert objective.pass_kernel(2, 10) == ("blocks", 10)
+    with torch.no_grad():
+        assert objective.pass_kernel(3, 10) == ("blocks", 10)
+
+
+def test_flex_on_a_cpu_and_unknown_kernels_are_user_errors(target, tmp_path):
+    with pytest.raises(UserError, match="--attention flex: FlexAttention trains on CUDA only"):
+        DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="flex")
+    with pytest.raises(UserError, match="attention must be auto, blocks, flex"):
+        trainer.TrainConfig(attention="dense").validate()
+    data = write_shards(tmp_path / "data", counting_records(6))
+    with pytest.raises(UserError, match="--attention flex: FlexAttention trains on CUDA only"):
+        trainer.run(train_args(data, tmp_path / "out", "--attention", "flex"))
+    with pytest.raises(UserError, match="applies to --method dflash only"):
+        trainer.run(build_parser().parse_args(eagle3_argv(data, tmp_path / "eagle", "--attention", "blocks")))
+    auto = DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="auto")
+    assert auto.attention_choices() == ["blocks"] and auto.attention == "blocks"
+
+
+def new_trainer(target, examples, attention_setting="auto"):
+    drafter = tiny_drafter(target, num_layers=1, block_size=4, seed=2)
+    objective = DFlashObjective(drafter, target, anchors_per_seq=16, attention=attention_setting)
+    config = trainer.TrainConfig(grad_accum=4, seqs_per_pass=4, lr=1e-2)
+    return trainer.Trainer(objective, config, "unused", examples, [], progress=False)
+
+
+@pytest.mark.parametrize("flex_works", [True, False])
+def test_the_first_step_times_the_kernels(target, monkeypatch, capsys, flex_works):
+    """auto on a GPU: the first step times blocks and flex on gradients it throws away (the step computes what it
+    would have), and keeps the faster; a kernel that fails there (here the eager one: no CPU backward pass) is left
+    out, and the run goes on."""
+    examples = [trainer.example_of(r) for r in counting_records(8, seed=3)]
+    plain = new_trainer(target, examples, "blocks")
+    monkeypatch.setattr(objective_module, "flex_unavailable", lambda device: "")  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reference_flex(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "compiled_flex", lambda: counted if flex_works else flex_attention)
+    timed = new_trainer(target, examples)
+    assert timed.objective.attention_choices() == ["blocks", "flex"]
+    indices = [5, 1, 6, 2]
+    for step in range(3):
+        measured, expected = timed.train_step(indices), plain.train_step(indices)
+        if step == 0:
+            said = capsys.readouterr().err
+            assert "[dflash] training attention: " in said
+            assert ("flex failed here, left out: NotImplementedError" in said) != flex_works
+            chosen = timed.objective.attention
+            assert chosen == "blocks" or flex_works
+            timed.objective.attention = "flex" if flex_works else "blocks"  # the steps after: each kernel's
+        torch.testing.assert_close(measured["grad_norm"], expected["grad_norm"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(measured["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
+    # the timing's two runs, the first step where flex won, then two steps (a layer each)
+    assert len(calls) == (2 + (chosen == "flex") + 2 if flex_works else 0)
+
+
+def test_blocks_under_bfloat16_autocast_match_the_definition():
+    """Under autocast the softmax runs on the bfloat16 scores (summing in float32), not on a float32 copy: the
+    output and gradients stay within bfloat16's rounding of the float64 definition."""
+    torch.manual_seed(3)
+    layout = random_layout(2, 12, 4, 40, seed=3)
+    shapes = ((4, 48), (2, 40), (2, 40), (2, 48), (2, 48))
+    exact = [torch.randn(2, h, length, 16, dtype=torch.float64, requires_grad=True) for h, length in shapes]
+    rounded = [t.detach().float().requires_grad_() for t in exact]
+    reference = block_sparse_attention(*exact, layout)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block_sparse_attention(*(t @ torch.eye(16) for t in rounded), layout)  # bfloat16 products, as in a layer
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference, atol=3e-2, rtol=3e-2)
+    grad = torch.randn_like(reference)
+    ours = torch.autograd.grad(out, rounded, grad.to(out.dtype))
+    theirs = torch.autograd.grad(reference, exact, grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.double(), b, atol=6e-2, rtol=5e-2)
+
+
+def test_the_block_mask_is_built_without_reading_the_device():
+    """Built on the anchors' device by tensor operations alone: on a GPU nothing waits for it. The meta device has
+    no values, so any read (a size that depends on values, .item(), a boolean index) would fail here."""
+    anchors = torch.empty(8, 512, dtype=torch.long, device="meta")
+    mask = flex_block_mask(anchors, 16, 8, 512 * 16, 3072)
+    assert mask.kv_num_blocks.device.type == "meta" and mask.kv_indices.shape == (8, 1, 64, 88)
