@@ -117,10 +117,14 @@ def test_more_processes_than_gpus_share_them_round_robin_over_gloo():
 
 def test_two_processes_keep_one_time_limit(tmp_path):
     """`--minutes` under torchrun: process 0's clock sizes the schedule and decides when time is up, for both (a
-    disagreement would leave one process waiting in a collective until the timeout)."""
+    disagreement would leave one process waiting in a collective until the timeout). Its clock also says when a
+    checkpoint is due (--save-minutes), at log steps only: agreeing reads a device tensor."""
     data = write_shards(tmp_path / "data", counting_records(10, seed=1))
-    torchrun(*train_argv(data, tmp_path / "two", *EXTRA, "--epochs", "40", "--log-every", "4", "--minutes", "0.5"))
+    torchrun(*train_argv(data, tmp_path / "two", *EXTRA, "--epochs", "40", "--log-every", "4", "--minutes", "0.5",
+                         "--save-minutes", "0.0001"))
     config = json.loads((tmp_path / "two" / trainer.CONFIG_FILE).read_text())
     assert config["schedule_steps"] == config["max_steps"] > 48
     last = losses(tmp_path / "two")[-1][0]
     assert 48 < last <= config["schedule_steps"] and (tmp_path / "two" / "final" / "model.safetensors").is_file()
+    saved = [int(folder.name.split("-")[1]) for folder in trainer.checkpoint_dirs(tmp_path / "two")]
+    assert saved and all(step % 4 == 0 or step == last for step in saved) and saved[-1] == last

@@ -588,8 +588,10 @@ class Trainer:
                     and self.evaluated_at != step:
                 self.evaluate()
             overdue = self.config.save_minutes and self.clock() - last_save >= 60 * self.config.save_minutes
-            if self.world.size > 1 and self.config.save_minutes:  # process 0's clock decides for everyone
-                overdue = bool(self.main_value(float(bool(overdue))))
+            if self.world.size > 1 and self.config.save_minutes:
+                # process 0's clock decides for everyone, at log steps only: agreeing reads a device tensor, and a
+                # log step reads the metrics anyway (every step, it stalled each process until its GPU caught up)
+                overdue = step % self.config.log_every == 0 and bool(self.main_value(float(bool(overdue))))
             if step % self.config.save_every == 0 or step == stop or overdue:
                 if self.world.main:
                     self.save_checkpoint()
