@@ -165,11 +165,17 @@ def new_trainer(target, examples, attention_setting="auto"):
     return trainer.Trainer(objective, config, "unused", examples, [], progress=False)
 
 
-@pytest.mark.parametrize("flex_works", [True, False])
-def test_the_first_step_times_the_kernels(target, monkeypatch, capsys, flex_works):
+def unmasked_flex(q, keys, values, block_mask, enable_gqa):
+    """A wrong kernel: one that ignores the block mask (every block sees every key)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("flex", ["works", "fails", "wrong"])
+def test_the_first_step_times_the_kernels(target, monkeypatch, capsys, flex):
     """auto on a GPU: the first step times blocks and flex on gradients it throws away (the step computes what it
-    would have), and keeps the faster; a kernel that fails there (here the eager one: no CPU backward pass) is left
-    out, and the run goes on."""
+    would have), and keeps the faster. A kernel that fails there (here the eager one: no CPU backward pass), or
+    whose loss or gradient norm is not blocks' (here one that ignores the mask: on this tiny drafter its gradient
+    norm is 0.28 against 0.77), is left out, and the run goes on."""
     examples = [trainer.example_of(r) for r in counting_records(8, seed=3)]
     plain = new_trainer(target, examples, "blocks")
     monkeypatch.setattr(objective_module, "flex_unavailable", lambda device: "")  # as on a GPU
@@ -181,7 +187,8 @@ def test_the_first_step_times_the_kernels(target, monkeypatch, capsys, flex_work
         calls.append(1)
         return reference_flex(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "compiled_flex", lambda: counted if flex_works else flex_attention)
+    kernel = {"works": counted, "fails": flex_attention, "wrong": unmasked_flex}[flex]
+    monkeypatch.setattr(attention, "compiled_flex", lambda: kernel)
     timed = new_trainer(target, examples)
     assert timed.objective.attention_choices() == ["blocks", "flex"]
     indices = [5, 1, 6, 2]
@@ -190,14 +197,15 @@ def test_the_first_step_times_the_kernels(target, monkeypatch, capsys, flex_work
         if step == 0:
             said = capsys.readouterr().err
             assert "[dflash] training attention: " in said
-            assert ("flex failed here, left out: NotImplementedError" in said) != flex_works
+            assert ("flex failed here, left out: NotImplementedError" in said) == (flex == "fails")
+            assert ("flex disagrees with blocks, left out" in said) == (flex == "wrong")
             chosen = timed.objective.attention
-            assert chosen == "blocks" or flex_works
-            timed.objective.attention = "flex" if flex_works else "blocks"  # the steps after: each kernel's
+            assert chosen == "blocks" or flex == "works"
+            timed.objective.attention = "flex" if flex == "works" else "blocks"  # the steps after: each kernel's
         torch.testing.assert_close(measured["grad_norm"], expected["grad_norm"], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(measured["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
     # the timing's two runs, the first step where flex won, then two steps (a layer each)
-    assert len(calls) == (2 + (chosen == "flex") + 2 if flex_works else 0)
+    assert len(calls) == (2 + (chosen == "flex") + 2 if flex == "works" else 0)
 
 
 def test_blocks_under_bfloat16_autocast_match_the_definition():

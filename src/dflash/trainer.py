@@ -198,6 +198,9 @@ def read_config_values(path: str | Path) -> dict:
 # Options a resumed run may change: they do not affect the weights it computes (seqs_per_pass only their rounding).
 RESUMABLE = ("log_every", "eval_every", "save_every", "save_minutes", "keep_checkpoints", "max_steps", "seqs_per_pass",
              "attention")
+# How far apart two attention kernels' loss and gradient norm may be on the first step's sequences (relative) before
+# the second is taken for wrong (`timed_attention`): bfloat16 rounds the scores of `blocks` but not flex's
+ATTENTION_AGREEMENT = 0.02
 # The most an automatic --seqs-per-pass packs on a GPU: numbers in one hidden state of all of a pass's blocks (the
 # drafter keeps a few dozen such tensors per layer for its backward pass). 8 SmolLM2 sequences at 512 anchors: 38M.
 PASS_ACTIVATIONS = 1 << 26
@@ -356,6 +359,12 @@ def read_trainer_state(folder: Path) -> dict:
 
 
 # ---- the loop --------------------------------------------------------------------------------------------------------
+def gradient_norm(params) -> float:
+    """The L2 norm of all the parameters' gradients together (read from the device)."""
+    norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+
 def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int) -> float:
     """LR multiplier: linear warmup to 1 over `warmup_steps`, then cosine decay to 0 at `total_steps`."""
     if step < warmup_steps:
@@ -466,24 +475,34 @@ class Trainer:
     def timed_attention(self, indices: list[int]) -> None:
         """Sets the objective's attention kernel to the fastest of its `attention_choices` on this GPU, timed like
         `timed_per_pass` (the second of two runs of this step's sequences; the first compiles). A kernel that fails
-        here (a compile error, say) is reported and left out: the run goes on with the others."""
+        here (a compile error, say), or whose loss or gradient differs from the first kernel's (blocks, the
+        definition) by more than ATTENTION_AGREEMENT, is reported and left out: the run goes on with the others."""
         choices = self.objective.attention_choices()
-        seconds = {}
+        seconds, figures = {}, {}
         for kernel in choices:
             self.objective.attention = kernel
+            self.optimizer.zero_grad(set_to_none=True)
             try:
                 for _ in range(2):
                     torch.cuda.synchronize()
                     started = time.perf_counter()
-                    self.accumulate(indices, self.per_pass)
+                    totals = self.accumulate(indices, self.per_pass)
                     torch.cuda.synchronize()
                     seconds[kernel] = time.perf_counter() - started
+                figures[kernel] = (totals["loss"].item(), gradient_norm(self.params))
             except Exception as exc:  # noqa: BLE001 - any failure of a candidate only rules it out
                 seconds[kernel] = math.inf
                 self.say(f"[dflash] attention {kernel} failed here, left out: {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
                 torch.cuda.empty_cache()
         self.optimizer.zero_grad(set_to_none=True)
+        reference = figures.get(choices[0])
+        for kernel, (loss, norm) in figures.items():
+            if reference is not None and not all(math.isclose(a, b, rel_tol=ATTENTION_AGREEMENT)
+                                                 for a, b in zip((loss, norm), reference)):
+                seconds[kernel] = math.inf
+                self.say(f"[dflash] attention {kernel} disagrees with {choices[0]}, left out: loss {loss:.5f} "
+                         f"against {reference[0]:.5f}, gradient norm {norm:.5f} against {reference[1]:.5f}")
         best = min(choices, key=lambda kernel: seconds[kernel])
         best = choices[int(self.main_value(choices.index(best)))]  # one kernel for every process: process 0's
         self.objective.attention = best
