@@ -285,7 +285,7 @@ class DFlashObjective:
                  attention: str = "blocks"):
         """`attention`: the training attention's kernel (attention.KERNELS), or auto: blocks until `dflash train`
         times `attention_choices` at its first step."""
-        if attention != "auto" and attention != "blocks" and flex_unavailable(target.device):
+        if attention not in ("auto", "blocks") and flex_unavailable(target.device):
             raise UserError(f"--attention {attention}: {flex_unavailable(target.device)}")
         self.attention_setting = attention
         self.attention = "blocks" if attention == "auto" else attention
