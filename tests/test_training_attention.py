@@ -234,3 +234,21 @@ def test_the_block_mask_is_built_without_reading_the_device():
     anchors = torch.empty(8, 512, dtype=torch.long, device="meta")
     mask = flex_block_mask(anchors, 16, 8, 512 * 16, 3072)
     assert mask.kv_num_blocks.device.type == "meta" and mask.kv_indices.shape == (8, 1, 64, 88)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's backward pass runs there only")
+def test_compiled_flex_on_cuda_equals_blocks_in_values_and_gradients():
+    """The real kernel, compiled, forward and backward, against `blocks` (float32, so that only the order of the
+    sums differs), at the lease's tile layout: 16-token blocks, GQA, a context padded past the real one."""
+    torch.manual_seed(0)
+    layout = random_layout(2, 64, 16, 700, seed=5, capacity=1024)
+    layout.anchors = layout.anchors.cuda()
+    n = 64 * 16
+    tensors = [torch.randn(2, h, length, 64, device="cuda", requires_grad=True)
+               for h, length in ((9, n), (3, 700), (3, 700), (3, n), (3, n))]
+    flex = flex_block_attention(*tensors, layout)
+    blocks = block_sparse_attention(*tensors, layout)
+    torch.testing.assert_close(flex, blocks, atol=1e-4, rtol=1e-3)  # a wrong tile is off by O(1)
+    grad = torch.randn_like(blocks)
+    for ours, theirs in zip(torch.autograd.grad(flex, tensors, grad), torch.autograd.grad(blocks, tensors, grad)):
+        torch.testing.assert_close(ours, theirs, atol=5e-4, rtol=5e-3)
