@@ -3,6 +3,7 @@ dense definition, its values and gradients against `blocks`, and how `dflash tra
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
@@ -252,3 +253,16 @@ def test_compiled_flex_on_cuda_equals_blocks_in_values_and_gradients():
     grad = torch.randn_like(blocks)
     for ours, theirs in zip(torch.autograd.grad(flex, tensors, grad), torch.autograd.grad(blocks, tensors, grad)):
         torch.testing.assert_close(ours, theirs, atol=5e-4, rtol=5e-3)
+
+
+def test_a_pass_builds_its_block_mask_once(target, monkeypatch):
+    """Every layer of a pass attends under the same layout: the block mask is built for the first and reused."""
+    built = []
+    real = attention.flex_block_mask
+    monkeypatch.setattr(attention, "flex_block_mask", lambda *args: built.append(1) or real(*args))
+    monkeypatch.setattr(attention, "compiled_flex", lambda: reference_flex)
+    objective = DFlashObjective(tiny_drafter(target, num_layers=2), target, anchors_per_seq=16)
+    objective.attention = "flex"
+    examples = [trainer.example_of(r) for r in counting_records(2, seed=4)]
+    losses = objective.losses(examples, [np.random.default_rng(i) for i in range(2)])
+    assert len(built) == 1 and all(torch.isfinite(loss) for loss, _ in losses)

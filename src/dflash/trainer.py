@@ -361,8 +361,7 @@ def read_trainer_state(folder: Path) -> dict:
 # ---- the loop --------------------------------------------------------------------------------------------------------
 def gradient_norm(params) -> float:
     """The L2 norm of all the parameters' gradients together (read from the device)."""
-    norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+    return torch.nn.utils.get_total_norm([p.grad.detach() for p in params if p.grad is not None]).item()
 
 
 def cosine_with_warmup(step: int, total_steps: int, warmup_steps: int) -> float:
@@ -455,22 +454,22 @@ class Trainer:
             return choices[0]
         seconds = {}
         for per_pass in choices:
-            for _ in range(2):
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                self.accumulate(indices, per_pass)
-                torch.cuda.synchronize()
-                seconds[per_pass] = time.perf_counter() - started
+            self.timed_accumulate(indices, per_pass)  # warms the kernels up
+            seconds[per_pass] = self.timed_accumulate(indices, per_pass)[0]
         self.optimizer.zero_grad(set_to_none=True)
         best = min(seconds, key=seconds.get)
-        if self.world.size > 1:  # one choice for every process (each timed its own share): process 0's
-            flag = torch.tensor([float(best) if self.world.main else 0.0], device=self.params[0].device)
-            self.world.sum_([flag])
-            best = int(flag.item())
-        if self.world.main:
-            timing = ", ".join(f"{k}: {v:.2f} s" for k, v in seconds.items())
-            print(f"[dflash] sequences per pass: {best} ({timing} for one step's sequences)", file=sys.stderr)
+        best = int(self.main_value(best))  # one choice for every process (each timed its own share): process 0's
+        timing = ", ".join(f"{k}: {v:.2f} s" for k, v in seconds.items())
+        self.say(f"[dflash] sequences per pass: {best} ({timing} for one step's sequences)")
         return best
+
+    def timed_accumulate(self, indices: list[int], per_pass: int) -> tuple[float, dict[str, torch.Tensor]]:
+        """(seconds, metrics) of one `accumulate` on a GPU, from an idle queue to an idle queue."""
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        totals = self.accumulate(indices, per_pass)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started, totals
 
     def timed_attention(self, indices: list[int]) -> None:
         """Sets the objective's attention kernel to the fastest of its `attention_choices` on this GPU, timed like
@@ -483,12 +482,8 @@ class Trainer:
             self.objective.attention = kernel
             self.optimizer.zero_grad(set_to_none=True)
             try:
-                for run in range(2):
-                    torch.cuda.synchronize()
-                    started = time.perf_counter()
-                    totals = self.accumulate(indices, self.per_pass)
-                    torch.cuda.synchronize()
-                    (first if run == 0 else seconds)[kernel] = time.perf_counter() - started
+                first[kernel] = self.timed_accumulate(indices, self.per_pass)[0]
+                seconds[kernel], totals = self.timed_accumulate(indices, self.per_pass)
                 figures[kernel] = (totals["loss"].item(), gradient_norm(self.params))
             except Exception as exc:  # noqa: BLE001 - any failure of a candidate only rules it out
                 seconds[kernel] = math.inf

@@ -15,7 +15,7 @@ another block. Two kernels compute it, with the same result:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ class BlockLayout:
     block_size: int
     kernel: str = "blocks"  # one of KERNELS; flex only runs where gradients are taken (a forward alone uses blocks)
     capacity: int = 0  # flex: context positions padded to this many (fixed shapes compile once); 0: S, rounded
+    flex_mask: object = field(default=None, init=False, repr=False, compare=False)  # built once, for every layer
 
 
 def block_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
@@ -127,7 +128,9 @@ def flex_block_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout, flex=None) 
     pad = (0, 0, 0, capacity - s)
     keys = torch.cat([F.pad(ctx_k.to(dtype), pad), k.to(dtype)], dim=2)
     values = torch.cat([F.pad(ctx_v.to(dtype), pad), v.to(dtype)], dim=2)
-    mask = flex_block_mask(layout.anchors, layout.block_size, b, n, capacity)
+    if layout.flex_mask is None:  # the same for every layer of the pass
+        layout.flex_mask = flex_block_mask(layout.anchors, layout.block_size, b, n, capacity)
+    mask = layout.flex_mask
     with autocast_off(device_type):
         return (flex or compiled_flex())(q.to(dtype), keys, values, block_mask=mask, enable_gqa=heads != kv_heads)
 
