@@ -1,12 +1,13 @@
 """int8 targets (`--dtype int8`, models/target.py quantize_int8): weights rounded per output row, the bfloat16 values
-they stand for written into the model, and our kernels reading the int8 bytes (native.c, INT8_PAIRS) where the CPU
-has AVX512-BF16 and VBMI. The product is the pairs kernel's chain over the integers, scaled after the sum; verify
-passes stay bitwise their steps, so speculative decoding stays exact for the int8 model."""
+they stand for written into the model, and our kernels reading the int8 bytes (native.c): in pairs (INT8_PAIRS) where
+the CPU has AVX512-BF16 and VBMI, widened to float32 (INT8_WIDENED) on AVX2. The product is the pairs kernel's or the
+float kernel's chain over the integers, scaled after the sum; verify passes stay bitwise their steps, so speculative
+decoding stays exact for the int8 model."""
 
 import pytest
 import torch
 
-from conftest import ARCHS, OracleProposer, RandomProposer, pairs_chain, wide_pass_and_steps
+from conftest import ARCHS, OracleProposer, RandomProposer, pairs_chain, pairs_run_here, wide_pass_and_steps
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.loading import load_target_cached
@@ -19,10 +20,44 @@ from dflash.testing import tiny_target
 
 
 def int8_runs_here() -> bool:
-    return native.library() is not None and native.int8_pairs()
+    return native.int8_kernel() is not None
 
 
-needs_int8 = pytest.mark.skipif(not int8_runs_here(), reason="no AVX512-BF16 + VBMI here: int8 weights run as bf16")
+def int8_pairs_run_here() -> bool:
+    lib = native.library()
+    return pairs_run_here() and bool(lib.dflash_int8_pairs())
+
+
+needs_int8 = pytest.mark.skipif(not int8_runs_here(), reason="our kernels do not read int8 weights here")
+needs_int8_pairs = pytest.mark.skipif(not int8_pairs_run_here(), reason="no AVX512-BF16 + VBMI here")
+needs_library = pytest.mark.skipif(native.library() is None, reason="no kernel library here")
+
+
+@pytest.fixture(params=["widened", "pairs"])
+def int8_kernel(request):
+    """The int8 kernel `request.param` in force (with the bfloat16 layout it goes with) for what the test lays out,
+    where this CPU runs it; the old settings restored after."""
+    if request.param == "pairs" and not int8_pairs_run_here():
+        pytest.skip("no AVX512-BF16 + VBMI here: int8 weights are not read in pairs")
+    if native.library() is None:
+        pytest.skip("no kernel library here")
+    old = native.set_bf16_pairs(request.param == "pairs"), native.set_int8_kernels(True)
+    try:
+        assert native.int8_kernel() == request.param
+        yield request.param
+    finally:
+        native.set_bf16_pairs(old[0])
+        native.set_int8_kernels(old[1])
+
+
+def float_chain(x, weight):
+    """The float kernels' sums: each output ONE chain of FMAs over the inputs in order (a product of a bfloat16 and
+    an integer in [-127, 127] is exact in float32, so each step rounds once, as an FMA does)."""
+    xf, wf = x.float(), weight.float()
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for j in range(weight.shape[1]):
+        acc = acc + xf[:, j: j + 1] * wf[:, j][None]
+    return acc
 
 
 def test_rows_round_to_255_levels_of_their_own_scale():
@@ -39,7 +74,34 @@ def test_rows_round_to_255_levels_of_their_own_scale():
     assert (error <= 0.5 * scales[:, None] + approx.float().abs() * 2 ** -8 + 1e-30).all()
 
 
-@needs_int8
+@needs_library
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (50, 20), (96, 576)])
+def test_widened_int8_products_are_the_float_chain_over_the_integers_scaled_after(m, n, k):
+    """Every row count (two panels at a time up to 4 rows, widened a chunk at a time beyond) and padded shape: each
+    output is the float kernel's one chain over q, times its row's scale, rounded once; with unit scales bitwise the
+    widening bfloat16 kernel on bf16(q). AVX2 code: it runs wherever the library does."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    weight = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q, scales, _ = native.int8_weights(weight)
+    tiles = native.int8_widened_tiles(q, scales)
+    assert tiles.dtype == torch.int8 and tiles.shape == (-(-n // 24), -(-k // 8) * 8, 24)
+    got = native.linear(x, tiles, n, None)
+    assert torch.equal(got, (float_chain(x, q) * scales).bfloat16())
+    ones = native.linear(x, native.int8_widened_tiles(q, torch.ones(n)), n, None)
+    assert torch.equal(ones, native.linear(x, native.tiles(q.bfloat16(), pairs=False), n, None))
+    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, n, None) for i in range(m)]))
+
+
+@needs_library
+def test_every_byte_value_widens_to_its_integer():
+    q = torch.arange(-127, 128, dtype=torch.int8)[: 240].view(24, 10)
+    got = native.linear(torch.eye(10).bfloat16(), native.int8_widened_tiles(q, torch.ones(24)), 24, None)
+    assert torch.equal(got.float(), q.float().T)
+
+
+@needs_int8_pairs
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (50, 20), (96, 576)])
 def test_int8_products_are_the_pairs_chain_over_the_integers_scaled_after(m, n, k):
@@ -58,7 +120,7 @@ def test_int8_products_are_the_pairs_chain_over_the_integers_scaled_after(m, n, 
                                        for i in range(m)]))
 
 
-@needs_int8
+@needs_int8_pairs
 def test_every_byte_value_reads_as_its_integer():
     """All 255 levels, both signs, through the tables: a one-hot input picks each weight out."""
     q = torch.arange(-127, 128, dtype=torch.int8)[: 240].view(24, 10)
@@ -110,15 +172,15 @@ def test_an_int8_target_is_the_bfloat16_model_of_its_levels(arch):
         assert (got - expected).abs().max() <= 3e-2 * expected.abs().max(), f"after token {token}"
 
 
-@needs_int8
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_int8_verify_passes_give_bitwise_the_logits_of_steps(arch):
+def test_int8_verify_passes_give_bitwise_the_logits_of_steps(arch, int8_kernel):
     target = tiny_target(arch, logit_scale=4.0, hidden_size=128)
     target.model.to(torch.bfloat16)
     quantize_int8(target)
     choose_kernels(target, "native")
     for tokens in (1, 16):  # the C layers run, their four products reading int8
         assert target.engine.layers[0]._native_constants(torch.bfloat16, tokens)[-1] == 1
+    assert target.engine.layers[0].self_attn.qkv.native_tiles().dim() == (4 if int8_kernel == "pairs" else 3)
     for width in (4, 9, 16, 33):
         wide, steps = wide_pass_and_steps(target, width)
         assert torch.equal(wide, steps), f"width {width}"
@@ -140,21 +202,20 @@ def test_greedy_lossless_on_an_int8_target(arch):
             assert result.tokens == reference.tokens, f"{proposer.name} changed the greedy output"
 
 
-@needs_int8
-def test_without_int8_kernels_the_same_levels_run_as_bfloat16():
-    """DFLASH_INT8_PAIRS=0 (or a CPU without VBMI): the layers read the bfloat16 values of the levels, close to
-    the int8 kernel's logits (the scale applied before the sum instead of after)."""
+def test_without_int8_kernels_the_same_levels_run_as_bfloat16(int8_kernel):
+    """DFLASH_INT8=0 (or a CPU with AVX512-BF16 but without VBMI): the layers read the bfloat16 values of the
+    levels, close to the int8 kernel's logits (the scale applied before the sum instead of after)."""
     target = int8_twins("llama")[0]
     ids = target.encode_prompt("w20 w31 w9 w9 w40")
     logits = {}
     for on in (True, False):
-        old = native.set_int8_pairs(on)
+        old = native.set_int8_kernels(on)
         try:
             dtype = target.engine.layers[0].self_attn.qkv.native_tiles().dtype
             assert dtype == (torch.int8 if on else torch.bfloat16)
             logits[on] = target.forward(torch.tensor([ids]), target.new_cache()).logits
         finally:
-            native.set_int8_pairs(old)
+            native.set_int8_kernels(old)
     assert (logits[True] - logits[False]).abs().max() <= 3e-2 * logits[False].abs().max()
 
 
@@ -190,7 +251,7 @@ def test_the_cli_takes_int8(capsys):
 
 
 def test_where_int8_kernels_do_not_run_the_user_is_told(capsys):
-    old = native.set_int8_pairs(False) if native.library() is not None else None
+    old = native.set_int8_kernels(False) if native.library() is not None else None
     try:
         target = tiny_target("llama")
         target.model.to(torch.bfloat16)
@@ -198,7 +259,7 @@ def test_where_int8_kernels_do_not_run_the_user_is_told(capsys):
         assert "int8 weights run as their bfloat16 values here" in capsys.readouterr().err
     finally:
         if old is not None:
-            native.set_int8_pairs(old)
+            native.set_int8_kernels(old)
 
 
 def test_weights_loaded_into_an_int8_target_are_rounded_again():

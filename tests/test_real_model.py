@@ -160,8 +160,12 @@ def test_an_int8_target_decodes_its_own_greedy_text_with_every_method():
     too (verify passes of 16 tokens, bitwise their steps)."""
     from dflash.loading import load_target_cached
 
+    from dflash.models import native
+
     int8 = load_target_cached("smollm2-135m", "int8")
     assert int8.precision == "int8"
+    if native.int8_kernel() is not None:  # in pairs (AVX512-BF16 and VBMI) or widened (AVX2): a byte a weight
+        assert int8.engine.layers[0].self_attn.qkv.native_tiles().dtype == torch.int8
     ids = int8.encode_prompt(PROMPTS[0])
     config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
     reference = SpeculativeDecoder(int8).generate(ids, config)

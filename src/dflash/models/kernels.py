@@ -289,10 +289,10 @@ class FrozenLinear(nn.Module):
         int8 one where the weight is int8 (`quantize_int8`) and our kernels read int8 here."""
         weight = self._signature()
         int8 = self.int8_weights(weight)
-        signature = weight + (native._pairs, int8 is not None)  # layouts may be switched (A/B runs)
+        signature = weight + (native._pairs, native.int8_kernel() if int8 is not None else None)  # switched in A/B runs
         if self._tiles_for != signature:
             if int8 is not None:
-                self._tiles = native.int8_pair_tiles(*int8)
+                self._tiles = native.int8_tiles(*int8)
             else:
                 self._tiles = native.tiles(self.weight) if native.supports(self.weight) else None
             self._tiles_for = signature
@@ -315,9 +315,9 @@ class FrozenLinear(nn.Module):
 
     def int8_weights(self, signature: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(q, scales) of an int8 product whose weight is still the one they stand for, where our kernels read
-        int8 here (native.int8_pairs); else None. `signature`: the weight's, if the caller has it."""
+        int8 here (native.int8_kernel); else None. `signature`: the weight's, if the caller has it."""
         held = self._int8_weights
-        if held is None or held[2] != (signature or self._signature()) or not native.int8_pairs():
+        if held is None or held[2] != (signature or self._signature()) or native.int8_kernel() is None:
             return None
         return held[0], held[1]
 

@@ -324,7 +324,7 @@ def native_constants(owner: nn.Module, attn: Attention, mlp: GatedMLP, norm1: RM
                 mlp._modules.get("down_fast"))  # per call: plain dict lookups, not __getattr__
     if any(lin is None or lin.kernel_for_rows(tokens) != "native" for lin in products):
         return None
-    key = (dtype, native._pairs, native._int8_pairs, window, rope, tuple(lin._signature() for lin in products))
+    key = (dtype, native._pairs, native._int8_on, window, rope, tuple(lin._signature() for lin in products))
     cached = owner.__dict__.get("_native_cache")
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -162,6 +162,10 @@ static inline __m256 widen_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+static inline __m256 widen_int8(const int8_t *p) { /* eight int8 weights as float32 (exact) */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 /* The same eight at a time: f32_to_bf16's rounding (to nearest even, NaN kept quiet) on each lane, so a value
  * rounds alike whichever of the two loops reaches it. */
 static inline __m256i bf16_bits8(__m256 v) { /* the rounded value's bits, low half zero */
@@ -197,8 +201,13 @@ static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
  * exactly the order a one-token step does, so verifying k tokens gives bitwise the logits of k steps. */
 #define PANEL 24
 
-static inline __m256 load_w(const void *w, int64_t at, int bf16) {
-    return bf16 ? widen_bf16((const uint16_t *)w + at) : _mm256_loadu_ps((const float *)w + at);
+/* Eight weights of a panel as float32, by the panel's `form`: 0 float32, 1 bfloat16 (a shift), 2 int8 (sign-extended
+ * and converted: an int8 target's weights where the CPU lacks AVX512-BF16, INT8_WIDENED below; their columns' scales
+ * multiply the sums afterwards). Each is exact, so a form changes only the bytes a panel takes from memory. */
+static inline __m256 load_w(const void *w, int64_t at, int form) {
+    return form == 2   ? widen_int8((const int8_t *)w + at)
+           : form == 1 ? widen_bf16((const uint16_t *)w + at)
+                       : _mm256_loadu_ps((const float *)w + at);
 }
 
 /* How far ahead, in inputs, widening a bfloat16 chunk requests the lines it will read next. */
@@ -232,14 +241,14 @@ static inline __attribute__((always_inline)) void request_share(const char *pf, 
         _mm256_storeu_ps(out + r * PANEL, a##r##0), _mm256_storeu_ps(out + r * PANEL + 8, a##r##1);                   \
         _mm256_storeu_ps(out + r * PANEL + 16, a##r##2);                                                              \
     }
-static inline __attribute__((always_inline)) void panel_rows(const void *w, int bf16, const float *x, int64_t ldx,
+static inline __attribute__((always_inline)) void panel_rows(const void *w, int form, const float *x, int64_t ldx,
                                                              int64_t k8, const int R, float *out, const char *pf,
                                                              int64_t pf_step, int resume) {
     ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5) ACC_ZERO(6) ACC_ZERO(7)
     ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
     for (int64_t i = 0; i < k8; i++) {
         request_share(pf, i, pf_step);
-        __m256 w0 = load_w(w, i * PANEL, bf16), w1 = load_w(w, i * PANEL + 8, bf16), w2 = load_w(w, i * PANEL + 16, bf16);
+        __m256 w0 = load_w(w, i * PANEL, form), w1 = load_w(w, i * PANEL + 8, form), w2 = load_w(w, i * PANEL + 16, form);
         ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5) ACC_FMA(6) ACC_FMA(7)
     }
     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
@@ -261,7 +270,7 @@ static inline __attribute__((always_inline)) void panel_rows(const void *w, int 
 #define TWO_STORE(a, at)                                                                                            \
     _mm256_storeu_ps(out + (at), a##0), _mm256_storeu_ps(out + (at) + 8, a##1),                                     \
     _mm256_storeu_ps(out + (at) + 16, a##2);
-static inline __attribute__((always_inline)) void two_panels_rows(const void *w, int64_t size, int bf16,
+static inline __attribute__((always_inline)) void two_panels_rows(const void *w, int64_t size, int form,
                                                                   const float *x, int64_t ldx, int64_t k8,
                                                                   const int R, float *out, int resume) {
     TWO_ZERO(a) TWO_ZERO(b) TWO_ZERO(c) TWO_ZERO(d) /* a, b: row 0 on panels 0, 1; c, d: row 1 */
@@ -272,9 +281,9 @@ static inline __attribute__((always_inline)) void two_panels_rows(const void *w,
     for (int64_t i = 0; i < k8; i++) {
         __m256 u = _mm256_broadcast_ss(x + i), v = R > 1 ? _mm256_broadcast_ss(x + ldx + i) : u, t;
 #define TWO_FMA(j, at)                                                                                              \
-    t = load_w(w, at, bf16), a##j = _mm256_fmadd_ps(t, u, a##j);                                                    \
+    t = load_w(w, at, form), a##j = _mm256_fmadd_ps(t, u, a##j);                                                    \
     if (R > 1) c##j = _mm256_fmadd_ps(t, v, c##j);                                                                  \
-    t = load_w(w, size + (at), bf16), b##j = _mm256_fmadd_ps(t, u, b##j);                                           \
+    t = load_w(w, size + (at), form), b##j = _mm256_fmadd_ps(t, u, b##j);                                           \
     if (R > 1) d##j = _mm256_fmadd_ps(t, v, d##j);
         TWO_FMA(0, i * PANEL) TWO_FMA(1, i * PANEL + 8) TWO_FMA(2, i * PANEL + 16)
 #undef TWO_FMA
@@ -282,21 +291,23 @@ static inline __attribute__((always_inline)) void two_panels_rows(const void *w,
     TWO_STORE(a, 0) TWO_STORE(b, PANEL)
     if (R > 1) { TWO_STORE(c, 2 * PANEL) TWO_STORE(d, 3 * PANEL) }
 }
-#define TWO_PANELS(NAME, BF16, R)                                                                                     \
+#define TWO_PANELS(NAME, FORM, R)                                                                                     \
     static void NAME(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k8, float *out, int resume) { \
-        two_panels_rows(w, size, BF16, x, ldx, k8, R, out, resume);                                                   \
+        two_panels_rows(w, size, FORM, x, ldx, k8, R, out, resume);                                                   \
     }
 TWO_PANELS(two_panels_f32_1, 0, 1)
 TWO_PANELS(two_panels_f32_2, 0, 2)
 TWO_PANELS(two_panels_bf16_1, 1, 1)
 TWO_PANELS(two_panels_bf16_2, 1, 2)
+TWO_PANELS(two_panels_int8_1, 2, 1)
+TWO_PANELS(two_panels_int8_2, 2, 2)
 typedef void (*TwoPanels)(const void *w, int64_t size, const float *x, int64_t ldx, int64_t k8, float *out,
                           int resume);
 
-#define PANEL_ROWS(NAME, BF16, R)                                                                                    \
+#define PANEL_ROWS(NAME, FORM, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
                      int64_t pf_step, int resume) {                                                                   \
-        panel_rows(w, BF16, x, ldx, k8, R, out, pf, pf_step, resume);                                                 \
+        panel_rows(w, FORM, x, ldx, k8, R, out, pf, pf_step, resume);                                                 \
     }
 PANEL_ROWS(panel_f32_1, 0, 1)
 PANEL_ROWS(panel_f32_2, 0, 2)
@@ -306,6 +317,10 @@ PANEL_ROWS(panel_bf16_1, 1, 1)
 PANEL_ROWS(panel_bf16_2, 1, 2)
 PANEL_ROWS(panel_bf16_3, 1, 3)
 PANEL_ROWS(panel_bf16_4, 1, 4)
+PANEL_ROWS(panel_int8w_1, 2, 1)
+PANEL_ROWS(panel_int8w_2, 2, 2)
+PANEL_ROWS(panel_int8w_3, 2, 3)
+PANEL_ROWS(panel_int8w_4, 2, 4)
 typedef void (*PanelRows)(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,
                           int64_t pf_step, int resume);
 
@@ -581,10 +596,17 @@ int dflash_bf16_pairs(void) { return PAIRS_BUILT && cpu_has_pairs(); }
 int dflash_int8_pairs(void) { return PAIRS_BUILT && cpu_has_pairs() && cpu_has_vbmi(); }
 
 /* Kernels by weight kind: 0 float32, 1 bfloat16 widened, 2 bfloat16 in pairs, 3 (F32_WIDE) float32 in AVX-512VL
- * code, 4 (INT8_PAIRS) int8 in pairs. Kinds 2-4 have 32 vector registers: up to 8 rows (24 accumulators) run against
- * a panel at once, where AVX2's 16 registers hold 4 rows' */
+ * code, 4 (INT8_PAIRS) int8 in pairs, 5 (INT8_WIDENED) int8 widened to float32 in AVX2 code. Kinds 2-4 have 32
+ * vector registers: up to 8 rows (24 accumulators) run against a panel at once, where AVX2's 16 registers hold 4
+ * rows'.
+ * INT8_WIDENED is an int8 target's products where the CPU lacks AVX512-BF16 (AVX2 machines: AMD Zen 2 and 3, most
+ * Intel client chips): the float32 panel layout with a byte a weight (the integer q in [-127, 127]), each output
+ * the float kernels' one chain of FMAs over float32(q) in input order, times its column's scale after the sum (as
+ * INT8_PAIRS). Half the bytes of bfloat16 panels for the same instructions a weight (a sign extension and a
+ * conversion where bfloat16 takes an extension and a shift): a step's products are bound by the memory. */
 #define INT8_PAIRS 4
-static const PanelRows panel_kernels_of[5][8] = {
+#define INT8_WIDENED 5
+static const PanelRows panel_kernels_of[6][8] = {
     {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
     {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
     {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4, panel_pairs_5, panel_pairs_6, panel_pairs_7,
@@ -592,7 +614,8 @@ static const PanelRows panel_kernels_of[5][8] = {
     {panel_f32x_1, panel_f32x_2, panel_f32x_3, panel_f32x_4, panel_f32x_5, panel_f32x_6, panel_f32x_7,
      panel_f32x_8},
     {panel_int8_1, panel_int8_2, panel_int8_3, panel_int8_4, panel_int8_5, panel_int8_6, panel_int8_7,
-     panel_int8_8}};
+     panel_int8_8},
+    {panel_int8w_1, panel_int8w_2, panel_int8w_3, panel_int8w_4}};
 #define F32_WIDE 3 /* float32 panels run by the AVX-512VL kernels (a kind of the table above, not of a Product) */
 static int f32_wide = -1; /* -1: not yet asked */
 static inline int run_kind(int kind) {
@@ -600,14 +623,17 @@ static inline int run_kind(int kind) {
     if (f32_wide < 0) f32_wide = cpu_has_avx512vl();
     return f32_wide ? F32_WIDE : 0;
 }
-static inline int64_t group_rows_of(int kind) { return kind >= 2 ? 8 : 4; }
-static const TwoPanels two_panel_kernels_of[2][2] = {{two_panels_f32_1, two_panels_f32_2},
-                                                     {two_panels_bf16_1, two_panels_bf16_2}};
+static inline int64_t group_rows_of(int kind) { return kind == 0 || kind == 1 || kind == INT8_WIDENED ? 4 : 8; }
+/* by load_w's form: float32, bfloat16, int8 (AVX2 code, for kinds 0, 1 and INT8_WIDENED) */
+static const TwoPanels two_panel_kernels_of[3][2] = {{two_panels_f32_1, two_panels_f32_2},
+                                                     {two_panels_bf16_1, two_panels_bf16_2},
+                                                     {two_panels_int8_1, two_panels_int8_2}};
 
-/* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 chunk is
- * widened to float32 once (into L1), rather than once per four rows. `kind`: 0 float32, 1 bfloat16 (widened), 2
- * bfloat16 in pairs, whose xf holds the inputs as pairs of bfloat16 (k8 / 2 words a row). A panel's "unit" is what
- * one step of its kernel reads: an input (float32, bfloat16) or a pair of inputs. */
+/* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 or int8
+ * chunk is widened to float32 once (into L1), rather than once per four rows. `kind`: 0 float32, 1 bfloat16
+ * (widened), 2 bfloat16 in pairs, whose xf holds the inputs as pairs of bfloat16 (k8 / 2 words a row), INT8_PAIRS
+ * and INT8_WIDENED (above). A panel's "unit" is what one step of its kernel reads: an input (float32, bfloat16,
+ * int8) or a pair of inputs. */
 typedef struct {
     const void *panels;
     int kind;
@@ -615,14 +641,16 @@ typedef struct {
     float *yf;
     int64_t m, n, k8;
     int round; /* outputs rounded to bfloat16 values (a bfloat16 layer's) */
-    const float *scales; /* INT8_PAIRS: the output columns' scales, after the panels (native.py); else NULL */
+    const float *scales; /* int8 kinds: the output columns' scales, after the panels (native.py); else NULL */
 } Product;
 
 static inline int in_pairs(int kind) { return kind == 2 || kind == INT8_PAIRS; }
 static inline int64_t units_of(const Product *W) { return in_pairs(W->kind) ? W->k8 / 2 : W->k8; }
 static inline int64_t unit_bytes(const Product *W) { /* per panel column */
-    return W->kind == 1 || W->kind == INT8_PAIRS ? 2 : 4;
+    return W->kind == INT8_WIDENED ? 1 : W->kind == 1 || W->kind == INT8_PAIRS ? 2 : 4;
 }
+static inline int int8_kind(int kind) { return kind == INT8_PAIRS || kind == INT8_WIDENED; }
+static inline int form_of(int kind) { return kind == INT8_WIDENED ? 2 : kind; } /* load_w's, for kinds 0, 1, 5 */
 
 /* *buffer with room for `floats`, grown (never shrunk) as needed; NULL when out of memory. */
 static float *kept_buffer(float **buffer, int64_t *size, int64_t floats) {
@@ -640,10 +668,18 @@ static float *widening_buffer(int64_t floats) { /* one per thread, kept: the lar
     return kept_buffer(&buffer, &size, floats);
 }
 
-static void widen_panel(const uint16_t *p, int64_t count, float *out) {
+static void widen_panel(const void *w, int64_t count, float *out) {
+    const uint16_t *p = w;
     for (int64_t i = 0; i < count; i += 8) {
         if (i % 32 == 0) _mm_prefetch((const char *)(p + i + PREFETCH * PANEL), _MM_HINT_T0);
         _mm256_storeu_ps(out + i, widen_bf16(p + i));
+    }
+}
+static void widen_int8_panel(const void *w, int64_t count, float *out) { /* INT8_WIDENED's bytes, likewise */
+    const int8_t *p = w;
+    for (int64_t i = 0; i < count; i += 8) {
+        if (i % 64 == 0) _mm_prefetch((const char *)(p + i + PREFETCH * PANEL), _MM_HINT_T0);
+        _mm256_storeu_ps(out + i, widen_int8(p + i));
     }
 }
 
@@ -680,7 +716,8 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
 #endif
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
-    int widen = wide && W->kind == 1 && rows > 4, expand = wide && W->kind == INT8_PAIRS && rows > INT8_INLINE_ROWS;
+    int widen = wide && (W->kind == 1 || W->kind == INT8_WIDENED) && rows > 4;
+    int expand = wide && W->kind == INT8_PAIRS && rows > INT8_INLINE_ROWS;
     int kind = run_kind(widen ? 0 : expand ? 2 : W->kind);
     int64_t k8 = units_of(W), elem = unit_bytes(W), most = group_rows_of(kind), groups = (rows + most - 1) / most;
     /* A group of 7-8 rows in pairs alone also requests the next chunk while it works on this one (its arithmetic
@@ -691,7 +728,7 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
         const void *w = at;
-        if (widen) widen_panel(w, count * PANEL, wide), w = wide;
+        if (widen) (W->kind == 1 ? widen_panel : widen_int8_panel)(w, count * PANEL, wide), w = wide;
         if (expand) int8_expand(w, count, (uint32_t *)wide), w = wide;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
          * panels lie back to back; past the last panel a request is harmless, prefetches never fault), so the
@@ -735,19 +772,21 @@ static void two_panel_slice(const Product *W, const char *stored, int64_t p, flo
     int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W), chunk = m > 2 ? CHUNK : k8;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk)
         for (int64_t j = 0; j < m; j += 2)
-            two_panel_kernels_of[W->kind][MIN(2, m - j) - 1](stored + c0 * PANEL * elem, size, W->xf + j * k8 + c0, k8,
-                                                          MIN(chunk, k8 - c0), sums + j * 2 * PANEL, c0 > 0);
+            two_panel_kernels_of[form_of(W->kind)][MIN(2, m - j) - 1](stored + c0 * PANEL * elem, size,
+                                                                   W->xf + j * k8 + c0, k8, MIN(chunk, k8 - c0),
+                                                                   sums + j * 2 * PANEL, c0 > 0);
     for (int64_t r = 0; r < m; r++)
         for (int64_t q = 0; q < 2; q++)
             add_bias(W->yf + r * n + PANEL * (p + q), sums + (r * 2 + q) * PANEL,
-                     W->bias ? W->bias + PANEL * (p + q) : NULL, MIN(PANEL, n - PANEL * (p + q)), W->round, NULL);
+                     W->bias ? W->bias + PANEL * (p + q) : NULL, MIN(PANEL, n - PANEL * (p + q)), W->round,
+                     W->scales ? W->scales + PANEL * (p + q) : NULL);
 }
 
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
     int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
     /* NULL: widen (expand) in the kernel */
-    float *wide = (W->kind == 1 && m > 4) || (W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS)
+    float *wide = ((W->kind == 1 || W->kind == INT8_WIDENED) && m > 4) || (W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS)
                       ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
@@ -813,16 +852,16 @@ static const float *as_pairs(const float *xf, int64_t m, int64_t k8) { /* (x [m,
 /* `kind` as in Product, or PAIRS_GIVEN / INT8_PAIRS_GIVEN: kind 2 / INT8_PAIRS with xf in pairs already (the
  * layer's producer wrote them: layer_pairs); nonzero when out of memory (nothing written) */
 #define PAIRS_GIVEN 3
-#define INT8_PAIRS_GIVEN 5
+#define INT8_PAIRS_GIVEN 6
 static int run(const void *tiles, int kind, const float *xf, const float *bias, float *yf, int64_t m, int64_t n,
                int64_t k8, int threads, int round) {
     if (kind == PAIRS_GIVEN) kind = 2;
     else if (kind == INT8_PAIRS_GIVEN) kind = INT8_PAIRS;
     else if (in_pairs(kind) && !(xf = as_pairs(xf, m, k8))) return 1;
-    /* an int8 layout's scales follow its panels: (n / PANEL rounded up) panels of k8 / 2 units, 2 * PANEL bytes each;
-     * PANEL float32 scales a panel */
+    /* an int8 layout's scales follow its panels: (n / PANEL rounded up) panels of k8 bytes a column (k8 / 2 units of
+     * 2 * PANEL bytes in pairs, k8 of PANEL widened); PANEL float32 scales a panel */
     int64_t panels = (n + PANEL - 1) / PANEL;
-    const float *scales = kind == INT8_PAIRS ? (const float *)((const char *)tiles + panels * PANEL * k8) : NULL;
+    const float *scales = int8_kind(kind) ? (const float *)((const char *)tiles + panels * PANEL * k8) : NULL;
     ProductCall C = {{tiles, kind, xf, bias, yf, m, n, k8, round, scales}, threads};
     with_workers(threads, product_body, &C); /* inside a layer's region already: runs there */
     return 0;
@@ -850,9 +889,10 @@ int dflash_linear_f32(const float *tiles, const float *x, const float *bias, flo
     return 0;
 }
 
-/* bfloat16 input, tiles (in pairs where `pairs`; int8 in pairs where `pairs` is 2), bias and output; float32 sums. */
+/* bfloat16 input, tiles, bias and output; float32 sums. `layout`: the tiles' (0 bfloat16, 1 bfloat16 in pairs, 2 int8
+ * in pairs, 3 int8 widened). */
 int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                       int64_t k, int threads, int pairs) {
+                       int64_t k, int threads, int layout) {
     /* the float32 sums (an LM head's: 196 KB a row for SmolLM2) in a buffer kept per thread: a fresh allocation of
      * that size is a new mapping, page-faulted on every call */
     static _Thread_local float *kept;
@@ -861,7 +901,8 @@ int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t 
     float *xf = padded_input(x, 1, m, k, k8), *yf = kept_buffer(&kept, &kept_size, m * n + n);
     float *bf = bias && yf ? yf + m * n : NULL;
     for (int64_t i = 0; bf && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
-    int failed = !xf || !yf || run(tiles, pairs == 2 ? INT8_PAIRS : pairs ? 2 : 1, xf, bf, yf, m, n, k8, threads, 0);
+    static const int kinds[4] = {1, 2, INT8_PAIRS, INT8_WIDENED};
+    int failed = !xf || !yf || layout < 0 || layout > 3 || run(tiles, kinds[layout], xf, bf, yf, m, n, k8, threads, 0);
     free(xf);
     if (failed) return 1;
     int64_t i = 0;
@@ -904,9 +945,6 @@ static void chain_dots8(const void *w, int bf16, const int64_t *ids, const float
     }
 }
 
-static inline __m256 widen_int8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 
 /* out[r, i] = scale_i * sum_j x[r, j] q[i, j] over int8 panels (laid out as float tiles are). Up to four rows run
  * against a panel together, each input's 24 weights widened once for all of them (twelve chains at four rows, as
@@ -2184,11 +2222,12 @@ typedef struct { /* one layer's own arguments, the same every call */
     int64_t window;
     const void *norm3, *norm4;
     int64_t rope;
-    int int8; /* its four products' tiles hold int8 weights in pairs (INT8_PAIRS; the layer is bfloat16 in pairs) */
+    int int8; /* its four products' tiles hold int8 weights (the layer is bfloat16): INT8_PAIRS in a layer in pairs,
+               * else INT8_WIDENED */
 } Layer;
 
 /* The kind of a layer's products, and the same with their inputs in pairs already (layer_pairs) */
-static inline int weights_of(const Layer *L) { return L->int8 ? INT8_PAIRS : L->bf16; }
+static inline int weights_of(const Layer *L) { return L->int8 ? (L->bf16 == 2 ? INT8_PAIRS : INT8_WIDENED) : L->bf16; }
 static inline int given_pairs_of(const Layer *L) { return L->int8 ? INT8_PAIRS_GIVEN : PAIRS_GIVEN; }
 
 enum { X, XN, QKV, ATT, O_OUT, GU, ACT, DOWN_OUT, SCORES, ROW, TMP, BIAS, PARTS };
@@ -2429,7 +2468,7 @@ static void layer_pass(const Layer *L, Pass *P, const void *h, void *h_out) {
 /* Reserves the pairs buffer the products of `count` layers over m rows need (bfloat16 in pairs only): inside a
  * layer nothing may fail. Nonzero when out of memory. */
 static int reserve_pairs(const Layer *layers, int64_t count, int64_t m) {
-    if (layers[0].bf16 != 2) return layers[0].int8; /* int8 tiles come only in a bfloat16 layer in pairs */
+    if (layers[0].bf16 != 2) return layers[0].int8 && layers[0].bf16 != 1; /* int8 tiles: in a bfloat16 layer only */
     int64_t widest = 0;
     for (int64_t i = 0; i < count; i++)
         widest = MAX(widest, MAX(PAD8(layers[i].hidden), MAX(PAD8(layers[i].heads * layers[i].d), PAD8(layers[i].inter))));

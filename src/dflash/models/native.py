@@ -9,7 +9,8 @@ for all four of the layer's products (transformer.py). Built only on x86-64 Linu
 (`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
 The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
 Where the CPU multiplies bfloat16 itself (AVX512-BF16: AMD Zen 4, Intel Sapphire Rapids), bfloat16 weights are laid
-out in pairs of inputs for it (`bf16_pairs`; DFLASH_BF16_PAIRS=0 keeps the widening kernel).
+out in pairs of inputs for it (`bf16_pairs`; DFLASH_BF16_PAIRS=0 keeps the widening kernel). An int8 target's
+products read its weights a byte each wherever the kernel runs (`int8_kernel`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
 _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
-_int8_pairs = False  # int8 weights' products run in C (see int8_pairs)
+_int8_on = True  # our products read int8 weights a byte each, where a kernel for them runs (see int8_kernel)
+_int8_pairs = False  # ... in pairs, where bfloat16 weights are in pairs (AVX512-VBMI; see int8_kernel)
 _int8_vnni = False  # the int8 screen in integers (see int8_vnni)
 _screen_wide = False  # ... its inputs wide where many rows are screened (see screen_wide)
 why_not = ""  # why the kernel is unavailable, for reports
@@ -85,7 +87,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_pairs
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs
     if _tried:
         return _library
     _tried = True
@@ -150,7 +152,8 @@ def library() -> ctypes.CDLL | None:
             norm.restype = ctypes.c_int
             _library = lib
             _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
-            _int8_pairs = _pairs and bool(lib.dflash_int8_pairs()) and os.environ.get("DFLASH_INT8_PAIRS", "1") != "0"
+            _int8_on = os.environ.get("DFLASH_INT8", "1") != "0"
+            _int8_pairs = bool(lib.dflash_int8_pairs()) and os.environ.get("DFLASH_INT8_PAIRS", "1") != "0"
             _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
             _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
@@ -165,7 +168,7 @@ def build_id() -> str:
     lib = library()
     if lib is None:
         return "none"
-    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+int8" if _int8_pairs else "")
+    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
             + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 
@@ -188,22 +191,29 @@ def set_bf16_pairs(on: bool) -> bool:
     return old
 
 
-def int8_pairs() -> bool:
-    """Whether int8 weights (an int8 target's, `--dtype int8`) are read as int8 by our products (native.c,
-    INT8_PAIRS): where this build and CPU have AVX512-BF16 and AVX512-VBMI, bfloat16 weights are in pairs, and
-    DFLASH_INT8_PAIRS is not 0. Elsewhere such a model runs the bfloat16 weights its int8 ones stand for."""
-    library()
-    return _int8_pairs
+def int8_kernel() -> str | None:
+    """How our products read int8 weights (an int8 target's, `--dtype int8`), a byte each: "pairs" (native.c,
+    INT8_PAIRS: VDPBF16PS over the integers' bfloat16 values) where bfloat16 weights are in pairs and the CPU has
+    AVX512-VBMI, "widened" (INT8_WIDENED: each integer widened to float32 for an FMA) where bfloat16 weights are
+    widened too (AVX2 CPUs: AMD Zen 2 and 3, most Intel client chips). Either scales each output after its sum.
+    None where the kernel does not run, where DFLASH_INT8=0 (or DFLASH_INT8_PAIRS=0 on a CPU that would pair them),
+    or on a CPU with AVX512-BF16 but not VBMI: such a model then runs the bfloat16 weights its int8 ones stand
+    for. It follows the bfloat16 layout (`set_bf16_pairs`), so the two always match."""
+    if library() is None or not _int8_on:
+        return None
+    if _pairs:
+        return "pairs" if _int8_pairs else None
+    return "widened"
 
 
-def set_int8_pairs(on: bool) -> bool:
-    """Switches whether int8 weights laid out from now on are read as int8 (for tests and A/B runs); returns the old
-    setting."""
-    global _int8_pairs
-    lib, old = library(), _int8_pairs
-    if on and (lib is None or not _pairs or not lib.dflash_int8_pairs()):
-        raise RuntimeError("this build or CPU cannot run int8 weights in pairs (AVX512-BF16 and AVX512-VBMI)")
-    _int8_pairs = bool(on)
+def set_int8_kernels(on: bool) -> bool:
+    """Switches whether int8 weights laid out from now on are read a byte each (`int8_kernel`) or as the bfloat16
+    values they stand for (for tests and A/B runs); returns the old setting."""
+    global _int8_on
+    old = _int8_on
+    if on and library() is None:
+        raise RuntimeError("no kernel library here: int8 weights run as their bfloat16 values")
+    _int8_on = bool(on)
     return old
 
 
@@ -334,7 +344,7 @@ INT8_SMALLEST_SCALE = 2.0 ** -100  # keeps every q * scale a normal float (VCVTN
 def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q int8 [n, k], scales float32 [n], the weight they stand for, bfloat16 [n, k]) of a weight [n, k]: each row
     rounded to nearest on its own symmetric scale (its largest magnitude / 127), the weight w' = bf16(q * scale) as
-    torch rounds a float32 product to bfloat16, which is what native.c's int8 kernel multiplies by (int8_pair_tiles).
+    torch rounds a float32 product to bfloat16, which is what native.c's int8 kernels multiply by (`int8_tiles`).
     A model whose weights are replaced by w' is the int8 model, whichever form its products read."""
     w = weight.detach().float()
     scales = (w.abs().amax(dim=1) / 127).clamp_min(INT8_SMALLEST_SCALE)
@@ -369,6 +379,29 @@ def int8_pair_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def int8_widened_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """native.c's layout of int8 weights q (in [-127, 127]) for the widening kernel (INT8_WIDENED): `tiles`' float32
+    layout with a byte a weight, [panels, k8, 24] int8, whose buffer goes on past its end with each panel's 24 scales
+    (float32 [panels, 24]), as int8_pair_tiles' does. A quarter of the float32 tiles' bytes, half the bfloat16's."""
+    n, k = q.shape
+    padded = torch.nn.functional.pad(q.detach(), (0, -k % 8, 0, -n % PANEL))
+    count, k8 = padded.shape[0] // PANEL, padded.shape[1]
+    weight_bytes = count * PANEL * k8  # a multiple of 4 (k8 is of 8): the scales stay aligned
+    buffer = memory.lasting((weight_bytes + count * PANEL * 4,), torch.int8)
+    buffer[weight_bytes:].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, -n % PANEL)))
+    view = buffer[:weight_bytes].view(count, k8, PANEL)
+    view.copy_(padded.view(count, PANEL, k8).transpose(1, 2))
+    return view
+
+
+def int8_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The layout of int8 weights q with their rows' scales for this machine's `int8_kernel` (which must run)."""
+    kernel = int8_kernel()
+    if kernel is None:
+        raise RuntimeError("our kernels do not read int8 weights here")
+    return int8_pair_tiles(q, scales) if kernel == "pairs" else int8_widened_tiles(q, scales)
+
+
 def in_pairs(weight_tiles: torch.Tensor) -> bool:
     return weight_tiles.dim() == 4
 
@@ -395,9 +428,12 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     args = (weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
             x.numel() // k, out_features, k, torch.get_num_threads())
-    status = (lib.dflash_linear_f32(*args) if x.dtype == torch.float32
-              else lib.dflash_linear_bf16(*args, 2 if weight_tiles.dtype == torch.int8
-                                          else int(in_pairs(weight_tiles))))
+    if x.dtype == torch.float32:
+        status = lib.dflash_linear_f32(*args)
+    else:  # native.c's layouts: bfloat16, bfloat16 in pairs, int8 in pairs, int8 widened
+        pairs = in_pairs(weight_tiles)
+        layout = (2 if pairs else 3) if weight_tiles.dtype == torch.int8 else int(pairs)
+        status = lib.dflash_linear_bf16(*args, layout)
     return y if status == 0 else None
 
 
@@ -412,7 +448,7 @@ def layer_constants(weights: dict, shape: dict, dtype: torch.dtype) -> tuple:
     1 bfloat16, 2 bfloat16 with its products' tiles in pairs (all four are laid out alike). Gemma3's layers add
     `gemma` (unit-offset norms), `gelu`, a sliding `window`, norms 3 and 4 (sandwich) and their RoPE table's index
     `rope` (shape's keys; absent: a Llama/Qwen layer). The last, `int8`: its products' tiles hold int8 weights
-    (int8_pair_tiles; all four alike, in a bfloat16 layer in pairs)."""
+    (`int8_tiles`; all four alike, in a bfloat16 layer: in pairs where it is in pairs, else widened)."""
     bf16 = 0 if dtype != torch.bfloat16 else 2 if in_pairs(weights["qkv"]) else 1
     return (bf16, _ptr(weights["norm1"]), _ptr(weights["norm2"]), shape["eps"],
             _ptr(weights["qkv"]), _ptr(weights["qkv_bias"]), _ptr(weights["q_norm"]), _ptr(weights["k_norm"]),

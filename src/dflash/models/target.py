@@ -310,8 +310,8 @@ def quantize_int8(target: TargetModel) -> None:
     """Makes a bfloat16 target an int8 one: every weight of its decoder layers' products rounded per output row to
     255 levels of its own scale and replaced by the bfloat16 values those stand for (FrozenLinear.quantize_int8),
     the embeddings, norms and LM head kept. Like llama.cpp's Q8_0 (which scales blocks of 32 weights), for a CPU
-    whose steps are bound by the memory the weights take: our kernels read a byte a weight where the CPU has
-    AVX512-BF16 and VBMI, elsewhere the bfloat16 values. Speculative decoding stays exact with respect to this
+    whose steps are bound by the memory the weights take: our kernels read a byte a weight (native.int8_kernel: in
+    pairs where the CPU has AVX512-BF16 and VBMI, widened to float32 on AVX2), elsewhere the bfloat16 values. Speculative decoding stays exact with respect to this
     model, which is not the bfloat16 one: its greedy text can differ from theirs (docs/RESULTS.md measures by how
     much). Call it before choose_kernels (as load_target does): the plan is measured on the int8 products."""
     if target.dtype != torch.bfloat16:
@@ -328,8 +328,8 @@ def quantize_int8(target: TargetModel) -> None:
     target.int8 = True
     # no laying out here: choose_kernels, which follows at load, lays out what its plan picks (the default plan's
     # oneDNN copies made now would be thrown away); a product laid out before is re-laid at its next use
-    if target.device.type == "cpu" and not native.int8_pairs():
-        why = native.why_not or "needs AVX512-BF16 and AVX512-VBMI, or DFLASH_INT8_PAIRS=0"
+    if target.device.type == "cpu" and native.int8_kernel() is None:
+        why = native.why_not or "DFLASH_INT8=0 or DFLASH_INT8_PAIRS=0, or AVX512-BF16 without AVX512-VBMI"
         print(f"[dflash] {target.name}: int8 weights run as their bfloat16 values here ({why}): the same model, "
               "without int8's speed", file=sys.stderr)
 

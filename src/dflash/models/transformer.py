@@ -413,7 +413,7 @@ class Transformer(nn.Module):
         if any(cos.dtype != h.dtype or not (cos.is_contiguous() and sin.is_contiguous()) for cos, sin in tables):
             return None
         tokens = min(h.shape[0] * h.shape[1], MAX_NATIVE_TOKENS)  # the verify bucket's kernels for any batch
-        state = (h.dtype, row_bucket(tokens), native._pairs, native._int8_pairs)
+        state = (h.dtype, row_bucket(tokens), native._pairs, native._int8_on)
         cached = self.__dict__.get("_stack_args")
         if cached is None or cached[0] != state or not cached[1].holds(versions=self.versions_held is not True):
             constants = [layer._native_constants(h.dtype, tokens) for layer in self.layers]
