@@ -76,9 +76,10 @@ def test_rows_round_to_255_levels_of_their_own_scale():
 
 @needs_library
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33])
-@pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (50, 20), (96, 576)])
+@pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (50, 20), (96, 576), (400, 96)])
 def test_widened_int8_products_are_the_float_chain_over_the_integers_scaled_after(m, n, k):
-    """Every row count (two panels at a time up to 4 rows, widened a chunk at a time beyond) and padded shape: each
+    """Every row count (a step four panels at a time, up to 4 rows two at a time, widened a chunk at a time beyond;
+    400 outputs are enough panels for a thread's share to hold four) and padded shape: each
     output is the float kernel's one chain over q, times its row's scale, rounded once; with unit scales bitwise the
     widening bfloat16 kernel on bf16(q). AVX2 code: it runs wherever the library does."""
     g = torch.Generator().manual_seed(m * 1000 + n)
