@@ -3,6 +3,8 @@ pad (rows not a multiple of 24, columns not a multiple of 8), 1-16 input rows (e
 float32 and bfloat16, with and without bias; a layout that follows in-place writes; plans that pick it when it is
 faster; greedy output unchanged through it; and the fallback where it cannot be built."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,6 +192,26 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_tried", False)
     assert native.library() is None and native.why_not == "DFLASH_NATIVE=0"
+
+
+def test_a_failed_build_is_reported(monkeypatch, capsys, tmp_path):
+    """Where the CPU could run our kernels but they cannot be built (a compiler without OpenMP, a broken source),
+    the user is told once, on stderr, rather than left with torch's kernels several times slower."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or not native._cpu_has_avx2_fma():
+        pytest.skip("our kernels are not for this CPU")
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: broken on purpose' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))  # no library built before
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "why_not", "")
+    assert native.library() is None and native.why_not.startswith("build failed")
+    assert "our CPU kernels are not running here (build failed" in capsys.readouterr().err
+    monkeypatch.setenv("DFLASH_NATIVE", "0")  # a deliberate choice: no word
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is None and capsys.readouterr().err == ""
 
 
 def test_the_kernels_build_wherever_they_can_run():

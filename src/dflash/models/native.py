@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -158,6 +159,11 @@ def library() -> ctypes.CDLL | None:
             _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
+    if _library is None and why_not.startswith(("build failed", "no C compiler")):
+        # a CPU our kernels would have run on: say so once, or a run is several times slower without a word
+        print(f"[dflash] our CPU kernels are not running here ({why_not}): torch's kernels run instead, several "
+              "times slower on a CPU (set CC to a C compiler with OpenMP, or DFLASH_NATIVE=0 to silence this)",
+              file=sys.stderr)
     return _library
 
 
