@@ -61,6 +61,18 @@ def test_float32_rows_give_bitwise_the_products_of_single_rows(m):
 
 
 @needs_native
+@pytest.mark.parametrize("m", [2, 3, 5, 9, 16])
+def test_bfloat16_steps_give_bitwise_the_rows_of_wider_products(m, bf16_layout):
+    """A step's row against four panels at once (widened bfloat16, where a thread's share holds four: 400 outputs are
+    17 panels), two at a time, or in pairs: each output is the one chain its row makes in any wider product."""
+    g = torch.Generator().manual_seed(m)
+    weight, x = torch.randn(400, 150, generator=g).bfloat16(), torch.randn(m, 150, generator=g).bfloat16()
+    tiles = native.tiles(weight)
+    got = native.linear(x, tiles, 400, None)
+    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 400, None) for i in range(m)]))
+
+
+@needs_native
 def test_threads_never_change_a_product_even_from_concurrent_callers(dtype):
     """Which thread computes an output never changes it: 1-3 threads, and eight Python threads calling at once (one
     holds the thread region, the others run on their own thread), all give bitwise the one-thread result."""

@@ -782,33 +782,53 @@ static void two_panel_slice(const Product *W, const char *stored, int64_t p, flo
                      W->scales ? W->scales + PANEL * (p + q) : NULL);
 }
 
-/* A step's row against four int8 panels at once (p .. p + 3, INT8_WIDENED): four memory streams of 24 bytes an input,
- * the bytes two bfloat16 panels' streams take an input, and twelve chains. All products of SmolLM2's layers from
- * memory took 0.50-0.61x the widening bfloat16 kernel's time this way, 0.58-0.64x two panels at a time (five
- * alternating runs each of scripts/int8_harness.c, AMD EPYC Zen 3, 2 threads). Each output is still its one chain. */
-static void four_int8_panels(const Product *W, const char *stored, int64_t p, float *sums) {
-    int64_t n = W->n, k8 = W->k8, size = PANEL * k8;
-    const int8_t *w = (const int8_t *)stored;
-    const float *x = W->xf;
-    float *out = sums; /* TWO_STORE's */
+/* A step's row against four panels at once (p .. p + 3): four memory streams and twelve chains, where two panels'
+ * streams read too few bytes an input to keep the memory busy. int8 (INT8_WIDENED, 24 bytes a stream an input): all
+ * products of SmolLM2's layers from memory took 0.50-0.61x the widening bfloat16 kernel's time this way, 0.58-0.64x
+ * two panels at a time (five alternating runs each of scripts/int8_harness.c, AMD EPYC Zen 3, 2 threads). Widened
+ * bfloat16 (48 bytes): the same products 0.83-0.93x the time of two panels in 8 of 9 alternating runs; a bfloat16
+ * model's layers at a step 0.92-0.94x, the step with its full head 0.86x (scripts/ab_native.py, AB_WIDTHS=1). float32
+ * (96 bytes): no faster (5 of 9 runs slower), so it keeps two. Each output is still its one chain. */
+static inline __attribute__((always_inline)) void four_panels_row(const void *w, int64_t size, int form,
+                                                                  const float *x, int64_t k8, float *out) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0, c0 = a0, c1 = a0, c2 = a0, d0 = a0,
            d1 = a0, d2 = a0;
     for (int64_t i = 0; i < k8; i++) {
         __m256 u = _mm256_broadcast_ss(x + i);
-        const int8_t *at = w + i * PANEL;
-        a0 = _mm256_fmadd_ps(widen_int8(at), u, a0), b0 = _mm256_fmadd_ps(widen_int8(at + size), u, b0);
-        c0 = _mm256_fmadd_ps(widen_int8(at + 2 * size), u, c0), d0 = _mm256_fmadd_ps(widen_int8(at + 3 * size), u, d0);
-        a1 = _mm256_fmadd_ps(widen_int8(at + 8), u, a1), b1 = _mm256_fmadd_ps(widen_int8(at + size + 8), u, b1);
-        c1 = _mm256_fmadd_ps(widen_int8(at + 2 * size + 8), u, c1);
-        d1 = _mm256_fmadd_ps(widen_int8(at + 3 * size + 8), u, d1);
-        a2 = _mm256_fmadd_ps(widen_int8(at + 16), u, a2), b2 = _mm256_fmadd_ps(widen_int8(at + size + 16), u, b2);
-        c2 = _mm256_fmadd_ps(widen_int8(at + 2 * size + 16), u, c2);
-        d2 = _mm256_fmadd_ps(widen_int8(at + 3 * size + 16), u, d2);
+        int64_t at = i * PANEL;
+        a0 = _mm256_fmadd_ps(load_w(w, at, form), u, a0), b0 = _mm256_fmadd_ps(load_w(w, at + size, form), u, b0);
+        c0 = _mm256_fmadd_ps(load_w(w, at + 2 * size, form), u, c0);
+        d0 = _mm256_fmadd_ps(load_w(w, at + 3 * size, form), u, d0);
+        a1 = _mm256_fmadd_ps(load_w(w, at + 8, form), u, a1), b1 = _mm256_fmadd_ps(load_w(w, at + size + 8, form), u, b1);
+        c1 = _mm256_fmadd_ps(load_w(w, at + 2 * size + 8, form), u, c1);
+        d1 = _mm256_fmadd_ps(load_w(w, at + 3 * size + 8, form), u, d1);
+        a2 = _mm256_fmadd_ps(load_w(w, at + 16, form), u, a2), b2 = _mm256_fmadd_ps(load_w(w, at + size + 16, form), u, b2);
+        c2 = _mm256_fmadd_ps(load_w(w, at + 2 * size + 16, form), u, c2);
+        d2 = _mm256_fmadd_ps(load_w(w, at + 3 * size + 16, form), u, d2);
     }
     TWO_STORE(a, 0) TWO_STORE(b, PANEL) TWO_STORE(c, 2 * PANEL) TWO_STORE(d, 3 * PANEL)
+}
+#define FOUR_PANELS_ROW(NAME, FORM)                                                                                  \
+    static void NAME(const void *w, int64_t size, const float *x, int64_t k8, float *out) {                         \
+        four_panels_row(w, size, FORM, x, k8, out);                                                                   \
+    }
+FOUR_PANELS_ROW(four_panels_f32, 0)
+FOUR_PANELS_ROW(four_panels_bf16, 1)
+FOUR_PANELS_ROW(four_panels_int8, 2)
+typedef void (*FourPanels)(const void *w, int64_t size, const float *x, int64_t k8, float *out);
+static const FourPanels four_panel_kernels_of[3] = {four_panels_f32, four_panels_bf16, four_panels_int8};
+#ifndef FOUR_PANELS /* the forms (load_w's) whose steps run four panels at a time: a bit each, 1 float32, 2 bfloat16, 4 int8 */
+#define FOUR_PANELS 6
+#endif
+static inline int four_panels_for(const Product *W) {
+    return W->m == 1 && !in_pairs(W->kind) && (FOUR_PANELS >> form_of(W->kind) & 1);
+}
+static void four_panel_step(const Product *W, const char *stored, int64_t p, float *sums) {
+    int64_t n = W->n, k8 = W->k8;
+    four_panel_kernels_of[form_of(W->kind)](stored, PANEL * k8, W->xf, k8, sums);
     for (int64_t q = 0; q < 4; q++)
         add_bias(W->yf + PANEL * (p + q), sums + q * PANEL, W->bias ? W->bias + PANEL * (p + q) : NULL,
-                 MIN(PANEL, n - PANEL * (p + q)), W->round, W->scales + PANEL * (p + q));
+                 MIN(PANEL, n - PANEL * (p + q)), W->round, W->scales ? W->scales + PANEL * (p + q) : NULL);
 }
 
 static void product_panels(void *ctx, int64_t first, int64_t last) {
@@ -823,8 +843,8 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
         /* a step or a narrow pass: two panels at a time, but in pairs: there one panel's stream ran 1-4 rows in
          * 0.90-0.96x the time (AMD EPYC Zen 4, 2 threads, thirty-third session: VDPBF16PS's 2 a cycle leave the
          * single stream's three chains time to spare, and two streams did not read faster) */
-        if (W->kind == INT8_WIDENED && m == 1 && p + 3 < last) { /* a step, in int8: four panels at a time */
-            four_int8_panels(W, stored, p, sums);
+        if (p + 3 < last && four_panels_for(W)) { /* a step: four panels at a time, where that measured faster */
+            four_panel_step(W, stored, p, sums);
             p += 3;
             continue;
         }
