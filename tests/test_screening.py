@@ -75,7 +75,7 @@ def test_screened_argmax_is_the_float32_heads(kind, k):
     logits = float32_logits(x, weight)
     assert torch.equal(ids, logits.argmax(-1))
     assert (head.last_screened >= 1).all() and (head.last_screened < vocab // 20).all()  # a few summed in float32
-    for row in range(7):  # one row alone: a step's path (two panels at a time, 126 panels and an odd last one)
+    for row in range(7):  # one row alone: a step's path (four panels at a time, then two, 126 panels and an odd last)
         assert torch.equal(head.argmax(x[row: row + 1]), ids[row: row + 1])
 
 
