@@ -248,7 +248,8 @@ static inline __attribute__((always_inline)) void panel_rows(const void *w, int 
     ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
     for (int64_t i = 0; i < k8; i++) {
         request_share(pf, i, pf_step);
-        __m256 w0 = load_w(w, i * PANEL, form), w1 = load_w(w, i * PANEL + 8, form), w2 = load_w(w, i * PANEL + 16, form);
+        __m256 w0 = load_w(w, i * PANEL, form), w1 = load_w(w, i * PANEL + 8, form);
+        __m256 w2 = load_w(w, i * PANEL + 16, form);
         ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5) ACC_FMA(6) ACC_FMA(7)
     }
     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
@@ -799,10 +800,12 @@ static inline __attribute__((always_inline)) void four_panels_row(const void *w,
         a0 = _mm256_fmadd_ps(load_w(w, at, form), u, a0), b0 = _mm256_fmadd_ps(load_w(w, at + size, form), u, b0);
         c0 = _mm256_fmadd_ps(load_w(w, at + 2 * size, form), u, c0);
         d0 = _mm256_fmadd_ps(load_w(w, at + 3 * size, form), u, d0);
-        a1 = _mm256_fmadd_ps(load_w(w, at + 8, form), u, a1), b1 = _mm256_fmadd_ps(load_w(w, at + size + 8, form), u, b1);
+        a1 = _mm256_fmadd_ps(load_w(w, at + 8, form), u, a1);
+        b1 = _mm256_fmadd_ps(load_w(w, at + size + 8, form), u, b1);
         c1 = _mm256_fmadd_ps(load_w(w, at + 2 * size + 8, form), u, c1);
         d1 = _mm256_fmadd_ps(load_w(w, at + 3 * size + 8, form), u, d1);
-        a2 = _mm256_fmadd_ps(load_w(w, at + 16, form), u, a2), b2 = _mm256_fmadd_ps(load_w(w, at + size + 16, form), u, b2);
+        a2 = _mm256_fmadd_ps(load_w(w, at + 16, form), u, a2);
+        b2 = _mm256_fmadd_ps(load_w(w, at + size + 16, form), u, b2);
         c2 = _mm256_fmadd_ps(load_w(w, at + 2 * size + 16, form), u, c2);
         d2 = _mm256_fmadd_ps(load_w(w, at + 3 * size + 16, form), u, d2);
     }
@@ -817,7 +820,7 @@ FOUR_PANELS_ROW(four_panels_bf16, 1)
 FOUR_PANELS_ROW(four_panels_int8, 2)
 typedef void (*FourPanels)(const void *w, int64_t size, const float *x, int64_t k8, float *out);
 static const FourPanels four_panel_kernels_of[3] = {four_panels_f32, four_panels_bf16, four_panels_int8};
-#ifndef FOUR_PANELS /* the forms (load_w's) whose steps run four panels at a time: a bit each, 1 float32, 2 bfloat16, 4 int8 */
+#ifndef FOUR_PANELS /* the forms (load_w's) whose steps run four panels at a time: a bit each, 1 f32, 2 bf16, 4 int8 */
 #define FOUR_PANELS 6
 #endif
 static inline int four_panels_for(const Product *W) {
@@ -835,8 +838,9 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
     int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
     /* NULL: widen (expand) in the kernel */
-    float *wide = ((W->kind == 1 || W->kind == INT8_WIDENED) && m > 4) || (W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS)
-                      ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
+    int widens = (W->kind == 1 || W->kind == INT8_WIDENED) && m > 4;
+    int expands = W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS;
+    float *wide = widens || expands ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
@@ -1000,10 +1004,12 @@ static void chain_dots8(const void *w, int bf16, const int64_t *ids, const float
 }
 
 
-/* out[r, i] = scale_i * sum_j x[r, j] q[i, j] over int8 panels (laid out as float tiles are). Up to four rows run
- * against a panel together, each input's 24 weights widened once for all of them (twelve chains at four rows, as
- * panel_rows); one row alternates its inputs between two sets of three accumulators instead (six chains). The order
- * of a screen's sums is free: its bound holds for any. */
+/* out[r, i] = scale_i * sum_j x[r, j] q[i, j] over int8 panels (laid out as float tiles are). A step's row runs
+ * through an int8 target's step kernels (four panels at a time, then two). More rows run up to four against a panel
+ * together, each input's 24 weights widened once for all of them (twelve chains at four rows, as panel_rows); one
+ * row alternates its inputs between two sets of three accumulators instead (six chains). These kernels of its own
+ * measured faster than the product's panel_rows here: 8-16 rows took 0.84-0.90x the time (scripts/ab_screen.py,
+ * AMD EPYC Zen 3). The order of a screen's sums is free: its bound holds for any. */
 typedef struct {
     const int8_t *tiles;
     const float *scales, *xf;
@@ -1049,21 +1055,6 @@ INT8_ROWS(int8_rows_4, 4)
 typedef void (*Int8Rows)(const int8_t *w, const float *x, int64_t ldx, int64_t k8, float *out);
 static const Int8Rows int8_row_kernels[4] = {int8_rows_1, int8_rows_2, int8_rows_3, int8_rows_4};
 
-/* One row against panels p and p + 1 at once: two memory streams, as a float32 step reads them (one stream read
- * ~15.6 GB/s on an EPYC core, two ~20), and six chains. */
-static void int8_two_panels(const int8_t *w, int64_t size, const float *x, int64_t k8, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0;
-    for (int64_t i = 0; i < k8; i++) {
-        __m256 u = _mm256_broadcast_ss(x + i);
-        const int8_t *at = w + i * PANEL, *bt = at + size;
-        a0 = _mm256_fmadd_ps(widen_int8(at), u, a0), b0 = _mm256_fmadd_ps(widen_int8(bt), u, b0);
-        a1 = _mm256_fmadd_ps(widen_int8(at + 8), u, a1), b1 = _mm256_fmadd_ps(widen_int8(bt + 8), u, b1);
-        a2 = _mm256_fmadd_ps(widen_int8(at + 16), u, a2), b2 = _mm256_fmadd_ps(widen_int8(bt + 16), u, b2);
-    }
-    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2);
-    _mm256_storeu_ps(out + PANEL, b0), _mm256_storeu_ps(out + PANEL + 8, b1), _mm256_storeu_ps(out + PANEL + 16, b2);
-}
-
 static void int8_screen_panels(void *ctx, int64_t first, int64_t last) {
     const Int8Screen *S = ctx;
     float sums[4 * PANEL];
@@ -1079,7 +1070,7 @@ static void int8_screen_panels(void *ctx, int64_t first, int64_t last) {
         }
         if (S->m == 1 && p + 1 < last) { /* two panels, two streams */
             int64_t both = MIN(2 * PANEL, S->n - PANEL * p);
-            int8_two_panels(w, S->k8 * PANEL, S->xf, S->k8, sums);
+            two_panels_int8_1(w, S->k8 * PANEL, S->xf, S->k8, S->k8, sums, 0);
             for (int64_t c = 0; c < both; c++) S->out[PANEL * p + c] = S->scales[PANEL * p + c] * sums[c];
             p++;
             continue;

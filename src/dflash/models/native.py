@@ -174,7 +174,8 @@ def build_id() -> str:
     lib = library()
     if lib is None:
         return "none"
-    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
+    int8 = {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
+    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + int8
             + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 

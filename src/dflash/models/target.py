@@ -311,9 +311,10 @@ def quantize_int8(target: TargetModel) -> None:
     255 levels of its own scale and replaced by the bfloat16 values those stand for (FrozenLinear.quantize_int8),
     the embeddings, norms and LM head kept. Like llama.cpp's Q8_0 (which scales blocks of 32 weights), for a CPU
     whose steps are bound by the memory the weights take: our kernels read a byte a weight (native.int8_kernel: in
-    pairs where the CPU has AVX512-BF16 and VBMI, widened to float32 on AVX2), elsewhere the bfloat16 values. Speculative decoding stays exact with respect to this
-    model, which is not the bfloat16 one: its greedy text can differ from theirs (docs/RESULTS.md measures by how
-    much). Call it before choose_kernels (as load_target does): the plan is measured on the int8 products."""
+    pairs where the CPU has AVX512-BF16 and VBMI, widened to float32 on AVX2), elsewhere the bfloat16 values.
+    Speculative decoding stays exact with respect to this model, which is not the bfloat16 one: its greedy text can
+    differ from theirs (docs/RESULTS.md measures by how much). Call it before choose_kernels (as load_target does):
+    the plan is measured on the int8 products."""
     if target.dtype != torch.bfloat16:
         raise ValueError("quantize_int8 needs a bfloat16 target")
     engine = target.engine
