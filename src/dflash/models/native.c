@@ -243,13 +243,17 @@ static inline __attribute__((always_inline)) void request_share(const char *pf, 
     }
 static inline __attribute__((always_inline)) void panel_rows(const void *w, int form, const float *x, int64_t ldx,
                                                              int64_t k8, const int R, float *out, const char *pf,
-                                                             int64_t pf_step, int resume) {
+                                                             int64_t pf_step, int resume, float *keep) {
     ACC_ZERO(0) ACC_ZERO(1) ACC_ZERO(2) ACC_ZERO(3) ACC_ZERO(4) ACC_ZERO(5) ACC_ZERO(6) ACC_ZERO(7)
     ACC_LOAD(0) ACC_LOAD(1) ACC_LOAD(2) ACC_LOAD(3) ACC_LOAD(4) ACC_LOAD(5) ACC_LOAD(6) ACC_LOAD(7)
     for (int64_t i = 0; i < k8; i++) {
         request_share(pf, i, pf_step);
         __m256 w0 = load_w(w, i * PANEL, form), w1 = load_w(w, i * PANEL + 8, form);
         __m256 w2 = load_w(w, i * PANEL + 16, form);
+        if (keep) {
+            _mm256_storeu_ps(keep + i * PANEL, w0), _mm256_storeu_ps(keep + i * PANEL + 8, w1);
+            _mm256_storeu_ps(keep + i * PANEL + 16, w2);
+        }
         ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5) ACC_FMA(6) ACC_FMA(7)
     }
     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5) ACC_STORE(6) ACC_STORE(7)
@@ -308,7 +312,7 @@ typedef void (*TwoPanels)(const void *w, int64_t size, const float *x, int64_t l
 #define PANEL_ROWS(NAME, FORM, R)                                                                                    \
     static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
                      int64_t pf_step, int resume) {                                                                   \
-        panel_rows(w, FORM, x, ldx, k8, R, out, pf, pf_step, resume);                                                 \
+        panel_rows(w, FORM, x, ldx, k8, R, out, pf, pf_step, resume, NULL);                                           \
     }
 PANEL_ROWS(panel_f32_1, 0, 1)
 PANEL_ROWS(panel_f32_2, 0, 2)
@@ -324,6 +328,25 @@ PANEL_ROWS(panel_int8w_3, 2, 3)
 PANEL_ROWS(panel_int8w_4, 2, 4)
 typedef void (*PanelRows)(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,
                           int64_t pf_step, int resume);
+
+/* The first group of rows over a bfloat16 or int8 chunk (FORM 1 or 2) that later groups read widened: it widens the
+ * chunk in registers as it runs and stores the float32 weights at `keep` for them, so the chunk's bytes come from
+ * memory while its FMAs run, and no separate pass over the chunk widens it first. */
+#define PANEL_ROWS_KEEP(NAME, FORM, R)                                                                               \
+    static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,             \
+                     int64_t pf_step, int resume, float *keep) {                                                      \
+        panel_rows(w, FORM, x, ldx, k8, R, out, pf, pf_step, resume, keep);                                           \
+    }
+PANEL_ROWS_KEEP(panel_bf16_keep_2, 1, 2)
+PANEL_ROWS_KEEP(panel_bf16_keep_3, 1, 3)
+PANEL_ROWS_KEEP(panel_bf16_keep_4, 1, 4)
+PANEL_ROWS_KEEP(panel_int8w_keep_2, 2, 2)
+PANEL_ROWS_KEEP(panel_int8w_keep_3, 2, 3)
+PANEL_ROWS_KEEP(panel_int8w_keep_4, 2, 4)
+typedef void (*PanelRowsKeep)(const void *w, const float *x, int64_t ldx, int64_t k8, float *out, const char *pf,
+                              int64_t pf_step, int resume, float *keep);
+static const PanelRowsKeep keep_kernels_of[2][3] = {{panel_bf16_keep_2, panel_bf16_keep_3, panel_bf16_keep_4},
+                                                    {panel_int8w_keep_2, panel_int8w_keep_3, panel_int8w_keep_4}};
 
 /* ---- bfloat16 weights in pairs, where the CPU multiplies bfloat16 itself (AVX512-BF16) --------------------------
  * Widening a bfloat16 weight costs a shift per eight, and then an FMA does eight multiply-adds: a verify pass of
@@ -536,7 +559,7 @@ PAIRS_TARGET static void bf16_array(const float *x, int64_t n, uint16_t *out) {
 #define PANEL_ROWS_WIDE(NAME, R)                                                                                     \
     F32_WIDE_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out,              \
                                      const char *pf, int64_t pf_step, int resume) {                                   \
-        panel_rows(w, 0, x, ldx, k8, R, out, pf, pf_step, resume);                                                    \
+        panel_rows(w, 0, x, ldx, k8, R, out, pf, pf_step, resume, NULL);                                              \
     }
 PANEL_ROWS_WIDE(panel_f32x_1, 1) PANEL_ROWS_WIDE(panel_f32x_2, 2) PANEL_ROWS_WIDE(panel_f32x_3, 3)
 PANEL_ROWS_WIDE(panel_f32x_4, 4) PANEL_ROWS_WIDE(panel_f32x_5, 5) PANEL_ROWS_WIDE(panel_f32x_6, 6)
@@ -631,7 +654,8 @@ static const TwoPanels two_panel_kernels_of[3][2] = {{two_panels_f32_1, two_pane
                                                      {two_panels_int8_1, two_panels_int8_2}};
 
 /* yf[m, n] = xf[m, k8] . W^T + bias, all float32 but the panels. For more than four input rows a bfloat16 or int8
- * chunk is widened to float32 once (into L1), rather than once per four rows. `kind`: 0 float32, 1 bfloat16
+ * chunk is widened to float32 once (into L1), rather than once per four rows: on AVX2 by the first group of rows as
+ * it runs over the chunk (FUSED_WIDEN). `kind`: 0 float32, 1 bfloat16
  * (widened), 2 bfloat16 in pairs, whose xf holds the inputs as pairs of bfloat16 (k8 / 2 words a row), INT8_PAIRS
  * and INT8_WIDENED (above). A panel's "unit" is what one step of its kernel reads: an input (float32, bfloat16,
  * int8) or a pair of inputs. */
@@ -712,6 +736,14 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
 /* Rows beyond which int8 weights are expanded a chunk at a time (int8_expand) rather than in the kernel: up to 8,
  * one group, in the kernel took 0.88-0.96x the time of expanding (5-8 rows), from 9 rows expanding once for all
  * groups 0.78x (16 rows; all products of SmolLM2's layers from memory, AMD EPYC Zen 4, 2 threads) */
+/* Whether the first group of rows widens a bfloat16 or int8 chunk for the others as it runs (AVX2's float kernels;
+ * 0: a pass of its own widens each chunk first). That pass read the chunk from memory while no FMA ran: the layers
+ * of 5-, 8- and 16-token bfloat16 passes took 0.74x, 0.74x and 0.81x the time fused, int8's 0.66x, 0.69x and 0.81x,
+ * 16 rows of a bfloat16 batch on one thread 0.85x (scripts/ab_native.py, AMD EPYC Zen 3, 2 threads). Outputs are
+ * bitwise the same: the same weights enter the same chains. */
+#ifndef FUSED_WIDEN
+#define FUSED_WIDEN 1
+#endif
 #ifndef INT8_INLINE_ROWS
 #define INT8_INLINE_ROWS 8
 #endif
@@ -729,7 +761,9 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
         const void *w = at;
-        if (widen) (W->kind == 1 ? widen_panel : widen_int8_panel)(w, count * PANEL, wide), w = wide;
+        /* AVX2's float kernels: the first group widens the chunk for the rest (keep_kernels_of) */
+        int keeps = widen && kind == 0 && FUSED_WIDEN;
+        if (widen && !keeps) (W->kind == 1 ? widen_panel : widen_int8_panel)(w, count * PANEL, wide), w = wide;
         if (expand) int8_expand(w, count, (uint32_t *)wide), w = wide;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
          * panels lie back to back; past the last panel a request is harmless, prefetches never fault), so the
@@ -738,8 +772,14 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
         int64_t share = (count * PANEL * elem + groups - 1) / groups;
         for (int64_t j = 0, g = 0, size; j < rows; j += size, g++) {
             size = group_size(rows, rows - j, groups - g, most);
-            panel_kernels_of[kind][size - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL,
-                                             request ? ahead + g * share : NULL, (share + count - 1) / count, c0 > 0);
+            const char *pf = request ? ahead + g * share : NULL;
+            int64_t pf_step = (share + count - 1) / count;
+            if (keeps && g == 0) {
+                keep_kernels_of[W->kind == 1 ? 0 : 1][size - 2](at, x + j * k8 + c0, k8, count, sums + j * PANEL, pf,
+                                                                pf_step, c0 > 0, wide);
+                w = wide;
+            } else
+                panel_kernels_of[kind][size - 1](w, x + j * k8 + c0, k8, count, sums + j * PANEL, pf, pf_step, c0 > 0);
         }
     }
 }
