@@ -151,6 +151,12 @@ def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys,
     assert registry.get("dflash+ngram").uses_drafter and registry.get("dflash+ngram").training is None
     assert drafter_paths(["dflash=/a"], ["ar", "dflash+ngram", "dflash"]) == {"dflash": "/a"}
     assert drafter_paths(["/b"], ["dflash+ngram"]) == {"dflash": "/b"}
+    capsys.readouterr()
+    # a drafter for a method that does not run is said to go unused (scripts pass one drafter to any methods)
+    assert drafter_paths(["eagle3=/e"], ["ar", "dflash"]) == {"eagle3": "/e"}
+    assert "--drafter eagle3=/e: no method here loads eagle3's drafter (ar, dflash); not used" in capsys.readouterr().err
+    drafter_paths(["eagle3+ngram=/e", "dflash=/a"], ["eagle3", "dflash+ngram"])
+    assert "not used" not in capsys.readouterr().err
     args = SimpleNamespace(drafter=["dflash+ngram=/c"], block_size=None, draft_dtype="auto")
     assert method_options(args, "dflash").drafter == "/c" == method_options(args, "dflash+ngram").drafter
     code, out, err = run(capsys, "--method", "dflash+ngram", "--block-size", "4", "--max-new-tokens", "12", "--json",

@@ -122,6 +122,9 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
             if not registry.get(method).uses_drafter:
                 raise UserError(f"--drafter {value}: {method} loads no drafter")
             method = registry.drafter_of(method)
+            if method not in drafting:  # a warning, not an error: scripts pass one drafter to runs of any methods
+                print(f"[dflash] --drafter {value}: no method here loads {method}'s drafter "
+                      f"({', '.join(methods)}); not used", file=sys.stderr)
         else:
             if len(drafting) != 1:
                 which = ", ".join(drafting) or "none of the methods asked for"
