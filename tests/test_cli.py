@@ -210,3 +210,32 @@ def test_settle_heap_collects_cycles_and_freezes_survivors():
     settle_heap()
     assert dead() is None
     assert gc.get_freeze_count() > 0 and not any(o is kept for o in gc.get_objects())  # frozen objects are not listed
+
+
+def test_settle_heap_gives_freed_heap_back_to_the_system():
+    """Memory freed inside the C heap (below mmap's threshold, so glibc keeps it) leaves the process's resident set
+    at settle_heap (malloc_trim): it had held ~150-250 MB that loading SmolLM2 allocated and freed."""
+    import ctypes
+    import sys
+
+    from dflash.loading import settle_heap
+
+    libc = ctypes.CDLL(None)
+    if not sys.platform.startswith("linux") or not hasattr(libc, "malloc_trim"):
+        pytest.skip("malloc_trim is glibc's")
+
+    def resident_mb() -> float:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    blocks = [libc.malloc(32768) for _ in range(4096)]  # 128 MB in blocks the heap serves (mmap's threshold: 128 KB)
+    assert all(blocks)
+    for block in blocks:
+        ctypes.memset(block, 1, 32768)
+    for block in blocks[:-1]:  # the last one keeps the heap's top in use, so free() alone cannot shrink it
+        libc.free(block)
+    held = resident_mb()
+    settle_heap()
+    libc.free(blocks[-1])
+    assert held - resident_mb() > 64
