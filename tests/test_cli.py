@@ -228,7 +228,8 @@ def test_settle_heap_gives_freed_heap_back_to_the_system():
         with open("/proc/self/status") as f:
             return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
 
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     blocks = [libc.malloc(32768) for _ in range(4096)]  # 128 MB in blocks the heap serves (mmap's threshold: 128 KB)
     assert all(blocks)
     for block in blocks:
