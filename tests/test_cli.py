@@ -154,7 +154,8 @@ def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys,
     capsys.readouterr()
     # a drafter for a method that does not run is said to go unused (scripts pass one drafter to any methods)
     assert drafter_paths(["eagle3=/e"], ["ar", "dflash"]) == {"eagle3": "/e"}
-    assert "--drafter eagle3=/e: no method here loads eagle3's drafter (ar, dflash); not used" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "--drafter eagle3=/e: no method here loads eagle3's drafter (ar, dflash); not used" in said
     drafter_paths(["eagle3+ngram=/e", "dflash=/a"], ["eagle3", "dflash+ngram"])
     assert "not used" not in capsys.readouterr().err
     args = SimpleNamespace(drafter=["dflash+ngram=/c"], block_size=None, draft_dtype="auto")

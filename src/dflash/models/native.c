@@ -733,9 +733,6 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
     int64_t last = rows % most;
     return last != 0 && 2 * last < most ? (left + groups_left - 1) / groups_left : MIN(most, left);
 }
-/* Rows beyond which int8 weights are expanded a chunk at a time (int8_expand) rather than in the kernel: up to 8,
- * one group, in the kernel took 0.88-0.96x the time of expanding (5-8 rows), from 9 rows expanding once for all
- * groups 0.78x (16 rows; all products of SmolLM2's layers from memory, AMD EPYC Zen 4, 2 threads) */
 /* Whether the first group of rows widens a bfloat16 or int8 chunk for the others as it runs (AVX2's float kernels;
  * 0: a pass of its own widens each chunk first). That pass read the chunk from memory while no FMA ran: the layers
  * of 5-, 8- and 16-token bfloat16 passes took 0.74x, 0.74x and 0.81x the time fused, int8's 0.66x, 0.69x and 0.81x,
@@ -744,6 +741,9 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
 #ifndef FUSED_WIDEN
 #define FUSED_WIDEN 1
 #endif
+/* Rows beyond which int8 weights are expanded a chunk at a time (int8_expand) rather than in the kernel: up to 8,
+ * one group, in the kernel took 0.88-0.96x the time of expanding (5-8 rows), from 9 rows expanding once for all
+ * groups 0.78x (16 rows; all products of SmolLM2's layers from memory, AMD EPYC Zen 4, 2 threads) */
 #ifndef INT8_INLINE_ROWS
 #define INT8_INLINE_ROWS 8
 #endif
@@ -757,12 +757,11 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
      * nears the memory's time; 8 rows 0.95x the time, 5 rows 1.01-1.08x) */
     int request = groups > 1 || rows > 6;
     int64_t chunk = !request && !widen && !expand ? k8 : in_pairs(W->kind) ? PAIR_CHUNK : CHUNK;
+    int keeps = widen && kind == 0 && FUSED_WIDEN; /* AVX2's float kernels: the first group widens for the rest */
     for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
         int64_t count = MIN(chunk, k8 - c0);
         const char *at = stored + c0 * PANEL * elem, *ahead = at + count * PANEL * elem; /* the next chunk */
         const void *w = at;
-        /* AVX2's float kernels: the first group widens the chunk for the rest (keep_kernels_of) */
-        int keeps = widen && kind == 0 && FUSED_WIDEN;
         if (widen && !keeps) (W->kind == 1 ? widen_panel : widen_int8_panel)(w, count * PANEL, wide), w = wide;
         if (expand) int8_expand(w, count, (uint32_t *)wide), w = wide;
         /* with several groups each requests its share of the next chunk (after the last, the next panel's first:
