@@ -187,12 +187,18 @@ def test_a_command_settles_the_heap_after_loading(capsys, monkeypatch):
 
     from dflash import loading
 
-    calls = []
+    from dflash.models import native
+
+    calls, targets = [], []
     real = loading.settle_heap
-    monkeypatch.setattr(loading, "settle_heap", lambda: (calls.append(gc.get_freeze_count()), real()))
+    monkeypatch.setattr(loading, "settle_heap", lambda target=None: (
+        calls.append(gc.get_freeze_count()), targets.append(target), real(target)))
     code, out, _ = run(capsys, "--max-new-tokens", "4", "--json", "w1 w2")
     assert code == 0 and json.loads(out)["tokens"]
     assert calls == [0] and gc.get_freeze_count() > 0  # called once, after loading; the fixture unfreezes
+    # the target's plain weights released before generating (tests/test_plain_weights.py), where our kernels run
+    products = targets[0].engine.frozen_linears()[:-1]  # all but the LM head
+    assert all(lin.released for lin in products) == (native.library() is not None)
 
 
 def test_settle_heap_collects_cycles_and_freezes_survivors():

@@ -245,6 +245,7 @@ class HFRunner:
         from transformers.generation.streamers import BaseStreamer
 
         self.target, self.sampling = target, sampling
+        target.restore_plain_weights()  # transformers' forward reads the model's own parameters
         self.clock_type = type("FirstTokenClock", (_FirstTokenClock, BaseStreamer), {})
 
     def generation_config(self, max_new: int, ignore_eos: bool):
@@ -615,7 +616,7 @@ def run(args) -> int:
     target = target_from_args(args)
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
-    settle_heap()
+    settle_heap(None if "hf" in runners else target)  # transformers' `generate` reads the plain weights
 
     totals = {m: Totals(block_size=r.block_size) for m, r in runners.items()}
     per_prompt = {m: [] for m in runners}  # each prompt's own Totals, for the intervals

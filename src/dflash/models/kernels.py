@@ -179,6 +179,32 @@ def products_changed() -> None:
     _products_changed[0] += 1
 
 
+class ReleasedWeight(torch.Tensor):
+    """What a model's linear holds while its weight is released (FrozenLinear.release_plain): the weight's shape,
+    dtype and device, and an error for anything that would read its values (a forward of transformers', a move, a
+    cast). A meta tensor would not do: F.linear of a CPU input with a meta weight returns uninitialised memory."""
+
+    METADATA = frozenset({"size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous",
+                          "is_floating_point", "is_complex", "is_inference", "detach", "requires_grad_", "__repr__",
+                          "__format__"})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name != "__get__" and name not in cls.METADATA:  # property getters: shape, dtype, device, ...
+            raise RuntimeError(f"this weight was released (TargetModel.release_plain_weights), so {name} cannot read "
+                               "it: call target.restore_plain_weights() first")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return torch.Tensor._make_subclass(cls, out) if name == "detach" else out  # nn.Parameter detaches
+
+    @classmethod
+    def like(cls, weight: torch.Tensor) -> nn.Parameter:
+        with torch.inference_mode():
+            stand_in = torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        return nn.Parameter(torch.Tensor._make_subclass(cls, stand_in), requires_grad=False)
+
+
 class FrozenLinear(nn.Module):
     """y = x W^T (+ b) for inference, through the kernel `plan` picks for this shape and row count."""
 
@@ -196,6 +222,9 @@ class FrozenLinear(nn.Module):
         self._vnni: tuple[torch.Tensor, torch.Tensor] | None = None
         self._vnni_for: tuple | None = None
         self._int8_weights: tuple[torch.Tensor, torch.Tensor, tuple] | None = None  # (q, scales, weight signature)
+        # the model's linears whose weights are this weight (or rows of it): [(linear, rows)], set by `of`/`fused`
+        self._sharers: list[tuple[nn.Linear, slice]] = []
+        self._released: dict | None = None  # what `restore_plain` needs while the plain weight is released
         self.use_plan(plan or PACKED)
 
     def __setattr__(self, name, value):
@@ -204,6 +233,7 @@ class FrozenLinear(nn.Module):
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
+        self.plain_weight()  # a move or a cast must carry the weight itself, not the stand-in of a released one
         products_changed()  # a move or a cast replaces the buffers
         return super()._apply(fn, recurse)
 
@@ -240,7 +270,9 @@ class FrozenLinear(nn.Module):
     @classmethod
     def of(cls, linear: nn.Linear, plan: KernelPlan | None = None) -> "FrozenLinear":
         """A frozen twin sharing `linear`'s weight storage (no copy)."""
-        return cls(linear.weight, linear.bias, plan)
+        twin = cls(linear.weight, linear.bias, plan)
+        twin._sharers = [(linear, slice(None))]
+        return twin
 
     @classmethod
     def fused(cls, linears: list[nn.Linear], plan: KernelPlan | None = None) -> "FrozenLinear":
@@ -249,6 +281,7 @@ class FrozenLinear(nn.Module):
         made of true views share the fused tensor's version counter: an in-place write to `q_proj.weight` bumps the
         fused weight's version, which the product's laid-out copies and the C stack's check read (`.data = view`
         keeps a counter of its own, and such writes went unseen)."""
+        sharers = []
         with torch.no_grad():
             weight = torch.cat([lin.weight.detach() for lin in linears])
             biases = [lin.bias for lin in linears]
@@ -261,8 +294,11 @@ class FrozenLinear(nn.Module):
                 lin.weight = nn.Parameter(weight[rows], requires_grad=lin.weight.requires_grad)
                 if lin.bias is not None:
                     lin.bias = nn.Parameter(bias[rows], requires_grad=lin.bias.requires_grad)
+                sharers.append((lin, rows))
                 start += lin.out_features
-        return cls(weight, bias, plan)
+        fused = cls(weight, bias, plan)
+        fused._sharers = sharers
+        return fused
 
     @property
     def in_features(self) -> int:
@@ -271,6 +307,77 @@ class FrozenLinear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
+
+    # ---- the plain weight, released while only our tiles are read ----------------------------------------------
+    def release_plain(self) -> int:
+        """Drop the plain weight where every row bucket runs our kernel, which reads its own laid-out copy (the
+        tiles) and nothing else: a second copy of the weight, the size of the tiles in float32 and bfloat16 (an int8
+        target's: the bfloat16 weight its integers stand for, and the integers too where the tiles hold them as
+        they are, the AVX2 layout). The model's linears that shared it (`of`, `fused`) hold a ReleasedWeight meanwhile, so that
+        a forward of transformers' fails with a message instead of reading a stand-in; `plain_weight` (which every
+        path here that reads the weight's values calls) and `restore_plain` make it again, bitwise, from the tiles
+        or an int8 target's integers. Returns the bytes released (0 where it was not)."""
+        weight = self._buffers["weight"]
+        tiles = self.native_tiles() if self._released is None and self._sharers else None
+        if (tiles is None or set(self._kernel_by_bucket) != {"native"} or weight.requires_grad
+                or any(lin.weight is None or lin.weight.requires_grad for lin, _ in self._sharers)):
+            return 0
+        int8 = self.int8_weights()
+        if int8 is None and native.tiles_dtype(tiles) != weight.dtype:
+            return 0
+        with torch.inference_mode():  # no version counter: the C stack's check of versions skips it
+            stand_in = torch.empty((), dtype=weight.dtype).expand(weight.shape)
+        released = weight.numel() * weight.element_size()
+        if int8 is not None and not native.in_pairs(tiles):  # the widened layout holds the integers as they are
+            released += int8[0].numel()
+            int8 = (None, int8[1])
+        self._released = {"signature": None, "tiles": tiles, "int8": int8}
+        self._buffers["weight"] = stand_in  # not setattr: the products did not change, their weight is the same
+        self._released["signature"] = self._signature()
+        self._tiles_for = self._released["signature"] + self._tiles_for[len(self._released["signature"]):]
+        if int8 is not None:
+            self._int8_weights = (*int8, self._released["signature"])
+        for lin, _ in self._sharers:
+            lin.weight = ReleasedWeight.like(lin.weight)
+        return released
+
+    def plain_weight(self) -> torch.Tensor:
+        """The weight, made again first if it was released."""
+        if self._released is not None:
+            self.restore_plain()
+        return self._buffers["weight"]
+
+    def restore_plain(self) -> None:
+        """Undo `release_plain`: the weight, and the model's linears' views of it, as they were (bitwise); the tiles
+        stay as they are."""
+        held = self._released
+        if held is None:
+            return
+        n, k = self._buffers["weight"].shape
+        with torch.inference_mode(False):  # a weight as loaded, with a version counter, even if made mid-generation
+            int8 = self._released_int8()
+            weight = native.int8_approximation(*int8) if int8 is not None else native.untiled(held["tiles"], n, k)
+        self._released = None
+        self.weight = weight  # setattr: a new buffer, so the C stack re-reads its products' signatures
+        signature = self._signature()
+        if self._tiles_for is not None and self._tiles_for[:len(held["signature"])] == held["signature"]:
+            self._tiles_for = signature + self._tiles_for[len(signature):]
+        if int8 is not None:
+            self._int8_weights = (*int8, signature)
+        for lin, rows in self._sharers:
+            lin.weight = nn.Parameter(weight[rows], requires_grad=False)
+
+    @property
+    def released(self) -> bool:
+        return self._released is not None
+
+    def _released_int8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A released int8 product's (q, scales), q read back from the tiles where it was released with the weight."""
+        held = self._released
+        if held is None or held["int8"] is None:
+            return None
+        q, scales = held["int8"]
+        return (q if q is not None else native.untiled(held["tiles"], *self._buffers["weight"].shape)), scales
 
     def _signature(self) -> tuple:
         w = self._buffers["weight"]  # not self.weight: nn.Module's attribute lookup costs a microsecond per call
@@ -281,21 +388,22 @@ class FrozenLinear(nn.Module):
         """The oneDNN layout of the CURRENT weight (re-made after a move, a cast or an in-place write)."""
         signature = self._signature()
         if self._packed_for != signature:
-            self._packed, self._packed_for = _pack(self.weight, self.bias), signature
+            self._packed, self._packed_for = _pack(self.plain_weight(), self.bias), self._signature()
         return self._packed
 
     def native_tiles(self) -> torch.Tensor | None:
         """Our kernel's layout of the CURRENT weight (native.py), or None where that kernel is not available: the
         int8 one where the weight is int8 (`quantize_int8`) and our kernels read int8 here."""
         weight = self._signature()
-        int8 = self.int8_weights(weight)
-        signature = weight + (native._pairs, native.int8_kernel() if int8 is not None else None)  # switched in A/B runs
+        held = self._int8_weights  # int8_weights() without making q, which a released product would read back
+        int8 = held is not None and held[2] == weight and native.int8_kernel() is not None
+        signature = weight + (native._pairs, native.int8_kernel() if int8 else None)  # switched in A/B runs
         if self._tiles_for != signature:
-            if int8 is not None:
-                self._tiles = native.int8_tiles(*int8)
+            if int8:
+                self._tiles = native.int8_tiles(*self.int8_weights(weight))
             else:
-                self._tiles = native.tiles(self.weight) if native.supports(self.weight) else None
-            self._tiles_for = signature
+                self._tiles = native.tiles(self.plain_weight()) if native.supports(self.weight) else None
+            self._tiles_for = self._signature() + signature[len(weight):]
         return self._tiles
 
     def quantize_int8(self) -> None:
@@ -308,7 +416,7 @@ class FrozenLinear(nn.Module):
         is."""
         if self.weight.dtype != torch.bfloat16:
             raise ValueError(f"int8 weights stand for bfloat16 ones, not {self.weight.dtype}")
-        q, scales, approx = native.int8_weights(self.weight)
+        q, scales, approx = native.int8_weights(self.plain_weight())
         with torch.inference_mode() if self.weight.is_inference() else torch.no_grad():
             self.weight.copy_(approx)
         self._int8_weights = (q, scales, self._signature())
@@ -319,13 +427,13 @@ class FrozenLinear(nn.Module):
         held = self._int8_weights
         if held is None or held[2] != (signature or self._signature()) or native.int8_kernel() is None:
             return None
-        return held[0], held[1]
+        return self._released_int8() if held[0] is None else (held[0], held[1])
 
     def int8(self):
         """fbgemm's int8 form of the CURRENT weight, or None where there is none (then the float kernels run)."""
         signature = self._signature()
         if self._int8_for != signature:
-            self._int8, self._int8_for = _quantize(self.weight, self.bias), signature
+            self._int8, self._int8_for = _quantize(self.plain_weight(), self.bias), self._signature()
         return self._int8
 
     def has_vnni(self) -> bool:
@@ -339,15 +447,15 @@ class FrozenLinear(nn.Module):
         if self._vnni_for != signature:
             form = None
             if self.has_vnni():
-                quantized, scales = native.int8_rows(self.weight)
+                quantized, scales = native.int8_rows(self.plain_weight())
                 form = (native.vnni_tiles(quantized), scales)
-            self._vnni, self._vnni_for = form, signature
+            self._vnni, self._vnni_for = form, self._signature()
         return self._vnni
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if x.dtype != weight.dtype or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
-            return F.linear(x, weight, self.bias)
+            return F.linear(x, self.plain_weight(), self.bias)
         if weight.dtype != self._planned_dtype:  # cast after freezing: the plan's choice for this dtype
             self.use_plan(self.plan)
         return self.run(x, self.kernel_for_rows(x.numel() // x.shape[-1]))
@@ -377,7 +485,7 @@ class FrozenLinear(nn.Module):
                 y = native.vnni_product(x.reshape(-1, x.shape[-1]), *form, self.weight.shape[0])[0]
                 y = y.view(*x.shape[:-1], y.shape[-1])
                 return y if self.bias is None else y + self.bias.float()
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.plain_weight(), self.bias)
 
     def kernels(self) -> tuple[str, ...]:
         """The kernels that have a form for this weight as it is now (`plain` always)."""

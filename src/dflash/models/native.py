@@ -345,6 +345,14 @@ def tiles(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     return memory.lasting(tuple(panels.shape), panels.dtype).copy_(panels)  # streamed every pass: on huge pages
 
 
+def untiled(weight_tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The weight [n, k] that `tiles` laid out as `weight_tiles` (either layout), bitwise, in a fresh tensor."""
+    panels = weight_tiles
+    if in_pairs(panels):  # [panels, k8 / 2, 24, 2] -> [panels, k8, 24]
+        panels = panels.transpose(2, 3).reshape(panels.shape[0], panels.shape[1] * 2, PANEL)
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n, :k].contiguous()
+
+
 INT8_SMALLEST_SCALE = 2.0 ** -100  # keeps every q * scale a normal float (VCVTNEPS2BF16 flushes subnormals)
 
 
@@ -356,7 +364,12 @@ def int8_weights(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     w = weight.detach().float()
     scales = (w.abs().amax(dim=1) / 127).clamp_min(INT8_SMALLEST_SCALE)
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales, (q.float() * scales[:, None]).to(torch.bfloat16)
+    return q, scales, int8_approximation(q, scales)
+
+
+def int8_approximation(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 weight w' = bf16(q * scale) that int8 rows q with their `scales` stand for (`int8_weights`)."""
+    return (q.float() * scales[:, None]).to(torch.bfloat16)
 
 
 def int8_pair_tiles(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

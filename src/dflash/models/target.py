@@ -139,11 +139,31 @@ class TargetModel:
         if not self.prefer_transformers:
             try:
                 engine = Transformer.from_hf(self.model, self.kernel_plan)
+                self.model.register_load_state_dict_pre_hook(self._weights_loading)
                 self.model.register_load_state_dict_post_hook(self._weights_loaded)
                 return engine
             except Unsupported as exc:
                 print(f"[dflash] {self.name}: {exc}; running through transformers", file=sys.stderr)
         return HFEngine(self.model)
+
+    def _weights_loading(self, *args) -> None:
+        """Before `model.load_state_dict(...)`: released weights are made again, since a load copies into them."""
+        self.restore_plain_weights()
+
+    def release_plain_weights(self) -> int:
+        """Our forward on CPU keeps each decoder weight laid out for its kernels beside the plain one; where only
+        those kernels read it, the plain copy goes (Transformer.release_plain_weights): about a third of the
+        resident memory after loading a float32 target. Whatever reads it later (torch's kernels for a row count
+        measured faster there, transformers' forward after `restore_plain_weights`, a move or a cast) makes it again,
+        bitwise. Returns the bytes released. For processes that load and then generate (the CLI's commands)."""
+        engine = self.engine
+        return engine.release_plain_weights() if isinstance(engine, Transformer) and self.device.type == "cpu" else 0
+
+    def restore_plain_weights(self) -> None:
+        """The plain weights back, for transformers' own forward (the `hf` baseline) or anything else reading the
+        model's parameters."""
+        if isinstance(self._engine, Transformer):
+            self._engine.restore_plain_weights()
 
     def _weights_loaded(self, module, incompatible_keys) -> None:
         """After `model.load_state_dict(...)`: our forward's fused products are copies of the weights they fuse
@@ -304,6 +324,19 @@ class TargetModel:
         # Keep special tokens the target chose itself (a generated mask id is real output); stop tokens are cut
         # by the decoding loop before we get here.
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def own_storage(model: nn.Module) -> None:
+    """Copy each parameter and buffer that lives in memory torch did not allocate into memory of its own.
+    transformers loads a safetensors file whose dtype is the one asked for as views into the file's mapping
+    (storages that are not resizable), and while one view lives every page of the file that was read stays
+    resident: with SmolLM2 in float32, the embedding (113 MB) kept the whole 513 MB file resident after the decoder's
+    weights had been fused into copies and released (TargetModel.release_plain_weights). Copied, the mapping closes
+    with its last view."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
 
 
 def quantize_int8(target: TargetModel) -> None:
@@ -583,6 +616,8 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
             " (not a registry name, a model folder or a .gguf file; as a hub id it needs the network)")
         raise UserError(f"could not load target {spec!r}{where}: {exc.__class__.__name__}; registry names: {known}"
                         ) from exc
+    if torch.device(device).type == "cpu":
+        own_storage(model)
     target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
     if dtype == "int8":
         quantize_int8(target)

@@ -224,11 +224,30 @@ class Transformer(nn.Module):
 
     def freeze(self, plan: KernelPlan | None) -> None:
         """Fused products through `plan`'s kernels (call again with a newly measured plan)."""
+        self.restore_plain_weights()  # fusing reads the model's linears
         for layer in self.layers:
             layer.self_attn.freeze(plan)
             layer.mlp.freeze(plan)
         head = self.lm_head if isinstance(self.lm_head, nn.Linear) else None
         self.head = FrozenLinear.of(head, plan) if head is not None else FrozenLinear(self.lm_head.weight, None, plan)
+
+    def release_plain_weights(self) -> int:
+        """Release the plain weights of the decoder layers' products that run our kernels alone
+        (FrozenLinear.release_plain): after loading, a CPU target holds each weight twice, plain (transformers'
+        modules and torch's kernels read it) and laid out for ours. Returns the bytes released. The LM head keeps
+        its own: the embedding may share it, and the screens are made from it."""
+        released = sum(lin.release_plain() for layer in self.layers for lin in self._products(layer))
+        self.__dict__.pop("_stack_args", None)  # its check of the products holds the weights it saw
+        return released
+
+    def restore_plain_weights(self) -> None:
+        for lin in self.frozen_linears():
+            lin.restore_plain()
+
+    @staticmethod
+    def _products(layer: DecoderLayer) -> list[FrozenLinear]:
+        attention, mlp = layer.self_attn, layer.mlp
+        return [lin for lin in (attention.qkv, attention.o_fast, mlp.gate_up, mlp.down_fast) if lin is not None]
 
     def compile_static(self) -> None:
         """torch.compile the graphed pass's layers (`forward_static`, as CUDA graphs run it): inductor fuses the ops
