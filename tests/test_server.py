@@ -6,8 +6,10 @@ are computed while the server is idle: the target is not thread-safe, and the se
 
 import asyncio
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -485,4 +487,7 @@ def test_metrics_are_prometheus_text(client, url):
         assert 0 <= samples[f'dflash_position_acceptance{{position="{k}"}}'] <= 1
     count = samples["dflash_request_latency_seconds_count"]
     assert samples['dflash_request_latency_seconds_bucket{le="+Inf"}'] == count > 0
+    if Path("/proc/self/stat").exists():  # Prometheus' process metrics: the server's own resident memory
+        resident = int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) << 10
+        assert resident / 2 <= samples["process_resident_memory_bytes"] <= 2 * resident  # the server runs in this process
     assert json.loads(json.dumps(samples))  # plain numbers only

@@ -20,9 +20,11 @@ GENERATION_ENDPOINTS = ENDPOINTS[:2]
 
 class Metrics:
     def __init__(self, block_size: int, queued: Callable[[], int], running: Callable[[], int]):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, Summary
 
         self.registry = registry = CollectorRegistry()
+        # the process's resident memory, CPU seconds and open files, under Prometheus' standard names (where /proc is)
+        ProcessCollector(registry=registry)
         self.requests = Counter("dflash_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
                                 registry=registry)
         self.cancelled = Counter("dflash_cancelled_requests", "Generations dropped because the client disconnected.",
