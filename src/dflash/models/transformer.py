@@ -540,21 +540,29 @@ def _share_linears(ours: nn.Module, theirs: nn.Module, names: tuple[str, ...]) -
         setattr(ours, name, getattr(theirs, name))
 
 
-def _layer_from_hf(hf_layer: nn.Module, config, head_dim: int, layer_type: str, gemma: bool,
-                   softcap: float | None) -> DecoderLayer:
-    hf_attn, hf_mlp = hf_layer.self_attn, hf_layer.mlp
-    qk_norm = getattr(hf_attn, "q_norm", None) is not None
+def _blocks_for(hf_attn: nn.Module, hf_mlp: nn.Module, config, head_dim: int, qk_norm: bool,
+                gemma: bool) -> tuple[Attention, GatedMLP]:
+    """Our attention and MLP blocks shaped as the model's layer's."""
     attention = Attention(
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim, config.hidden_size,
         qk_norm=qk_norm, eps=_eps(hf_attn.q_norm, config) if qk_norm else config.rms_norm_eps,
         bias=hf_attn.q_proj.bias is not None, out_bias=hf_attn.o_proj.bias is not None, norm_unit_offset=gemma,
         scale=float(getattr(hf_attn, "scaling", head_dim**-0.5)),
     )
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    mlp = GatedMLP(config.hidden_size, hf_mlp.gate_proj.out_features, activation, bias=hf_mlp.gate_proj.bias is not None)
+    return attention, mlp
+
+
+def _layer_from_hf(hf_layer: nn.Module, config, head_dim: int, layer_type: str, gemma: bool,
+                   softcap: float | None) -> DecoderLayer:
+    hf_attn, hf_mlp = hf_layer.self_attn, hf_layer.mlp
+    qk_norm = getattr(hf_attn, "q_norm", None) is not None
+    with torch.device("meta"):  # no weights of their own: they run the model's (below); random ones took 0.8 s
+        attention, mlp = _blocks_for(hf_attn, hf_mlp, config, head_dim, qk_norm, gemma)
     _share_linears(attention, hf_attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
     if qk_norm:
         attention.q_norm.weight, attention.k_norm.weight = hf_attn.q_norm.weight, hf_attn.k_norm.weight
-    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-    mlp = GatedMLP(config.hidden_size, hf_mlp.gate_proj.out_features, activation, bias=hf_mlp.gate_proj.bias is not None)
     _share_linears(mlp, hf_mlp, ("gate_proj", "up_proj", "down_proj"))
     names = ["input_layernorm", "post_attention_layernorm"]
     if gemma:
