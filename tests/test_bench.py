@@ -2,6 +2,7 @@
 records, dataset resolution and user errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -116,6 +117,11 @@ def test_limit_and_sampling(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["num_prompts"] == 2 and list(results["methods"]) == ["ar", "ngram"]
     assert results["greedy_mismatches"] is None  # sampled outputs are not compared
+    memory = results["memory"]  # the process's, after loading and at its peak
+    if Path("/proc/self/status").exists():
+        assert 0 < memory["resident_mb_after_loading"] <= memory["peak_resident_mb"]
+        assert f"memory: {memory['resident_mb_after_loading']} MB resident after loading" in (
+            out / "results.md").read_text()
 
 
 def test_builtin_names_and_templates(tmp_path, monkeypatch):

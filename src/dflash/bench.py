@@ -30,6 +30,7 @@ import copy
 import json
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -617,6 +618,7 @@ def run(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
     settle_heap(None if "hf" in runners else target)  # transformers' `generate` reads the plain weights
+    loaded_mb = resident_mb()
 
     totals = {m: Totals(block_size=r.block_size) for m, r in runners.items()}
     per_prompt = {m: [] for m in runners}  # each prompt's own Totals, for the intervals
@@ -648,6 +650,7 @@ def run(args) -> int:
                   f"written", file=sys.stderr)
     results = collect_results(args, target, prompts[:done], path, methods, totals, mismatches, sampling.greedy,
                               runners)
+    results["memory"] = memory_report(target, loaded_mb)
     if any(retimed.values()):
         results["retimed_runs"] = {m: n for m, n in retimed.items() if n}
     if done < len(prompts):
@@ -782,6 +785,28 @@ def command_line(args) -> str:
     return " ".join(parts + [f"--out {args.out}"])
 
 
+def resident_mb() -> int | None:
+    """The process's resident memory now (MB), where /proc tells it."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"VmRSS:\s+(\d+) kB", status)
+    return int(found.group(1)) >> 10 if found else None
+
+
+def memory_report(target, loaded_mb: int | None) -> dict:
+    """Resident memory after loading (the target, the drafters, the weights released where only our kernels read
+    them) and at its peak over the run (MB); on CUDA, the most the device held."""
+    import resource
+
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
+    report = {"resident_mb_after_loading": loaded_mb, "peak_resident_mb": peak_kb >> 10}
+    if target.device.type == "cuda":
+        report["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated(target.device) >> 20
+    return report
+
+
 def machine_info(target) -> dict:
     import transformers
 
@@ -841,6 +866,16 @@ def machine_line(machine: dict) -> str:
             f"torch {machine.get('torch', '?')}")
 
 
+def memory_lines(memory: dict | None) -> list[str]:
+    if not memory or memory.get("resident_mb_after_loading") is None:
+        return []
+    line = (f"memory: {memory['resident_mb_after_loading']} MB resident after loading, "
+            f"{memory['peak_resident_mb']} MB at the peak")
+    if "cuda_peak_allocated_mb" in memory:
+        line += f"; GPU: {memory['cuda_peak_allocated_mb']} MB allocated at the peak"
+    return ["", line]
+
+
 def graph_capture_lines(captures: dict | None, retimed: dict | None = None) -> list[str]:
     if not captures:
         return []
@@ -873,6 +908,7 @@ def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
         f"T={results['temperature']}, {results['date']}",
         "",
         f"machine: {machine_line(results.get('machine', {}))}",
+        *memory_lines(results.get("memory")),
         "",
         *graph_capture_lines(results.get("graph_captures"), results.get("retimed_runs")),
         markdown_table(results),
