@@ -4,7 +4,7 @@ Usage: .venv/bin/python scripts/resident_memory.py [kept|released] [float32|bflo
 
   kept: as before the forty-third session: the plain weights kept beside our tiles, parameters left in the
   safetensors file's mapping (`own_storage` skipped);
-  released: as the CLI loads now (own_storage, then settle_heap(target) releasing the plain weights).
+  released: as the CLI loads now (own_storage; each plain weight released as its tiles are laid out).
 Prints the resident set (VmRSS) with its anonymous and file-backed parts (/proc/self/smaps), and a hash of the
 tokens of a 32-token greedy generation, which must be the same in both modes.
 """
@@ -42,7 +42,7 @@ def main() -> None:
     from dflash.loading import build_proposer, load_target_cached, settle_heap
     from dflash.methods.base import MethodOptions
 
-    target = load_target_cached("smollm2-135m", dtype=dtype)
+    target = load_target_cached("smollm2-135m", dtype=dtype, release_plain=mode == "released")
     proposer, _ = build_proposer(method, target, MethodOptions(draft_dtype="auto"))
     settle_heap(target if mode == "released" else None)
     rss, anon, file_backed = resident_mb()

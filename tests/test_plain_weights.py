@@ -143,3 +143,12 @@ def test_an_int8_target_whose_kernels_switch_after_a_release_runs_as_before():
     assert all(torch.equal(a, b) for a, b in zip(passes(target), before))
     target.release_plain_weights()
     assert all(torch.equal(a, b) for a, b in zip(passes(target), before))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_target_loaded_to_release_runs_as_one_that_keeps_them(dtype):
+    """release_plain=True (the CLI's commands): each product's plain weight goes as its tiles are laid out."""
+    released, kept = (load_target_cached("tiny-qwen3", dtype=dtype, release_plain=r) for r in (True, False))
+    assert all(lin.released for lin in products(released)) and not any(lin.released for lin in products(kept))
+    assert all(torch.equal(a, b) for a, b in zip(passes(released), passes(kept)))
+    assert generation(released) == generation(kept)

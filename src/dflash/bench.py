@@ -614,7 +614,7 @@ def run(args) -> int:
     prompts = read_prompts(path, template, args.limit)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = target_from_args(args)
+    target = target_from_args(args, release_plain="hf" not in methods)  # transformers' `generate` reads them
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
     settle_heap(None if "hf" in runners else target)  # transformers' `generate` reads the plain weights

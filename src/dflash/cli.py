@@ -215,7 +215,7 @@ def run(args) -> int:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)
     config.validate()
     options = method_options(args, args.method)
-    target = target_from_args(args)
+    target = target_from_args(args, release_plain=True)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)

@@ -544,8 +544,7 @@ def regenerate_folder(args, world) -> int:
     world.barrier()  # the folder as it stands before anyone writes: every process derives the same to-do list
     out = OutputDir(Path(args.out), args.shard_size, writer)
     out.check_settings(settings.as_dict())
-    target = target_from_args(args, many_rows=True)
-    target.release_plain_weights()  # our kernels alone read them on CPU: one copy each (each process under torchrun)
+    target = target_from_args(args, many_rows=True, release_plain=True)  # one copy each, in every process
     todo, too_long = encode_todo(target, [p for p in mix if p.id not in out.done_ids], args.max_prompt_tokens)
     skipped += too_long
     save = partial(write_manifest, out, settings, prompts, skipped)  # called with the run's tokens/s so far

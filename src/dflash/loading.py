@@ -5,7 +5,6 @@ This module sits above every method: it looks methods up in the registry and nev
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import torch
@@ -13,13 +12,15 @@ import torch
 from .errors import UserError
 from .methods import registry
 from .methods.base import MethodOptions, Proposer
+from .models import memory
 from .models.target import TARGET_DTYPES, TargetModel, choose_kernels, compile_target, load_target, quantize_int8
 
 TINY_ARCHS = ("llama", "qwen3", "gemma3", "qwen2")
 
 
 def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", kernels: str = "auto",
-                       compile: bool = False, cuda_graphs: bool | None = None) -> TargetModel:
+                       compile: bool = False, cuda_graphs: bool | None = None,
+                       release_plain: bool = False) -> TargetModel:
     """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (our native kernels where
     they build, nothing measured); anything else goes to load_target. `cuda_graphs` None: on where they can run
     (graphs_by_default)."""
@@ -32,13 +33,13 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
         if dtype not in TARGET_DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")
         target = tiny_target(arch, logit_scale=4.0)
-        target.measure = False
+        target.measure, target.release_plain = False, release_plain
         target.model.to(TARGET_DTYPES[dtype])
         if dtype == "int8":
             quantize_int8(target)
         choose_kernels(target, "native" if kernels == "auto" else kernels)
     else:
-        target = load_target(spec, dtype, device, kernels)
+        target = load_target(spec, dtype, device, kernels, release_plain)
     graphs = cuda_graphs if cuda_graphs is not None else graphs_by_default(target)
     if graphs:  # --compile then fuses the graphed passes' layers, which the graphs capture
         target.use_graphs()
@@ -56,13 +57,14 @@ def graphs_by_default(target: TargetModel) -> bool:
     return target.device.type == "cuda" and target.backend == "dflash"
 
 
-def target_from_args(args, many_rows: bool = False) -> TargetModel:
+def target_from_args(args, many_rows: bool = False, release_plain: bool = False) -> TargetModel:
     """The target the CLI's target arguments (cli.add_target_arguments) describe. `many_rows`: a command whose
     passes batch a changing number of rows (serving, regeneration, training) runs graphs only when asked: graphs
-    are kept per row count (padded to powers of two) and width, and how such a load fares is not yet measured."""
+    are kept per row count (padded to powers of two) and width, and how such a load fares is not yet measured.
+    `release_plain`: a command that runs no forward of transformers' (TargetModel.release_plain)."""
     graphs = getattr(args, "cuda_graphs", None)
     return load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile,
-                              False if graphs is None and many_rows else graphs)
+                              False if graphs is None and many_rows else graphs, release_plain)
 
 
 def build_proposer(method: str, target: TargetModel, options: MethodOptions | None = None
@@ -89,20 +91,7 @@ def settle_heap(target: TargetModel | None = None) -> None:
         target.release_plain_weights()
     gc.collect()
     gc.freeze()
-    return_freed_heap()
-
-
-def return_freed_heap() -> None:
-    """glibc keeps the memory that loading allocated and freed (conversions, copies, oneDNN's timing runs) in its
-    heap, and the process's resident memory counts it: with SmolLM2 after loading the target and `dflash+ngram`'s
-    drafter, malloc_trim gave back 220 MB of 2133 in float32, 252 of 1276 in bfloat16 and 151 of 1135 in int8
-    (~20 ms, once; forty-second session). Where the C library has no malloc_trim (not glibc), nothing."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
+    memory.return_freed_heap()
 
 
 def default_threads() -> int:

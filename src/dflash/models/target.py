@@ -48,6 +48,9 @@ class TargetModel:
     kernel_report: dict = field(default_factory=dict)  # how the kernels were chosen (for --json and bench)
     prefer_transformers: bool = False  # run through transformers even where our forward exists
     measure: bool = True  # choose kernels and draft dtypes by timing them (off for the tiny test targets)
+    # release each decoder weight's plain copy as its kernels' copy is laid out (release_plain_weights): for
+    # processes whose every pass runs our forward (the CLI's, but bench with `hf`)
+    release_plain: bool = False
     _engine: object = field(default=None, repr=False)
     graphs: PassGraphs | None = field(default=None, repr=False)  # set by use_graphs
     graph_capacity: int = 0  # the cache capacity graphs are made for (new caches get at least this)
@@ -173,8 +176,7 @@ class TargetModel:
             self._engine.freeze(self.kernel_plan)
             if self.int8:  # the weights as loaded, rounded as an int8 target's are
                 quantize_products(self._engine)
-            for linear in self._engine.frozen_linears():
-                linear.lay_out()
+            self._engine.lay_out(self.release_plain and self.device.type == "cpu")
 
     @property
     def backend(self) -> str:
@@ -186,8 +188,7 @@ class TargetModel:
         self._step_ms_now = None  # other kernels, another step time
         if isinstance(self.engine, Transformer):
             self.engine.use_plan(plan)
-            for linear in self.engine.frozen_linears():
-                linear.lay_out()
+            self.engine.lay_out(self.release_plain and self.device.type == "cpu")
 
     def new_cache(self, batch: int = 1, capacity: int = 256):
         capacity = min(max(capacity, self.graph_capacity), self.max_context)  # a graph never sees its cache grow
@@ -576,8 +577,9 @@ def compile_target(target: TargetModel, widths: tuple[int, ...] = (1, 16)) -> fl
 
 
 def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str = "cpu",
-                kernels: str = "auto") -> TargetModel:
-    """Load a target from a registry name, a local HF folder, a .gguf file, or a hub id (when online)."""
+                kernels: str = "auto", release_plain: bool = False) -> TargetModel:
+    """Load a target from a registry name, a local HF folder, a .gguf file, or a hub id (when online).
+    `release_plain`: TargetModel.release_plain, for a process that will not run transformers' forward."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     if dtype not in TARGET_DTYPES:
@@ -618,7 +620,7 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
                         ) from exc
     if torch.device(device).type == "cpu":
         own_storage(model)
-    target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec)
+    target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec, release_plain=release_plain)
     if dtype == "int8":
         quantize_int8(target)
     choose_kernels(target, kernels)

@@ -387,7 +387,7 @@ def run(args) -> int:
         raise UserError("--prefix-cache-mb must be >= 0")
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
-    target = target_from_args(args, many_rows=True)
+    target = target_from_args(args, many_rows=True, release_plain=True)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
