@@ -192,7 +192,7 @@ def test_commands_that_batch_graph_only_when_asked(monkeypatch):
     from dflash import loading
 
     asked = []
-    monkeypatch.setattr(loading, "load_target_cached", lambda *args: asked.append(args[-1]))
+    monkeypatch.setattr(loading, "load_target_cached", lambda *args: asked.append(args[5]))  # cuda_graphs
     for graphs in (None, True, False):
         args = argparse.Namespace(target="tiny-llama", dtype="float32", device="cpu", kernels="auto", compile=False,
                                   cuda_graphs=graphs)
