@@ -14,7 +14,7 @@ from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.loading import TINY_ARCHS, load_target_cached
 from dflash.methods.ngram import NgramProposer
 from dflash.models import native
-from dflash.models.kernels import PLAIN
+from dflash.models.kernels import PLAIN, ReleasedWeight
 from dflash.models.target import own_storage
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C kernels here: nothing is released")
@@ -152,3 +152,26 @@ def test_a_target_loaded_to_release_runs_as_one_that_keeps_them(dtype):
     assert all(lin.released for lin in products(released)) and not any(lin.released for lin in products(kept))
     assert all(torch.equal(a, b) for a, b in zip(passes(released), passes(kept)))
     assert generation(released) == generation(kept)
+
+
+def test_a_target_loaded_from_a_safetensors_folder_owns_its_memory(tmp_path):
+    """transformers loads a float32 safetensors file as views into its mapping; load_target copies them out
+    (own_storage), so no tensor keeps the mapping, and the target runs as the one it was saved from."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models.target import choose_kernels, load_target
+    from dflash.testing import tiny_target
+
+    saved = tiny_target("qwen3", logit_scale=4.0)
+    saved.model.save_pretrained(tmp_path)
+    saved.tokenizer.save_pretrained(tmp_path)
+    mapped = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert not all(p.untyped_storage().resizable() for p in mapped.parameters())  # the case this is about
+
+    target = load_target(str(tmp_path), kernels="native", release_plain=True)
+    assert all(lin.released for lin in products(target))
+    tensors = [*target.model.parameters(), *target.model.buffers(), *target.engine.buffers()]
+    held = [t for t in tensors if not isinstance(t, ReleasedWeight)]
+    assert len(held) < len(tensors) and all(t.untyped_storage().resizable() for t in held)
+    choose_kernels(saved, "native")
+    assert all(torch.equal(a, b) for a, b in zip(passes(target), passes(saved)))
