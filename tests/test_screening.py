@@ -360,3 +360,16 @@ def test_the_final_norm_taken_inside_the_screen_gives_the_logits_argmax(arch, dt
     assert ids is not None and ids.shape == (3, 5)
     assert torch.equal(ids, screen.argmax(normed))
     assert torch.equal(ids, engine.logits(h, "all").argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_screen_made_a_few_rows_at_a_time_is_bitwise_the_whole_calls(dtype, monkeypatch):
+    """int8_rows and the row norms go ROWS_AT_ONCE rows at a time (a float64 or float32 copy of a whole head had
+    raised a generation's peak memory): the scales, integers and norms are bitwise what one call gives."""
+    torch.manual_seed(0)
+    head = (torch.randn(1000, 96) * torch.rand(1000, 1)).to(dtype)
+    head[7] = 0  # a zero row: the smallest scale
+    assert all(torch.equal(a, b) for a, b in zip(native.int8_rows(head, rows_at_once=64),
+                                                   native.int8_rows(head, rows_at_once=1 << 30)))
+    monkeypatch.setattr(screening, "ROWS_AT_ONCE", 64)
+    assert torch.equal(screening.by_rows(head, lambda rows: rows.double().norm(dim=1)), head.double().norm(dim=1))

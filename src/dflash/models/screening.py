@@ -43,6 +43,16 @@ def bound_factors(kind: str, k: int) -> tuple[float, float]:
     return gamma * ROOM, (0.5 + 1e-4 + 127 * (gamma + UNIT_ROUNDOFF)) * ROOM
 
 
+ROWS_AT_ONCE = 4096
+
+
+def by_rows(matrix: torch.Tensor, per_row) -> torch.Tensor:
+    """`per_row` (a reduction of each row to one value) over `matrix` ROWS_AT_ONCE rows at a time: each row's value
+    is what one call over the whole matrix gives, but a float64 copy of SmolLM2's float32 head (226 MB, made once at
+    the first greedy round) had raised the peak memory of a generation by that much."""
+    return torch.cat([per_row(matrix[start:start + ROWS_AT_ONCE]) for start in range(0, matrix.shape[0], ROWS_AT_ONCE)])
+
+
 class ScreenedHead:
     """A head `weight` [vocab, hidden] (kept as it is, no copy) and its screen of `kind`. A float32 head's logits are
     its kernel's float32 sums; a bfloat16 head's are those sums rounded to bfloat16, whose ties the screen keeps (an
@@ -53,7 +63,7 @@ class ScreenedHead:
             raise ValueError(f"screen kind must be one of {KINDS}, got {kind!r}")
         self.kind = kind
         self.weight = weight.detach().contiguous()
-        self.row_norms = self.weight.double().norm(dim=1).mul_(1 + 1e-12).contiguous()
+        self.row_norms = by_rows(self.weight, lambda rows: rows.double().norm(dim=1)).mul_(1 + 1e-12)
         self.bound_norms = self.row_norms  # the per-token factor of the bound's first term (native.c)
         # int8 summed in integers where the CPU has VNNI, the inputs rounded to bytes, dense or wide (native.c)
         self.vnni = kind == "int8" and native.int8_vnni()
@@ -63,7 +73,8 @@ class ScreenedHead:
             quantized, self.scales = native.int8_rows(self.weight)
             self.tiles = native.vnni_tiles(quantized) if self.vnni else native.tiles(quantized)
             if self.vnni:  # c_i = s_i |q_i|_1, rounded up
-                self.bound_norms = (quantized.double().abs().sum(dim=1) * self.scales.double()).mul_(1 + 1e-12)
+                self.bound_norms = (by_rows(quantized, lambda rows: rows.double().abs().sum(dim=1))
+                                    * self.scales.double()).mul_(1 + 1e-12)
         else:
             self.scales = None
             # widened, never in pairs: the bound holds for an FMA chain over float32 inputs
