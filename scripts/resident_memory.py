@@ -44,7 +44,7 @@ def main() -> None:
 
     target = load_target_cached("smollm2-135m", dtype=dtype, release_plain=mode == "released")
     proposer, _ = build_proposer(method, target, MethodOptions(draft_dtype="auto"))
-    settle_heap(target if mode == "released" else None)
+    settle_heap()
     rss, anon, file_backed = resident_mb()
     prompt = target.encode_prompt("What is 17 * 23?")
     tokens = SpeculativeDecoder(target, proposer).generate(prompt, GenerationConfig(max_new_tokens=32)).tokens

@@ -190,13 +190,13 @@ def test_a_command_settles_the_heap_after_loading(capsys, monkeypatch):
     from dflash.models import native
 
     calls, targets = [], []
-    real = loading.settle_heap
-    monkeypatch.setattr(loading, "settle_heap", lambda target=None: (
-        calls.append(gc.get_freeze_count()), targets.append(target), real(target)))
+    real, load = loading.settle_heap, loading.target_from_args
+    monkeypatch.setattr(loading, "settle_heap", lambda: (calls.append(gc.get_freeze_count()), real()))
+    monkeypatch.setattr(loading, "target_from_args", lambda *a, **k: targets.append(load(*a, **k)) or targets[-1])
     code, out, _ = run(capsys, "--max-new-tokens", "4", "--json", "w1 w2")
     assert code == 0 and json.loads(out)["tokens"]
     assert calls == [0] and gc.get_freeze_count() > 0  # called once, after loading; the fixture unfreezes
-    # the target's plain weights released before generating (tests/test_plain_weights.py), where our kernels run
+    # the target's plain weights released as it loaded (tests/test_plain_weights.py), where our kernels run
     products = targets[0].engine.frozen_linears()[:-1]  # all but the LM head
     assert all(lin.released for lin in products) == (native.library() is not None)
 

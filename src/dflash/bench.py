@@ -617,7 +617,7 @@ def run(args) -> int:
     target = target_from_args(args, release_plain="hf" not in methods)  # transformers' `generate` reads them
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
-    settle_heap(None if "hf" in runners else target)  # transformers' `generate` reads the plain weights
+    settle_heap()
     loaded_mb = resident_mb()
 
     totals = {m: Totals(block_size=r.block_size) for m, r in runners.items()}

@@ -221,7 +221,7 @@ def run(args) -> int:
         print(f"[dflash] {note}", file=sys.stderr)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
-    settle_heap(target)
+    settle_heap()
     decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))  # warm-up
     streaming = None
     if args.compare_ar and args.method != "ar":

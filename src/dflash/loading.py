@@ -77,18 +77,14 @@ def build_proposer(method: str, target: TargetModel, options: MethodOptions | No
     return chosen.build_proposer(target, options)
 
 
-def settle_heap(target: TargetModel | None = None) -> None:
+def settle_heap() -> None:
     """Collect what loading left behind, then exempt what survived (the model, its tokenizer, the modules of torch
     and transformers: ~380,000 objects with SmolLM2) from the garbage collector's later passes. Loading allocates
     enough that a full pass comes due soon after, and a full pass over those objects took 170-220 ms: in the first
     generations after loading SmolLM2 (`dflash+ngram`, float32) one ran, 173-215 ms in the middle of a generation,
     in each of three runs, and none after this call (scripts/gc_after_loading.py; docs/RESULTS.md, thirtieth
     session). For processes that load once and then generate (the CLI's commands, the server); what a process
-    creates later is collected as usual. Then the heap that loading freed goes back to the system. `target`: first
-    release its plain weights where only our kernels read them (TargetModel.release_plain_weights); leave it out
-    where transformers' own forward will run."""
-    if target is not None:
-        target.release_plain_weights()
+    creates later is collected as usual. Then the heap that loading freed goes back to the system."""
     gc.collect()
     gc.freeze()
     memory.return_freed_heap()

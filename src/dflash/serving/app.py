@@ -391,7 +391,7 @@ def run(args) -> int:
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
-    settle_heap(target)
+    settle_heap()
     warm_up = GenerationConfig(max_new_tokens=4)
     SpeculativeDecoder(target, proposer).generate(target.encode_prompt("Hello", chat=True), warm_up)
     name = args.served_model_name or args.target
