@@ -29,7 +29,7 @@ def main() -> None:
     source = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/data/compute_curve.json")
     out = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/img/compute_curve.png")
     data = json.loads(source.read_text())
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     for method, label in LABELS.items():
         points = data[method]
         ax.plot([p["core_minutes"] for p in points], [p["tau"] for p in points], marker="o", label=label)
@@ -45,7 +45,8 @@ def main() -> None:
                     fontsize=8)
         print(f"| DFlash, stage {p['stage']} | {p['core_minutes']} core-min + {gpu_minutes(p)}: {p['tau']:.2f} |")
     ax.set_xscale("log")
-    save_figure(fig, ax, out, "training compute (CPU core-minutes, log scale)", "GSM8K tau, whole blocks")
+    save_figure(fig, ax, out, "training compute (CPU core-minutes, log scale)", "GSM8K tau, whole blocks",
+                legend_outside=True)
 
 
 if __name__ == "__main__":

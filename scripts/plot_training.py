@@ -39,12 +39,16 @@ def main() -> None:
     save_figure(fig, ax, out, "training sequences seen (one sequence per step)", "held-out surrogate tau")
 
 
-def save_figure(fig, ax, out, xlabel: str, ylabel: str) -> None:
-    """The finish every training plot shares: axis labels, a light grid, the legend, 100 dpi."""
+def save_figure(fig, ax, out, xlabel: str, ylabel: str, legend_outside: bool = False) -> None:
+    """The finish every training plot shares: axis labels, a light grid, the legend, 100 dpi. legend_outside puts
+    the legend right of the axes, for a plot whose points fill every corner."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if legend_outside:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 
