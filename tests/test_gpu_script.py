@@ -109,6 +109,7 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_p
     assert len(list(out.iterdir())) <= 8  # what $OUT can bring back
     config = json.loads((out / "run.train_config.json").read_text())
     assert config["max_steps"] == config["schedule_steps"] == steps > 48 and config["init"] == "random"
+    assert config["seed"] == 7  # from scratch (INIT=""): no warm start's seed to follow
     last = json.loads((out / "run.log.jsonl").read_text().splitlines()[-1])["step"]  # the last evaluation's
     # on schedule, or stopped early because this shared CPU slowed down after the pace was timed (keep_time)
     assert last == steps or 48 < last < steps and "out of time" in (out / "run.stderr.log").read_text()
@@ -116,14 +117,19 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_p
 
 def test_the_lease_training_call_stops_waiting_when_its_run_dies(tmp_path):
     """A run that dies (here: no corpus where it looks) ends the call at once, saying so, not at the end of its
-    window: on a lent GPU the rest of the window is the lease's time."""
+    window: on a lent GPU the rest of the window is the lease's time. Its seed is its warm start's plus one, so
+    each stage reads the corpus in an order of its own."""
     import time
 
+    warm_start = tmp_path / "stage"
+    warm_start.mkdir()
+    (warm_start / "train_config.json").write_text(json.dumps({"method": "dflash", "seed": 11}))
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu",
-               DTYPE="float32", TARGET="tiny-llama", DATA=str(tmp_path / "no-corpus"), INIT="",
+               DTYPE="float32", TARGET="tiny-llama", DATA=str(tmp_path / "no-corpus"), INIT=str(warm_start),
                WINDOW="300", ROOT=str(tmp_path / "root"), OUT=str(tmp_path / "out"))
     started = time.monotonic()
     done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
                           text=True, timeout=300, cwd=SCRIPT.parent.parent)
     assert done.returncode == 1 and time.monotonic() - started < 120
     assert "the run ended without its final drafter" in done.stdout and "no drafter to send" in done.stdout
+    assert "(seed 12)" in done.stdout

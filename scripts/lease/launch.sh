@@ -12,8 +12,14 @@
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 DFLASH_CACHE=${DFLASH_CACHE:-/root/dcache}
 DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; ANCHORS=${ANCHORS:-512}; ACCUM=${ACCUM:-8}
-LR=${LR:-3e-4}; SEED=${SEED:-7}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
+LR=${LR:-3e-4}; ROOT=${ROOT:-/root}; RUN=${RUN:-run}; METHOD=${METHOD:-dflash}
 INIT=${INIT-src/dflash/drafters/smollm2-135m-$METHOD}  # INIT= (empty): from scratch
+# SEED: by default the warm start's seed plus one, so each stage reads the corpus in an order of its own (stages 11 to
+# 16 all ran --seed 7: every lease began its epoch, and annealed, on the same sequences); 7 from scratch. The
+# held-out split does not depend on the seed (split_heldout), so it stays the same 93 sequences.
+init_seed=$([ -n "$INIT" ] && python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('seed', 6))" \
+  "$INIT/train_config.json" 2>/dev/null || echo 6)
+SEED=${SEED:-$((init_seed + 1))}
 TARGET=${TARGET:-smollm2-135m}; DATA=${DATA:-corpus/smollm2-135m}  # a tiny target and corpus: the CPU test
 method_flags=(--method "$METHOD")  # anchors are DFlash's own option; the EAGLE-3 head trains on every position
 [ "$METHOD" = dflash ] && method_flags+=(--anchors-per-seq "$ANCHORS" ${SEQS:+--seqs-per-pass "$SEQS"})
@@ -31,7 +37,7 @@ COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-fr
 # --minutes`), so its schedule anneals inside the lease whatever the GPU's pace (until the thirty-ninth session a
 # smoke run or a RATE from an earlier lease sized it from here; stage 15 ended ~100 s early that way)
 minutes=$(python3 -c "import time; print(round(($DEADLINE - time.time() - 3) / 60, 3))")
-echo "launching a run of $minutes minutes into $ROOT/$RUN"
+echo "launching a run of $minutes minutes (seed $SEED) into $ROOT/$RUN"
 setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --minutes "$minutes" \
   --log-every 20 --eval-every 500 --save-every 100000 --save-minutes 3 > "$ROOT/$RUN.log" 2>&1 < /dev/null &
 echo $! > "$ROOT/$RUN.pid"  # fetch.sh stops waiting when it is gone
