@@ -3,8 +3,9 @@ of each held-out sequence (the tokens a WINDOW-token bench decodes), for two DFl
 positions where greedy whole-block decoding starts its blocks (by each drafter's own decoding) and the others, and
 by depth into the response (128 positions a line).
 
-Usage: .venv/bin/python scripts/gain_by_position.py DRAFTER_A DRAFTER_B [DATA] [WINDOW] [EVAL_FRACTION]
-(defaults: corpus/smollm2-135m, 128, 0.006; target smollm2-135m in bfloat16 under autocast, as the drafters trained)
+Usage: .venv/bin/python scripts/gain_by_position.py DRAFTER_A DRAFTER_B [DATA] [WINDOW] [EVAL_FRACTION] [DTYPE]
+(defaults: corpus/smollm2-135m, 128, 0.006, bfloat16: target smollm2-135m in bfloat16 under autocast, as the drafters
+trained; float32 runs without autocast, for a CPU without AVX512-BF16 or AMX, where torch's bfloat16 products crawl)
 """
 
 import sys
@@ -21,7 +22,8 @@ from dflash.methods.dflash.objective import accept_lengths, anchor_candidates, d
 BUCKET = 128  # response positions per line of the by-depth table
 
 
-def accept_lengths_by_sequence(target, drafter: Path, data: str, window: int, fraction: float) -> list[list[int]]:
+def accept_lengths_by_sequence(target, drafter: Path, data: str, window: int, fraction: float,
+                                autocast: bool) -> list[list[int]]:
     recipe = registry.get("dflash").training
     model = recipe.load_model(drafter, target)
     config = trainer.TrainConfig(method="dflash", anchors_per_seq=window, eval_fraction=fraction)
@@ -30,7 +32,7 @@ def accept_lengths_by_sequence(target, drafter: Path, data: str, window: int, fr
     _, heldout = trainer.split_heldout(usable, fraction)
     objective.model.eval()
     lengths = []
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         for example in heldout:
             ids = objective.sequence(example.input_ids)
             candidates = anchor_candidates(ids.shape[0], example.loss_start)
@@ -51,8 +53,9 @@ def main() -> None:
     data = sys.argv[3] if len(sys.argv) > 3 else "corpus/smollm2-135m"
     window = int(sys.argv[4]) if len(sys.argv) > 4 else 128
     fraction = float(sys.argv[5]) if len(sys.argv) > 5 else 0.006
-    target = load_target_cached("smollm2-135m", "bfloat16")
-    runs = {name: accept_lengths_by_sequence(target, path, data, window, fraction)
+    dtype = sys.argv[6] if len(sys.argv) > 6 else "bfloat16"
+    target = load_target_cached("smollm2-135m", dtype)
+    runs = {name: accept_lengths_by_sequence(target, path, data, window, fraction, dtype == "bfloat16")
             for name, path in (("A", first), ("B", second))}
     for starts_of in ("A", "B"):
         split = {"starts": ([], []), "other": ([], [])}
