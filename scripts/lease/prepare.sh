@@ -2,8 +2,9 @@
 # Here, before the first call to a lent GPU machine (the `device` tool): put what the machine lacks into .gpu/
 # (ignored by git, so it travels only when a call names it in `carry`): the pure-Python gguf wheel, two benchmark
 # files, and the target's GGUF in parts sized to ride beside the working tree: a call carries 64 MiB in all, and the
-# tree alone is ~42 MiB now (fixed 25 MB parts had fitted a 39 MiB tree, not this one). Each call carries one part
-# (the first with the tools) and runs join.sh, which joins the GGUF once every part is there.
+# tree is ~43 MiB whole, ~25 MiB without the EAGLE-3 drafter (LEAN, below), so the parts are sized from the tree as
+# it is. Each call carries one part (the first with the tools) and runs join.sh, which joins the GGUF once every part
+# is there.
 # LEAN=1 (the default) first deletes the EAGLE-3 drafter (19 MB) from the working tree: a lease's training and bench
 # use only the DFlash drafter, and without it the GGUF rides in 3 parts instead of 5, two calls fewer, each a gap in
 # which the machine can go back (the forty-fourth session lost two fresh machines that way). Afterwards:
