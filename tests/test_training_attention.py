@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dflash import trainer
 from dflash.cli import build_parser
@@ -227,6 +229,46 @@ def test_blocks_under_bfloat16_autocast_match_the_definition():
     theirs = torch.autograd.grad(reference, exact, grad)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.double(), b, atol=6e-2, rtol=5e-2)
+
+
+class ScorePasses(TorchDispatchMode):
+    """Counts the tensors at least `size` elements big that operations read or write (an `out=` tensor once)."""
+
+    FREE = {"view", "_unsafe_view", "as_strided", "slice", "select", "transpose", "t", "expand", "detach", "alias",
+            "empty", "empty_strided", "empty_like", "new_empty"}
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.passes = size, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {key: value for key, value in (kwargs or {}).items() if key != "out"}
+        tensors = [t for t in tree_flatten((args, given, out))[0] if isinstance(t, torch.Tensor)]
+        name = func.overloadpacket.__name__
+        big = sum(t.numel() >= self.size for t in tensors)
+        if big and name not in self.FREE:
+            self.passes.append((name, big))
+        return out
+
+
+def test_blocks_passes_over_the_scores_13_times_forward_and_backward():
+    """On a GPU the [b, H, N, S + B] scores are the step's largest tensors and each pass over them is memory
+    traffic: `blocks` writes them once (no concatenation), masks them in place, and its backward pass neither
+    stitches slices back together nor masks the gradient (hidden scores have probability 0, so the softmax's
+    backward gives them 0). torch's operations took 23 passes; a regression shows here. Counted on the meta
+    device, which moves no data."""
+    b, heads, kv_heads, nblocks, size, context, dim = 2, 4, 2, 8, 4, 40, 8
+    tensors = [torch.randn(b, h, length, dim, device="meta", requires_grad=True)
+               for h, length in ((heads, nblocks * size), (kv_heads, context), (kv_heads, context),
+                                 (kv_heads, nblocks * size), (kv_heads, nblocks * size))]
+    layout = BlockLayout(torch.arange(nblocks, device="meta") * 4 + 2, size)
+    with ScorePasses(b * heads * nblocks * size * context) as counted:
+        out = block_sparse_attention(*tensors, layout)
+        torch.autograd.grad(out, tensors, torch.empty_like(out))
+    names = [name for name, _ in counted.passes]
+    assert sum(big for _, big in counted.passes) <= 13, counted.passes
+    assert "cat" not in names and "slice_backward" not in names and names.count("masked_fill_") == 1
 
 
 def test_the_block_mask_is_built_without_reading_the_device():

@@ -51,26 +51,91 @@ def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.
     """Attention under `layout` in O(N * (S + B)): scores against the context (hidden from each block's anchor on)
     and against the block's own B keys, one softmax over both. Equals SDPA with the dense block mask.
     q [b, H, N, d]; ctx_k, ctx_v [b, KV, S, d]; k, v [b, KV, N, d]; a query head h uses key/value head h // (H/KV).
-    Returns [b, H, N, d]."""
-    b, heads, n, d = q.shape
-    kv_heads, s, nblocks, size = ctx_k.shape[1], ctx_k.shape[2], layout.anchors.shape[-1], layout.block_size
-    group = heads // kv_heads
-    q = q.reshape(b, kv_heads, group, n, d) * d**-0.5
-    ctx_scores = q @ ctx_k[:, :, None].transpose(-1, -2)  # [b, KV, group, N, S]
-    visible = torch.arange(s, device=q.device) < layout.anchors.repeat_interleave(size, dim=-1)[..., None]
-    if visible.dim() == 3:  # [b, N, S]: each row its own anchors
-        visible = visible[:, None, None]
-    ctx_scores.masked_fill_(~visible, float("-inf"))  # in place: the product's backward never reads its output
-    blocked_q = q.reshape(b, kv_heads, group, nblocks, size, d)
-    own_scores = blocked_q @ k.reshape(b, kv_heads, 1, nblocks, size, d).transpose(-1, -2)  # [..., nblocks, B, B]
-    scores = torch.cat([ctx_scores, own_scores.reshape(b, kv_heads, group, n, size)], dim=-1)
-    # the scores' own dtype in and out: autocast would widen bfloat16 scores to float32 and write them so, then copy
-    # them back, forward and backward (~5x the bytes of this softmax); its kernels sum in float32 either way
-    with autocast_off(q.device.type):
-        probs = scores.softmax(-1).to(v.dtype)
-    out = probs[..., :s] @ ctx_v[:, :, None]
-    own = probs[..., s:].reshape(b, kv_heads, group, nblocks, size, size) @ v.reshape(b, kv_heads, 1, nblocks, size, d)
-    return (out + own.reshape(b, kv_heads, group, n, d)).reshape(b, heads, n, d)
+    Returns [b, H, N, d], in autocast's dtype where it is on (the products' dtype), else q's."""
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if autocasting(device_type) else q.dtype
+    with autocast_off(device_type):
+        return BlockSparseAttention.apply(q, ctx_k, ctx_v, k, v, layout.anchors, layout.block_size, dtype)
+
+
+class BlockSparseAttention(torch.autograd.Function):
+    """`block_sparse_attention` with a backward pass of its own, for the bytes: the [b, H, N, S + B] scores are a
+    step's largest tensors on a GPU (~1 GB each in bfloat16 at 8 sequences x 512 anchors), and torch's operations
+    passed over them ~25 times a layer, forward and backward (scripts/step_traffic.py). Here the scores are written
+    straight into one [.., S + B] buffer (no concatenation, no slices to stitch back in the backward pass), and the
+    masked scores need no backward of their own: their probabilities are exactly 0, so the softmax's backward
+    already gives them a 0 gradient. About 13 passes a layer. A query head's group shares its key/value head, so the
+    group's queries are rows of one product (no keys repeated per head)."""
+
+    @staticmethod
+    def forward(ctx, q, ctx_k, ctx_v, k, v, anchors, block_size: int, dtype: torch.dtype):
+        b, heads, n, d = q.shape
+        kv_heads, s = ctx_k.shape[1], ctx_k.shape[2]
+        group, nblocks = heads // kv_heads, n // block_size
+        qs = (q.reshape(b * kv_heads, group * n, d) * d**-0.5).to(dtype)  # a group's queries as rows
+        ctx_k, ctx_v = ctx_k.reshape(b * kv_heads, s, d).to(dtype), ctx_v.reshape(b * kv_heads, s, d).to(dtype)
+        k, v = k.to(dtype), v.to(dtype)
+        scores = qs.new_empty(b * kv_heads, group * n, s + block_size)
+        torch.bmm(qs, ctx_k.transpose(1, 2), out=scores[..., :s])
+        scores[..., s:] = own_products(qs, k, group, nblocks, block_size)
+        hidden = torch.arange(s, device=q.device) >= anchors.repeat_interleave(block_size, dim=-1)[..., None]
+        scores5 = scores.view(b, kv_heads, group, n, s + block_size)
+        scores5[..., :s].masked_fill_(hidden[:, None, None] if hidden.dim() == 3 else hidden, float("-inf"))
+        probs = scores.softmax(-1)  # in the scores' dtype; the kernels sum in float32
+        del scores, scores5
+        out = torch.bmm(probs[..., :s], ctx_v)
+        out += own_values(probs[..., s:], v, group, nblocks, block_size)
+        ctx.save_for_backward(qs, ctx_k, ctx_v, k, v, probs)
+        ctx.shape = (b, heads, n, d, group, nblocks, block_size)
+        return out.view(b, heads, n, d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qs, ctx_k, ctx_v, k, v, probs = ctx.saved_tensors
+        b, heads, n, d, group, nblocks, size = ctx.shape
+        kv_heads, s = k.shape[1], ctx_k.shape[1]
+        grad_out = grad_out.reshape(b * kv_heads, group * n, d).to(probs.dtype)
+        grad_probs = torch.empty_like(probs)
+        torch.bmm(grad_out, ctx_v.transpose(1, 2), out=grad_probs[..., :s])
+        grad_probs[..., s:] = own_products(grad_out, v, group, nblocks, size)
+        grad_ctx_v = torch.bmm(probs[..., :s].transpose(1, 2), grad_out)
+        grad_v = own_keys_grad(probs[..., s:], grad_out, b, kv_heads, group, nblocks, size)
+        # hidden scores: probability 0, so their gradient is 0 here with no mask
+        grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+        del grad_probs
+        grad_q = torch.bmm(grad_scores[..., :s], ctx_k)
+        grad_q += own_values(grad_scores[..., s:], k, group, nblocks, size)
+        grad_ctx_k = torch.bmm(grad_scores[..., :s].transpose(1, 2), qs)
+        grad_k = own_keys_grad(grad_scores[..., s:], qs, b, kv_heads, group, nblocks, size)
+        grad_q = grad_q.view(b, heads, n, d) * d**-0.5
+        return (grad_q, grad_ctx_k.view(b, kv_heads, s, d), grad_ctx_v.view(b, kv_heads, s, d), grad_k, grad_v,
+                None, None, None)
+
+
+def own_products(rows, keys, group: int, nblocks: int, size: int) -> torch.Tensor:
+    """Each query row against its own block's keys: rows [b*KV, group*N, d], keys [b, KV, N, d] ->
+    [b*KV, group*N, size]."""
+    bkv, _, d = rows.shape
+    blocked = rows.view(bkv, group, nblocks, size, d)
+    own = keys.reshape(bkv, 1, nblocks, size, d).transpose(-1, -2)
+    return (blocked @ own).view(bkv, group * nblocks * size, size)
+
+
+def own_values(weights, values, group: int, nblocks: int, size: int) -> torch.Tensor:
+    """Each row's weights over its own block's `size` rows of `values` [b, KV, N, d] (or [b*KV, N, d]):
+    weights [b*KV, group*N, size] -> [b*KV, group*N, d]."""
+    bkv, d = weights.shape[0], values.shape[-1]
+    blocked = weights.reshape(bkv, group, nblocks, size, size)
+    return (blocked @ values.reshape(bkv, 1, nblocks, size, d)).view(bkv, group * nblocks * size, d)
+
+
+def own_keys_grad(weights, rows, b: int, kv_heads: int, group: int, nblocks: int, size: int) -> torch.Tensor:
+    """The gradient a block's own keys (or values) get from the rows that read them, summed over a head's group:
+    weights [b*KV, group*N, size], rows [b*KV, group*N, d] -> [b, KV, N, d]."""
+    d = rows.shape[-1]
+    blocked = weights.reshape(b * kv_heads, group, nblocks, size, size).transpose(-1, -2)
+    grad = blocked @ rows.reshape(b * kv_heads, group, nblocks, size, d)  # [bKV, group, nblocks, size, d]
+    return grad.sum(1).view(b, kv_heads, nblocks * size, d)
 
 
 def autocasting(device_type: str) -> bool:
