@@ -10,6 +10,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dflash import trainer
 from dflash.engine import GenerationConfig
@@ -164,6 +166,29 @@ def test_chunked_cross_entropy_matches_autograd(rows):
         assert linear_cross_entropy(hidden, head, labels, weights)[0].item() == pytest.approx(loss.item())
 
 
+@pytest.mark.parametrize("scale", [1.0, 60.0])  # 60: labels hundreds of logits below the argmax (p underflows)
+def test_cross_entropy_over_bfloat16_products_keeps_float32_statistics(scale):
+    """With the head in bfloat16 (a GPU step under autocast) the logits come out in bfloat16 and are never copied to
+    float32; the loss is still the float64 cross-entropy of those same logits to float32 precision, even where a
+    label's probability underflows float32, and the gradient is it to bfloat16's rounding."""
+    torch.manual_seed(int(scale))
+    rows, vocab = 300, 50
+    hidden = (torch.randn(rows, 16) * scale).requires_grad_()
+    head = torch.randn(vocab, 16).bfloat16()
+    labels, weights = torch.randint(0, vocab, (rows,)), torch.rand(rows)
+    loss, predictions = linear_cross_entropy(hidden, head, labels, weights)
+    loss.backward()
+    logits = (hidden.detach().bfloat16() @ head.t()).double().requires_grad_()  # the products the loss saw
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    expected = (ce * weights.double()).sum() / weights.double().sum()
+    expected.backward()
+    assert torch.isfinite(loss) and ce.max() > (100 if scale > 1 else 0)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(predictions, logits.argmax(-1))
+    reference = logits.grad @ head.double()
+    torch.testing.assert_close(hidden.grad.double(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_block_sparse_attention_equals_dense_mask(kv_heads):
     """The sparse training attention is SDPA under the dense block mask, in the output and in every gradient."""
@@ -307,6 +332,49 @@ def test_a_step_never_reads_the_device(target, distill):
     sum(result.loss for result in results).backward()
     assert all(p.grad is not None and p.grad.device.type == "meta" for p in drafter.parameters())
     assert [r.correct.shape for r in results] == [(len(a), 3) for a in anchors]
+
+
+class MisalignedProducts(TorchDispatchMode):
+    """Records the matrix products with an operand whose rows (or batches) do not start on 16-byte boundaries."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "bmm", "addmm", "baddbmm"):
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            if any(stride * t.element_size() % 16 for t in tensors for stride in t.stride() if stride != 1):
+                self.found.append((func.overloadpacket.__name__, [tuple(t.shape) for t in tensors]))
+        return out
+
+
+def test_a_bfloat16_pass_gives_its_products_aligned_operands(target):
+    """The context is padded to a multiple of 8 positions and the loss's head to a multiple of 8 rows, so on a GPU
+    every product of a bfloat16 training pass (drafter, attention, loss, backward) can run on the tensor-core
+    kernels: with rows of an odd length (a 29-token sequence, a head of the draft vocabulary plus a prompt's tokens)
+    cuBLAS falls back to older, slower ones. On the meta device, for the shapes alone."""
+    import types
+
+    width, vocab = target.config.hidden_size, target.vocab_size
+    cfg = DFlashConfig.for_target(target.config, vocab, MASK_ID, num_layers=2, block_size=8, num_features=2)
+    drafter = DFlashDrafter.untrained(cfg).to("meta").to(torch.bfloat16)
+    drafter.draft_vocab = list(range(0, vocab, 2))
+    on_meta = types.SimpleNamespace(
+        device=torch.device("meta"), max_context=4096,
+        lm_head=torch.nn.Linear(width, vocab, bias=False, device="meta", dtype=torch.bfloat16),
+        embed_tokens=torch.nn.Embedding(vocab, width, device="meta", dtype=torch.bfloat16))
+    objective = DFlashObjective(drafter, on_meta, anchors_per_seq=5)
+    sequences = [torch.tensor(record["input_ids"][:length]) for record, length in zip(counting_records(2), (29, 23))]
+    anchors = [sample_anchors(len(seq), 4, 5, np.random.default_rng(i)) for i, seq in enumerate(sequences)]
+    length = objective.padded(sequences).shape[1]
+    assert length == 32
+    features = torch.empty(2, length, 2 * width, device="meta", dtype=torch.bfloat16)
+    with MisalignedProducts() as products:
+        results = objective.blocks_results(sequences, anchors, [4, 4], context=(features, None))
+        sum(result.loss for result in results).backward()
+    assert products.found == []
 
 
 # ---- the drafter pass ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ...errors import UserError
 from .attention import KERNELS, BlockLayout, flex_unavailable
@@ -25,6 +26,13 @@ DEFAULT_DRAFT_VOCAB = 8192
 GAMMA_BY_BLOCK_SIZE = ((8, 4.0), (10, 5.0), (16, 7.0))  # the paper's loss decay per block size
 CPU_CHUNK_ROWS = 512  # rows of logits at once in the loss: [512, 16K] float32 is 32 MB
 GPU_CHUNK_FLOATS = 1 << 28  # on a GPU, up to 1 GiB of float32 logits at once: one chunk a sequence at 16K rows
+# A pass's context length is padded to a multiple of this: the training attention's [.., S + 16] scores are the
+# operands of its products, and bfloat16 rows whose length is not a multiple of 8 (16 bytes) are misaligned for the
+# tensor-core kernels, which cuBLAS then trades for older, slower ones (stage 16's H100 profile: cutlass_75 kernels).
+CONTEXT_MULTIPLE = 8
+# The loss's head (the draft vocabulary plus a sequence's prompt tokens: 16,444-16,458 rows in stage 16's steps) is
+# padded with zero rows to a multiple of this, for the same reason: its logits' rows are products' operands too.
+COLUMN_MULTIPLE = 8
 
 
 # ---- block construction ----------------------------------------------------------------------------------------------
@@ -120,6 +128,30 @@ class BlockResult:
     weight_sum: torch.Tensor  # the normaliser of `loss` (to pool losses over sequences exactly)
 
 
+def hard_label_chunk(logits, labels, predictions, weights, weight_sum, grad, rows, head_weight,
+                     need_grad: bool) -> torch.Tensor:
+    """One chunk of LinearCrossEntropy against hard labels: sum_i w_i * CE(logits_i, label_i), and the rows'
+    gradient (softmax - onehot) * w / weight_sum @ head written into grad[rows].
+
+    In as few passes over the [rows, vocab] logits as torch's operations allow (on a GPU the chunk is a whole
+    sequence's rows, ~0.5 GB in float32, and each pass is memory traffic): one softmax in float32 straight from the
+    products' dtype (no float32 copy of the logits, no logsumexp's temporaries), the probabilities' own row of the
+    label and of the argmax for the loss, and one pass that scales them and writes the products' dtype. The
+    log-normaliser is logit(argmax) - log p(argmax): p(argmax) >= 1/vocab, so its log loses nothing."""
+    stats = torch.promote_types(logits.dtype, torch.float32)
+    probs = torch.softmax(logits, -1, dtype=stats)
+    top = predictions[:, None]
+    log_norm = logits.gather(1, top)[:, 0].to(stats) - probs.gather(1, top)[:, 0].log()
+    picked = logits.gather(1, labels[:, None])[:, 0].to(stats)
+    loss = ((log_norm - picked) * weights).sum()
+    if need_grad:
+        probs[torch.arange(probs.shape[0], device=probs.device), labels] -= 1.0
+        scaled = torch.empty(probs.shape, dtype=head_weight.dtype, device=probs.device)
+        torch.mul(probs, (weights / weight_sum)[:, None].to(stats), out=scaled)
+        grad[rows] = (scaled @ head_weight).to(grad.dtype)
+    return loss.float()
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ head.T, label_i) / sum_i w_i, and the argmax of each row, computed in row chunks.
     With `teacher_logits` [S, vocab] and `teacher_rows` [N] the target of row i is the teacher's distribution
@@ -142,28 +174,32 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(values) if need_grad else None
         predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        columns = head_weight.shape[0]
+        if teacher_logits is None and columns % COLUMN_MULTIPLE:  # zero rows, whose logits are set to -inf
+            head_weight = F.pad(head_weight, (0, 0, 0, -columns % COLUMN_MULTIPLE))
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits = (values[rows].to(head_weight.dtype) @ head_weight.t()).float()
-            log_norm = logits.logsumexp(-1)
+            logits = values[rows].to(head_weight.dtype) @ head_weight.t()
+            if logits.shape[1] > columns:
+                logits[:, columns:] = float("-inf")  # the padding's: probability 0, never the argmax
             predictions[rows] = logits.argmax(-1)
             if teacher_logits is None:
-                picked = logits.gather(1, labels[rows, None])[:, 0]
-                loss += ((log_norm - picked) * weights[rows]).sum()
-            else:  # KL(p || q) = sum p log p - sum p * logits + log_norm
-                teacher_rows_here = teacher_logits[teacher_rows[rows]]
-                if teacher_columns is not None:
-                    teacher_rows_here = teacher_rows_here[:, teacher_columns]
-                teacher_log = teacher_rows_here.float().log_softmax(-1)
-                teacher = teacher_log.exp()
-                row_loss = log_norm - (teacher * logits).sum(-1) + (teacher * teacher_log).sum(-1)
-                loss += (row_loss * weights[rows]).sum()
+                loss += hard_label_chunk(logits, labels[rows], predictions[rows], weights[rows], weight_sum,
+                                         grad, rows, head_weight, need_grad)
+                continue
+            logits = logits.float()
+            log_norm = logits.logsumexp(-1)
+            # KL(p || q) = sum p log p - sum p * logits + log_norm
+            teacher_rows_here = teacher_logits[teacher_rows[rows]]
+            if teacher_columns is not None:
+                teacher_rows_here = teacher_rows_here[:, teacher_columns]
+            teacher_log = teacher_rows_here.float().log_softmax(-1)
+            teacher = teacher_log.exp()
+            row_loss = log_norm - (teacher * logits).sum(-1) + (teacher * teacher_log).sum(-1)
+            loss += (row_loss * weights[rows]).sum()
             if need_grad:
                 probs = logits.sub_(log_norm[:, None]).exp_()
-                if teacher_logits is None:
-                    probs[torch.arange(probs.shape[0], device=probs.device), labels[rows]] -= 1.0
-                else:
-                    probs.sub_(teacher)
+                probs.sub_(teacher)
                 probs.mul_((weights[rows] / weight_sum)[:, None])
                 grad[rows] = (probs.to(head_weight.dtype) @ head_weight).to(grad.dtype)
         ctx.save_for_backward(grad)
@@ -363,10 +399,10 @@ class DFlashObjective:
 
     @staticmethod
     def padded(sequences: list[torch.Tensor]) -> torch.Tensor:
-        """The sequences right-padded to the longest, [b, S]: attention is causal, so padding after a sequence never
-        reaches its positions, and every anchor lies before it."""
-        ids = torch.zeros(len(sequences), max(seq.shape[0] for seq in sequences), dtype=torch.long,
-                          device=sequences[0].device)
+        """The sequences right-padded to the longest, rounded up to a multiple of CONTEXT_MULTIPLE, [b, S]: attention
+        is causal, so padding after a sequence never reaches its positions, and every anchor lies before it."""
+        length = -(-max(seq.shape[0] for seq in sequences) // CONTEXT_MULTIPLE) * CONTEXT_MULTIPLE
+        ids = torch.zeros(len(sequences), length, dtype=torch.long, device=sequences[0].device)
         for row, seq in enumerate(sequences):
             ids[row, : seq.shape[0]] = seq
         return ids
@@ -385,8 +421,6 @@ class DFlashObjective:
         batches = [build_block_batch(seq, anchors.cpu(), self.block_size, self.model.config.mask_token_id)
                    for seq, anchors in zip(sequences, anchor_sets)]
         kernel, nblocks = self.pass_kernel(count, max(batch.block_ids.shape[0] for batch in batches))
-        ids = self.padded(sequences)
-        length = ids.shape[1]
         block_ids = torch.full((count, nblocks, self.block_size), self.model.config.mask_token_id)
         positions = torch.arange(1, 1 + self.block_size).repeat(count, nblocks, 1)
         anchors = torch.ones(count, nblocks, dtype=torch.long)  # a padding block: anchor 1, no labels
@@ -394,7 +428,8 @@ class DFlashObjective:
             used = batch.block_ids.shape[0]
             block_ids[row, :used], positions[row, :used] = batch.block_ids, batch.positions
             anchors[row, :used] = batch.layout.anchors
-        features, logits = context if context is not None else self.target_pass(ids)
+        features, logits = context if context is not None else self.target_pass(self.padded(sequences))
+        length = features.shape[1]  # a caller's context may be unpadded: every anchor lies before its end
         with torch.no_grad():
             embeds = self.target.embed_tokens(on_device(block_ids.reshape(count, -1), device))
         hidden = self.model(
