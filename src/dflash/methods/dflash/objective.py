@@ -145,7 +145,7 @@ def hard_label_chunk(logits, labels, predictions, weights, weight_sum, grad, row
     picked = logits.gather(1, labels[:, None])[:, 0].to(stats)
     loss = ((log_norm - picked) * weights).sum()
     if need_grad:
-        probs[torch.arange(probs.shape[0], device=probs.device), labels] -= 1.0
+        probs.scatter_add_(1, labels[:, None], probs.new_full((probs.shape[0], 1), -1.0))  # minus the one-hot
         scaled = torch.empty(probs.shape, dtype=head_weight.dtype, device=probs.device)
         torch.mul(probs, (weights / weight_sum)[:, None].to(stats), out=scaled)
         grad[rows] = (scaled @ head_weight).to(grad.dtype)
