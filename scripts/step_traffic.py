@@ -35,7 +35,7 @@ FREE = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "slice
         "permute", "detach", "alias", "split", "split_with_sizes", "unbind", "_reshape_alias", "empty",
         "empty_strided", "lift_fresh", "new_empty", "new_empty_strided", "empty_like"}
 SPARSE = {"index", "gather", "index_select", "embedding"}  # read and write the rows they pick
-SCATTER = {"index_put_", "index_put", "scatter_", "index_add_"}  # write the values they are given
+SCATTER = {"index_put_", "index_put", "scatter_", "scatter_add_", "index_add_"}  # write the values they are given
 
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
