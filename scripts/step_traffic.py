@@ -35,6 +35,7 @@ FREE = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "slice
         "permute", "detach", "alias", "split", "split_with_sizes", "unbind", "_reshape_alias", "empty",
         "empty_strided", "lift_fresh", "new_empty", "new_empty_strided", "empty_like"}
 SPARSE = {"index", "gather", "index_select", "embedding"}  # read and write the rows they pick
+CREATE = {"new_full", "new_zeros", "new_ones", "full_like", "zeros_like", "ones_like"}  # read only a shape
 SCATTER = {"index_put_", "index_put", "scatter_", "scatter_add_", "index_add_"}  # write the values they are given
 
 
@@ -67,7 +68,9 @@ class TrafficLog(TorchDispatchMode):
         given = {key: value for key, value in (kwargs or {}).items() if key != "out"}  # `out` is written, not read
         inputs = [t for t in tree_flatten((args, given))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if name in SPARSE:
+        if name in CREATE:
+            moved = sum(map(size, outputs))
+        elif name in SPARSE:
             moved = 2 * sum(map(size, outputs)) + sum(map(size, inputs[1:]))
         elif name in SCATTER:
             moved = 2 * sum(map(size, inputs[1:]))
