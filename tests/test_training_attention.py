@@ -16,7 +16,7 @@ from dflash.errors import UserError
 from dflash.methods.dflash import attention, objective as objective_module
 from dflash.methods.dflash.attention import TILE, BlockLayout, block_attention, block_sparse_attention, \
     flex_block_attention, flex_block_mask
-from dflash.methods.dflash.objective import DFlashObjective
+from dflash.methods.dflash.objective import DFlashObjective, sample_anchors
 from dflash.testing import tiny_target
 from test_trainer import counting_records, eagle3_argv, tiny_drafter, train_args, write_shards
 
@@ -145,6 +145,53 @@ def test_flex_passes_pad_to_one_shape(target, monkeypatch):
     assert objective.pass_kernel(2, 10) == ("blocks", 10)
     with torch.no_grad():
         assert objective.pass_kernel(3, 10) == ("blocks", 10)
+
+
+def test_compiled_passes_pad_to_one_shape_and_auto_times_it_on_a_gpu(target, monkeypatch):
+    """compiled, like flex, compiles for one shape of the blocks; auto times it where torch.compile has a GPU code
+    generator (CUDA with triton) and never on a CPU."""
+    objective = DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="compiled")
+    assert objective.pass_kernel(3, 10) == ("compiled", 16)
+    assert objective.pass_kernel(2, 10) == ("blocks", 10)
+    with torch.no_grad():
+        assert objective.pass_kernel(3, 10) == ("blocks", 10)
+    auto = DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="auto")
+    assert auto.attention_choices() == ["blocks"]
+    monkeypatch.setattr(objective_module, "flex_unavailable", lambda device: "")
+    monkeypatch.setattr(objective_module, "compiled_unavailable", lambda device: "")
+    assert auto.attention_choices() == ["blocks", "flex", "compiled"]
+
+
+def test_compiled_layers_train_as_blocks_does(target):
+    """A pass with the drafter's layers compiled (inductor on this CPU) gives the loss and every gradient of the
+    eager layers, on two sequences of different lengths; a second pass with another context length reuses the
+    compile (the length is dynamic) and agrees too."""
+    import torch._dynamo.utils
+
+    def pass_of(attention, lengths, seed):
+        torch.manual_seed(0)
+        drafter = tiny_drafter(target, num_layers=2, block_size=4, seed=1)
+        objective = DFlashObjective(drafter, target, anchors_per_seq=6, attention=attention)
+        records = counting_records(2, seed=seed)
+        sequences = [torch.tensor(r["input_ids"][:n]) for r, n in zip(records, lengths)]
+        anchors = [sample_anchors(len(seq), 8, 6, np.random.default_rng(i)) for i, seq in enumerate(sequences)]
+        results = objective.blocks_results(sequences, anchors, [8, 8])
+        loss = sum(result.loss for result in results)
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in drafter.named_parameters()}
+
+    for lengths, seed in (((30, 22), 1), ((40, 35), 2)):
+        eager_loss, eager_grads = pass_of("blocks", lengths, seed)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        compiled_loss, compiled_grads = pass_of("compiled", lengths, seed)
+        assert seed > 1 or torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # it did compile
+        torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if seed == 1:
+            compiled_graphs = graphs
+    assert graphs == compiled_graphs  # the second length compiled nothing new
 
 
 def test_flex_on_a_cpu_and_unknown_kernels_are_user_errors(target, tmp_path):

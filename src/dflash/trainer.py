@@ -94,8 +94,9 @@ class TrainConfig:
                                    "1 on a CPU; on a GPU, 1 or a step's share, whichever its first step times "
                                    "faster)")
     attention: str = option("auto", "dflash: the training attention's kernel: blocks (torch operations, any "
-                                    "device), flex (FlexAttention over a block mask, compiled; CUDA only) or auto "
-                                    "(on a GPU, whichever its first step times faster; blocks elsewhere)")
+                                    "device), flex (FlexAttention over a block mask, compiled; CUDA only), "
+                                    "compiled (blocks, the drafter's layers around it compiled by torch.compile) or "
+                                    "auto (on a GPU, whichever its first step times fastest; blocks elsewhere)")
     gamma: float | None = option(None, "dflash: loss decay over block positions (7 for B=16, 5 for B=10, 4 for B=8, "
                                        "interpolated)")
     loss: str = option("ce", "dflash: ce (cross-entropy on the target's regenerated tokens) or kl (self-distillation: "

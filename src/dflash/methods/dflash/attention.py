@@ -9,6 +9,11 @@ another block. Two kernels compute it, with the same result:
 - `flex` (CUDA): PyTorch's FlexAttention, compiled, over a block mask built here from the anchors. Tiles of keys
   that a tile of queries cannot see are skipped, and no score leaves the kernel. FlexAttention has no CPU backward
   pass. The context is padded to a fixed capacity, so one compile serves every step.
+- `compiled` (CUDA by default; any device when asked for): `blocks`, with the drafter's layers around it compiled by
+  torch.compile, so that their norms, RoPE, SwiGLU and autocast's casts run as a few fused kernels instead of ~60
+  operations a layer each way, each a pass over a [sequences, 8,192, ...] tensor on a GPU. The attention itself
+  stays the autograd function below (the compiler never traces it). The context's length is marked dynamic, so
+  one compile serves every step.
 `dflash train` picks the kernel by timing its first step on a GPU (trainer `timed_attention`).
 """
 
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("blocks", "flex")
+KERNELS = ("blocks", "flex", "compiled")
 TILE = 128  # FlexAttention's tile: queries and keys in blocks of 128
 
 
@@ -34,7 +39,7 @@ class BlockLayout:
 
     anchors: torch.Tensor  # [nblocks] (every row alike) or [b, nblocks], long
     block_size: int
-    kernel: str = "blocks"  # one of KERNELS; flex only runs where gradients are taken (a forward alone uses blocks)
+    kernel: str = "blocks"  # one of KERNELS; flex and compiled run only where gradients are taken (else blocks)
     capacity: int = 0  # flex: context positions padded to this many (fixed shapes compile once); 0: S, rounded
     flex_mask: object = field(default=None, init=False, repr=False, compare=False)  # built once, for every layer
 
@@ -44,6 +49,8 @@ def block_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
     anchors) always takes `blocks`: a compiled forward alone would be one more compile."""
     if layout.kernel == "flex" and torch.is_grad_enabled():
         return flex_block_attention(q, ctx_k, ctx_v, k, v, layout)
+    if layout.kernel == "compiled":  # called from a compiled layer: opaque to the compiler
+        return opaque_block_sparse_attention(q, ctx_k, ctx_v, k, v, layout)
     return block_sparse_attention(q, ctx_k, ctx_v, k, v, layout)
 
 
@@ -112,6 +119,22 @@ class BlockSparseAttention(torch.autograd.Function):
                 None, None, None)
 
 
+def opaque_block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
+    """`block_sparse_attention`, which torch.compile calls as it is instead of tracing (its products write into
+    slices of one buffer, and its backward pass is already what a compiler would make of it)."""
+    return _opaque()(q, ctx_k, ctx_v, k, v, layout)
+
+
+_opaque_attention = None
+
+
+def _opaque():
+    global _opaque_attention
+    if _opaque_attention is None:
+        _opaque_attention = torch.compiler.disable(block_sparse_attention)
+    return _opaque_attention
+
+
 def own_products(rows, keys, group: int, nblocks: int, size: int) -> torch.Tensor:
     """Each query row against its own block's keys: rows [b*KV, group*N, d], keys [b, KV, N, d] ->
     [b*KV, group*N, size]."""
@@ -157,6 +180,17 @@ def flex_unavailable(device: torch.device) -> str:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
     except ImportError as exc:
         return f"this torch has no FlexAttention ({exc})"
+    return ""
+
+
+def compiled_unavailable(device: torch.device) -> str:
+    """Why `compiled` is not among the kernels `auto` times on `device` ("" where it is)."""
+    if torch.device(device).type != "cuda":
+        return "the compiled layers are timed on CUDA only (on a CPU the products bound a step: 6% in float32)"
+    try:
+        import triton  # noqa: F401 - inductor's GPU code generator
+    except ImportError as exc:
+        return f"torch.compile needs triton on a GPU ({exc})"
     return ""
 
 

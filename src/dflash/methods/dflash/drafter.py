@@ -181,6 +181,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+_compiled_layer_forward = None
+
+
+def compiled_layer(layer: DecoderLayer, x, rope_block, ctx_k, ctx_v, layout: BlockLayout) -> torch.Tensor:
+    """`layer(x, ...)` for a training pass, through torch.compile (the `compiled` training kernel,
+    methods/dflash/attention.py): the norms, projections, RoPE and SwiGLU around the attention, which stays eager.
+    The context's length changes every pass, so it is marked dynamic: one compile a layer serves every step."""
+    global _compiled_layer_forward
+    if _compiled_layer_forward is None:
+        _compiled_layer_forward = torch.compile(DecoderLayer.forward)
+    for t in (ctx_k, ctx_v):
+        torch._dynamo.mark_dynamic(t, 2)
+    return _compiled_layer_forward(layer, x, rope_block, ctx_k, ctx_v, layout)
+
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
@@ -301,9 +316,13 @@ class DFlashDrafter(nn.Module):
             if out is not None:
                 cache.advance(ctx.shape[1])
                 return self.norm.rows(out)  # one C call (inference: no gradient)
+        compiled = isinstance(mask, BlockLayout) and mask.kernel == "compiled" and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
-            x = layer(x, rope_block, ctx_k, ctx_v, mask, cache, i)
+            if compiled:
+                x = compiled_layer(layer, x, rope_block, ctx_k, ctx_v, mask)
+            else:
+                x = layer(x, rope_block, ctx_k, ctx_v, mask, cache, i)
         if cache is not None:
             cache.advance(ctx.shape[1])
         return self.norm(x)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UserError
-from .attention import KERNELS, BlockLayout, flex_unavailable
+from .attention import KERNELS, BlockLayout, compiled_unavailable, flex_unavailable
 from .drafter import DFlashConfig, DFlashDrafter, check_kv_heads, default_mask_token_id, repeat_kv_rows
 
 IGNORE = -100
@@ -321,11 +321,11 @@ class DFlashObjective:
                  attention: str = "blocks"):
         """`attention`: the training attention's kernel (attention.KERNELS), or auto: blocks until `dflash train`
         times `attention_choices` at its first step."""
-        if attention not in ("auto", "blocks") and flex_unavailable(target.device):
+        if attention == "flex" and flex_unavailable(target.device):
             raise UserError(f"--attention {attention}: {flex_unavailable(target.device)}")
         self.attention_setting = attention
         self.attention = "blocks" if attention == "auto" else attention
-        self.flex_batch: int | None = None  # the sequences per pass flex compiled for (`blocks_results`)
+        self.fixed_batch: int | None = None  # the sequences per pass flex or compiled compiled for (`pass_kernel`)
         self.model = drafter
         self.anchor_policy = anchor_policy  # "uniform" or "decoded" (`decoded_anchors`)
         self.target = target
@@ -356,19 +356,21 @@ class DFlashObjective:
         set."""
         if self.attention_setting != "auto":
             return [self.attention_setting]
-        return ["blocks"] if flex_unavailable(self.target.device) else list(KERNELS)
+        device = self.target.device
+        unavailable = {"blocks": "", "flex": flex_unavailable(device), "compiled": compiled_unavailable(device)}
+        return [kernel for kernel in KERNELS if not unavailable[kernel]]
 
     def pass_kernel(self, count: int, nblocks: int) -> tuple[str, int]:
-        """(kernel, blocks per sequence) of a pass of `count` sequences with up to `nblocks` blocks each. flex
-        compiles for one shape: its passes pad every sequence to anchors_per_seq blocks (nearly all passes have
-        that many already) and keep the sequences per pass of its first; any other pass, and any pass without
-        gradients, takes blocks."""
-        if self.attention != "flex" or not torch.is_grad_enabled():
+        """(kernel, blocks per sequence) of a pass of `count` sequences with up to `nblocks` blocks each. flex and
+        compiled compile for one shape of the blocks: their passes pad every sequence to anchors_per_seq blocks
+        (nearly all passes have that many already) and keep the sequences per pass of their first; any other pass,
+        and any pass without gradients, takes blocks."""
+        if self.attention == "blocks" or not torch.is_grad_enabled():
             return "blocks", nblocks
-        self.flex_batch = self.flex_batch or count
-        if count != self.flex_batch:
+        self.fixed_batch = self.fixed_batch or count
+        if count != self.fixed_batch:
             return "blocks", nblocks
-        return "flex", max(nblocks, self.anchors_per_seq)
+        return self.attention, max(nblocks, self.anchors_per_seq)
 
     @property
     def activations_per_sequence(self) -> int:
