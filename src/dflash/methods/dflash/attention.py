@@ -19,6 +19,7 @@ another block. Two kernels compute it, with the same result:
 
 from __future__ import annotations
 
+import importlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -174,23 +175,24 @@ def autocast_off(device_type: str):
 # ---- FlexAttention -------------------------------------------------------------------------------------------------
 def flex_unavailable(device: torch.device) -> str:
     """Why `flex` cannot train on `device` ("" where it can)."""
-    if torch.device(device).type != "cuda":
-        return "FlexAttention trains on CUDA only (it has no CPU backward pass)"
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError as exc:
-        return f"this torch has no FlexAttention ({exc})"
-    return ""
+    return cuda_with(device, "torch.nn.attention.flex_attention", "this torch has no FlexAttention",
+                     "FlexAttention trains on CUDA only (it has no CPU backward pass)")
 
 
 def compiled_unavailable(device: torch.device) -> str:
     """Why `compiled` is not among the kernels `auto` times on `device` ("" where it is)."""
+    return cuda_with(device, "triton", "torch.compile needs triton (inductor's GPU code generator) on a GPU",
+                     "the compiled layers are timed on CUDA only (on a CPU the products bound a step: 6% in float32)")
+
+
+def cuda_with(device: torch.device, module: str, missing: str, not_cuda: str) -> str:
+    """"" where `device` is CUDA and `module` imports, else why not."""
     if torch.device(device).type != "cuda":
-        return "the compiled layers are timed on CUDA only (on a CPU the products bound a step: 6% in float32)"
+        return not_cuda
     try:
-        import triton  # noqa: F401 - inductor's GPU code generator
+        importlib.import_module(module)
     except ImportError as exc:
-        return f"torch.compile needs triton on a GPU ({exc})"
+        return f"{missing} ({exc})"
     return ""
 
 
