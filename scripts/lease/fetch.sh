@@ -18,4 +18,4 @@ cp "$ROOT/$RUN/train_config.json" "$OUT/$RUN.train_config.json"; cp "$ROOT/$RUN/
 tail -c 100000 "$ROOT/$RUN.log" > "$OUT/$RUN.stderr.log"
 [ -f "$ROOT/$RUN/profile.txt" ] && cp "$ROOT/$RUN/profile.txt" "$OUT/$RUN.profile.txt"  # the 8th file at most
 ls -l "$OUT"; grep eval_tau "$ROOT/$RUN/log.jsonl" | cut -c1-100
-grep -a "^\[dflash\]" "$ROOT/$RUN.log" | head -8 | cut -c1-200 || true  # the run's choices (per pass, attention) and pace
+grep -a "^\[dflash\]" "$ROOT/$RUN.log" | head -12 | cut -c1-240 || true  # the run's choices (per pass, attention) and pace
