@@ -162,15 +162,19 @@ def test_compiled_passes_pad_to_one_shape_and_auto_times_it_on_a_gpu(target, mon
     assert auto.attention_choices() == ["blocks", "flex", "compiled"]
 
 
-def test_compiled_layers_train_as_blocks_does(target):
-    """A pass with the drafter's layers compiled (inductor on this CPU) gives the loss and every gradient of the
-    eager layers, on two sequences of different lengths; a second pass with another context length reuses the
-    compile (the length is dynamic) and agrees too."""
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_layers_train_as_blocks_does(device):
+    """A pass with the drafter's layers compiled (inductor: C++ on a CPU, triton on a GPU) gives the loss and every
+    gradient of the eager layers, on two sequences of different lengths; a second pass with another context length
+    reuses the compile (the length is dynamic) and agrees too."""
     import torch._dynamo.utils
+
+    target = tiny_target("llama", logit_scale=4.0)
+    target.model.to(device)
 
     def pass_of(attention, lengths, seed):
         torch.manual_seed(0)
-        drafter = tiny_drafter(target, num_layers=2, block_size=4, seed=1)
+        drafter = tiny_drafter(target, num_layers=2, block_size=4, seed=1).to(device)
         objective = DFlashObjective(drafter, target, anchors_per_seq=6, attention=attention)
         records = counting_records(2, seed=seed)
         sequences = [torch.tensor(r["input_ids"][:n]) for r, n in zip(records, lengths)]
