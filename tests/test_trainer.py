@@ -189,6 +189,24 @@ def test_cross_entropy_over_bfloat16_products_keeps_float32_statistics(scale):
     torch.testing.assert_close(hidden.grad.double(), reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
 
 
+def test_compiled_loss_terms_equal_the_eager_ones():
+    """The `compiled` kernel's loss chunk (torch.compile of hard_label_terms, dynamic shapes) gives the eager loss,
+    argmax and logits' gradient, for float32 and bfloat16 logits and chunks of different sizes."""
+    from dflash.methods.dflash.objective import compiled_terms, hard_label_terms
+
+    torch.manual_seed(0)
+    for rows, vocab, dtype in ((37, 50, torch.float32), (61, 72, torch.float32), (45, 64, torch.bfloat16)):
+        logits = (torch.randn(rows, vocab) * 5).to(dtype)
+        logits[:, -3:] = float("-inf")  # padding columns, as LinearCrossEntropy sets them
+        labels, weights = torch.randint(0, vocab - 3, (rows,)), torch.rand(rows)
+        eager = hard_label_terms(logits.clone(), labels, weights, weights.sum(), dtype, True)
+        compiled = compiled_terms()(logits.clone(), labels, weights, weights.sum(), dtype, True)
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(compiled[1], eager[1])
+        torch.testing.assert_close(compiled[2].float(), eager[2].float(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                   atol=1e-3 if dtype != torch.float32 else 1e-7)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_block_sparse_attention_equals_dense_mask(kv_heads):
     """The sparse training attention is SDPA under the dense block mask, in the output and in every gradient."""

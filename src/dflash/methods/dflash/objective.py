@@ -128,28 +128,41 @@ class BlockResult:
     weight_sum: torch.Tensor  # the normaliser of `loss` (to pool losses over sequences exactly)
 
 
-def hard_label_chunk(logits, labels, predictions, weights, weight_sum, grad, rows, head_weight,
-                     need_grad: bool) -> torch.Tensor:
-    """One chunk of LinearCrossEntropy against hard labels: sum_i w_i * CE(logits_i, label_i), and the rows'
-    gradient (softmax - onehot) * w / weight_sum @ head written into grad[rows].
+def hard_label_terms(logits, labels, weights, weight_sum, out_dtype: torch.dtype, need_grad: bool):
+    """One chunk of LinearCrossEntropy against hard labels: (sum_i w_i * CE(logits_i, label_i), the argmax of each
+    row, and the gradient w.r.t. the logits (softmax - onehot) * w / weight_sum in `out_dtype`, or None).
 
     In as few passes over the [rows, vocab] logits as torch's operations allow (on a GPU the chunk is a whole
     sequence's rows, ~0.5 GB in float32, and each pass is memory traffic): one softmax in float32 straight from the
     products' dtype (no float32 copy of the logits, no logsumexp's temporaries), the probabilities' own row of the
     label and of the argmax for the loss, and one pass that scales them and writes the products' dtype. The
-    log-normaliser is logit(argmax) - log p(argmax): p(argmax) >= 1/vocab, so its log loses nothing."""
+    log-normaliser is logit(argmax) - log p(argmax): p(argmax) >= 1/vocab, so its log loses nothing.
+    `compiled_terms` is this function compiled (the `compiled` training kernel), which fuses the passes further."""
     stats = torch.promote_types(logits.dtype, torch.float32)
+    predictions = logits.argmax(-1)
     probs = torch.softmax(logits, -1, dtype=stats)
     top = predictions[:, None]
     log_norm = logits.gather(1, top)[:, 0].to(stats) - probs.gather(1, top)[:, 0].log()
     picked = logits.gather(1, labels[:, None])[:, 0].to(stats)
-    loss = ((log_norm - picked) * weights).sum()
-    if need_grad:
-        probs.scatter_add_(1, labels[:, None], probs.new_full((probs.shape[0], 1), -1.0))  # minus the one-hot
-        scaled = torch.empty(probs.shape, dtype=head_weight.dtype, device=probs.device)
-        torch.mul(probs, (weights / weight_sum)[:, None].to(stats), out=scaled)
-        grad[rows] = (scaled @ head_weight).to(grad.dtype)
-    return loss.float()
+    loss = ((log_norm - picked) * weights).sum().float()
+    if not need_grad:
+        return loss, predictions, None
+    probs.scatter_add_(1, labels[:, None], probs.new_full((probs.shape[0], 1), -1.0))  # minus the one-hot
+    scaled = torch.empty(probs.shape, dtype=out_dtype, device=probs.device)
+    torch.mul(probs, (weights / weight_sum)[:, None].to(stats), out=scaled)
+    return loss, predictions, scaled
+
+
+_compiled_terms = None
+
+
+def compiled_terms():
+    """`hard_label_terms` through torch.compile, once per process; rows and vocabulary change every sequence, so
+    its shapes are dynamic from the start."""
+    global _compiled_terms
+    if _compiled_terms is None:
+        _compiled_terms = torch.compile(hard_label_terms, dynamic=True)
+    return _compiled_terms
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -167,7 +180,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, teacher_logits=None, teacher_rows=None,
-                teacher_columns=None, chunk_rows: int = CPU_CHUNK_ROWS):
+                teacher_columns=None, chunk_rows: int = CPU_CHUNK_ROWS, compiled: bool = False):
         values = hidden.detach()
         weight_sum = weights.sum().clamp_min(1e-12)
         need_grad = hidden.requires_grad
@@ -182,11 +195,15 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = values[rows].to(head_weight.dtype) @ head_weight.t()
             if logits.shape[1] > columns:
                 logits[:, columns:] = float("-inf")  # the padding's: probability 0, never the argmax
-            predictions[rows] = logits.argmax(-1)
             if teacher_logits is None:
-                loss += hard_label_chunk(logits, labels[rows], predictions[rows], weights[rows], weight_sum,
-                                         grad, rows, head_weight, need_grad)
+                terms = compiled_terms() if compiled else hard_label_terms
+                chunk_loss, predictions[rows], scaled = terms(logits, labels[rows], weights[rows], weight_sum,
+                                                              head_weight.dtype, need_grad)
+                loss += chunk_loss
+                if need_grad:
+                    grad[rows] = (scaled @ head_weight).to(grad.dtype)
                 continue
+            predictions[rows] = logits.argmax(-1)
             logits = logits.float()
             log_norm = logits.logsumexp(-1)
             # KL(p || q) = sum p log p - sum p * logits + log_norm
@@ -209,7 +226,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_predictions):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None
 
 
 def chunk_rows_for(device: torch.device, vocab: int) -> int:
@@ -223,12 +240,14 @@ def chunk_rows_for(device: torch.device, vocab: int) -> int:
 
 
 def linear_cross_entropy(hidden, head_weight, labels, weights, teacher_logits=None, teacher_rows=None,
-                         teacher_columns=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         teacher_columns=None, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted mean loss, argmax predictions) of the logits hidden @ head_weight.T; see LinearCrossEntropy.
     hidden [N, D], head_weight [V, D] (frozen), labels [N], weights [N]; teacher_logits [S, V'] and teacher_rows [N]
-    for self-distillation, with teacher_columns [V] when the head holds only some of the teacher's columns."""
+    for self-distillation, with teacher_columns [V] when the head holds only some of the teacher's columns.
+    `compiled`: hard labels' chunks through `compiled_terms`."""
     return LinearCrossEntropy.apply(hidden, head_weight.detach(), labels, weights.to(torch.float32), teacher_logits,
-                                    teacher_rows, teacher_columns, chunk_rows_for(hidden.device, head_weight.shape[0]))
+                                    teacher_rows, teacher_columns, chunk_rows_for(hidden.device, head_weight.shape[0]),
+                                    compiled)
 
 
 def on_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -240,7 +259,7 @@ def on_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: torch.Tensor,
                teacher_logits: torch.Tensor | None = None, teacher_rows: torch.Tensor | None = None,
-               vocab: torch.Tensor | None = None) -> BlockResult:
+               vocab: torch.Tensor | None = None, compiled: bool = False) -> BlockResult:
     """Loss and accuracy of drafter hidden states [nblocks, B, D] against `labels` [nblocks, B] (or, with the
     sequence's `teacher_logits` [S, V] and `teacher_rows` [nblocks, B], the row of each block position's
     distribution, against the target's own distributions).
@@ -252,6 +271,7 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: tor
     `labels`, `teacher_rows` and `vocab` may live on the host while `hidden` is on a GPU (training builds them
     there): which rows have labels is then worked out on the host, so the step never waits on the GPU for it
     (a boolean index on the GPU would: its size is only known once the GPU has computed the mask).
+    `compiled`: the loss's chunks through torch.compile (the `compiled` training kernel).
     """
     device = hidden.device
     valid = labels != IGNORE
@@ -272,7 +292,8 @@ def block_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head, weights: tor
     rows = on_device(rows, device)
     loss, predictions = linear_cross_entropy(hidden.flatten(0, 1).index_select(0, rows), head,
                                              on_device(loss_labels, device), on_device(loss_weights, device),
-                                             teacher_logits, teacher, vocab if teacher_logits is not None else None)
+                                             teacher_logits, teacher, vocab if teacher_logits is not None else None,
+                                             compiled)
     if vocab is not None:
         predictions = vocab[predictions]
     hits = predictions == on_device(valid_labels, device)
@@ -449,7 +470,7 @@ class DFlashObjective:
             results.append(block_loss(hidden[row, : used * self.block_size].view(used, self.block_size, -1),
                                       batch.labels, self.target.lm_head, self.weights,
                                       logits[row] if logits is not None else None, rows,
-                                      self.vocab_for(seq, loss_start)))
+                                      self.vocab_for(seq, loss_start), compiled=kernel == "compiled"))
         return results
 
     def usable(self, example) -> bool:
