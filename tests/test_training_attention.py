@@ -157,6 +157,11 @@ def test_compiled_passes_pad_to_one_shape_and_auto_times_it_on_a_gpu(target, mon
         assert objective.pass_kernel(3, 10) == ("blocks", 10)
     auto = DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="auto")
     assert auto.attention_choices() == ["blocks"]
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(attention.shutil, "which", lambda name: None)  # a CPU without a C++ compiler
+    with pytest.raises(UserError, match="--attention compiled: torch.compile needs a C\\+\\+ compiler"):
+        DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="compiled")
+    monkeypatch.undo()
     monkeypatch.setattr(objective_module, "flex_unavailable", lambda device: "")
     monkeypatch.setattr(objective_module, "compiled_unavailable", lambda device: "")
     assert auto.attention_choices() == ["blocks", "flex", "compiled"]

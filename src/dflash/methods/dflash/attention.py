@@ -20,6 +20,8 @@ another block. Two kernels compute it, with the same result:
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -183,6 +185,16 @@ def compiled_unavailable(device: torch.device) -> str:
     """Why `compiled` is not among the kernels `auto` times on `device` ("" where it is)."""
     return cuda_with(device, "triton", "torch.compile needs triton (inductor's GPU code generator) on a GPU",
                      "the compiled layers are timed on CUDA only (on a CPU the products bound a step: 6% in float32)")
+
+
+def compiled_cannot_run(device: torch.device) -> str:
+    """Why `--attention compiled` cannot run on `device` at all ("" where it can): inductor builds C++ on a CPU and
+    triton kernels on a GPU."""
+    if torch.device(device).type == "cuda":
+        return compiled_unavailable(device)
+    if not any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name):
+        return "torch.compile needs a C++ compiler on a CPU (g++, clang++ or $CXX); none was found"
+    return ""
 
 
 def cuda_with(device: torch.device, module: str, missing: str, not_cuda: str) -> str:

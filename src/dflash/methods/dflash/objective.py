@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UserError
-from .attention import KERNELS, BlockLayout, compiled_unavailable, flex_unavailable
+from .attention import KERNELS, BlockLayout, compiled_cannot_run, compiled_unavailable, flex_unavailable
 from .drafter import DFlashConfig, DFlashDrafter, check_kv_heads, default_mask_token_id, repeat_kv_rows
 
 IGNORE = -100
@@ -344,6 +344,8 @@ class DFlashObjective:
         times `attention_choices` at its first step."""
         if attention == "flex" and flex_unavailable(target.device):
             raise UserError(f"--attention {attention}: {flex_unavailable(target.device)}")
+        if attention == "compiled" and compiled_cannot_run(target.device):
+            raise UserError(f"--attention {attention}: {compiled_cannot_run(target.device)}")
         self.attention_setting = attention
         self.attention = "blocks" if attention == "auto" else attention
         self.fixed_batch: int | None = None  # the sequences per pass flex or compiled compiled for (`pass_kernel`)
