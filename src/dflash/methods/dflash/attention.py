@@ -19,6 +19,7 @@ another block. Two kernels compute it, with the same result:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import shutil
@@ -45,6 +46,7 @@ class BlockLayout:
     kernel: str = "blocks"  # one of KERNELS; flex and compiled run only where gradients are taken (else blocks)
     capacity: int = 0  # flex: context positions padded to this many (fixed shapes compile once); 0: S, rounded
     flex_mask: object = field(default=None, init=False, repr=False, compare=False)  # built once, for every layer
+    hidden: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # `hidden_context`
 
 
 def block_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
@@ -65,7 +67,18 @@ def block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.
     device_type = q.device.type
     dtype = torch.get_autocast_dtype(device_type) if autocasting(device_type) else q.dtype
     with autocast_off(device_type):
-        return BlockSparseAttention.apply(q, ctx_k, ctx_v, k, v, layout.anchors, layout.block_size, dtype)
+        return BlockSparseAttention.apply(q, ctx_k, ctx_v, k, v, hidden_context(layout, ctx_k.shape[2]),
+                                          layout.block_size, dtype)
+
+
+def hidden_context(layout: BlockLayout, context: int) -> torch.Tensor:
+    """The context scores each query may not see (positions from its block's anchor on), bool [N, S] or
+    [b, 1, 1, N, S]; made once a pass, for every layer, as the flex mask is."""
+    if layout.hidden is None or layout.hidden.shape[-1] != context:
+        per_query = layout.anchors.repeat_interleave(layout.block_size, dim=-1)
+        hidden = torch.arange(context, device=per_query.device) >= per_query[..., None]
+        layout.hidden = hidden[:, None, None] if hidden.dim() == 3 else hidden
+    return layout.hidden
 
 
 class BlockSparseAttention(torch.autograd.Function):
@@ -78,7 +91,7 @@ class BlockSparseAttention(torch.autograd.Function):
     group's queries are rows of one product (no keys repeated per head)."""
 
     @staticmethod
-    def forward(ctx, q, ctx_k, ctx_v, k, v, anchors, block_size: int, dtype: torch.dtype):
+    def forward(ctx, q, ctx_k, ctx_v, k, v, hidden, block_size: int, dtype: torch.dtype):
         b, heads, n, d = q.shape
         kv_heads, s = ctx_k.shape[1], ctx_k.shape[2]
         group, nblocks = heads // kv_heads, n // block_size
@@ -88,9 +101,8 @@ class BlockSparseAttention(torch.autograd.Function):
         scores = qs.new_empty(b * kv_heads, group * n, s + block_size)
         torch.bmm(qs, ctx_k.transpose(1, 2), out=scores[..., :s])
         scores[..., s:] = own_products(qs, k, group, nblocks, block_size)
-        hidden = torch.arange(s, device=q.device) >= anchors.repeat_interleave(block_size, dim=-1)[..., None]
         scores5 = scores.view(b, kv_heads, group, n, s + block_size)
-        scores5[..., :s].masked_fill_(hidden[:, None, None] if hidden.dim() == 3 else hidden, float("-inf"))
+        scores5[..., :s].masked_fill_(hidden, float("-inf"))
         probs = scores.softmax(-1)  # in the scores' dtype; the kernels sum in float32
         del scores, scores5
         out = torch.bmm(probs[..., :s], ctx_v)
@@ -125,17 +137,13 @@ class BlockSparseAttention(torch.autograd.Function):
 def opaque_block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
     """`block_sparse_attention`, which torch.compile calls as it is instead of tracing (its products write into
     slices of one buffer, and its backward pass is already what a compiler would make of it)."""
-    return _opaque()(q, ctx_k, ctx_v, k, v, layout)
+    return opaque_attention()(q, ctx_k, ctx_v, k, v, layout)
 
 
-_opaque_attention = None
-
-
-def _opaque():
-    global _opaque_attention
-    if _opaque_attention is None:
-        _opaque_attention = torch.compiler.disable(block_sparse_attention)
-    return _opaque_attention
+@functools.cache
+def opaque_attention():
+    """Made on first use: torch.compiler.disable imports the compiler."""
+    return torch.compiler.disable(block_sparse_attention)
 
 
 def own_products(rows, keys, group: int, nblocks: int, size: int) -> torch.Tensor:

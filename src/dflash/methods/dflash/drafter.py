@@ -17,6 +17,7 @@ Drafting then scores only those rows of the LM head, on a CPU most of a drafting
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -181,19 +182,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-_compiled_layer_forward = None
+@functools.cache
+def compiled_layer_forward():
+    return torch.compile(DecoderLayer.forward)
 
 
 def compiled_layer(layer: DecoderLayer, x, rope_block, ctx_k, ctx_v, layout: BlockLayout) -> torch.Tensor:
     """`layer(x, ...)` for a training pass, through torch.compile (the `compiled` training kernel,
     methods/dflash/attention.py): the norms, projections, RoPE and SwiGLU around the attention, which stays eager.
     The context's length changes every pass, so it is marked dynamic: one compile a layer serves every step."""
-    global _compiled_layer_forward
-    if _compiled_layer_forward is None:
-        _compiled_layer_forward = torch.compile(DecoderLayer.forward)
     for t in (ctx_k, ctx_v):
         torch._dynamo.mark_dynamic(t, 2)
-    return _compiled_layer_forward(layer, x, rope_block, ctx_k, ctx_v, layout)
+    return compiled_layer_forward()(layer, x, rope_block, ctx_k, ctx_v, layout)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"

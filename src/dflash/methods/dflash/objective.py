@@ -11,6 +11,7 @@ bonus token's features do not exist yet) and its own block bidirectionally, neve
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,16 +154,11 @@ def hard_label_terms(logits, labels, weights, weight_sum, out_dtype: torch.dtype
     return loss, predictions, scaled
 
 
-_compiled_terms = None
-
-
+@functools.cache
 def compiled_terms():
     """`hard_label_terms` through torch.compile, once per process; rows and vocabulary change every sequence, so
     its shapes are dynamic from the start."""
-    global _compiled_terms
-    if _compiled_terms is None:
-        _compiled_terms = torch.compile(hard_label_terms, dynamic=True)
-    return _compiled_terms
+    return torch.compile(hard_label_terms, dynamic=True)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
