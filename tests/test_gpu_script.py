@@ -74,15 +74,19 @@ def test_the_lease_profile_script_prints_where_the_time_went(tmp_path):
     assert "Self CPU time total" in profile and "aten::" in profile and "| ngram |" in profile
 
 
-def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_path):
+def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_path):
     """scripts/lease/train.sh, the lease's one training call (launch.sh, then fetch.sh in the same call), at tiny
-    scale on the CPU: the run sizes itself to its window (`--minutes`), ends inside it, and its final drafter comes
-    back in parts that join into the file it saved."""
+    scale on the CPU with two runs side by side (RUNS, the second with its own flags: an A/B at equal time): each
+    sizes itself to the window (`--minutes`), ends inside it, and comes back as one tar in parts that join into the
+    files it saved."""
+    import tarfile
+
     data = tmp_path / "data"
     data.mkdir()
     (data / "mine.jsonl").write_text(
         "".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 2} w{i + 5}"}) + "\n" for i in range(12)))
-    env = dict(os.environ, DFLASH_DATA_DIR=str(data))
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}  # train.sh shares cores
+    env.update(DFLASH_DATA_DIR=str(data))
     for command in (["data", "--target", "tiny-llama", "--device", "cpu", "--input", "mine.jsonl", "--max-new-tokens",
                      "8", "--batch-size", "6", "--out", str(tmp_path / "regenerated")],
                     ["data", "--out", str(tmp_path / "regenerated"), "--pack", str(tmp_path / "corpus")]):
@@ -92,27 +96,35 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafter_back(tmp_p
     root, out = tmp_path / "root", tmp_path / "out"
     env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu", DTYPE="float32",
                TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1",
-               WINDOW="40", ROOT=str(root), OUT=str(out))
+               WINDOW="40", ROOT=str(root), OUT=str(out), RUNS="ce kl", FLAGS_kl="--loss kl")
     started = time.time()
     done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
                           text=True, timeout=300, cwd=SCRIPT.parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"launching a run of 0\.6\d* minutes", done.stdout)  # the 40 s less the launch's few
+    assert re.search(r"launching a run of 0\.6\d* minutes \(seed 7\) into .*/ce\n", done.stdout)  # 40 s less a few
+    assert re.search(r"launching a run of 0\.6\d* minutes \(seed 7, flags: --loss kl\) into .*/kl\n", done.stdout)
     assert "no final drafter yet" not in done.stdout and time.time() - started < 40 + 25
-    sized = re.search(r"steps/s: the schedule ends at step (\d+)", (out / "run.stderr.log").read_text())
-    steps = int(sized.group(1))
-    parts = sorted(out.glob("run.model.part*"))
-    saved = (root / "run" / "final" / "model.safetensors").read_bytes()
-    assert parts and b"".join(p.read_bytes() for p in parts) == saved
-    for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl", "profile.txt"):
-        assert (out / f"run.{name}").is_file(), name
     assert len(list(out.iterdir())) <= 8  # what $OUT can bring back
-    config = json.loads((out / "run.train_config.json").read_text())
-    assert config["max_steps"] == config["schedule_steps"] == steps > 48 and config["init"] == "random"
-    assert config["seed"] == 7  # from scratch (INIT=""): no warm start's seed to follow
-    last = json.loads((out / "run.log.jsonl").read_text().splitlines()[-1])["step"]  # the last evaluation's
-    # on schedule, or stopped early because this shared CPU slowed down after the pace was timed (keep_time)
-    assert last == steps or 48 < last < steps and "out of time" in (out / "run.stderr.log").read_text()
+    for run, loss in (("ce", "ce"), ("kl", "kl")):
+        parts = sorted(out.glob(f"{run}.tar.part*"))
+        assert parts, run
+        (tmp_path / "joined.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+        folder = tmp_path / f"back-{run}"
+        with tarfile.open(tmp_path / "joined.tar") as tar:
+            tar.extractall(folder, filter="data")
+        saved = (root / run / "final" / "model.safetensors").read_bytes()
+        assert (folder / "model.safetensors").read_bytes() == saved
+        for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl", "profile.txt",
+                     "stderr.log"):
+            assert (folder / name).is_file(), (run, name)
+        sized = re.search(r"steps/s: the schedule ends at step (\d+)", (folder / "stderr.log").read_text())
+        steps = int(sized.group(1))
+        config = json.loads((folder / "train_config.json").read_text())
+        assert config["max_steps"] == config["schedule_steps"] == steps > 48 and config["init"] == "random"
+        assert config["seed"] == 7 and config["loss"] == loss  # from scratch (INIT=""): no warm start's seed
+        last = json.loads((folder / "log.jsonl").read_text().splitlines()[-1])["step"]  # the last evaluation's
+        # on schedule, or stopped early because this shared CPU slowed down after the pace was timed (keep_time)
+        assert last == steps or 48 < last < steps and "out of time" in (folder / "stderr.log").read_text()
 
 
 def test_the_lease_training_call_stops_waiting_when_its_run_dies(tmp_path):

@@ -4,8 +4,8 @@
 # METHOD=eagle3 trains the shipped EAGLE-3 head instead (RUN=eagle beside a DFlash run: both in one lease, the same
 # minutes of the same GPU). NPROC=3 runs 3 training processes on the one GPU (distributed.py: they share it; one
 # process left an H100 47% busy). Each DFlash run times its first step at one sequence per pass and at all of a
-# step's (the log says which won); SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to both runs,
-# e.g. FLAGS="--anchors decoded".
+# step's (the log says which won); SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to the run,
+# e.g. FLAGS="--anchors decoded" (train.sh launches each of its RUNS with FLAGS and its own FLAGS_<name>).
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 ROOT=/tmp/x DEADLINE=$(($(date +%s)+60))
 # TARGET, DATA (a packed corpus) and INIT (empty: from scratch) default to SmolLM2, its committed corpus and its
 # shipped drafter (tests/test_gpu_script.py runs train.sh through here on a tiny target and corpus).
@@ -37,7 +37,7 @@ COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-fr
 # --minutes`), so its schedule anneals inside the lease whatever the GPU's pace (until the thirty-ninth session a
 # smoke run or a RATE from an earlier lease sized it from here; stage 15 ended ~100 s early that way)
 minutes=$(python3 -c "import time; print(round(($DEADLINE - time.time() - 3) / 60, 3))")
-echo "launching a run of $minutes minutes (seed $SEED) into $ROOT/$RUN"
+echo "launching a run of $minutes minutes (seed $SEED${FLAGS:+, flags: $FLAGS}) into $ROOT/$RUN"
 setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --minutes "$minutes" \
   --log-every 20 --eval-every 500 --save-every 100000 --save-minutes 3 > "$ROOT/$RUN.log" 2>&1 < /dev/null &
 echo $! > "$ROOT/$RUN.pid"  # fetch.sh stops waiting when it is gone

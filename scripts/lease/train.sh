@@ -1,14 +1,29 @@
-# One call that trains and brings the drafter back (carry the last GGUF part, or call after the call that did):
+# One call that trains and brings the drafters back (carry the last GGUF part, or call after the call that did):
 # launch.sh, then fetch.sh in the SAME call. The machine goes back after 30 s without a call, and a gap that long
 # between polls (a slow reply on this side is enough) loses a run and everything it learned: the thirty-fourth
-# session lost ~960 steps that way. WINDOW: seconds from now by which the run must have ended (the call's timeout_s
-# must be at least WINDOW + 40, and 600 at most); the run sizes itself to it (`dflash train --minutes`); the other
+# session lost ~960 steps that way. WINDOW: seconds from now by which the runs must have ended (the call's timeout_s
+# must be at least WINDOW + 40, and 600 at most); each run sizes itself to it (`dflash train --minutes`); the other
 # variables are launch.sh's.
+# RUNS: the runs' names, side by side on the one GPU (default: one, `run`); FLAGS_<name> adds flags to that run only.
+# An A/B at equal GPU time: RUNS="ce kl" FLAGS_kl="--loss kl" (both from the same warm start, seed and corpus order).
+# Each comes back as $OUT/<name>.tar.partNN (fetch.sh), two files a run: four runs at most.
 # CPU check at tiny scale: PATH=$PWD/.venv/bin:$PATH DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 \
 #   WINDOW=40 ROOT=/tmp/x OUT=/tmp/out bash scripts/lease/train.sh
 set -uo pipefail
 : "${OUT:?OUT (the folder that comes back) is required}"
-WINDOW=${WINDOW:-520}
+WINDOW=${WINDOW:-520}; RUNS=${RUNS:-run}; runs=$(echo $RUNS | wc -w)
+[ "$runs" -le 4 ] || { echo "RUNS: four runs at most (\$OUT brings back 8 files, two a run)"; exit 2; }
 export DEADLINE=$(( $(date +%s) + WINDOW ))
-bash scripts/lease/launch.sh || exit $?
-GIVEUP=$(( DEADLINE + 25 )) OUT="$OUT" bash scripts/lease/fetch.sh
+# side by side, each run's torch takes its share of the cores: a process's idle threads spin for a while after each
+# parallel operation, and on cores the other run's host work needs (both steps are partly bound by their host)
+[ "$runs" -gt 1 ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / runs > 0 ? $(nproc) / runs : 1 ))}
+for run in $RUNS; do
+  [[ "$run" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || { echo "RUNS: '$run' is not a name (letters, digits, _)"; exit 2; }
+  extra="FLAGS_$run"
+  RUN=$run FLAGS="$(echo ${FLAGS:-} ${!extra:-})" bash scripts/lease/launch.sh || exit $?
+done
+failed=0
+for run in $RUNS; do
+  RUN=$run GIVEUP=$(( DEADLINE + 25 )) OUT="$OUT" bash scripts/lease/fetch.sh || failed=1
+done
+exit $failed
