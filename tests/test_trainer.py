@@ -207,6 +207,30 @@ def test_compiled_loss_terms_equal_the_eager_ones():
                                    atol=1e-3 if dtype != torch.float32 else 1e-7)
 
 
+
+def test_compiled_soft_label_terms_equal_the_eager_ones():
+    """Self-distillation's chunk through torch.compile (the `compiled` kernel with --loss kl) gives the eager loss,
+    argmax and logits' gradient; and the eager one is KL(teacher || drafter) with its exact gradient."""
+    from dflash.methods.dflash.objective import compiled_terms, soft_label_terms
+
+    torch.manual_seed(1)
+    for rows, vocab, dtype in ((37, 50, torch.float32), (61, 72, torch.float32), (45, 64, torch.bfloat16)):
+        logits, teacher = (torch.randn(rows, vocab) * 5).to(dtype), (torch.randn(rows, vocab) * 3).to(dtype)
+        weights = torch.rand(rows)
+        eager = soft_label_terms(logits.clone(), teacher, weights, weights.sum(), dtype, True)
+        compiled = compiled_terms(soft=True)(logits.clone(), teacher, weights, weights.sum(), dtype, True)
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(compiled[1], eager[1])
+        torch.testing.assert_close(compiled[2].float(), eager[2].float(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                   atol=1e-3 if dtype != torch.float32 else 1e-7)
+        exact = logits.double().requires_grad_(True)
+        teacher_log = teacher.double().log_softmax(-1)
+        kl = ((teacher_log.exp() * (teacher_log - exact.log_softmax(-1))).sum(-1) * weights.double()).sum()
+        kl.backward()
+        torch.testing.assert_close(eager[0].double(), kl.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eager[2].double(), exact.grad / weights.sum().double(),
+                                   rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3 if dtype != torch.float32 else 1e-7)
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 def test_block_sparse_attention_equals_dense_mask(kv_heads):
     """The sparse training attention is SDPA under the dense block mask, in the output and in every gradient."""

@@ -154,11 +154,30 @@ def hard_label_terms(logits, labels, weights, weight_sum, out_dtype: torch.dtype
     return loss, predictions, scaled
 
 
+def soft_label_terms(logits, teacher_logits, weights, weight_sum, out_dtype: torch.dtype, need_grad: bool):
+    """One chunk of LinearCrossEntropy against the target's own distributions (self-distillation): (sum_i w_i *
+    KL(softmax(teacher_logits_i) || softmax(logits_i)), the argmax of each row, and the gradient w.r.t. the logits
+    (softmax(logits) - softmax(teacher)) * w / weight_sum in `out_dtype`, or None). Both log-softmaxes are taken in
+    float32 straight from the products' dtype (no float32 copies); the gradient reuses the drafter's."""
+    stats = torch.promote_types(logits.dtype, torch.float32)
+    predictions = logits.argmax(-1)
+    log_probs = torch.log_softmax(logits, -1, dtype=stats)
+    teacher_log = torch.log_softmax(teacher_logits, -1, dtype=stats)
+    teacher = teacher_log.exp()
+    loss = ((teacher * (teacher_log - log_probs)).sum(-1) * weights).sum().float()
+    if not need_grad:
+        return loss, predictions, None
+    difference = log_probs.exp_().sub_(teacher)
+    scaled = torch.empty(difference.shape, dtype=out_dtype, device=difference.device)
+    torch.mul(difference, (weights / weight_sum)[:, None].to(stats), out=scaled)
+    return loss, predictions, scaled
+
+
 @functools.cache
-def compiled_terms():
-    """`hard_label_terms` through torch.compile, once per process; rows and vocabulary change every sequence, so
-    its shapes are dynamic from the start."""
-    return torch.compile(hard_label_terms, dynamic=True)
+def compiled_terms(soft: bool = False):
+    """`hard_label_terms` (or `soft_label_terms`) through torch.compile, once per process; rows and vocabulary
+    change every sequence, so its shapes are dynamic from the start."""
+    return torch.compile(soft_label_terms if soft else hard_label_terms, dynamic=True)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -193,29 +212,16 @@ class LinearCrossEntropy(torch.autograd.Function):
                 logits[:, columns:] = float("-inf")  # the padding's: probability 0, never the argmax
             if teacher_logits is None:
                 terms = compiled_terms() if compiled else hard_label_terms
-                chunk_loss, predictions[rows], scaled = terms(logits, labels[rows], weights[rows], weight_sum,
-                                                              head_weight.dtype, need_grad)
-                loss += chunk_loss
-                if need_grad:
-                    grad[rows] = (scaled @ head_weight).to(grad.dtype)
-                continue
-            predictions[rows] = logits.argmax(-1)
-            logits = logits.float()
-            log_norm = logits.logsumexp(-1)
-            # KL(p || q) = sum p log p - sum p * logits + log_norm
-            if teacher_columns is None:
-                teacher_rows_here = teacher_logits[teacher_rows[rows]]
-            else:  # one gather of the columns wanted, not the whole vocabulary's rows first (1.5 GB a GPU chunk)
-                teacher_rows_here = teacher_logits[teacher_rows[rows][:, None], teacher_columns[None, :]]
-            teacher_log = teacher_rows_here.float().log_softmax(-1)
-            teacher = teacher_log.exp()
-            row_loss = log_norm - (teacher * logits).sum(-1) + (teacher * teacher_log).sum(-1)
-            loss += (row_loss * weights[rows]).sum()
+                targets = labels[rows]
+            else:  # the teacher's rows, only the head's columns where it holds a vocabulary's (one gather)
+                terms = compiled_terms(soft=True) if compiled else soft_label_terms
+                targets = (teacher_logits[teacher_rows[rows]] if teacher_columns is None
+                           else teacher_logits[teacher_rows[rows][:, None], teacher_columns[None, :]])
+            chunk_loss, predictions[rows], scaled = terms(logits, targets, weights[rows], weight_sum,
+                                                          head_weight.dtype, need_grad)
+            loss += chunk_loss
             if need_grad:
-                probs = logits.sub_(log_norm[:, None]).exp_()
-                probs.sub_(teacher)
-                probs.mul_((weights[rows] / weight_sum)[:, None])
-                grad[rows] = (probs.to(head_weight.dtype) @ head_weight).to(grad.dtype)
+                grad[rows] = (scaled @ head_weight).to(grad.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(predictions)
         return loss / weight_sum, predictions
