@@ -1,14 +1,15 @@
 """The bytes one DFlash training step's operations read and write, at the paper's recipe's shapes on SmolLM2-135M.
 
 Usage: .venv/bin/python scripts/step_traffic.py [--sequences 8] [--anchors 512] [--dtype bfloat16] [--top 25]
-                                                [--json FILE]
+                                                [--loss ce|kl] [--json FILE]
 
 On a GPU the drafter's step is bound by memory traffic, not arithmetic: stage 16's H100 profile (124 ms of device time
 a step) was mostly elementwise kernels, copies and the attention's [heads, blocks x 16, context] scores, whose
 products take a few ms. A CPU cannot time that, but it can count it: the drafter pass, the loss and the backward
 pass run here on the meta device (shapes, no values, no memory), every operation is logged with the bytes of its
 tensors, and the total is the traffic a GPU step moves at the least. The target's pass is not in it (a bfloat16
-forward of SmolLM2 over the step's sequences, ~1 GB of weights and activations).
+forward of SmolLM2 over the step's sequences, ~1 GB of weights and activations; with `--loss kl` also its LM head at
+every position, whose logits the loss reads as the teacher's).
 
 `--dtype bfloat16` stands in for autocast (the meta device has none): the drafter's weights and the target's
 features are bfloat16, while the operations that widen to float32 (norms, RoPE, softmax statistics) do so as they
@@ -82,10 +83,10 @@ class TrafficLog(TorchDispatchMode):
         return out
 
 
-def recipe_step(sequences: int, anchors: int, dtype: torch.dtype, seed: int = 0) -> TrafficLog:
+def recipe_step(sequences: int, anchors: int, dtype: torch.dtype, seed: int = 0, distill: bool = False) -> TrafficLog:
     """The drafter pass, loss and backward of one step of `sequences` corpus-like sequences (650-850 tokens, the
     response from 100 on), SmolLM2-135M's shapes, a 2-layer drafter over a 16K-word draft vocabulary, the loss in a
-    GPU's chunks."""
+    GPU's chunks (`distill`: against the target's logits, --loss kl)."""
     config = DFlashConfig(hidden_size=WIDTH, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                           head_dim=64, num_hidden_layers=2, vocab_size=VOCAB, block_size=16,
                           num_target_layers=30, target_layer_ids=default_target_layer_ids(30, FEATURES),
@@ -98,17 +99,18 @@ def recipe_step(sequences: int, anchors: int, dtype: torch.dtype, seed: int = 0)
         embed_tokens=torch.nn.Embedding(VOCAB, WIDTH, device="meta", dtype=dtype))
     rule = objective_module.chunk_rows_for
     objective_module.chunk_rows_for = lambda device, vocab: rule(torch.device("cuda"), vocab)
-    objective = DFlashObjective(drafter, target, anchors_per_seq=anchors)
+    objective = DFlashObjective(drafter, target, anchors_per_seq=anchors, distill=distill)
     rng = np.random.default_rng(seed)
     lengths = [int(n) for n in rng.integers(650, 850, size=sequences)]
     ids = [torch.tensor(rng.integers(0, VOCAB - 2, size=n)) for n in lengths]
     anchor_sets = [sample_anchors(n, 100, anchors, np.random.default_rng(i)) for i, n in enumerate(lengths)]
     length = objective.padded(ids).shape[1]  # as a training pass pads its sequences
     features = torch.empty(sequences, length, FEATURES * WIDTH, device="meta", dtype=dtype)
+    logits = torch.empty(sequences, length, VOCAB, device="meta", dtype=dtype) if distill else None
     log = TrafficLog()
     try:
         with log:
-            results = objective.blocks_results(ids, anchor_sets, [100] * sequences, context=(features, None))
+            results = objective.blocks_results(ids, anchor_sets, [100] * sequences, context=(features, logits))
             loss = sum(result.loss for result in results)
             log.phase = "backward"
             loss.backward()
@@ -123,15 +125,16 @@ def main() -> int:
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--loss", default="ce", choices=["ce", "kl"], help="kl: self-distillation (--loss kl)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    log = recipe_step(args.sequences, args.anchors, getattr(torch, args.dtype))
+    log = recipe_step(args.sequences, args.anchors, getattr(torch, args.dtype), distill=args.loss == "kl")
     by_op = collections.defaultdict(lambda: [0, 0])
     for phase, name, moved, _ in log.rows:
         by_op[(phase, name)][0] += 1
         by_op[(phase, name)][1] += moved
     total = sum(moved for *_, moved, _ in log.rows)
-    print(f"{args.sequences} sequences x {args.anchors} anchors, {args.dtype}: {len(log.rows)} operations, "
+    print(f"{args.sequences} sequences x {args.anchors} anchors, {args.dtype}, loss {args.loss}: {len(log.rows)} operations, "
           f"{total / 1e9:.1f} GB")
     for phase in ("forward", "backward"):
         count = sum(1 for row in log.rows if row[0] == phase)
@@ -147,7 +150,7 @@ def main() -> int:
         print(f"{phase:9s} {name:28s} {calls:5d} {moved / 1e9:7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sequences": args.sequences, "anchors": args.anchors, "dtype": args.dtype,
+            json.dump({"sequences": args.sequences, "anchors": args.anchors, "dtype": args.dtype, "loss": args.loss,
                        "operations": len(log.rows), "bytes": total, "misaligned_products": misaligned,
                        "by_op": [{"pass": ph, "op": nm, "calls": c, "bytes": b}
                                  for (ph, nm), (c, b) in sorted(by_op.items(), key=lambda kv: -kv[1][1])]},

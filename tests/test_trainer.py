@@ -392,11 +392,13 @@ class MisalignedProducts(TorchDispatchMode):
         return out
 
 
-def test_a_bfloat16_pass_gives_its_products_aligned_operands(target):
+@pytest.mark.parametrize("distill", [False, True])
+def test_a_bfloat16_pass_gives_its_products_aligned_operands(target, distill):
     """The context is padded to a multiple of 8 positions and the loss's head to a multiple of 8 rows, so on a GPU
     every product of a bfloat16 training pass (drafter, attention, loss, backward) can run on the tensor-core
     kernels: with rows of an odd length (a 29-token sequence, a head of the draft vocabulary plus a prompt's tokens)
-    cuBLAS falls back to older, slower ones. On the meta device, for the shapes alone."""
+    cuBLAS falls back to older, slower ones. Self-distillation's too (its teacher's rows padded alike). On the meta
+    device, for the shapes alone."""
     import types
 
     width, vocab = target.config.hidden_size, target.vocab_size
@@ -407,14 +409,15 @@ def test_a_bfloat16_pass_gives_its_products_aligned_operands(target):
         device=torch.device("meta"), max_context=4096,
         lm_head=torch.nn.Linear(width, vocab, bias=False, device="meta", dtype=torch.bfloat16),
         embed_tokens=torch.nn.Embedding(vocab, width, device="meta", dtype=torch.bfloat16))
-    objective = DFlashObjective(drafter, on_meta, anchors_per_seq=5)
+    objective = DFlashObjective(drafter, on_meta, anchors_per_seq=5, distill=distill)
     sequences = [torch.tensor(record["input_ids"][:length]) for record, length in zip(counting_records(2), (29, 23))]
     anchors = [sample_anchors(len(seq), 4, 5, np.random.default_rng(i)) for i, seq in enumerate(sequences)]
     length = objective.padded(sequences).shape[1]
     assert length == 32
     features = torch.empty(2, length, 2 * width, device="meta", dtype=torch.bfloat16)
+    logits = torch.empty(2, length, vocab, device="meta", dtype=torch.bfloat16) if distill else None
     with MisalignedProducts() as products:
-        results = objective.blocks_results(sequences, anchors, [4, 4], context=(features, None))
+        results = objective.blocks_results(sequences, anchors, [4, 4], context=(features, logits))
         sum(result.loss for result in results).backward()
     assert products.found == []
 

@@ -32,7 +32,8 @@ GPU_CHUNK_FLOATS = 1 << 28  # on a GPU, up to 1 GiB of float32 logits at once: o
 # tensor-core kernels, which cuBLAS then trades for older, slower ones (stage 16's H100 profile: cutlass_75 kernels).
 CONTEXT_MULTIPLE = 8
 # The loss's head (the draft vocabulary plus a sequence's prompt tokens: 16,444-16,458 rows in stage 16's steps) is
-# padded with zero rows to a multiple of this, for the same reason: its logits' rows are products' operands too.
+# padded with zero rows to a multiple of this, for the same reason: its logits' rows are products' operands too
+# (with self-distillation, the teacher's gathered rows are padded alike).
 COLUMN_MULTIPLE = 8
 
 
@@ -202,21 +203,31 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(values) if need_grad else None
         predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        columns = head_weight.shape[0]
-        if teacher_logits is None and columns % COLUMN_MULTIPLE:  # zero rows, whose logits are set to -inf
-            head_weight = F.pad(head_weight, (0, 0, 0, -columns % COLUMN_MULTIPLE))
+        # zero rows, whose logits (and the teacher's there) are set to the dtype's lowest: probability 0, never the
+        # argmax; finite, so that the teacher's 0 x (its log-probability - the drafter's) is 0 there, not 0 x inf
+        columns, padding = head_weight.shape[0], -head_weight.shape[0] % COLUMN_MULTIPLE
+        if padding:
+            head_weight = F.pad(head_weight, (0, 0, 0, padding))
+            if teacher_columns is not None:  # gathers column 0 into the padding, overwritten below
+                teacher_columns = F.pad(teacher_columns, (0, padding))
+        lowest = torch.finfo(head_weight.dtype).min
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = values[rows].to(head_weight.dtype) @ head_weight.t()
-            if logits.shape[1] > columns:
-                logits[:, columns:] = float("-inf")  # the padding's: probability 0, never the argmax
+            if padding:
+                logits[:, columns:] = lowest
             if teacher_logits is None:
                 terms = compiled_terms() if compiled else hard_label_terms
                 targets = labels[rows]
             else:  # the teacher's rows, only the head's columns where it holds a vocabulary's (one gather)
                 terms = compiled_terms(soft=True) if compiled else soft_label_terms
-                targets = (teacher_logits[teacher_rows[rows]] if teacher_columns is None
-                           else teacher_logits[teacher_rows[rows][:, None], teacher_columns[None, :]])
+                if teacher_columns is None:
+                    targets = teacher_logits[teacher_rows[rows]]
+                    targets = F.pad(targets, (0, padding)) if padding else targets
+                else:
+                    targets = teacher_logits[teacher_rows[rows][:, None], teacher_columns[None, :]]
+                if padding:
+                    targets[:, columns:] = torch.finfo(targets.dtype).min
             chunk_loss, predictions[rows], scaled = terms(logits, targets, weights[rows], weight_sum,
                                                           head_weight.dtype, need_grad)
             loss += chunk_loss
