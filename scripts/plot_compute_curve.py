@@ -39,12 +39,14 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(f"{p['core_minutes']} min: {p['tau']:.2f}" for p in points) + " |")
     # a GPU stage: its CPU core-minutes on the axis, its GPU minutes in words
     for i, p in enumerate(data.get("dflash_gpu", [])):
+        extrapolated = ", extrapolated (no training)" if p.get("extrapolated") else ""
         ax.plot([p["core_minutes"]], [p["tau"]], marker="*", markersize=12, linestyle="none", color=f"C{2 + i}",
-                label=f"DFlash + {gpu_minutes(p)}")
+                label=f"DFlash + {gpu_minutes(p)}{extrapolated}")
         ax.annotate(f"s{p['stage']}", (p["core_minutes"], p["tau"]), textcoords="offset points", xytext=(6, 2),
                     fontsize=8)
         print(f"| DFlash, stage {p['stage']} | {p['core_minutes']} core-min + {gpu_minutes(p)}: {p['tau']:.2f} |")
     ax.set_xscale("log")
+    ax.margins(x=0.08)  # room for the GPU stages' labels at the right edge
     save_figure(fig, ax, out, "training compute (CPU core-minutes, log scale)", "GSM8K tau, whole blocks",
                 legend_outside=True)
 

@@ -145,3 +145,39 @@ def test_the_lease_training_call_stops_waiting_when_its_run_dies(tmp_path):
     assert done.returncode == 1 and time.monotonic() - started < 120
     assert "the run ended without its final drafter" in done.stdout and "no drafter to send" in done.stdout
     assert "(seed 12)" in done.stdout
+
+
+def test_extrapolating_a_drafter_along_its_last_stage(tmp_path):
+    """scripts/extrapolate_drafter.py: NEW + alpha * (NEW - OLD) tensor by tensor in NEW's dtype, NEW's config and
+    vocabulary beside it; drafters of two lineages (another vocabulary) are refused."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    new, old, out = tmp_path / "new", tmp_path / "old", tmp_path / "out"
+    torch.manual_seed(0)
+    tensors = {"fc.weight": torch.randn(4, 6), "norm.weight": torch.randn(6)}
+    for folder, shift in ((old, 0.0), (new, 0.5)):
+        folder.mkdir()
+        save_file({k: (v + shift * (i + 1)).to(torch.bfloat16) for i, (k, v) in enumerate(tensors.items())},
+                  folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text('{"block_size": 16}')
+        (folder / "draft_vocab.json").write_text("[1, 2, 3]")
+        (folder / "train_config.json").write_text(json.dumps({"seed": 8 if folder == new else 7}))
+    script = SCRIPT.parent / "extrapolate_drafter.py"
+    done = subprocess.run([sys.executable, str(script), str(new), str(old), "0.6", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    made, a, b = (load_file(f / "model.safetensors") for f in (out, new, old))
+    for name in tensors:
+        expected = (a[name].float() + 0.6 * (a[name].float() - b[name].float())).to(torch.bfloat16)
+        assert made[name].dtype == torch.bfloat16 and torch.equal(made[name], expected)
+    assert not torch.equal(made["fc.weight"], a["fc.weight"])
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # kept: transformers' loader checks it
+    assert json.loads((out / "train_config.json").read_text())["seed"] == 8
+    assert (out / "draft_vocab.json").read_text() == "[1, 2, 3]"
+    (old / "draft_vocab.json").write_text("[1, 2, 4]")
+    refused = subprocess.run([sys.executable, str(script), str(new), str(old), "0.6", str(tmp_path / "no")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not one lineage" in refused.stderr and not (tmp_path / "no").exists()

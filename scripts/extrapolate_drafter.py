@@ -1,0 +1,66 @@
+"""A drafter extrapolated along its last training stage: weights NEW + alpha * (NEW - OLD), in NEW's dtypes (bf16 for
+the shipped drafters), with NEW's config, vocabulary and training config (the docs record how it was made).
+
+Usage: .venv/bin/python scripts/extrapolate_drafter.py NEW OLD ALPHA OUT
+
+NEW and OLD are two drafter folders of one lineage (OLD the warm start NEW was trained from, e.g. the shipped drafter
+before and after a lease). alpha < 0 interpolates back toward OLD. Each stage's step is short against what the
+drafter still has to learn, so the loss keeps falling some way past NEW along it (forty-sixth session, docs/TRAINING.md
+"Extrapolated stages": choose alpha by held-out surrogate tau, `scripts/eval_heldout.py`, never by a benchmark's
+prompts). No training and no data: the result is any other drafter to the verification loop, so decoding stays
+lossless whatever alpha is.
+"""
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+COPIED = ("config.json", "draft_vocab.json")  # must agree: one lineage
+
+
+def extrapolated(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """new + alpha * (new - old), tensor by tensor, in float32, then in new's dtypes."""
+    if new.keys() != old.keys():
+        raise SystemExit(f"the drafters hold different tensors: {sorted(new.keys() ^ old.keys())[:5]}")
+    out = {}
+    for name, tensor in new.items():
+        if tensor.shape != old[name].shape:
+            raise SystemExit(f"{name}: shape {tuple(tensor.shape)} against {tuple(old[name].shape)}")
+        step = tensor.float() - old[name].float()
+        out[name] = (tensor.float() + alpha * step).to(tensor.dtype).contiguous()
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) != 5:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    new_dir, old_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[4])
+    alpha = float(sys.argv[3])
+    for folder in (new_dir, old_dir):
+        if not (folder / "model.safetensors").is_file():
+            print(f"{folder}: no model.safetensors (a drafter folder?)", file=sys.stderr)
+            return 2
+    for name in COPIED:
+        if (new_dir / name).is_file() and (old_dir / name).is_file() \
+                and (new_dir / name).read_bytes() != (old_dir / name).read_bytes():
+            print(f"{name} differs between {new_dir} and {old_dir}: not one lineage", file=sys.stderr)
+            return 2
+    weights = extrapolated(load_file(new_dir / "model.safetensors"), load_file(old_dir / "model.safetensors"), alpha)
+    with safe_open(new_dir / "model.safetensors", "pt") as f:
+        metadata = f.metadata()  # {"format": "pt"}, which transformers' loader checks for
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out_dir / "model.safetensors", metadata=metadata)
+    for name in (*COPIED, "train_config.json"):
+        if (new_dir / name).is_file():
+            shutil.copy(new_dir / name, out_dir / name)
+    print(f"{out_dir}: {new_dir} + {alpha} x ({new_dir} - {old_dir}), {len(weights)} tensors")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
