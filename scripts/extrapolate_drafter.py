@@ -5,9 +5,9 @@ Usage: .venv/bin/python scripts/extrapolate_drafter.py NEW OLD ALPHA OUT
 
 NEW and OLD are two drafter folders of one lineage (OLD the warm start NEW was trained from, e.g. the shipped drafter
 before and after a lease). alpha < 0 interpolates back toward OLD. Each stage's step is short against what the
-drafter still has to learn, so the loss keeps falling some way past NEW along it (forty-sixth session, docs/TRAINING.md
-"Extrapolated stages": choose alpha by held-out surrogate tau, `scripts/eval_heldout.py`, never by a benchmark's
-prompts). No training and no data: the result is any other drafter to the verification loop, so decoding stays
+drafter still has to learn, so the loss may keep falling some way past NEW along it (docs/TRAINING.md, "Stage 16x":
+it did for stage 16, not for stage 15; choose alpha by held-out surrogate tau, `scripts/eval_heldout.py`, never by a
+benchmark's prompts). No training and no data: the result is any other drafter to the verification loop, so decoding stays
 lossless whatever alpha is.
 """
 

@@ -17,8 +17,10 @@ export DEADLINE=$(( $(date +%s) + WINDOW ))
 # side by side, each run's torch takes its share of the cores: a process's idle threads spin for a while after each
 # parallel operation, and on cores the other run's host work needs (both steps are partly bound by their host)
 [ "$runs" -gt 1 ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / runs > 0 ? $(nproc) / runs : 1 ))}
-for run in $RUNS; do
+for run in $RUNS; do  # every name checked before any run starts
   [[ "$run" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || { echo "RUNS: '$run' is not a name (letters, digits, _)"; exit 2; }
+done
+for run in $RUNS; do
   extra="FLAGS_$run"
   RUN=$run FLAGS="$(echo ${FLAGS:-} ${!extra:-})" bash scripts/lease/launch.sh || exit $?
 done

@@ -258,7 +258,7 @@ def linear_cross_entropy(hidden, head_weight, labels, weights, teacher_logits=No
     """(weighted mean loss, argmax predictions) of the logits hidden @ head_weight.T; see LinearCrossEntropy.
     hidden [N, D], head_weight [V, D] (frozen), labels [N], weights [N]; teacher_logits [S, V'] and teacher_rows [N]
     for self-distillation, with teacher_columns [V] when the head holds only some of the teacher's columns.
-    `compiled`: hard labels' chunks through `compiled_terms`."""
+    `compiled`: the chunks (hard labels' or the teacher's) through `compiled_terms`."""
     return LinearCrossEntropy.apply(hidden, head_weight.detach(), labels, weights.to(torch.float32), teacher_logits,
                                     teacher_rows, teacher_columns, chunk_rows_for(hidden.device, head_weight.shape[0]),
                                     compiled)
