@@ -28,6 +28,19 @@ def bench(tmp_path, dataset, methods, *extra, name="out"):
     return code, out
 
 
+def test_a_missing_drafter_folder_is_said_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    import dflash.loading
+
+    def no_loading(*_, **__):
+        raise AssertionError("the target loaded before the drafter folders were checked")
+
+    monkeypatch.setattr(dflash.loading, "target_from_args", no_loading)
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6"}])
+    code, _ = bench(tmp_path, data, "ar,dflash:whole", "--drafter", f"dflash={tmp_path / 'absent'}")
+    err = capsys.readouterr().err
+    assert code == 2 and f"dflash's drafter folder not found: {tmp_path / 'absent'}" in err and "Traceback" not in err
+
+
 def test_results_schema_and_lossless(tmp_path, capsys):
     data = write_jsonl(tmp_path / "set.jsonl", [
         {"id": "a", "prompt": "w5 w6 w7 w5 w6 w7"}, {"id": "b", "prompt": "w10 w11"}, {"id": "c", "prompt": "w30"}])

@@ -111,6 +111,8 @@ def test_bad_input_is_one_line_exit_2(capsys, args, message):
     (["--method", "ngram", "--block-size", "65", "w1"], "--block-size must be <= 64"),
     (["--method", "dflash", "--tree", "0", "w1"], "a tree has 1 to 63"),
     (["--method", "eagle3", "--tree", "64", "w1"], "a tree has 1 to 63"),
+    (["--drafter", "/nonexistent/drafter", "w1"], "dflash's drafter folder not found: /nonexistent/drafter"),
+    (["--method", "eagle3+ngram", "--drafter", "/nonexistent/head", "w1"], "eagle3's drafter folder not found"),
 ])
 def test_method_options_are_refused_before_the_target_loads(capsys, monkeypatch, args, message):
     import dflash.loading

@@ -368,12 +368,11 @@ def quantization_of(path: Path) -> str:
 
 
 def build_runners(methods: list[str], target, args, sampling) -> dict:
-    from .cli import drafter_paths, method_options
+    from .cli import method_options
     from .loading import build_proposer
     from .methods import registry
 
     specs = {method: parse_method(method) for method in methods}
-    drafter_paths(args.drafter, [spec.name for spec in specs.values() if spec.name not in BASELINES])  # checks them
     if args.continuations is not None and not any(registry.uses_lookup(spec.name) for spec in specs.values()):
         raise UserError("--continuations applies to prompt lookup: add ngram or NAME+ngram to --methods")
     runners = {}
@@ -604,7 +603,7 @@ def validate(args) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from .cli import kill_stops_like_ctrl_c
+    from .cli import check_drafter_folders, kill_stops_like_ctrl_c
     from .loading import settle_heap, target_from_args
     from .sampling import SamplingConfig
 
@@ -613,6 +612,7 @@ def run(args) -> int:
     path, template = resolve_dataset(args.dataset, args.template)
     prompts = read_prompts(path, template, args.limit)
     out_dir = Path(args.out)
+    check_drafter_folders(args.drafter, [name for name in (parse_method(m).name for m in methods) if name not in BASELINES])
     out_dir.mkdir(parents=True, exist_ok=True)
     target = target_from_args(args, release_plain="hf" not in methods)  # transformers' `generate` reads them
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)

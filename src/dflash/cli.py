@@ -19,6 +19,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 from . import threads
 from .errors import UserError
@@ -136,6 +137,13 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
     return paths
 
 
+def check_drafter_folders(values: list[str] | None, methods: list[str]) -> None:
+    """Each --drafter folder exists: said before the target loads, not after a minute of loading and timing it."""
+    for method, path in drafter_paths(values, methods).items():
+        if not Path(path).exists():
+            raise UserError(f"{method}'s drafter folder not found: {path}")
+
+
 def method_options(args, method: str, block_size: int | None = None, several: bool = False,
                    tree: int | None = None):
     """MethodOptions for one method from the shared arguments (`block_size`, `tree`: a bench NAME@B:treeN
@@ -214,6 +222,7 @@ def run(args) -> int:
         raise UserError("--logprobs goes with --json")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)
     config.validate()
+    check_drafter_folders(args.drafter, [args.method])
     options = method_options(args, args.method)
     target = target_from_args(args, release_plain=True)
     proposer, note = build_proposer(args.method, target, options)

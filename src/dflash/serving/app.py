@@ -377,7 +377,7 @@ def run(args) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError as exc:
         raise UserError(f"`dflash serve` needs {exc.name}: pip install 'dflash[serve]'") from exc
-    from ..cli import method_options
+    from ..cli import check_drafter_folders, method_options
     from ..engine import GenerationConfig, SpeculativeDecoder
     from ..loading import build_proposer, settle_heap, target_from_args
 
@@ -385,6 +385,7 @@ def run(args) -> int:
         raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
     if args.prefix_cache_mb < 0:
         raise UserError("--prefix-cache-mb must be >= 0")
+    check_drafter_folders(args.drafter, [args.method])
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
     target = target_from_args(args, many_rows=True, release_plain=True)
