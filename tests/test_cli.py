@@ -171,15 +171,61 @@ def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys,
 def test_an_unknown_target_says_what_it_was_tried_as(capsys, monkeypatch):
     """A name that is not in the registry, a folder or a .gguf file is tried as a hub id; offline that fails, and
     the one line says what the name was tried as and which registry names there are."""
-    import huggingface_hub
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import, maybe already done
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # hub_reachable reads it: the hub cache alone, no retries
     code = main(["generate", "--target", "no-such-model", "hi"])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("dflash: error:")]
     assert code == 2 and "Traceback" not in err and len(errors) == 1
     assert "no-such-model" in errors[0] and "hub id" in errors[0] and "smollm2-135m" in errors[0]
+
+
+def test_an_unreachable_hub_fails_at_once_and_a_near_miss_is_named(capsys, monkeypatch):
+    """Offline, a hub id is looked up in the local hub cache alone (transformers' own retries took ~30 s), and a
+    name close to a registry name gets a "did you mean"."""
+    import time
+
+    import transformers
+
+    from dflash.models import target as target_module
+
+    asked = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(target_module, "hub_reachable", lambda: False)
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(name, *args, **kwargs):
+        asked.append(kwargs.get("local_files_only"))
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    start = time.perf_counter()
+    code = main(["generate", "--target", "smollm2-135", "hi"])
+    err = capsys.readouterr().err
+    assert asked == [True] and time.perf_counter() - start < 10
+    assert code == 2 and "Traceback" not in err and "did you mean smollm2-135m?" in err
+
+
+def test_hub_reachable_asks_the_configured_endpoint(monkeypatch):
+    import socket
+
+    from dflash.hub import hub_reachable
+
+    called = []
+
+    def refuse(address, timeout):
+        called.append(address)
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    assert hub_reachable() is False and called == [("mirror.example", 8080)]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_reachable() is False and len(called) == 1  # offline mode: not even asked
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(socket, "create_connection", lambda address, timeout: called.append(address) or socket.socket())
+    monkeypatch.delenv("HF_ENDPOINT")
+    assert hub_reachable() is True and called[-1] == ("huggingface.co", 443)
 
 
 def test_a_command_settles_the_heap_after_loading(capsys, monkeypatch):

@@ -57,6 +57,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
 
 
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the model hub answers a TCP connection, asked once before loading a hub id: offline, transformers
+    retries each file with back-off (~30 s) before failing, so an offline run loads from the local cache alone."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def close_registry_names(spec: str) -> list[str]:
+    """The registry names a mistyped target name is close to, for "did you mean"."""
+    import difflib
+
+    return difflib.get_close_matches(spec, list(REGISTRY), n=2, cutoff=0.6)
+
+
 def _download_wheel(requirement: str, dest: Path) -> Path:
     name = requirement.split("==")[0].replace("-", "_")
     found = sorted(dest.glob(f"{name}-*.whl"))

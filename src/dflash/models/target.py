@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..hub import DEFAULT_TARGET, REGISTRY, resolve_registry_folder
+from ..hub import DEFAULT_TARGET, REGISTRY, close_registry_names, hub_reachable, resolve_registry_folder
 from .hf import HFEngine
 from .graphs import PassGraphs
 from . import native, sdpa_backends
@@ -607,17 +607,20 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
             tokenizer = AutoTokenizer.from_pretrained(path)
         elif path.exists() or spec.startswith((".", "/", "~")):
             raise UserError(f"target {spec!r} is neither a model folder nor a .gguf file")
-        else:  # a hub id: works only online
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
-            tokenizer = AutoTokenizer.from_pretrained(spec)
+        else:  # a hub id: from the hub when it answers, else from the local hub cache alone, without retries
+            offline = not hub_reachable()
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype, local_files_only=offline)
+            tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=offline)
     except UserError:
         raise
     except OSError as exc:
         known = ", ".join(REGISTRY)
         where = "" if spec in REGISTRY or path.exists() else (
-            " (not a registry name, a model folder or a .gguf file; as a hub id it needs the network)")
-        raise UserError(f"could not load target {spec!r}{where}: {exc.__class__.__name__}; registry names: {known}"
-                        ) from exc
+            " (not a registry name, a model folder or a .gguf file; as a hub id it needs the network or the hub "
+            "cache)")
+        close = close_registry_names(spec)
+        hint = f"; did you mean {' or '.join(close)}?" if close else f"; registry names: {known}"
+        raise UserError(f"could not load target {spec!r}{where}: {exc.__class__.__name__}{hint}") from exc
     if torch.device(device).type == "cpu":
         own_storage(model)
     target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec, release_plain=release_plain)
