@@ -612,7 +612,8 @@ def run(args) -> int:
     path, template = resolve_dataset(args.dataset, args.template)
     prompts = read_prompts(path, template, args.limit)
     out_dir = Path(args.out)
-    check_drafter_folders(args.drafter, [name for name in (parse_method(m).name for m in methods) if name not in BASELINES])
+    names = [parse_method(method).name for method in methods]
+    check_drafter_folders(args.drafter, [name for name in names if name not in BASELINES])
     out_dir.mkdir(parents=True, exist_ok=True)
     target = target_from_args(args, release_plain="hf" not in methods)  # transformers' `generate` reads them
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
