@@ -888,6 +888,10 @@ def test_bad_data_is_a_user_error(tmp_path):
         trainer.load_examples(tmp_path)
     with pytest.raises(UserError, match="not found"):
         trainer.load_examples(tmp_path / "missing")
+    prompts = tmp_path / "prompts.jsonl"  # what a user may well try first: the prompts, not the target's answers
+    prompts.write_text('{"prompt": "What is 2 + 2?"}\n')
+    with pytest.raises(UserError, match=r"prompts.jsonl:1: a prompt, not a training record .* dflash data --input"):
+        trainer.load_examples(prompts)
 
 
 def test_plot_of_the_log(resume_runs, tmp_path):

@@ -245,6 +245,10 @@ def load_examples(path: str | Path) -> list[Example]:
 
 def example_of(record: dict) -> Example:
     where = record.get("_where", "a record")
+    if "input_ids" not in record and any(key in record for key in ("prompt", "turns", "conversations", "messages")):
+        raise UserError(f"{where}: a prompt, not a training record (input_ids, loss_start): a drafter learns the "
+                        "target's own responses, so regenerate them first: dflash data --input FILE --out DIR, "
+                        "then dflash train --data DIR")
     try:
         ids, start = record["input_ids"], record["loss_start"]
         example = Example(str(record.get("id", where)), torch.tensor(ids, dtype=torch.int32), int(start))
