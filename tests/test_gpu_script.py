@@ -5,6 +5,7 @@ import json
 import time
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,23 @@ def test_extrapolating_a_drafter_along_its_last_stage(tmp_path):
         assert f.metadata() == {"format": "pt"}  # kept: transformers' loader checks it
     assert json.loads((out / "train_config.json").read_text())["seed"] == 8
     assert (out / "draft_vocab.json").read_text() == "[1, 2, 3]"
+    # with the stage before: NEW + alpha * (NEW - OLD) + beta * (OLD - OLDER)
+    older, plane = tmp_path / "older", tmp_path / "plane"
+    shutil.copytree(old, older)
+    save_file({k: (v - 0.25).to(torch.bfloat16) for k, v in tensors.items()}, older / "model.safetensors",
+              metadata={"format": "pt"})
+    done = subprocess.run([sys.executable, str(script), str(new), str(old), "0.6", str(plane), str(older), "-0.15"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    made, c = load_file(plane / "model.safetensors"), load_file(older / "model.safetensors")
+    for name in tensors:
+        expected = (a[name].float() + 0.6 * (a[name].float() - b[name].float())
+                    - 0.15 * (b[name].float() - c[name].float())).to(torch.bfloat16)
+        assert torch.equal(made[name], expected)
+    (older / "draft_vocab.json").write_text("[1, 2, 5]")
+    refused = subprocess.run([sys.executable, str(script), str(new), str(old), "0.6", str(tmp_path / "no"), str(older),
+                              "0.3"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "not one lineage" in refused.stderr and not (tmp_path / "no").exists()
     (old / "draft_vocab.json").write_text("[1, 2, 4]")
     refused = subprocess.run([sys.executable, str(script), str(new), str(old), "0.6", str(tmp_path / "no")],
                              capture_output=True, text=True, timeout=120)
