@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_gpu.sh"
 
 
@@ -199,3 +201,51 @@ def test_extrapolating_a_drafter_along_its_last_stage(tmp_path):
     refused = subprocess.run([sys.executable, str(script), str(new), str(old), "0.6", str(tmp_path / "no")],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "not one lineage" in refused.stderr and not (tmp_path / "no").exists()
+
+
+def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, capsys):
+    """scripts/after_lease.py: each run's tar parts joined and unpacked, the shipped drafter, each run and the best
+    run's extrapolations scored (here by a stand-in for the held-out protocol), and nothing scored twice."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("after_lease", SCRIPT.parent / "after_lease.py")
+    after = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(after)
+
+    def drafter(folder, value):
+        folder.mkdir(parents=True)
+        save_file({"fc.weight": torch.full((2, 3), value, dtype=torch.bfloat16)}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+        (folder / "config.json").write_text("{}")
+        return folder
+
+    shipped, files = drafter(tmp_path / "shipped", 1.0), tmp_path / "files"
+    files.mkdir()
+    for run, value in (("ce", 1.5), ("kl", 2.0)):  # the stand-in scores a drafter by its weight: kl leads
+        pack = drafter(tmp_path / f"pack-{run}", value)
+        (pack / "log.jsonl").write_text(json.dumps({"step": 40, "eval_tau": 2.5, "eval_decode_tau": 1.9}) + "\n")
+        tar = subprocess.run(["tar", "-C", str(pack), "-cf", "-", "."], capture_output=True, check=True).stdout
+        half = len(tar) // 2  # two parts, as fetch.sh splits them
+        (files / f"{run}.tar.part00").write_bytes(tar[:half])
+        (files / f"{run}.tar.part01").write_bytes(tar[half:])
+    scored = []
+
+    def stand_in(folder):
+        scored.append(folder.name)
+        w = load_file(folder / "model.safetensors")["fc.weight"].float().mean().item()
+        return f"dflash {folder}: 93 held-out sequences, eval_tau {w:.3f}, eval_decode_tau {w / 2:.3f}, eval_loss 3.0"
+
+    work = tmp_path / "work"
+    assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0
+    assert scored == ["base", "ce", "kl", "kl-x0.3", "kl-x0.6", "kl-x1.0"]
+    rows = json.loads((work / "summary.json").read_text())
+    expected = [1.0, 1.5, 2.0, 2.3, 2.6, 3.0]  # kl + alpha x (kl - base), to bf16's precision
+    assert [row["tau"] for row in rows] == pytest.approx(expected, abs=0.01)
+    assert rows[2]["gpu_eval"] == {"step": 40, "eval_tau": 2.5, "eval_decode_tau": 1.9}
+    assert "| kl + 0.6 x (kl - base) | 2.594 | 1.297 | 3.000 |  |" in (work / "summary.md").read_text()
+    scored.clear()  # a second call (after a crash, or in the next session) scores nothing again
+    assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0 and scored == []
+    assert after.main([str(tmp_path / "shipped"), str(work)], evaluate=stand_in, shipped=shipped) == 2

@@ -1,0 +1,123 @@
+"""After a lease: from the runs' tars to one table of candidate drafters scored on the held-out split, resumable.
+
+Usage: .venv/bin/python scripts/after_lease.py FILES WORK [RUN ...]
+
+FILES is the folder a lease's $OUT came back to (RUN.tar.part00, RUN.tar.part01, ... from scripts/lease/fetch.sh),
+WORK where the runs are unpacked and the candidates made (e.g. runs/after-lease), RUN the runs to read (default:
+every RUN.tar.part00 in FILES). Steps, the post-lease protocol of docs/TRAINING.md:
+  1. each run's tar joined and unpacked into WORK/RUN, and its log's last held-out figures (eval_tau, the GPU's);
+  2. the shipped drafter (WORK/base, a copy: the one the runs started from) and each run scored on the corpus's
+     held-out split, one thread: scripts/eval_heldout.py dflash DIR corpus/smollm2-135m 128 float32 0.006
+     (~9 minutes each on 2 shared cores);
+  3. the run with the highest held-out decode tau (then surrogate tau) extrapolated along its stage,
+     RUN + alpha x (RUN - base) for alpha 0.3, 0.6 and 1.0 (scripts/extrapolate_drafter.py), and scored alike.
+Each score is kept beside its drafter (heldout.txt), so a call after a crash or in the next session scores only what
+is missing. WORK/summary.md and WORK/summary.json hold the table. What ships, and the benches that confirm it, stay
+with you (docs/TRAINING.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "src/dflash/drafters/smollm2-135m-dflash"
+ALPHAS = (0.3, 0.6, 1.0)
+SCORE_FILE = "heldout.txt"
+LINE = re.compile(r"eval_tau (?P<tau>[\d.]+), eval_decode_tau (?P<decode>[\d.]+), eval_loss (?P<loss>[\d.]+)")
+
+
+def heldout_scores(folder: Path) -> str:
+    """The held-out protocol's one line for the drafter in `folder` (one thread, as every figure in TRAINING.md)."""
+    command = [sys.executable, str(ROOT / "scripts/eval_heldout.py"), "dflash", str(folder),
+               str(ROOT / "corpus/smollm2-135m"), "128", "float32", "0.006"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"scoring {folder} failed:\n{done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def scored(folder: Path, evaluate) -> dict:
+    """{tau, decode, loss} of `folder`, from its heldout.txt when an earlier call left one."""
+    kept = folder / SCORE_FILE
+    if not kept.is_file():
+        print(f"scoring {folder} on the held-out split ...", flush=True)
+        kept.write_text(evaluate(folder) + "\n")
+    match = LINE.search(kept.read_text())
+    if match is None:
+        raise SystemExit(f"{kept} holds no held-out figures: delete it to score {folder} again")
+    return {key: float(value) for key, value in match.groupdict().items()}
+
+
+def unpack(files: Path, run: str, work: Path) -> Path:
+    folder = work / run
+    if (folder / "model.safetensors").is_file():
+        return folder
+    parts = sorted(files.glob(f"{run}.tar.part*"))
+    if not parts:
+        raise SystemExit(f"no {run}.tar.part* in {files}")
+    folder.mkdir(parents=True, exist_ok=True)
+    joined = b"".join(part.read_bytes() for part in parts)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=joined, check=True)
+    if not (folder / "model.safetensors").is_file():
+        raise SystemExit(f"{run}'s tar holds no model.safetensors")
+    return folder
+
+
+def last_gpu_eval(folder: Path) -> dict:
+    """The last held-out line of the run's own log (its GPU's figures: 512 anchors, so not the table's scale)."""
+    log = folder / "log.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines() if '"eval_tau"' in line] if log.is_file() else []
+    return {key: lines[-1][key] for key in ("step", "eval_tau", "eval_decode_tau") if key in lines[-1]} if lines else {}
+
+
+def extrapolate(run: Path, base: Path, alpha: float, out: Path) -> Path:
+    if not (out / "model.safetensors").is_file():
+        subprocess.run([sys.executable, str(ROOT / "scripts/extrapolate_drafter.py"), str(run), str(base), str(alpha),
+                        str(out)], check=True, capture_output=True, text=True)
+    return out
+
+
+def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> int:
+    if len(argv) < 2:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    files, work = Path(argv[0]), Path(argv[1])
+    runs = argv[2:] or sorted(p.name.removesuffix(".tar.part00") for p in files.glob("*.tar.part00"))
+    if not runs:
+        print(f"no RUN.tar.part00 in {files}", file=sys.stderr)
+        return 2
+    base = work / "base"
+    if not (base / "model.safetensors").is_file():
+        shutil.copytree(shipped, base, dirs_exist_ok=True)
+    rows = [{"name": "base (shipped)", "folder": str(base), **scored(base, evaluate)}]
+    for run in runs:
+        folder = unpack(files, run, work)
+        rows.append({"name": run, "folder": str(folder), "gpu_eval": last_gpu_eval(folder), **scored(folder, evaluate)})
+    best = max(rows[1:], key=lambda row: (row["decode"], row["tau"]))
+    for alpha in ALPHAS:
+        folder = extrapolate(Path(best["folder"]), base, alpha, work / f"{best['name']}-x{alpha}")
+        rows.append({"name": f"{best['name']} + {alpha} x ({best['name']} - base)", "folder": str(folder),
+                     **scored(folder, evaluate)})
+    (work / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    table = ["| drafter | held-out surrogate tau | decode tau | loss | the run's own last eval (GPU) |",
+             "|---|---:|---:|---:|---|"]
+    for row in rows:
+        gpu = row.get("gpu_eval") or {}
+        own = ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                        for key, value in gpu.items())
+        table.append(f"| {row['name']} | {row['tau']:.3f} | {row['decode']:.3f} | {row['loss']:.3f} | {own} |")
+    (work / "summary.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"\n{work / 'summary.md'}; the benches of the chosen one: docs/TRAINING.md, the post-lease protocol")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
