@@ -218,11 +218,16 @@ def test_hub_reachable_asks_the_configured_endpoint(monkeypatch):
 
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
     assert hub_reachable() is False and called == [("mirror.example", 8080)]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub_reachable() is False and len(called) == 1  # offline mode: not even asked
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert hub_reachable() is True and len(called) == 1  # through a proxy: transformers' requests find out
+    monkeypatch.delenv("HTTPS_PROXY")
     monkeypatch.setattr(socket, "create_connection", lambda address, timeout: called.append(address) or socket.socket())
     monkeypatch.delenv("HF_ENDPOINT")
     assert hub_reachable() is True and called[-1] == ("huggingface.co", 443)

@@ -65,6 +65,8 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return False
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # the hub is reached through the proxy, which a direct connection does not test
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
