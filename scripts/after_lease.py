@@ -79,8 +79,10 @@ def last_gpu_eval(folder: Path) -> dict:
 
 def extrapolate(run: Path, base: Path, alpha: float, out: Path) -> Path:
     if not (out / "model.safetensors").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts/extrapolate_drafter.py"), str(run), str(base), str(alpha),
-                        str(out)], check=True, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, str(ROOT / "scripts/extrapolate_drafter.py"), str(run), str(base),
+                               str(alpha), str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"extrapolating {run} failed: {done.stderr.strip()}")
     return out
 
 

@@ -9,8 +9,8 @@ NEW + alpha * (NEW - OLD) + beta * (OLD - OLDER), a point of the plane of the la
 scored above the line's, docs/TRAINING.md). Each stage's step is short against what the
 drafter still has to learn, so the loss may keep falling some way past NEW along it (docs/TRAINING.md, "Stage 16x":
 it did for stage 16, not for stage 15; choose alpha by held-out surrogate tau, `scripts/eval_heldout.py`, never by a
-benchmark's prompts). No training and no data: the result is any other drafter to the verification loop, so decoding stays
-lossless whatever alpha is.
+benchmark's prompts). No training and no data: the result is any other drafter to the verification loop, so
+decoding stays lossless whatever alpha is.
 """
 
 import shutil
@@ -27,12 +27,13 @@ COPIED = ("config.json", "draft_vocab.json")  # must agree: one lineage
 def extrapolated(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], alpha: float,
                  older: dict[str, torch.Tensor] | None = None, beta: float = 0.0) -> dict[str, torch.Tensor]:
     """new + alpha * (new - old) [+ beta * (old - older)], tensor by tensor, in float32, then in new's dtypes."""
-    for other in (old, older if older is not None else old):
+    others = [old] if older is None else [old, older]
+    for other in others:
         if new.keys() != other.keys():
             raise SystemExit(f"the drafters hold different tensors: {sorted(new.keys() ^ other.keys())[:5]}")
     out = {}
     for name, tensor in new.items():
-        for other in (old, older if older is not None else old):
+        for other in others:
             if tensor.shape != other[name].shape:
                 raise SystemExit(f"{name}: shape {tuple(tensor.shape)} against {tuple(other[name].shape)}")
         point = tensor.float() + alpha * (tensor.float() - old[name].float())

@@ -134,8 +134,8 @@ def main() -> int:
         by_op[(phase, name)][0] += 1
         by_op[(phase, name)][1] += moved
     total = sum(moved for *_, moved, _ in log.rows)
-    print(f"{args.sequences} sequences x {args.anchors} anchors, {args.dtype}, loss {args.loss}: {len(log.rows)} operations, "
-          f"{total / 1e9:.1f} GB")
+    print(f"{args.sequences} sequences x {args.anchors} anchors, {args.dtype}, loss {args.loss}: "
+          f"{len(log.rows)} operations, {total / 1e9:.1f} GB")
     for phase in ("forward", "backward"):
         count = sum(1 for row in log.rows if row[0] == phase)
         moved = sum(row[2] for row in log.rows if row[0] == phase)
