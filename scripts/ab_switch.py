@@ -19,6 +19,11 @@ Switches (the "on" variant is each one's default):
                     `models/native.py`), against widened to float32 for FMAs. Its outputs may differ: the two kernels
                     round bfloat16 sums differently (each is lossless against its own `ar`), so "identical" is not
                     asked of it. Use with --dtype bfloat16 (a float32 target has no bfloat16 weights)
+  amx               products in pairs run through AMX tiles (TDPBF16PS; Intel Sapphire Rapids and later;
+                    `models/native.c`), against VDPBF16PS chains, each variant with the kernel plan measured under it
+                    (`choose_kernels`: cached per kernel build, so the first switch may measure for a few seconds).
+                    Its outputs may differ in the last bits, as between the two product kernels. Use with --dtype
+                    bfloat16 on a CPU with AMX
   continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
                     frequent continuations (`methods/continuations.py`), against prompt lookup alone
   attention-pairs   a bfloat16 target whose products run in pairs scores attention with VDPBF16PS too (`native.c`:
@@ -74,6 +79,7 @@ from dflash.methods import continuations, ngram
 from dflash.methods.base import SHIPPED_DRAFTERS, MethodOptions
 from dflash.methods.dflash import proposer as dflash_proposer
 from dflash.models import native
+from dflash.models.target import choose_kernels
 from dflash.models.transformer import EVERY_PROMPT
 from batch_methods import run_batch
 
@@ -99,6 +105,13 @@ def set_bf16_pairs(target, on: bool) -> None:
         cache = target.new_cache()  # lay the weights out again now, not inside a timed generation
         for width in (1, 8):
             target.forward(torch.arange(5, 5 + width)[None], cache)
+
+
+def set_amx(target, on: bool) -> None:
+    if getattr(target, "_ab_amx", None) != on:
+        native.set_amx(on)
+        choose_kernels(target)  # the plan measured under this kernel (cached per build: "+amx" in its key)
+        target._ab_amx = on
 
 
 def set_int8_vnni(target, on: bool) -> None:
@@ -177,8 +190,9 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
             "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
-            "chained-prior": set_chained_prior}
-CHANGES_ROUNDING = {"bf16-pairs", "attention-pairs", "prompts-in-c"}  # switches whose variants may differ in output (each lossless on its own)
+            "chained-prior": set_chained_prior, "amx": set_amx}
+# switches whose variants may differ in output (each lossless on its own)
+CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "prompts-in-c"}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED

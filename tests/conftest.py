@@ -79,6 +79,14 @@ def pairs_run_here() -> bool:
     return lib is not None and bool(lib.dflash_bf16_pairs())
 
 
+def amx_runs_here() -> bool:
+    """Whether this build, CPU and OS run products in pairs through AMX tiles (native.c, AMX-BF16)."""
+    from dflash.models import native
+
+    lib = native.library()
+    return lib is not None and bool(lib.dflash_amx())
+
+
 def pairs_chain(x, weight):
     """VDPBF16PS's sums, as documented: for each pair of inputs, the odd one's product added first, then the even
     one's, each rounded to float32 (a product of two bfloat16 is exact in float32, so each step is an FMA)."""
@@ -107,22 +115,26 @@ def wide_pass_and_steps(target, width: int):
     return wide, torch.cat([target.forward(torch.tensor([[t]]), alone).logits[0] for t in block])
 
 
-@pytest.fixture(params=["widened", "pairs"])
+@pytest.fixture(params=["widened", "pairs", "amx"])
 def bf16_layout(request):
-    """bfloat16 weights laid out for the widening kernel, then in pairs (where the CPU has AVX512-BF16); the
-    layout in force for what the test lays out, restored after."""
+    """bfloat16 weights laid out for the widening kernel, then in pairs summed by VDPBF16PS (where the CPU has
+    AVX512-BF16), then in pairs through AMX tiles (where it has AMX); the layout and kernel in force for what the
+    test lays out and runs, restored after."""
     from dflash.models import native
 
     if request.param == "pairs" and not pairs_run_here():
         pytest.skip("no AVX512-BF16 here: bfloat16 products in pairs do not run")
+    if request.param == "amx" and not amx_runs_here():
+        pytest.skip("no AMX here: products in pairs do not run through tiles")
     if native.library() is None:
         yield request.param
         return
-    old = native.set_bf16_pairs(request.param == "pairs")
+    old = native.set_bf16_pairs(request.param != "widened"), native.set_amx(request.param == "amx")
     try:
         yield request.param
     finally:
-        native.set_bf16_pairs(old)
+        native.set_bf16_pairs(old[0])
+        native.set_amx(old[1])
 
 
 class OracleTree(Proposer):

@@ -7,7 +7,8 @@ decoding stays exact for the int8 model."""
 import pytest
 import torch
 
-from conftest import ARCHS, OracleProposer, RandomProposer, pairs_chain, pairs_run_here, wide_pass_and_steps
+from conftest import (ARCHS, OracleProposer, RandomProposer, amx_runs_here, pairs_chain, pairs_run_here,
+                      wide_pass_and_steps)
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.loading import load_target_cached
@@ -33,21 +34,27 @@ needs_int8_pairs = pytest.mark.skipif(not int8_pairs_run_here(), reason="no AVX5
 needs_library = pytest.mark.skipif(native.library() is None, reason="no kernel library here")
 
 
-@pytest.fixture(params=["widened", "pairs"])
+@pytest.fixture(params=["widened", "pairs", "pairs-amx"])
 def int8_kernel(request):
-    """The int8 kernel `request.param` in force (with the bfloat16 layout it goes with) for what the test lays out,
-    where this CPU runs it; the old settings restored after."""
-    if request.param == "pairs" and not int8_pairs_run_here():
+    """The int8 kernel `request.param` in force (with the bfloat16 layout it goes with; "pairs-amx": in pairs,
+    summed through AMX tiles) for what the test lays out, where this CPU runs it; the old settings restored after.
+    Yields the kernel's name ("pairs" for both kinds of pairs)."""
+    kernel = request.param.removesuffix("-amx")
+    if kernel == "pairs" and not int8_pairs_run_here():
         pytest.skip("no AVX512-BF16 + VBMI here: int8 weights are not read in pairs")
+    if request.param == "pairs-amx" and not amx_runs_here():
+        pytest.skip("no AMX here: products in pairs do not run through tiles")
     if native.library() is None:
         pytest.skip("no kernel library here")
-    old = native.set_bf16_pairs(request.param == "pairs"), native.set_int8_kernels(True)
+    old = (native.set_bf16_pairs(kernel == "pairs"), native.set_int8_kernels(True),
+           native.set_amx(request.param == "pairs-amx"))
     try:
-        assert native.int8_kernel() == request.param
-        yield request.param
+        assert native.int8_kernel() == kernel
+        yield kernel
     finally:
         native.set_bf16_pairs(old[0])
         native.set_int8_kernels(old[1])
+        native.set_amx(old[2])
 
 
 def float_chain(x, weight):
@@ -102,6 +109,25 @@ def test_every_byte_value_widens_to_its_integer():
     assert torch.equal(got.float(), q.float().T)
 
 
+def int8_pair_products(m: int, n: int, k: int, amx: bool) -> dict:
+    """A random [n, k] weight's levels q and scales, m random rows x, and through the kernel in pairs (AMX tiles
+    or VDPBF16PS chains): their products ("got"), each row's alone ("alone"), with unit scales ("ones"), and the
+    bfloat16 product on bf16(q) ("bf16")."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    weight = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q, scales, _ = native.int8_weights(weight)
+    old = native.set_amx(amx)
+    try:
+        tiles = native.int8_pair_tiles(q, scales)
+        return {"x": x, "q": q, "scales": scales, "got": native.linear(x, tiles, n, None),
+                "alone": torch.cat([native.linear(x[i: i + 1], tiles, n, None) for i in range(m)]),
+                "ones": native.linear(x, native.int8_pair_tiles(q, torch.ones(n)), n, None),
+                "bf16": native.linear(x, native.tiles(q.bfloat16(), pairs=True), n, None)}
+    finally:
+        native.set_amx(old)
+
+
 @needs_int8_pairs
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (50, 20), (96, 576)])
@@ -109,16 +135,25 @@ def test_int8_products_are_the_pairs_chain_over_the_integers_scaled_after(m, n, 
     """Every row count (in the kernel up to 8 rows, expanded a chunk at a time beyond) and padded shape: each
     output is the pairs kernel's one chain over bf16(q), times its row's scale, rounded once; with unit scales
     bitwise the bfloat16 pairs kernel on bf16(q)."""
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    weight = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
-    x = torch.randn(m, k, generator=g).bfloat16()
-    q, scales, _ = native.int8_weights(weight)
-    got = native.linear(x, native.int8_pair_tiles(q, scales), n, None)
-    assert torch.equal(got, (pairs_chain(x, q.bfloat16()) * scales).bfloat16())
-    ones = native.linear(x, native.int8_pair_tiles(q, torch.ones(n)), n, None)
-    assert torch.equal(ones, native.linear(x, native.tiles(q.bfloat16(), pairs=True), n, None))
-    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], native.int8_pair_tiles(q, scales), n, None)
-                                       for i in range(m)]))
+    p = int8_pair_products(m, n, k, amx=False)
+    assert torch.equal(p["got"], (pairs_chain(p["x"], p["q"].bfloat16()) * p["scales"]).bfloat16())
+    assert torch.equal(p["ones"], p["bf16"])
+    assert torch.equal(p["got"], p["alone"])
+
+
+@needs_int8_pairs
+@pytest.mark.skipif(not amx_runs_here(), reason="no AMX here")
+@pytest.mark.parametrize("m", [1, 2, 9, 16, 17, 33])
+@pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (96, 576), (30, 1536)])
+def test_int8_products_through_amx_tiles_are_the_bfloat16_tiles_products_over_the_integers(m, n, k):
+    """Through AMX tiles int8 weights are expanded to their bfloat16 values a chunk at a time (32 pairs, two
+    blocks) and summed by the bfloat16 kernel's blocks: with unit scales bitwise the bfloat16 product on bf16(q),
+    every row its own, the scales applied after (close to the float32 product)."""
+    p = int8_pair_products(m, n, k, amx=True)
+    assert torch.equal(p["ones"], p["bf16"])
+    assert torch.equal(p["got"], p["alone"])
+    exact = (p["x"].float() @ p["q"].float().T) * p["scales"]
+    torch.testing.assert_close(p["got"].float(), exact, rtol=1.6e-2, atol=2e-2)
 
 
 @needs_int8_pairs

@@ -9,25 +9,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pairs_chain, pairs_run_here, wide_pass_and_steps
+from conftest import amx_runs_here, pairs_chain, pairs_run_here, wide_pass_and_steps
 from dflash.models import native
 from dflash.models.kernels import NATIVE, FrozenLinear, measure_plan, shape_key
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"no native kernel here: {native.why_not}")
 
 
-@pytest.fixture(params=["float32", "bfloat16", "bfloat16-pairs"])
+@pytest.fixture(params=["float32", "bfloat16", "bfloat16-pairs", "bfloat16-amx"])
 def dtype(request):
-    """The model dtype of a test, bfloat16 once per layout of its weights (widened; in pairs where the CPU has
-    AVX512-BF16), the layout restored after."""
+    """The model dtype of a test, bfloat16 once per layout of its weights and kernel (widened; in pairs through
+    VDPBF16PS where the CPU has AVX512-BF16; in pairs through AMX tiles where it has AMX), restored after."""
     if request.param == "bfloat16-pairs" and not pairs_run_here():
         pytest.skip("no AVX512-BF16 here: bfloat16 products in pairs do not run")
-    old = native.set_bf16_pairs(request.param == "bfloat16-pairs") if native.library() is not None else None
+    if request.param == "bfloat16-amx" and not amx_runs_here():
+        pytest.skip("no AMX here: products in pairs do not run through tiles")
+    old = None
+    if native.library() is not None:
+        old = (native.set_bf16_pairs(request.param in ("bfloat16-pairs", "bfloat16-amx")),
+               native.set_amx(request.param == "bfloat16-amx"))
     try:
         yield torch.float32 if request.param == "float32" else torch.bfloat16
     finally:
         if old is not None:
-            native.set_bf16_pairs(old)
+            native.set_bf16_pairs(old[0])
+            native.set_amx(old[1])
 
 
 def reference(x, weight, bias):
@@ -169,9 +175,58 @@ def test_pairs_sum_each_output_as_one_chain_whatever_the_rows(m):
     g = torch.Generator().manual_seed(m)
     weight, x = (torch.randn(67, 150, generator=g) * 0.1).bfloat16(), torch.randn(m, 150, generator=g).bfloat16()
     tiles = native.tiles(weight, pairs=True)
-    got = native.linear(x, tiles, 67, None)
-    assert torch.equal(got, pairs_chain(x, weight).bfloat16())
-    assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 67, None) for i in range(m)]))
+    amx = native.set_amx(False)
+    try:
+        got = native.linear(x, tiles, 67, None)
+        assert torch.equal(got, pairs_chain(x, weight).bfloat16())
+        assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 67, None) for i in range(m)]))
+    finally:
+        native.set_amx(amx)
+
+
+@needs_native
+@pytest.mark.skipif(not amx_runs_here(), reason="no AMX here")
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 15, 16, 17, 18, 33])
+@pytest.mark.parametrize("k", [8, 24, 32, 150, 576, 1536])
+def test_amx_rows_give_bitwise_the_products_of_single_rows(m, k):
+    """Through AMX tiles (up to 16 rows a tile, a row count's own tile configuration, the inputs in blocks of 16
+    pairs with a zero-padded last block: k = 8 and 24 end in a part block, 150 pads to 152 first), each output is
+    its row's alone, so a verify pass of k tokens gives bitwise the products of k steps; the sums are the float32
+    product's within bfloat16 rounding."""
+    g = torch.Generator().manual_seed(m * 100 + k)
+    weight, x = (torch.randn(67, k, generator=g) * 0.1).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
+    tiles = native.tiles(weight, pairs=True)
+    amx = native.set_amx(True)
+    try:
+        got = native.linear(x, tiles, 67, None)
+        assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 67, None) for i in range(m)]))
+    finally:
+        native.set_amx(amx)
+    torch.testing.assert_close(got.float(), reference(x, weight, None), rtol=1.6e-2, atol=1e-2)
+
+
+@needs_native
+@pytest.mark.skipif(not amx_runs_here(), reason="no AMX here")
+def test_amx_sums_differ_from_vdpbf16ps_chains_and_do_not_depend_on_a_column_place():
+    """TDPBF16PS meets the sum once per block of 16 pairs where VDPBF16PS adds pair by pair (so a model runs one
+    kernel or the other, never both); and an output's sum does not depend on where its weight row sits in a panel
+    (columns 0-15 and 16-23 are separate tiles), which the screen's survivors (chain_dot_amx8) rely on. Rows of
+    random inputs, head rows shifted by 1-23 places."""
+    g = torch.Generator().manual_seed(3)
+    weight, x = (torch.randn(4096, 576, generator=g) * 0.05).bfloat16(), torch.randn(64, 576, generator=g).bfloat16()
+    amx = native.set_amx(True)
+    try:
+        tiles = native.tiles(weight, pairs=True)
+        got = native.linear(x, tiles, 4096, None)
+        for shift in range(1, 24):
+            shifted = torch.cat([torch.zeros(shift, 576).bfloat16(), weight[:48]])
+            moved = native.linear(x, native.tiles(shifted, pairs=True), 48 + shift, None)[:, shift:]
+            assert torch.equal(moved, got[:, :48])
+        native.set_amx(False)
+        chains = native.linear(x, tiles, 4096, None)
+    finally:
+        native.set_amx(amx)
+    assert 0 < (chains != got).sum() < 300  # bfloat16 outputs: 35 of 262,144 round apart
 
 
 @needs_native

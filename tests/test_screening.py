@@ -220,6 +220,43 @@ def test_survivors_are_summed_as_the_heads_own_kernel_sums_them(kind, bf16_layou
     assert torch.equal(ScreenedHead(head, kind).argmax(xr), own.argmax(-1))
 
 
+def test_survivors_are_summed_by_the_amx_heads_own_blocks(kind):
+    """Through AMX tiles a bfloat16 head's sums meet once per block of 16 input pairs, not pair by pair as
+    VDPBF16PS adds them; the screen's survivors are gathered into a panel of their own and summed by the same blocks
+    (chain_dot_amx8). Heads built on a boundary where the two kernels pick different tokens (as in the test above):
+    the screen picks what the tiles pick, and with them off, what the chains pick."""
+    from conftest import amx_runs_here
+
+    if not amx_runs_here():
+        pytest.skip("no AMX here")
+    torch.manual_seed(8)
+    k = 576
+    weight, x = (torch.randn(4096, k) * 0.05).bfloat16(), torch.randn(64, k).bfloat16()
+    old = native.set_bf16_pairs(True), native.set_amx(True)
+    try:
+        tiles = native.tiles(weight, pairs=True)
+        amx = native.linear(x, tiles, 4096, None)
+        native.set_amx(False)
+        chains = native.linear(x, tiles, 4096, None)
+        checked = 0
+        for row, token in (amx != chains).nonzero().tolist()[:6]:
+            xr, on_boundary = x[row: row + 1], weight[token].clone()
+            below = on_boundary.clone()
+            j = int(torch.where((xr[0] > 0) & (below > 0), xr[0].float(), torch.zeros(k)).argmax())
+            below.view(torch.int16)[j] -= 1
+            head = torch.stack([below, on_boundary])
+            picks = {}
+            for on in (True, False):
+                native.set_amx(on)
+                picks[on] = native.linear(xr, native.tiles(head, pairs=True), 2, None).float().argmax(-1)
+                assert torch.equal(ScreenedHead(head, kind).argmax(xr), picks[on])
+            checked += bool(picks[True] != picks[False])
+        assert checked > 0  # some heads did split the two kernels
+    finally:
+        native.set_bf16_pairs(old[0])
+        native.set_amx(old[1])
+
+
 def test_a_targets_screen_follows_its_head():
     """A target keeps one screen per kind, made again when its head is cast (a bfloat16 head is summed otherwise)
     or its bfloat16 weights are laid out anew."""

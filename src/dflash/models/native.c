@@ -873,6 +873,178 @@ static void four_panel_step(const Product *W, const char *stored, int64_t p, flo
                  MIN(PANEL, n - PANEL * (p + q)), W->round, W->scales ? W->scales + PANEL * (p + q) : NULL);
 }
 
+/* ---- bfloat16 pairs through AMX tiles, where the CPU has them (Intel Sapphire Rapids and later) -------------------
+ * A verify pass of 8-16 bfloat16 tokens is bound by its multiply-adds even in pairs: VDPBF16PS does 16 an
+ * instruction, and a 16-token pass of SmolLM2 took 2.7x a step (Intel Xeon, family 6 model 207, 2 threads). One
+ * TDPBF16PS multiplies a tile of up to 16 rows by 16 input pairs against 16 pairs of 16 columns: 8192 multiply-adds.
+ * The pairs layout is already what it reads: for 16 input pairs, a panel's columns 0-15 are a tile of 16 rows of 64
+ * bytes, 96 bytes apart, and columns 16-23 one of 32-byte rows. So the same tiles serve both kernels, and a product
+ * of 1-16 rows reads its weight once at about the memory's speed (a standalone harness over SmolLM2's decoder
+ * products, 2 threads: 16.3 ms for one row and 18.5 for sixteen, against 20.9 and 56-86 with VDPBF16PS).
+ * TDPBF16PS does not sum as a chain of VDPBF16PS: the 32 products of a block meet the sum once, not pair by pair
+ * (measured: 40% of outputs differ in their last bits). So a model either runs ALL its products in pairs through
+ * tiles or none (dflash_set_amx, switched between passes, never inside one), and every output is ONE sequence of
+ * blocks of 16 input pairs, in order, whatever the number of rows: a row's sums never depend on the other rows of its
+ * tile (tests/test_native.py), so verifying k tokens still gives bitwise the logits of k steps. Inputs past k (the
+ * tiles' zero padding to 8, then zeros to a whole block) add exact zeros. The screen's survivors (chain_dot_amx8)
+ * are summed by the same blocks. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define AMX_BUILT 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+/* gcc's tile intrinsics are asm statements that name only the addresses they load from and store to, not the memory
+ * there: without a barrier that hands the compiler those addresses, it dropped a buffer's stores before a load and
+ * read the sums before the store (zero-padded tails came out as garbage at -O3). Each tile access below sits behind
+ * one. */
+#define TOUCHES(p) __asm__ volatile("" : : "r"(p) : "memory")
+/* tiles 0 and 1: a slice's sums over columns 0-15 and 16-23; 2: its input pairs, 16 at a time; 3 and 4: the weights
+ * of those 16 pairs, columns 0-15 and 16-23 */
+AMX_TARGET static void amx_configure(int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = c.rows[2] = (uint8_t)rows, c.rows[3] = c.rows[4] = 16;
+    c.colsb[0] = 64, c.colsb[1] = 32, c.colsb[2] = 64, c.colsb[3] = 64, c.colsb[4] = 32;
+    TOUCHES(&c);
+    _tile_loadconfig(&c);
+}
+AMX_TARGET static void amx_release(void) { _tile_release(); }
+AMX_TARGET static void amx_zero_sums(void) { _tile_zero(0); _tile_zero(1); }
+AMX_TARGET static void amx_store_sums(float *sums) { /* rows of PANEL floats, as the panel kernels write them */
+    _tile_stored(0, sums, PANEL * 4);
+    _tile_stored(1, sums + 16, PANEL * 4);
+    TOUCHES(sums);
+}
+/* the configured rows of input pairs x (ldx words a row) against `units` (a multiple of 16) pairs of a panel's
+ * weights w, added to the sums' tiles */
+AMX_TARGET static void amx_blocks(const uint32_t *w, const uint32_t *x, int64_t ldx, int64_t units) {
+    TOUCHES(w);
+    TOUCHES(x);
+    for (int64_t i = 0; i < units; i += 16) {
+        _tile_loadd(2, x + i, ldx * 4);
+        _tile_loadd(3, w + i * PANEL, PANEL * 4);
+        _tile_loadd(4, w + i * PANEL + 16, PANEL * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+}
+/* the last `units` (under 16) pairs as one block padded with zeros, for `rows` rows */
+static void amx_tail(const uint32_t *w, const uint32_t *x, int64_t ldx, int64_t units, int64_t rows) {
+    uint32_t wt[16 * PANEL] = {0}, xt[16 * 16] = {0};
+    memcpy(wt, w, sizeof(uint32_t) * (size_t)(units * PANEL));
+    for (int64_t r = 0; r < rows; r++) memcpy(xt + r * 16, x + r * ldx, sizeof(uint32_t) * (size_t)units);
+    amx_blocks(wt, xt, 16, 16);
+}
+/* units [0, count) of a panel (words of pairs, PANEL a unit) against rows x (ldx words a row) */
+static void amx_units(const uint32_t *w, const uint32_t *x, int64_t ldx, int64_t count, int64_t rows) {
+    int64_t whole = count / 16 * 16;
+    amx_blocks(w, x, ldx, whole);
+    if (whole < count) amx_tail(w + whole * PANEL, x + whole, ldx, count - whole, rows);
+}
+static int amx_on = 0; /* set by native.py (dflash_set_amx) where the CPU, the OS and a measurement allow */
+static int cpu_has_amx(void) {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!(d >> 22 & 1) || !(d >> 24 & 1)) return 0; /* AMX-BF16, AMX-TILE */
+    /* Linux hands out the tile state only to a process that asks for it (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+/* Eight logits of a bfloat16 head as its AMX product stores them, rows ids[] of w (k inputs a row): the rows are
+ * gathered into a panel of their own (columns 0-7, the rest zero) and summed by the same blocks, one input row */
+static void chain_dot_amx8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k, float *out) {
+    static _Thread_local uint32_t *panel, *pairs;
+    static _Thread_local int64_t size;
+    int64_t units = (k + 7) / 8 * 4, padded = (units + 15) / 16 * 16;
+    if (padded > size) {
+        free(panel), free(pairs);
+        panel = malloc(sizeof(uint32_t) * (size_t)(padded * PANEL)), pairs = malloc(sizeof(uint32_t) * (size_t)padded);
+        size = panel && pairs ? padded : 0;
+        if (!size) {
+            for (int t = 0; t < 8; t++) out[t] = NAN;
+            return;
+        }
+    }
+    memset(panel, 0, sizeof(uint32_t) * (size_t)(padded * PANEL));
+    memset(pairs, 0, sizeof(uint32_t) * (size_t)padded);
+    for (int64_t j = 0; j < k; j++) {
+        uint32_t shift = (uint32_t)(j & 1) * 16;
+        pairs[j / 2] |= (uint32_t)f32_to_bf16(x[j]) << shift;
+        for (int t = 0; t < 8; t++) panel[j / 2 * PANEL + t] |= (uint32_t)w[ids[t] * k + j] << shift;
+    }
+    float sums[PANEL];
+    amx_configure(1);
+    amx_zero_sums();
+    amx_blocks(panel, pairs, padded, padded);
+    amx_store_sums(sums);
+    amx_release();
+    for (int t = 0; t < 8; t++) out[t] = bf16_to_f32(f32_to_bf16(sums[t]));
+}
+#else
+#define AMX_BUILT 0
+static const int amx_on = 0;
+static int cpu_has_amx(void) { return 0; }
+static void amx_configure(int rows) { (void)rows; }
+static void amx_release(void) {}
+static void amx_zero_sums(void) {}
+static void amx_store_sums(float *sums) { (void)sums; }
+static void amx_units(const uint32_t *w, const uint32_t *x, int64_t ldx, int64_t count, int64_t rows) {
+    (void)w, (void)x, (void)ldx, (void)count, (void)rows;
+}
+static void chain_dot_amx8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k, float *out) {
+    (void)w, (void)ids, (void)x, (void)k;
+    for (int t = 0; t < 8; t++) out[t] = NAN;
+}
+#endif
+
+/* Whether this build, CPU and OS run products in pairs through AMX tiles (dflash_set_amx turns them on) */
+int dflash_amx(void) { return AMX_BUILT && cpu_has_pairs() && cpu_has_amx(); }
+int dflash_set_amx(int on) {
+    int old = amx_on;
+#if AMX_BUILT
+    amx_on = on && dflash_amx();
+#else
+    (void)on;
+#endif
+    return old;
+}
+
+/* A product's panels [first, last) in pairs through tiles, SLICE rows at a time. int8 weights (INT8_PAIRS) are
+ * expanded to their bfloat16 pairs a chunk at a time, into `wide`. */
+static void amx_panels(const Product *W, int64_t first, int64_t last, uint32_t *wide) {
+    int64_t m = W->m, n = W->n, k2 = units_of(W), elem = unit_bytes(W);
+    const uint32_t *x = (const uint32_t *)W->xf;
+    float sums[SLICE * PANEL];
+    int64_t configured = 0;
+    for (int64_t p = first; p < last; p++) {
+        const char *stored = (const char *)W->panels + p * PANEL * k2 * elem;
+        int64_t cols = MIN(PANEL, n - PANEL * p);
+        for (int64_t j0 = 0; j0 < m; j0 += SLICE) {
+            int64_t rows = MIN(SLICE, m - j0);
+            if (rows != configured) amx_configure((int)rows), configured = rows;
+            amx_zero_sums();
+            if (W->kind == INT8_PAIRS)
+                for (int64_t c0 = 0; c0 < k2; c0 += PAIR_CHUNK) {
+                    int64_t count = MIN(PAIR_CHUNK, k2 - c0);
+                    int8_expand(stored + c0 * PANEL * elem, count, wide);
+                    amx_units(wide, x + j0 * k2 + c0, k2, count, rows);
+                }
+            else
+                amx_units((const uint32_t *)stored, x + j0 * k2, k2, k2, rows);
+            amx_store_sums(sums);
+            for (int64_t r = 0; r < rows; r++)
+                add_bias(W->yf + (j0 + r) * n + PANEL * p, sums + r * PANEL, W->bias ? W->bias + PANEL * p : NULL, cols,
+                         W->round, W->scales ? W->scales + PANEL * p : NULL);
+        }
+    }
+    if (configured) amx_release();
+}
+
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
     int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
@@ -880,6 +1052,13 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
     int widens = (W->kind == 1 || W->kind == INT8_WIDENED) && m > 4;
     int expands = W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS;
     float *wide = widens || expands ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
+    if (amx_on && in_pairs(W->kind)) {
+        uint32_t *expanded = W->kind == INT8_PAIRS ? (uint32_t *)widening_buffer(PANEL * PAIR_CHUNK) : NULL;
+        if (W->kind != INT8_PAIRS || expanded) { /* (out of memory: the pairs kernel, in the last bits apart) */
+            amx_panels(W, first, last, expanded);
+            return;
+        }
+    }
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
@@ -1488,7 +1667,7 @@ static void settle_survivors(const ScreenRows *S, const float *xr, int64_t *ids,
                              int64_t *count) {
     float e[8];
     for (int t = n; t < 8; t++) ids[t] = ids[n - 1]; /* padding: a repeated chain, its sum unread */
-    if (S->bf16_head == 2) chain_dot_pairs8((const uint16_t *)S->weight, ids, xr, S->k, e);
+    if (S->bf16_head == 2) (amx_on ? chain_dot_amx8 : chain_dot_pairs8)((const uint16_t *)S->weight, ids, xr, S->k, e);
     else chain_dots8(S->weight, S->bf16_head, ids, xr, S->k, e);
     for (int t = 0; t < n; t++) {
         ++*count;

@@ -9,8 +9,10 @@ for all four of the layer's products (transformer.py). Built only on x86-64 Linu
 (`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
 The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
 Where the CPU multiplies bfloat16 itself (AVX512-BF16: AMD Zen 4, Intel Sapphire Rapids), bfloat16 weights are laid
-out in pairs of inputs for it (`bf16_pairs`; DFLASH_BF16_PAIRS=0 keeps the widening kernel). An int8 target's
-products read its weights a byte each wherever the kernel runs (`int8_kernel`).
+out in pairs of inputs for it (`bf16_pairs`; DFLASH_BF16_PAIRS=0 keeps the widening kernel); where it also has AMX
+tiles (Intel Sapphire Rapids and later) and they measure faster, products in pairs run through them (`amx`;
+DFLASH_AMX=0 keeps VDPBF16PS). An int8 target's products read its weights a byte each wherever the kernel runs
+(`int8_kernel`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _library: ctypes.CDLL | None = None
 _tried = False
 _pairs = False  # bfloat16 weights laid out in pairs (see bf16_pairs)
+_amx = False  # products in pairs through AMX tiles (see amx)
 _int8_on = True  # our products read int8 weights a byte each, where a kernel for them runs (see int8_kernel)
 _int8_pairs = False  # ... in pairs, where bfloat16 weights are in pairs (AVX512-VBMI; see int8_kernel)
 _int8_vnni = False  # the int8 screen in integers (see int8_vnni)
@@ -88,7 +91,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _amx
     if _tried:
         return _library
     _tried = True
@@ -111,6 +114,8 @@ def library() -> ctypes.CDLL | None:
             lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
             lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
             lib.dflash_int8_pairs.argtypes, lib.dflash_int8_pairs.restype = [], ctypes.c_int
+            lib.dflash_amx.argtypes, lib.dflash_amx.restype = [], ctypes.c_int
+            lib.dflash_set_amx.argtypes, lib.dflash_set_amx.restype = [ctypes.c_int], ctypes.c_int
             lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
             lib.dflash_set_attention_pairs.restype = ctypes.c_int
             if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
@@ -157,6 +162,8 @@ def library() -> ctypes.CDLL | None:
             _int8_pairs = bool(lib.dflash_int8_pairs()) and os.environ.get("DFLASH_INT8_PAIRS", "1") != "0"
             _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
             _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
+            if _pairs and lib.dflash_amx() and os.environ.get("DFLASH_AMX", "1") != "0":
+                set_amx(_amx_measures_faster())
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     if _library is None and why_not.startswith(("build failed", "no C compiler")):
@@ -169,13 +176,13 @@ def library() -> ctypes.CDLL | None:
 
 def build_id() -> str:
     """Which build of the kernel runs here ("none" where none does): its file name carries the source hash,
-    "+pairs" where bfloat16 products run in pairs, "+vnni" where the int8 screen sums in integers, and "+wide"
-    where its inputs may be wide."""
+    "+pairs" where bfloat16 products run in pairs ("+amx" through AMX tiles), "+vnni" where the int8 screen sums
+    in integers, and "+wide" where its inputs may be wide."""
     lib = library()
     if lib is None:
         return "none"
     int8 = {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
-    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + int8
+    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+amx" if _amx else "") + int8
             + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 
@@ -196,6 +203,52 @@ def set_bf16_pairs(on: bool) -> bool:
         raise RuntimeError("this build or CPU cannot multiply bfloat16 in pairs (AVX512-BF16)")
     _pairs = bool(on)
     return old
+
+
+def amx() -> bool:
+    """Whether products in pairs (bfloat16 and int8 weights, `bf16_pairs`) run through AMX tiles (TDPBF16PS) rather
+    than VDPBF16PS chains: where this build, CPU and OS have them, DFLASH_AMX is not 0, and they measured faster
+    when the library loaded (`_amx_measures_faster`). The two kernels sum in different orders, so outputs differ in
+    their last bits between them; a pass never mixes them."""
+    library()
+    return _amx
+
+
+def set_amx(on: bool) -> bool:
+    """Switches products in pairs to AMX tiles or back to VDPBF16PS (for tests and A/B runs; the tiles are the same,
+    so weights laid out before follow); returns the old setting. Switch between passes, never during one."""
+    global _amx
+    lib, old = library(), _amx
+    if on and (lib is None or not lib.dflash_amx()):
+        raise RuntimeError("this build, CPU or OS cannot run AMX tiles (AMX-BF16)")
+    if lib is not None:
+        lib.dflash_set_amx(int(on))
+    _amx = bool(on)
+    return old
+
+
+def _amx_measures_faster(rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> bool:
+    """Whether AMX tiles ran a product in pairs faster than VDPBF16PS here: the summed time of a step's and a verify
+    pass's product (`rows`) over a random [3072, 576] bfloat16 weight, SmolLM2's gate/up (3.5 MB, beyond L2), the
+    fastest of `repeats` runs of each, interleaved. About 20 ms. On an Intel Xeon (family 6 model 207, 2 threads)
+    tiles took ~0.8x the time at one row and ~0.25x at sixteen."""
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    weight_tiles = tiles(torch.randn(3072, 576, generator=generator).bfloat16(), pairs=True)
+    inputs = {m: torch.randn(m, 576, generator=generator).bfloat16() for m in rows}
+    best = {True: float("inf"), False: float("inf")}
+    try:
+        for _ in range(repeats):
+            for on in (True, False):
+                set_amx(on)
+                start = time.perf_counter()
+                for x in inputs.values():
+                    linear(x, weight_tiles, 3072, None)
+                best[on] = min(best[on], time.perf_counter() - start)
+    finally:
+        set_amx(False)
+    return best[True] < best[False]
 
 
 def int8_kernel() -> str | None:
