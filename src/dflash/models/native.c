@@ -888,6 +888,15 @@ static void four_panel_step(const Product *W, const char *stored, int64_t p, flo
  * tile (tests/test_native.py), so verifying k tokens still gives bitwise the logits of k steps. Inputs past k (the
  * tiles' zero padding to 8, then zeros to a whole block) add exact zeros. The screen's survivors (chain_dot_amx8)
  * are summed by the same blocks. */
+/* How far ahead, in input pairs, a product through tiles requests the weights it will read from memory (int8: the
+ * stored bytes of the chunk that far on, not the chunk expanded into L1). 64 (6 KB of bfloat16 ahead, into the next
+ * panel near a panel's end): SmolLM2's decoder products from memory in a standalone harness (2 threads, Intel Xeon
+ * family 6 model 207) took 0.88-0.91x the time of the hardware prefetcher alone, 8.6-8.9 ms for 212 MB at 1-16
+ * rows, where a plain read of the same bytes took 9.9; int8 passes of 1, 8 and 16 tokens 0.83-0.89x
+ * (`AB_WIDTHS=1,8,16 scripts/ab_native.py OLD.c NEW.c verify int8 200`) */
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 64
+#endif
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
 #define AMX_BUILT 1
 #include <sys/syscall.h>
@@ -921,13 +930,6 @@ AMX_TARGET static void amx_store_sums(float *sums) { /* rows of PANEL floats, as
     _tile_stored(1, sums + 16, PANEL * 4);
     TOUCHES(sums);
 }
-/* How far ahead, in input pairs, a product through tiles requests the weights it will read (from memory: not an
- * int8 chunk expanded into L1). 64 (6 KB ahead, into the next panel near a panel's end): SmolLM2's decoder products
- * from memory in a standalone harness (2 threads, Intel Xeon family 6 model 207) took 0.88-0.91x the time of the
- * hardware prefetcher alone, 8.6-8.9 ms for 212 MB at 1-16 rows, where a plain read of the same bytes took 9.9 */
-#ifndef AMX_AHEAD
-#define AMX_AHEAD 64
-#endif
 /* the configured rows of input pairs x (ldx words a row) against `units` (a multiple of 16) pairs of a panel's
  * weights w, added to the sums' tiles */
 AMX_TARGET static void amx_blocks(const uint32_t *w, const uint32_t *x, int64_t ldx, int64_t units, int ahead) {
@@ -1042,6 +1044,8 @@ static void amx_panels(const Product *W, int64_t first, int64_t last, uint32_t *
             if (W->kind == INT8_PAIRS)
                 for (int64_t c0 = 0; c0 < k2; c0 += PAIR_CHUNK) {
                     int64_t count = MIN(PAIR_CHUNK, k2 - c0);
+                    for (int line = 0; line < PAIR_CHUNK * PANEL * 2 / 64; line++) /* a chunk AMX_AHEAD pairs on */
+                        _mm_prefetch(stored + (c0 + AMX_AHEAD) * PANEL * elem + 64 * line, _MM_HINT_T0);
                     int8_expand(stored + c0 * PANEL * elem, count, wide);
                     amx_units(wide, x + j0 * k2 + c0, k2, count, rows, 0);
                 }
