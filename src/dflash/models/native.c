@@ -875,12 +875,13 @@ static void four_panel_step(const Product *W, const char *stored, int64_t p, flo
 
 /* ---- bfloat16 pairs through AMX tiles, where the CPU has them (Intel Sapphire Rapids and later) -------------------
  * A verify pass of 8-16 bfloat16 tokens is bound by its multiply-adds even in pairs: VDPBF16PS does 16 an
- * instruction, and a 16-token pass of SmolLM2 took 2.7x a step (Intel Xeon, family 6 model 207, 2 threads). One
+ * instruction, and a 16-token pass of SmolLM2 took 1.9-2.9x a step (Intel Xeon, family 6 model 207, 2 threads). One
  * TDPBF16PS multiplies a tile of up to 16 rows by 16 input pairs against 16 pairs of 16 columns: 8192 multiply-adds.
  * The pairs layout is already what it reads: for 16 input pairs, a panel's columns 0-15 are a tile of 16 rows of 64
  * bytes, 96 bytes apart, and columns 16-23 one of 32-byte rows. So the same tiles serve both kernels, and a product
- * of 1-16 rows reads its weight once at about the memory's speed (a standalone harness over SmolLM2's decoder
- * products, 2 threads: 16.3 ms for one row and 18.5 for sixteen, against 20.9 and 56-86 with VDPBF16PS).
+ * of 1-16 rows reads its weight once at about the memory's speed (a standalone harness over SmolLM2's 212 MB of
+ * decoder products, 2 threads: 9.1-10.6 ms at 1-16 rows, where a plain read of the bytes took 9.9 and VDPBF16PS
+ * 17-22 ms at one row and 45-86 at sixteen).
  * TDPBF16PS does not sum as a chain of VDPBF16PS: the 32 products of a block meet the sum once, not pair by pair
  * (measured: 40% of outputs differ in their last bits). So a model either runs ALL its products in pairs through
  * tiles or none (dflash_set_amx, switched between passes, never inside one), and every output is ONE sequence of
