@@ -24,6 +24,9 @@ Switches (the "on" variant is each one's default):
                     (`choose_kernels`: cached per kernel build, so the first switch may measure for a few seconds).
                     Its outputs may differ in the last bits, as between the two product kernels. Use with --dtype
                     bfloat16 on a CPU with AMX
+  narrow-passes     products of a few rows read the panels one at a time with the next chunk requested from 2 rows
+                    (`native.narrow_passes` "one-panel"), against two panels at a time up to 4 rows ("two-panels",
+                    the choice on AMD EPYC); outputs identical
   continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
                     frequent continuations (`methods/continuations.py`), against prompt lookup alone
   attention-pairs   a bfloat16 target whose products run in pairs scores attention with VDPBF16PS too (`native.c`:
@@ -114,6 +117,10 @@ def set_amx(target, on: bool) -> None:
         target._ab_amx = on
 
 
+def set_narrow_passes(target, on: bool) -> None:
+    native.set_narrow_passes("one-panel" if on else "two-panels")
+
+
 def set_int8_vnni(target, on: bool) -> None:
     target.screen_greedy, target.screen_kind = True, "int8"
     if native.int8_vnni() != on:
@@ -190,7 +197,8 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "continuations": set_continuations, "backoff-contexts": set_backoff_contexts,
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
             "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
-            "chained-prior": set_chained_prior, "amx": set_amx}
+            "chained-prior": set_chained_prior, "amx": set_amx,
+            "narrow-passes": set_narrow_passes}
 # switches whose variants may differ in output (each lossless on its own)
 CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "prompts-in-c"}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ

@@ -53,9 +53,22 @@ def test_float32_product_matches_f_linear(m, n, k, with_bias):
     torch.testing.assert_close(got, reference(x, weight, bias), rtol=1e-4, atol=1e-4)  # float32 sums, any order
 
 
+@pytest.fixture(params=sorted(native.NARROW_PASSES))
+def narrow_way(request):
+    """Each way narrow products read the panels (native.narrow_passes: two panels up to 4 rows, or one panel with
+    the next chunk requested), restored after."""
+    if native.library() is None:
+        pytest.skip(f"no native kernel here: {native.why_not}")
+    old = native.set_narrow_passes(request.param)
+    try:
+        yield request.param
+    finally:
+        native.set_narrow_passes(old)
+
+
 @needs_native
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16])
-def test_float32_rows_give_bitwise_the_products_of_single_rows(m):
+def test_float32_rows_give_bitwise_the_products_of_single_rows(m, narrow_way):
     """However the rows are grouped (two panels at a time up to 4 rows; groups of 4, or of up to 8 in AVX-512
     registers where the CPU has them, evened out where the last group would be under half full), each output is
     the one chain of FMAs a single row's product makes: verifying k tokens gives bitwise the logits of k steps."""
@@ -68,7 +81,7 @@ def test_float32_rows_give_bitwise_the_products_of_single_rows(m):
 
 @needs_native
 @pytest.mark.parametrize("m", [2, 3, 5, 9, 16])
-def test_bfloat16_steps_give_bitwise_the_rows_of_wider_products(m, bf16_layout):
+def test_bfloat16_steps_give_bitwise_the_rows_of_wider_products(m, bf16_layout, narrow_way):
     """A step's row against four panels at once (widened bfloat16, where a thread's share holds four: 400 outputs are
     17 panels), two at a time, or in pairs: each output is the one chain its row makes in any wider product."""
     g = torch.Generator().manual_seed(m)
@@ -507,6 +520,20 @@ def test_verify_passes_over_sixteen_tokens_give_bitwise_the_logits_of_steps(widt
     target = tiny_target("qwen3", logit_scale=4.0, hidden_size=128)
     target.model.to(dtype)
     choose_kernels(target, "native")
+    wide, steps = wide_pass_and_steps(target, width)
+    assert torch.equal(wide, steps)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [2, 3, 4, 5, 8])
+def test_narrow_verify_passes_give_bitwise_the_logits_of_steps_either_way(width, dtype, narrow_way):
+    """Passes of a few tokens read the panels two at a time or one at a time with the next chunk requested
+    (native.narrow_passes, chosen per machine): either way each output is its one chain, so a verify pass is
+    bitwise its steps."""
+    target = tiny_target("llama", logit_scale=4.0, hidden_size=128)
+    target.model.to(dtype)
+    choose_kernels(target, "native")
+    native.set_narrow_passes(narrow_way)  # (choose_kernels leaves a forced plan's narrow passes as they were)
     wide, steps = wide_pass_and_steps(target, width)
     assert torch.equal(wide, steps)
 

@@ -747,6 +747,18 @@ static inline int64_t group_size(int64_t rows, int64_t left, int64_t groups_left
 #ifndef INT8_INLINE_ROWS
 #define INT8_INLINE_ROWS 8
 #endif
+/* How passes of a few rows read the panels, set per machine by measurement (native.py, set_narrow_passes;
+ * target.py, choose_narrow_passes): up to `two_panel_rows` rows (0-4) run two panels at a time (AVX2's float
+ * kernels, two memory streams), and from `request_from_rows` rows a single group of rows requests the next chunk
+ * while it works on this one. On AMD EPYC Zen 3 and Zen 4 two panels up to 4 rows and requests from 7 measured best
+ * (the defaults; thirty-third session); on an Intel Xeon with AVX-512 (family 6 model 207, float32) one panel from
+ * 2 rows, requesting from 2 rows, took 0.67-0.81x the time at 3-5 rows and 0.94x at 2 (forty-eighth session; a
+ * step kept two panels). Each output is the same one chain either way. */
+static int two_panel_rows = 4, request_from_rows = 7;
+int dflash_set_narrow_passes(int two_panels, int request_from) {
+    two_panel_rows = MAX(0, MIN(4, two_panels)), request_from_rows = MAX(1, request_from);
+    return 0;
+}
 static void panel_slice(const Product *W, const char *stored, const float *x, int64_t rows, float *wide,
                         float *sums) {
     int widen = wide && (W->kind == 1 || W->kind == INT8_WIDENED) && rows > 4;
@@ -754,8 +766,8 @@ static void panel_slice(const Product *W, const char *stored, const float *x, in
     int kind = run_kind(widen ? 0 : expand ? 2 : W->kind);
     int64_t k8 = units_of(W), elem = unit_bytes(W), most = group_rows_of(kind), groups = (rows + most - 1) / most;
     /* A group of 7-8 rows in pairs alone also requests the next chunk while it works on this one (its arithmetic
-     * nears the memory's time; 8 rows 0.95x the time, 5 rows 1.01-1.08x) */
-    int request = groups > 1 || rows > 6;
+     * nears the memory's time; 8 rows 0.95x the time, 5 rows 1.01-1.08x, AMD EPYC Zen 4): request_from_rows */
+    int request = groups > 1 || rows >= request_from_rows;
     int64_t chunk = !request && !widen && !expand ? k8 : in_pairs(W->kind) ? PAIR_CHUNK : CHUNK;
     int keeps = widen && kind == 0 && FUSED_WIDEN; /* AVX2's float kernels: the first group widens for the rest */
     for (int64_t c0 = 0; c0 < k8; c0 += chunk) {
@@ -803,11 +815,8 @@ static inline void add_bias(float *y, const float *sums, const float *bias, int6
     }
 }
 
-/* Rows x[0:rows] (at most TWO_PANEL_ROWS) against panels p and p + 1, two rows at a time; beyond two rows in chunks
+/* Rows x[0:rows] (at most two_panel_rows, 4) against panels p and p + 1, two rows at a time; beyond two rows in chunks
  * of CHUNK inputs, so that every pair after the first reads the chunk from L1. Writes those panels' outputs. */
-#ifndef TWO_PANEL_ROWS
-#define TWO_PANEL_ROWS 4
-#endif
 static void two_panel_slice(const Product *W, const char *stored, int64_t p, float *sums) {
     int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W), chunk = m > 2 ? CHUNK : k8;
     for (int64_t c0 = 0; c0 < k8; c0 += chunk)
@@ -1086,7 +1095,7 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
             p += 3;
             continue;
         }
-        if (!in_pairs(W->kind) && m <= TWO_PANEL_ROWS && p + 1 < last) {
+        if (!in_pairs(W->kind) && m <= two_panel_rows && p + 1 < last) {
             two_panel_slice(W, stored, p, sums);
             p++;
             continue;

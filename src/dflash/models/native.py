@@ -116,6 +116,8 @@ def library() -> ctypes.CDLL | None:
             lib.dflash_int8_pairs.argtypes, lib.dflash_int8_pairs.restype = [], ctypes.c_int
             lib.dflash_amx.argtypes, lib.dflash_amx.restype = [], ctypes.c_int
             lib.dflash_set_amx.argtypes, lib.dflash_set_amx.restype = [ctypes.c_int], ctypes.c_int
+            lib.dflash_set_narrow_passes.argtypes = [ctypes.c_int] * 2
+            lib.dflash_set_narrow_passes.restype = ctypes.c_int
             lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
             lib.dflash_set_attention_pairs.restype = ctypes.c_int
             if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
@@ -249,6 +251,32 @@ def _amx_measures_faster(rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> b
     finally:
         set_amx(False)
     return best[True] < best[False]
+
+
+# (two_panel_rows, request_from_rows): native.c; a step (one row) reads two panels at a time either way
+NARROW_PASSES = {"two-panels": (4, 7), "one-panel": (1, 2)}
+_narrow = "two-panels"
+
+
+def narrow_passes() -> str:
+    """How products of a few rows read the panels (native.c, dflash_set_narrow_passes): "two-panels" (up to 4 rows
+    two panels at a time, a single group requesting the next chunk from 7 rows: AMD EPYC Zen 3 and 4) or
+    "one-panel" (2 rows and more one panel at a time, requesting from 2 rows: an Intel Xeon with AVX-512); a step
+    reads two panels at a time either way. Chosen per machine by
+    target.choose_narrow_passes; every output is the same one chain either way."""
+    return _narrow
+
+
+def set_narrow_passes(way: str) -> str:
+    """Switches how narrow products read the panels (`narrow_passes`); returns the old way."""
+    global _narrow
+    lib, old = library(), _narrow
+    if way not in NARROW_PASSES:
+        raise ValueError(f"unknown way {way!r}: one of {', '.join(NARROW_PASSES)}")
+    if lib is not None:
+        lib.dflash_set_narrow_passes(*NARROW_PASSES[way])
+    _narrow = way
+    return old
 
 
 def int8_kernel() -> str | None:

@@ -400,6 +400,7 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
     target.use_kernels(plan, {"kernels": "auto", "measured_now": measured, "choices": plan.summary(),
                               "measure_s": round(time.perf_counter() - start, 3)})
     choose_prompts_in_c(target)
+    choose_narrow_passes(target)
 
 
 def prompts_in_c_from(medians: dict[str, float], lengths=PROMPT_LENGTHS) -> int:
@@ -445,6 +446,41 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     engine.prompts_in_c_up_to = cached_timing(target, f"prompts-in-c:{native.build_id()}", measure)["up_to"]
     if target.kernel_report is not None:
         target.kernel_report["prompts_in_c_up_to"] = engine.prompts_in_c_up_to
+
+
+NARROW_WIDTHS = (2, 3, 4, 5)  # the passes whose products choose_narrow_passes times
+
+
+def choose_narrow_passes(target: TargetModel, repeats: int = 3) -> None:
+    """How our products read the panels for passes of a few tokens (native.narrow_passes): two panels at a time up
+    to 4 rows, or one panel with the next chunk requested, whichever runs passes of NARROW_WIDTHS tokens in less
+    time in all, timed both ways interleaved after 64 tokens, once per machine, model and kernel build
+    (`cached_timing`; ~1 s). On AMD EPYC Zen 3 and 4 two panels won; on an Intel Xeon with AVX-512 one panel took
+    0.67-0.81x the time at 3-5 float32 tokens (forty-eighth session). Outputs are bitwise the same either way."""
+    from . import native
+
+    engine = target.engine
+    if not isinstance(engine, Transformer) or target.device.type != "cpu" or native.library() is None:
+        return
+    cache = target.new_cache(capacity=96)
+    target.forward(torch.full((1, 64), 5, device=target.device), cache)
+
+    def measure() -> dict:
+        def passes(way: str):
+            def call():
+                native.set_narrow_passes(way)
+                for width in NARROW_WIDTHS:
+                    target.forward(torch.full((1, width), 7, device=target.device), cache, logits_at="all")
+                    cache.truncate(64)
+            return call
+
+        medians = interleaved_medians({way: passes(way) for way in native.NARROW_PASSES}, repeats)
+        return {"way": min(medians, key=medians.get), **{way: round(s, 5) for way, s in medians.items()}}
+
+    way = cached_timing(target, f"narrow-passes:{native.build_id()}", measure)["way"]
+    native.set_narrow_passes(way)
+    if target.kernel_report is not None:
+        target.kernel_report["narrow_passes"] = way
 
 
 def plan_still_fits(target: TargetModel, plan: KernelPlan, timer=None) -> bool:
