@@ -1072,11 +1072,6 @@ static void amx_panels(const Product *W, int64_t first, int64_t last, uint32_t *
 
 static void product_panels(void *ctx, int64_t first, int64_t last) {
     const Product *W = ctx;
-    int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
-    /* NULL: widen (expand) in the kernel */
-    int widens = (W->kind == 1 || W->kind == INT8_WIDENED) && m > 4;
-    int expands = W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS;
-    float *wide = widens || expands ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
     if (amx_on && in_pairs(W->kind)) {
         uint32_t *expanded = W->kind == INT8_PAIRS ? (uint32_t *)widening_buffer(PANEL * PAIR_CHUNK) : NULL;
         if (W->kind != INT8_PAIRS || expanded) { /* (out of memory: the pairs kernel, in the last bits apart) */
@@ -1084,6 +1079,11 @@ static void product_panels(void *ctx, int64_t first, int64_t last) {
             return;
         }
     }
+    int64_t m = W->m, n = W->n, k8 = units_of(W), size = PANEL * k8, elem = unit_bytes(W);
+    /* NULL: widen (expand) in the kernel */
+    int widens = (W->kind == 1 || W->kind == INT8_WIDENED) && m > 4;
+    int expands = W->kind == INT8_PAIRS && m > INT8_INLINE_ROWS;
+    float *wide = widens || expands ? widening_buffer(PANEL * MIN(CHUNK, k8)) : NULL;
     float sums[SLICE * PANEL];
     for (int64_t p = first; p < last; p++) {
         const char *stored = (const char *)W->panels + p * size * elem;
