@@ -27,6 +27,9 @@ Switches (the "on" variant is each one's default):
   narrow-passes     products of a few rows read the panels one at a time with the next chunk requested from 2 rows
                     (`native.narrow_passes` "one-panel"), against two panels at a time up to 4 rows ("two-panels",
                     the choice on AMD EPYC); outputs identical
+  f32-zmm           float32 panels run in 512-bit code, a panel's columns 0-15 in one register
+                    (`native.f32_kernel` "avx512-zmm"), against 256-bit AVX-512VL code ("avx512"); outputs identical.
+                    Needs a CPU with AVX-512VL
   continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
                     frequent continuations (`methods/continuations.py`), against prompt lookup alone
   attention-pairs   a bfloat16 target whose products run in pairs scores attention with VDPBF16PS too (`native.c`:
@@ -117,6 +120,10 @@ def set_amx(target, on: bool) -> None:
         target._ab_amx = on
 
 
+def set_f32_zmm(target, on: bool) -> None:
+    native.set_f32_kernel("avx512-zmm" if on else "avx512")
+
+
 def set_narrow_passes(target, on: bool) -> None:
     native.set_narrow_passes("one-panel" if on else "two-panels")
 
@@ -198,7 +205,7 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
             "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
             "chained-prior": set_chained_prior, "amx": set_amx,
-            "narrow-passes": set_narrow_passes}
+            "narrow-passes": set_narrow_passes, "f32-zmm": set_f32_zmm}
 # switches whose variants may differ in output (each lossless on its own)
 CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "prompts-in-c"}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ

@@ -66,9 +66,22 @@ def narrow_way(request):
         native.set_narrow_passes(old)
 
 
+@pytest.fixture(params=native.F32_KERNELS)
+def f32_kernel(request):
+    """Each kernel for float32 panels this CPU runs (native.f32_kernel: AVX2; AVX-512VL in 256-bit and in 512-bit
+    code where it has AVX-512VL), restored after."""
+    if request.param not in native.f32_kernels_here():
+        pytest.skip(f"this CPU does not run the {request.param} kernel")
+    old = native.set_f32_kernel(request.param)
+    try:
+        yield request.param
+    finally:
+        native.set_f32_kernel(old)
+
+
 @needs_native
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 16])
-def test_float32_rows_give_bitwise_the_products_of_single_rows(m, narrow_way):
+def test_float32_rows_give_bitwise_the_products_of_single_rows(m, narrow_way, f32_kernel):
     """However the rows are grouped (two panels at a time up to 4 rows; groups of 4, or of up to 8 in AVX-512
     registers where the CPU has them, evened out where the last group would be under half full), each output is
     the one chain of FMAs a single row's product makes: verifying k tokens gives bitwise the logits of k steps."""
@@ -77,6 +90,50 @@ def test_float32_rows_give_bitwise_the_products_of_single_rows(m, narrow_way):
     tiles = native.tiles(weight)
     got = native.linear(x, tiles, 75, None)
     assert torch.equal(got, torch.cat([native.linear(x[i: i + 1], tiles, 75, None) for i in range(m)]))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [8, 150, 576])  # 150, 576: past a chunk of 64 inputs, whose sums are carried over
+def test_every_float32_kernel_sums_bitwise_alike(dtype_name, k):
+    """256-bit and 512-bit code (native.f32_kernel) hold a panel's columns in different registers but sum each
+    output as the same one chain, so the choice between them, made per machine by a timing, never changes a bit:
+    float32 products and widened bfloat16 ones (5 rows on), at every row count."""
+    here = native.f32_kernels_here()
+    if len(here) < 2:
+        pytest.skip("one float32 kernel runs here")
+    g = torch.Generator().manual_seed(k)
+    weight = torch.randn(100, k, generator=g)
+    old_pairs = native.set_bf16_pairs(False) if native.bf16_pairs() else False
+    old = native.f32_kernel()
+    try:
+        if dtype_name == "bfloat16":
+            weight = weight.bfloat16()
+        tiles = native.tiles(weight)
+        for m in (1, 2, 3, 5, 8, 9, 13, 16, 17):
+            x = torch.randn(m, k, generator=g).to(weight.dtype)
+            outputs = []
+            for name in here:
+                native.set_f32_kernel(name)
+                outputs.append(native.linear(x, tiles, 100, None))
+            assert all(torch.equal(out, outputs[0]) for out in outputs[1:]), m
+    finally:
+        native.set_f32_kernel(old)
+        native.set_bf16_pairs(old_pairs)
+
+
+def test_float32_kernels_are_named_and_checked():
+    if native.library() is None:
+        with pytest.raises(RuntimeError, match="do not run"):
+            native.set_f32_kernel("avx2")
+        return
+    assert native.f32_kernel() in native.f32_kernels_here()
+    with pytest.raises(ValueError, match="one of avx2, avx512, avx512-zmm"):
+        native.set_f32_kernel("sse")
+    if native.f32_kernels_here() == ["avx2"]:
+        with pytest.raises(RuntimeError, match="AVX-512VL"):
+            native.set_f32_kernel("avx512-zmm")
+        assert native.f32_kernel() == "avx2"
 
 
 @needs_native
@@ -520,6 +577,16 @@ def test_verify_passes_over_sixteen_tokens_give_bitwise_the_logits_of_steps(widt
     target = tiny_target("qwen3", logit_scale=4.0, hidden_size=128)
     target.model.to(dtype)
     choose_kernels(target, "native")
+    wide, steps = wide_pass_and_steps(target, width)
+    assert torch.equal(wide, steps)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [8, 16])
+def test_float32_verify_passes_give_bitwise_the_logits_of_steps_with_each_kernel(width, f32_kernel):
+    target = tiny_target("llama", logit_scale=4.0, hidden_size=128)
+    choose_kernels(target, "native")
+    native.set_f32_kernel(f32_kernel)  # (the plan keeps the machine's choice; the test forces each)
     wide, steps = wide_pass_and_steps(target, width)
     assert torch.equal(wide, steps)
 

@@ -564,6 +564,43 @@ PAIRS_TARGET static void bf16_array(const float *x, int64_t n, uint16_t *out) {
 PANEL_ROWS_WIDE(panel_f32x_1, 1) PANEL_ROWS_WIDE(panel_f32x_2, 2) PANEL_ROWS_WIDE(panel_f32x_3, 3)
 PANEL_ROWS_WIDE(panel_f32x_4, 4) PANEL_ROWS_WIDE(panel_f32x_5, 5) PANEL_ROWS_WIDE(panel_f32x_6, 6)
 PANEL_ROWS_WIDE(panel_f32x_7, 7) PANEL_ROWS_WIDE(panel_f32x_8, 8)
+/* float32 panels in 512-bit code (F32_ZMM), where the CPU has two 512-bit FMA units (Intel Xeon): a panel's
+ * columns 0-15 in one zmm register and 16-23 in a ymm, so an input of a row takes two FMAs where 256-bit code takes
+ * three. Each output is still the same one chain of FMAs in input order (a lane is a column): outputs are bitwise
+ * those of the other float32 kernels. On AMD Zen 4 a zmm FMA takes two 256-bit halves, so nothing is saved there:
+ * native.py times both when the library loads (`f32_kernel`). */
+#define ZMM_ZERO(r) __m512 l##r = _mm512_setzero_ps(); __m256 h##r = _mm256_setzero_ps();
+#define ZMM_LOAD(r)                                                                                                   \
+    if (R > r && resume) l##r = _mm512_loadu_ps(out + r * PANEL), h##r = _mm256_loadu_ps(out + r * PANEL + 16);
+#define ZMM_FMA(r)                                                                                                    \
+    if (R > r) {                                                                                                      \
+        __m512 b = _mm512_set1_ps(x[r * ldx + i]);                                                                    \
+        l##r = _mm512_fmadd_ps(wl, b, l##r), h##r = _mm256_fmadd_ps(wh, _mm512_castps512_ps256(b), h##r);            \
+    }
+#define ZMM_STORE(r)                                                                                                  \
+    if (R > r) _mm512_storeu_ps(out + r * PANEL, l##r), _mm256_storeu_ps(out + r * PANEL + 16, h##r);
+F32_WIDE_TARGET static inline __attribute__((always_inline)) void panel_rows_zmm(const float *w, const float *x,
+                                                                                 int64_t ldx, int64_t k8, const int R,
+                                                                                 float *out, const char *pf,
+                                                                                 int64_t pf_step, int resume) {
+    ZMM_ZERO(0) ZMM_ZERO(1) ZMM_ZERO(2) ZMM_ZERO(3) ZMM_ZERO(4) ZMM_ZERO(5) ZMM_ZERO(6) ZMM_ZERO(7)
+    ZMM_LOAD(0) ZMM_LOAD(1) ZMM_LOAD(2) ZMM_LOAD(3) ZMM_LOAD(4) ZMM_LOAD(5) ZMM_LOAD(6) ZMM_LOAD(7)
+    for (int64_t i = 0; i < k8; i++) {
+        request_share(pf, i, pf_step);
+        __m512 wl = _mm512_loadu_ps(w + i * PANEL);
+        __m256 wh = _mm256_loadu_ps(w + i * PANEL + 16);
+        ZMM_FMA(0) ZMM_FMA(1) ZMM_FMA(2) ZMM_FMA(3) ZMM_FMA(4) ZMM_FMA(5) ZMM_FMA(6) ZMM_FMA(7)
+    }
+    ZMM_STORE(0) ZMM_STORE(1) ZMM_STORE(2) ZMM_STORE(3) ZMM_STORE(4) ZMM_STORE(5) ZMM_STORE(6) ZMM_STORE(7)
+}
+#define PANEL_ROWS_ZMM(NAME, R)                                                                                      \
+    F32_WIDE_TARGET static void NAME(const void *w, const float *x, int64_t ldx, int64_t k8, float *out,              \
+                                     const char *pf, int64_t pf_step, int resume) {                                   \
+        panel_rows_zmm(w, x, ldx, k8, R, out, pf, pf_step, resume);                                                   \
+    }
+PANEL_ROWS_ZMM(panel_f32z_1, 1) PANEL_ROWS_ZMM(panel_f32z_2, 2) PANEL_ROWS_ZMM(panel_f32z_3, 3)
+PANEL_ROWS_ZMM(panel_f32z_4, 4) PANEL_ROWS_ZMM(panel_f32z_5, 5) PANEL_ROWS_ZMM(panel_f32z_6, 6)
+PANEL_ROWS_ZMM(panel_f32z_7, 7) PANEL_ROWS_ZMM(panel_f32z_8, 8)
 static int cpu_has_avx512vl(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
@@ -606,6 +643,14 @@ static void int8_expand(const void *w, int64_t count, uint32_t *out) { (void)w, 
 #define panel_f32x_6 NULL
 #define panel_f32x_7 NULL
 #define panel_f32x_8 NULL
+#define panel_f32z_1 NULL
+#define panel_f32z_2 NULL
+#define panel_f32z_3 NULL
+#define panel_f32z_4 NULL
+#define panel_f32z_5 NULL
+#define panel_f32z_6 NULL
+#define panel_f32z_7 NULL
+#define panel_f32z_8 NULL
 static void bf16_array(const float *x, int64_t n, uint16_t *out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) store8(out, i, _mm256_loadu_ps(x + i), 1);
@@ -630,7 +675,7 @@ int dflash_int8_pairs(void) { return PAIRS_BUILT && cpu_has_pairs() && cpu_has_v
  * conversion where bfloat16 takes an extension and a shift): a step's products are bound by the memory. */
 #define INT8_PAIRS 4
 #define INT8_WIDENED 5
-static const PanelRows panel_kernels_of[6][8] = {
+static const PanelRows panel_kernels_of[7][8] = {
     {panel_f32_1, panel_f32_2, panel_f32_3, panel_f32_4},
     {panel_bf16_1, panel_bf16_2, panel_bf16_3, panel_bf16_4},
     {panel_pairs_1, panel_pairs_2, panel_pairs_3, panel_pairs_4, panel_pairs_5, panel_pairs_6, panel_pairs_7,
@@ -639,13 +684,29 @@ static const PanelRows panel_kernels_of[6][8] = {
      panel_f32x_8},
     {panel_int8_1, panel_int8_2, panel_int8_3, panel_int8_4, panel_int8_5, panel_int8_6, panel_int8_7,
      panel_int8_8},
-    {panel_int8w_1, panel_int8w_2, panel_int8w_3, panel_int8w_4}};
-#define F32_WIDE 3 /* float32 panels run by the AVX-512VL kernels (a kind of the table above, not of a Product) */
-static int f32_wide = -1; /* -1: not yet asked */
+    {panel_int8w_1, panel_int8w_2, panel_int8w_3, panel_int8w_4},
+    {panel_f32z_1, panel_f32z_2, panel_f32z_3, panel_f32z_4, panel_f32z_5, panel_f32z_6, panel_f32z_7,
+     panel_f32z_8}};
+/* float32 panels (and bfloat16 ones widened to them) run by the AVX-512VL kernels, in 256-bit (F32_WIDE) or 512-bit
+ * code (F32_ZMM): kinds of the table above, not of a Product */
+#define F32_WIDE 3
+#define F32_ZMM 6
+/* Which kernel runs float32 panels: 0 AVX2, 1 AVX-512VL (F32_WIDE), 2 512-bit (F32_ZMM); -1 not yet asked (then 1
+ * where the CPU has AVX-512VL, else 0). All sum each output as the same one chain: only the time differs. */
+static int f32_kernel = -1;
+int dflash_f32_kernel(void) {
+    if (f32_kernel < 0) f32_kernel = cpu_has_avx512vl();
+    return f32_kernel;
+}
+/* Sets it (clamped to what the CPU runs: 0 without AVX-512VL); returns the kernel now in force. */
+int dflash_set_f32_kernel(int which) {
+    f32_kernel = cpu_has_avx512vl() ? MAX(0, MIN(2, which)) : 0;
+    return f32_kernel;
+}
 static inline int run_kind(int kind) {
     if (kind != 0) return kind;
-    if (f32_wide < 0) f32_wide = cpu_has_avx512vl();
-    return f32_wide ? F32_WIDE : 0;
+    int which = dflash_f32_kernel();
+    return which == 2 ? F32_ZMM : which == 1 ? F32_WIDE : 0;
 }
 static inline int64_t group_rows_of(int kind) { return kind == 0 || kind == 1 || kind == INT8_WIDENED ? 4 : 8; }
 /* by load_w's form: float32, bfloat16, int8 (AVX2 code, for kinds 0, 1 and INT8_WIDENED) */

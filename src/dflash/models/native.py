@@ -116,6 +116,8 @@ def library() -> ctypes.CDLL | None:
             lib.dflash_int8_pairs.argtypes, lib.dflash_int8_pairs.restype = [], ctypes.c_int
             lib.dflash_amx.argtypes, lib.dflash_amx.restype = [], ctypes.c_int
             lib.dflash_set_amx.argtypes, lib.dflash_set_amx.restype = [ctypes.c_int], ctypes.c_int
+            lib.dflash_f32_kernel.argtypes, lib.dflash_f32_kernel.restype = [], ctypes.c_int
+            lib.dflash_set_f32_kernel.argtypes, lib.dflash_set_f32_kernel.restype = [ctypes.c_int], ctypes.c_int
             lib.dflash_set_narrow_passes.argtypes = [ctypes.c_int] * 2
             lib.dflash_set_narrow_passes.restype = ctypes.c_int
             lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
@@ -166,6 +168,8 @@ def library() -> ctypes.CDLL | None:
             _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
             if _pairs and lib.dflash_amx() and os.environ.get("DFLASH_AMX", "1") != "0":
                 set_amx(_amx_measures_faster())
+            if lib.dflash_f32_kernel() >= 1 and os.environ.get("DFLASH_F32_ZMM", "1") != "0":
+                set_f32_kernel("avx512-zmm" if _zmm_measures_faster() else "avx512")
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
             why_not = f"build failed: {exc}"
     if _library is None and why_not.startswith(("build failed", "no C compiler")):
@@ -178,13 +182,15 @@ def library() -> ctypes.CDLL | None:
 
 def build_id() -> str:
     """Which build of the kernel runs here ("none" where none does): its file name carries the source hash,
-    "+pairs" where bfloat16 products run in pairs ("+amx" through AMX tiles), "+vnni" where the int8 screen sums
+    "+pairs" where bfloat16 products run in pairs ("+amx" through AMX tiles), "+zmm" where float32 ones run in
+    512-bit code, "+vnni" where the int8 screen sums
     in integers, and "+wide" where its inputs may be wide."""
     lib = library()
     if lib is None:
         return "none"
     int8 = {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
-    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+amx" if _amx else "") + int8
+    return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+amx" if _amx else "")
+            + ("+zmm" if f32_kernel() == "avx512-zmm" else "") + int8
             + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 
@@ -251,6 +257,69 @@ def _amx_measures_faster(rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> b
     finally:
         set_amx(False)
     return best[True] < best[False]
+
+
+F32_KERNELS = ("avx2", "avx512", "avx512-zmm")  # native.c's dflash_set_f32_kernel, by number
+
+
+def f32_kernel() -> str | None:
+    """Which kernel sums float32 panels (and bfloat16 ones widened to float32): "avx2" (256-bit code, 4 rows a
+    group), "avx512" (256-bit AVX-512VL code, 8 rows a group) or "avx512-zmm" (a panel's columns 0-15 in one 512-bit
+    register, 16-23 in a 256-bit one: two FMAs an input of a row where the others take three), the last two where
+    the CPU has AVX-512VL, whichever measured faster when the library loaded (`_zmm_measures_faster`) unless
+    DFLASH_F32_ZMM=0. Each sums every output as the same one chain of FMAs: outputs are bitwise the same with any
+    of them. None where our kernels do not run."""
+    lib = library()
+    return None if lib is None else F32_KERNELS[lib.dflash_f32_kernel()]
+
+
+def set_f32_kernel(name: str) -> str | None:
+    """Switches the float32 panels' kernel (`f32_kernel`; for tests and A/B runs); returns the old one."""
+    lib = library()
+    if name not in F32_KERNELS:
+        raise ValueError(f"unknown float32 kernel {name!r}: one of {', '.join(F32_KERNELS)}")
+    if lib is None:
+        raise RuntimeError(f"our kernels do not run here: {why_not}")
+    old = f32_kernel()
+    if lib.dflash_set_f32_kernel(F32_KERNELS.index(name)) != F32_KERNELS.index(name):
+        lib.dflash_set_f32_kernel(F32_KERNELS.index(old))
+        raise RuntimeError(f"this CPU cannot run the {name} kernel (AVX-512VL)")
+    return old
+
+
+def f32_kernels_here() -> list[str]:
+    """The float32 kernels this CPU runs (`f32_kernel`)."""
+    lib = library()
+    if lib is None:
+        return []
+    old = lib.dflash_f32_kernel()
+    here = F32_KERNELS[:lib.dflash_set_f32_kernel(2) + 1]
+    lib.dflash_set_f32_kernel(old)
+    return list(here)
+
+
+def _zmm_measures_faster(rows: tuple[int, ...] = (8, 16), repeats: int = 7) -> bool:
+    """Whether 512-bit code ran float32 products of `rows` rows faster than 256-bit AVX-512VL code here: summed over
+    a random [3072, 576] float32 weight (SmolLM2's gate/up, 7 MB), the fastest of `repeats` interleaved runs of
+    each. A step (one row) reads two panels at a time in 256-bit code either way. About 15 ms."""
+    import time
+
+    generator = torch.Generator().manual_seed(0)
+    weight_tiles = tiles(torch.randn(3072, 576, generator=generator))
+    inputs = [torch.randn(m, 576, generator=generator) for m in rows]
+    best = {"avx512-zmm": float("inf"), "avx512": float("inf")}
+    old = f32_kernel()
+    try:
+        for _ in range(repeats):
+            for name in best:
+                set_f32_kernel(name)
+                start = time.perf_counter()
+                for x in inputs:
+                    linear(x, weight_tiles, 3072, None)
+                best[name] = min(best[name], time.perf_counter() - start)
+    finally:
+        set_f32_kernel(old)
+    return best["avx512-zmm"] < best["avx512"]
 
 
 # (two_panel_rows, request_from_rows): native.c; a step (one row) reads two panels at a time either way
@@ -528,7 +597,7 @@ def tile_inputs(weight_tiles: torch.Tensor) -> int:
 def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T + b, W given as `tiles(W)` with `out_features` rows; None where the kernel does not apply (the caller
     then uses torch's)."""
-    lib = _library
+    lib = _library if _tried else library()  # (a caller that laid out tiles(w, pairs=...) may not have loaded it)
     k = x.shape[-1]
     if (lib is None or x.dtype != tiles_dtype(weight_tiles) or (bias is not None and not bias.is_contiguous())
             or -(-k // 8) * 8 != tile_inputs(weight_tiles)):  # a wrong width: torch's kernel says so, we would read past
