@@ -1062,3 +1062,16 @@ def test_the_final_norm_in_c_is_torchs_within_rounding(dim, unit_offset, dtype):
     assert ours.shape == theirs.shape and ours.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert ((ours.float() - theirs.float()).abs() <= tolerance * theirs.float().abs().clamp_min(1.0)).all()
+
+
+@needs_native
+def test_a_product_loads_the_library_itself():
+    """A script that lays out tiles and multiplies, with nothing having loaded the library first, gets our product,
+    not None (tiles() of a float32 weight does not load it)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom dflash.models import native\nw = torch.randn(30, 16)\n"
+            "y = native.linear(torch.ones(2, 16), native.tiles(w), 30, None)\n"
+            "assert y is not None and torch.allclose(y, torch.ones(2, 16) @ w.T, atol=1e-5)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
