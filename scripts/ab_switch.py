@@ -27,6 +27,9 @@ Switches (the "on" variant is each one's default):
   narrow-passes     products of a few rows read the panels one at a time with the next chunk requested from 2 rows
                     (`native.narrow_passes` "one-panel"), against two panels at a time up to 4 rows ("two-panels",
                     the choice on AMD EPYC); outputs identical
+  screen-tiles      the int8 screen of the LM head sums more than one row through AMX tiles (TDPBSUD, AMX-INT8;
+                    `native.screen_tiles`), against VPDPBUSD, each with its own measured switch to wide inputs
+                    (`engine.measured_wide_from`); the same integer sums, outputs identical. Needs a CPU with AMX
   f32-zmm           float32 panels run in 512-bit code, a panel's columns 0-15 in one register
                     (`native.f32_kernel` "avx512-zmm"), against 256-bit AVX-512VL code ("avx512"); outputs identical.
                     Needs a CPU with AVX-512VL
@@ -78,7 +81,7 @@ import torch
 
 from dflash.bench import parse_method, read_prompts, resolve_dataset
 from dflash import control, engine
-from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening
+from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening, measured_wide_from
 from dflash.loading import build_proposer, load_target_cached
 from dflash.corpus import read_packed
 from dflash.methods import continuations, ngram
@@ -118,6 +121,13 @@ def set_amx(target, on: bool) -> None:
         native.set_amx(on)
         choose_kernels(target)  # the plan measured under this kernel (cached per build: "+amx" in its key)
         target._ab_amx = on
+
+
+def set_screen_tiles(target, on: bool) -> None:
+    if getattr(target, "_ab_screen_tiles", None) != on:
+        native.set_screen_tiles(on)
+        measured_wide_from(target)  # from how many rows the screen goes wide, measured under this kernel
+        target._ab_screen_tiles = on
 
 
 def set_f32_zmm(target, on: bool) -> None:
@@ -205,7 +215,7 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
             "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
             "chained-prior": set_chained_prior, "amx": set_amx,
-            "narrow-passes": set_narrow_passes, "f32-zmm": set_f32_zmm}
+            "narrow-passes": set_narrow_passes, "f32-zmm": set_f32_zmm, "screen-tiles": set_screen_tiles}
 # switches whose variants may differ in output (each lossless on its own)
 CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "prompts-in-c"}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ

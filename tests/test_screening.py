@@ -15,37 +15,55 @@ def vnni_runs_here() -> bool:
     return native.library() is not None and bool(native.library().dflash_int8_vnni())
 
 
+def screen_tiles_run_here() -> bool:
+    return native.library() is not None and bool(native.library().dflash_screen_tiles())
+
+
 @contextlib.contextmanager
-def integer_sums(vnni: bool, inputs: str = "dense"):
+def integer_sums(vnni: bool, inputs: str = "dense", tiles: bool = False):
     """The int8 screen's way of summing for the screens made inside: float32 FMAs over widened weights, or integer
-    sums (AVX512-VNNI) over inputs rounded `inputs`, "dense" or "wide", for every number of rows; restored after."""
+    sums (AVX512-VNNI; with `tiles`, of more than one row through AMX tiles) over inputs rounded `inputs`, "dense"
+    or "wide", for every number of rows; restored after."""
     if vnni and not vnni_runs_here():
         pytest.skip("no AVX512-VNNI here: the int8 screen sums in float32")
+    if tiles and not screen_tiles_run_here():
+        pytest.skip("no AMX-INT8 here: the integer screen does not run through tiles")
     old_vnni, old_from = native.set_int8_vnni(vnni), screening.WIDE_FROM
     old_wide = native.set_screen_wide(inputs == "wide") if vnni else native.screen_wide()
+    old_tiles = native.set_screen_tiles(tiles)
     screening.WIDE_FROM = 1
     try:
         yield
     finally:
         native.set_int8_vnni(old_vnni)
+        native.set_screen_tiles(old_tiles)
         screening.WIDE_FROM = old_from
         if old_vnni:
             native.set_screen_wide(old_wide)
 
 
-@pytest.fixture(params=["bfloat16", "int8", "int8-dense", "int8-wide"])
+def integer_way(name: str):
+    """integer_sums for "dense", "wide", "dense-tiles" or "wide-tiles"."""
+    return integer_sums(True, name.split("-")[0], name.endswith("-tiles"))
+
+
+@pytest.fixture(params=["bfloat16", "int8", "int8-dense", "int8-wide", "int8-dense-tiles", "int8-wide-tiles"])
 def kind(request):
-    """Each kind of screen, the int8 one three ways: float32 FMAs over its widened weights, and integer sums
-    (AVX512-VNNI, where the CPU has it) over inputs rounded dense or wide."""
-    with integer_sums(request.param.startswith("int8-"), request.param.removeprefix("int8-")):
-        yield request.param.split("-")[0]
+    """Each kind of screen, the int8 one five ways: float32 FMAs over its widened weights, and integer sums
+    (AVX512-VNNI, where the CPU has it) over inputs rounded dense or wide, by VPDPBUSD or through AMX tiles."""
+    if request.param.startswith("int8-"):
+        with integer_way(request.param.removeprefix("int8-")):
+            yield "int8"
+    else:
+        with integer_sums(False):
+            yield request.param
 
 
-@pytest.fixture(params=["dense", "wide"])
+@pytest.fixture(params=["dense", "wide", "dense-tiles", "wide-tiles"])
 def integer_inputs(request):
-    """The integer screen (AVX512-VNNI), its inputs dense or wide."""
-    with integer_sums(True, request.param):
-        yield request.param
+    """The integer screen (AVX512-VNNI), its inputs dense or wide, summed by VPDPBUSD or through AMX tiles."""
+    with integer_way(request.param):
+        yield request.param.split("-")[0]
 
 
 def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -294,6 +312,33 @@ def test_every_number_of_rows_the_integer_screen_blocks(vocab, integer_inputs):
     expected = float32_logits(x, weight).argmax(-1)
     for rows in (1, 2, 3, 5, 8, 9, 12, 16, 17):
         assert torch.equal(head.argmax(x[:rows]), expected[:rows]), rows
+
+
+@pytest.mark.skipif(not screen_tiles_run_here(), reason="no AMX-INT8 here")
+@pytest.mark.parametrize("inputs", ["dense", "wide"])
+@pytest.mark.parametrize("n,k", [(3001, 576), (100, 100), (37, 64), (50, 8)])  # 100: 25 quads, 9 past the tiles
+def test_the_screen_through_tiles_is_bitwise_vpdpbusds(n, k, inputs):
+    """TDPBSUD adds the byte products VPDPBUSD adds, into int32 sums that are exact in any order: the approximate
+    logits and each row's rounding term are bitwise the same, at every row count (16 rows a tile; quads past the
+    last whole 16 by VPDPBUSD)."""
+    g = torch.Generator().manual_seed(n + k)
+    quantized = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.01 + 1e-4
+    tiles = native.vnni_tiles(quantized)
+    old = native.set_screen_tiles(False)
+    try:
+        for m in (1, 2, 3, 8, 9, 16, 17, 33):
+            x = torch.randn(m, k, generator=g)
+            x[:, k // 3] *= 40
+            sums = []
+            for on in (False, True):
+                native.set_screen_tiles(on)
+                sums.append(native.vnni_product(x, tiles, scales, n, inputs == "wide"))
+            assert torch.equal(sums[0][0], sums[1][0]) and torch.equal(sums[0][1], sums[1][1]), m
+            exact = (x.double() @ quantized.double().T) * scales.double()  # and near the exact product
+            assert (sums[1][0].double() - exact).abs().max() < 0.05 * exact.abs().max()
+    finally:
+        native.set_screen_tiles(old)
 
 
 def test_the_integer_screens_input_rounding_is_bounded(integer_inputs):

@@ -1032,6 +1032,11 @@ static void amx_units(const uint32_t *w, const uint32_t *x, int64_t ldx, int64_t
     if (whole < count) amx_tail(w + whole * PANEL, x + whole, ldx, count - whole, rows);
 }
 static int amx_on = 0; /* set by native.py (dflash_set_amx) where the CPU, the OS and a measurement allow */
+static int cpu_has_amx_int8(void) {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return d >> 25 & 1;
+}
 static int cpu_has_amx(void) {
     unsigned a, b, c, d;
     __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
@@ -1073,6 +1078,7 @@ static void chain_dot_amx8(const uint16_t *w, const int64_t *ids, const float *x
 #define AMX_BUILT 0
 static const int amx_on = 0;
 static int cpu_has_amx(void) { return 0; }
+static int cpu_has_amx_int8(void) { return 0; }
 static void amx_configure(int rows) { (void)rows; }
 static void amx_release(void) {}
 static void amx_zero_sums(void) {}
@@ -1088,6 +1094,16 @@ static void chain_dot_amx8(const uint16_t *w, const int64_t *ids, const float *x
 
 /* Whether this build, CPU and OS run products in pairs through AMX tiles (dflash_set_amx turns them on) */
 int dflash_amx(void) { return AMX_BUILT && cpu_has_pairs() && cpu_has_amx(); }
+/* Whether the int8 screen of more than one row can run (dflash_screen_tiles) and runs (dflash_set_screen_tiles, which
+ * returns the old setting) through tiles: TDPBSUD, bitwise the VNNI kernels' sums; set by native.py */
+static int screen_tiles = 0;
+int dflash_int8_vnni(void);
+int dflash_screen_tiles(void) { return AMX_BUILT && dflash_int8_vnni() && cpu_has_amx() && cpu_has_amx_int8(); }
+int dflash_set_screen_tiles(int on) {
+    int old = screen_tiles;
+    screen_tiles = on && dflash_screen_tiles();
+    return old;
+}
 int dflash_set_amx(int on) {
     int old = amx_on;
 #if AMX_BUILT
@@ -1555,9 +1571,80 @@ VNNI_TARGET static void quad_one_row(const QuadScreen *S, int64_t group) {
 }
 #undef ONE_QUAD
 
+/* ---- the int8 screen through AMX tiles (AMX-INT8), where it runs
+ * The screen's layout is already what TDPBSUD reads: for 16 quads, a group's weights are a tile of 16 rows (quads) of
+ * 64 bytes (16 tokens x 4 unsigned bytes), and 16 quads of a row's signed low (high) bytes are a row of the inputs'
+ * tile. TDPBSUD adds the same byte products as VPDPBUSD into int32 sums, which are exact modulo 2^32 in any order: the
+ * sums, and so the screen's logits, are bitwise those of the kernels above. A group's quads past the last whole 16
+ * are added by VPDPBUSD. Rows run 16 at a time (tiles 0, 1: low and high sums; 2, 3: low and high bytes; 4: weights). */
+#if AMX_BUILT
+#define AMX_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
+AMX_INT8_TARGET static void quad_tiles_configure(int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    c.rows[4] = 16, c.colsb[4] = 64;
+    TOUCHES(&c);
+    _tile_loadconfig(&c);
+}
+/* rows r0..r0 + rows - 1 (at most 16, as configured) against one group */
+AMX_INT8_TARGET static void quad_group_tiles(const QuadScreen *S, int64_t group, int64_t r0, int64_t rows) {
+    int64_t quads = S->quads, whole = quads / 16 * 16, size = quads * 4 * VNNI_GROUP;
+    const uint8_t *w = S->tiles + group * size;
+    const int32_t *lo = S->lo + r0 * quads, *hi = S->hi ? S->hi + r0 * quads : NULL;
+    int32_t sums[2][16 * 16];
+    TOUCHES(w);
+    TOUCHES(lo);
+    TOUCHES(hi);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t p = 0; p < whole; p += 16) {
+        for (int line = 0; line < 16; line++) /* the next group's lines, as this one's are read */
+            _mm_prefetch((const char *)(w + size + (p + line) * 64), _MM_HINT_T0);
+        _tile_loadd(4, w + p * 64, 64);
+        _tile_loadd(2, lo + p, quads * 4);
+        _tile_dpbsud(0, 2, 4);
+        if (hi) {
+            _tile_loadd(3, hi + p, quads * 4);
+            _tile_dpbsud(1, 3, 4);
+        }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    TOUCHES(sums);
+    __m512i acc[16], high[16];
+    for (int64_t r = 0; r < rows; r++) {
+        acc[r] = _mm512_loadu_si512((const void *)(sums[0] + r * 16));
+        high[r] = _mm512_loadu_si512((const void *)(sums[1] + r * 16));
+        for (int64_t p = whole; p < quads; p++) {
+            __m512i wp = _mm512_loadu_si512((const void *)(w + p * 64));
+            acc[r] = _mm512_dpbusd_epi32(acc[r], wp, _mm512_set1_epi32(lo[r * quads + p]));
+            if (hi) high[r] = _mm512_dpbusd_epi32(high[r], wp, _mm512_set1_epi32(hi[r * quads + p]));
+        }
+    }
+    quad_store(S, w, group, r0, (int)rows, acc, high);
+}
+AMX_INT8_TARGET static void quad_groups_tiles(const QuadScreen *S, int64_t first, int64_t last) {
+    int configured = 0;
+    for (int64_t g = first; g < last; g++)
+        for (int64_t r0 = 0; r0 < S->m; r0 += 16) {
+            int rows = (int)MIN(16, S->m - r0);
+            if (rows != configured) quad_tiles_configure(rows), configured = rows;
+            quad_group_tiles(S, g, r0, rows);
+        }
+    if (configured) _tile_release();
+}
+#else
+static void quad_groups_tiles(const QuadScreen *S, int64_t first, int64_t last) { (void)S, (void)first, (void)last; }
+#endif
 static void quad_screen_groups(void *ctx, int64_t first, int64_t last) {
     const QuadScreen *S = ctx;
     int64_t g = first;
+    if (S->m > 1 && screen_tiles) {
+        quad_groups_tiles(S, first, last);
+        return;
+    }
     if (S->m == 1) {
         for (; g < last; g++) quad_one_row(S, g);
         return;

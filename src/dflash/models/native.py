@@ -116,6 +116,9 @@ def library() -> ctypes.CDLL | None:
             lib.dflash_int8_pairs.argtypes, lib.dflash_int8_pairs.restype = [], ctypes.c_int
             lib.dflash_amx.argtypes, lib.dflash_amx.restype = [], ctypes.c_int
             lib.dflash_set_amx.argtypes, lib.dflash_set_amx.restype = [ctypes.c_int], ctypes.c_int
+            lib.dflash_screen_tiles.argtypes, lib.dflash_screen_tiles.restype = [], ctypes.c_int
+            lib.dflash_set_screen_tiles.argtypes = [ctypes.c_int]
+            lib.dflash_set_screen_tiles.restype = ctypes.c_int
             lib.dflash_f32_kernel.argtypes, lib.dflash_f32_kernel.restype = [], ctypes.c_int
             lib.dflash_set_f32_kernel.argtypes, lib.dflash_set_f32_kernel.restype = [ctypes.c_int], ctypes.c_int
             lib.dflash_set_narrow_passes.argtypes = [ctypes.c_int] * 2
@@ -168,6 +171,7 @@ def library() -> ctypes.CDLL | None:
             _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
             if _pairs and lib.dflash_amx() and os.environ.get("DFLASH_AMX", "1") != "0":
                 set_amx(_amx_measures_faster())
+                set_screen_tiles(_amx and bool(lib.dflash_screen_tiles()))
             if lib.dflash_f32_kernel() >= 1 and os.environ.get("DFLASH_F32_ZMM", "1") != "0":
                 set_f32_kernel("avx512-zmm" if _zmm_measures_faster() else "avx512")
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
@@ -190,7 +194,7 @@ def build_id() -> str:
         return "none"
     int8 = {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
     return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+amx" if _amx else "")
-            + ("+zmm" if f32_kernel() == "avx512-zmm" else "") + int8
+            + ("+zmm" if f32_kernel() == "avx512-zmm" else "") + ("+tiles8" if _screen_tiles else "") + int8
             + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 
@@ -409,6 +413,33 @@ def set_int8_vnni(on: bool) -> bool:
     if on and (lib is None or not lib.dflash_int8_vnni()):
         raise RuntimeError("this build or CPU cannot sum the int8 screen in integers (AVX512-VNNI)")
     _int8_vnni = bool(on)
+    return old
+
+
+_screen_tiles = False
+
+
+def screen_tiles() -> bool:
+    """Whether the int8 screen (`int8_vnni`) of more than one row sums through AMX tiles (TDPBSUD, AMX-INT8): the
+    same integer sums as VPDPBUSD's, so the same logits bitwise, in less time where the CPU has them (Intel Sapphire
+    Rapids and later), unless DFLASH_AMX=0."""
+    library()
+    return _screen_tiles
+
+
+def set_screen_tiles(on: bool) -> bool:
+    """Switches the int8 screen through AMX tiles on or off (`screen_tiles`; for tests and A/B runs); returns the
+    old setting."""
+    global _screen_tiles
+    lib, old = library(), _screen_tiles
+    if lib is None:
+        if on:
+            raise RuntimeError(f"our kernels do not run here: {why_not}")
+        return old
+    if on and not lib.dflash_screen_tiles():
+        raise RuntimeError("this build, CPU or OS cannot run the int8 screen through AMX tiles (AMX-INT8, VNNI)")
+    lib.dflash_set_screen_tiles(int(on))
+    _screen_tiles = bool(on)
     return old
 
 
