@@ -857,7 +857,10 @@ def add_arguments(p) -> None:
     from .methods import registry
 
     add_target_arguments(p)
+    # every method is a choice, so that `--method dflash+ngram` is told which drafter to train, not "invalid choice";
+    # the usage names the trainable ones
     p.add_argument("--method", default=None, choices=registry.names(),
+                   metavar="{" + ",".join(registry.trainable()) + "}",
                    help="what to train: dflash (default) or eagle3; --resume continues the checkpoint's method")
     p.add_argument("--data", required=True, help="folder of shard-*.jsonl files from `dflash data`, or one JSONL file")
     p.add_argument("--out", required=True, help="output folder (checkpoints, log.jsonl, final/)")

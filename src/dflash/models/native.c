@@ -1576,7 +1576,8 @@ VNNI_TARGET static void quad_one_row(const QuadScreen *S, int64_t group) {
  * 64 bytes (16 tokens x 4 unsigned bytes), and 16 quads of a row's signed low (high) bytes are a row of the inputs'
  * tile. TDPBSUD adds the same byte products as VPDPBUSD into int32 sums, which are exact modulo 2^32 in any order: the
  * sums, and so the screen's logits, are bitwise those of the kernels above. A group's quads past the last whole 16
- * are added by VPDPBUSD. Rows run 16 at a time (tiles 0, 1: low and high sums; 2, 3: low and high bytes; 4: weights). */
+ * are added by VPDPBUSD. Rows run 16 at a time (tiles 0, 1: low and high sums; 2, 3: low and high bytes; 4:
+ * weights). */
 #if AMX_BUILT
 #define AMX_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
 AMX_INT8_TARGET static void quad_tiles_configure(int rows) {
