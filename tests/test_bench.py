@@ -388,3 +388,74 @@ def test_a_run_that_made_graphs_is_timed_again_on_their_replays(tmp_path, monkey
         retimed[method] = retimed.get(method, 0) + 1
     assert results["retimed_runs"] == retimed
     assert "timed again on replays: " in (out / "results.md").read_text()
+
+
+STUB_LLAMA_CPP = '''
+import os, signal
+
+class Llama:
+    def __init__(self, model_path, **kwargs):
+        if os.environ.get("STUB_LOAD_ERROR"):
+            raise ValueError("not a GGUF file")
+        self.calls = 0
+
+    def reset(self):
+        pass
+
+    def generate(self, prompt, **kwargs):
+        self.calls += 1
+        if self.calls > int(os.environ.get("STUB_CRASH_AFTER", "1000000")):
+            os.kill(os.getpid(), signal.SIGILL)  # as llama.cpp's AMX path died on a Xeon
+        token = sum(prompt) % 40 + 3
+        while True:
+            yield token
+            token = token % 40 + 4
+'''
+
+
+@pytest.fixture
+def stub_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in llama_cpp package, seen by this process and by the worker's (its tokens: a fixed walk from the
+    prompt), and a GGUF path for it; STUB_CRASH_AFTER=N kills the worker by SIGILL at its (N+1)-th generation."""
+    import os
+
+    package = tmp_path / "stub" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(STUB_LLAMA_CPP)
+    monkeypatch.syspath_prepend(str(tmp_path / "stub"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")]))
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    return gguf
+
+
+def test_llama_cpp_runs_in_a_process_of_its_own(tmp_path, stub_llama_cpp):
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": str(i), "prompt": f"w{i} w{i + 1}"} for i in range(3)])
+    code, out = bench(tmp_path, data, "ar,llamacpp", "--llamacpp-gguf", str(stub_llama_cpp))
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0 and "failed" not in results
+    assert results["llamacpp"]["llamacpp"]["quantization"] == "Q4_1"
+    assert results["methods"]["llamacpp"]["tokens_per_s"] > 0
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if r["method"] == "llamacpp"]) == 3
+
+
+def test_a_llama_cpp_crash_drops_it_and_the_benchmark_goes_on(tmp_path, stub_llama_cpp, monkeypatch, capsys):
+    """llama.cpp's native code can die (SIGILL in its AMX path on an Intel Xeon): the other methods' results are
+    kept and written, and the user is told which baseline went and why."""
+    monkeypatch.setenv("STUB_CRASH_AFTER", "2")  # the warm-up and one prompt, then SIGILL
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": str(i), "prompt": f"w{i} w{i + 1}"} for i in range(3)])
+    code, out = bench(tmp_path, data, "ar,dflash:whole,llamacpp", "--llamacpp-gguf", str(stub_llama_cpp))
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0 and results["num_prompts"] == 3
+    assert set(results["methods"]) == {"ar", "dflash:whole"}
+    assert "signal SIGILL" in results["failed"]["llamacpp"] and "GGML_AMX" in results["failed"]["llamacpp"]
+    assert "llamacpp dropped from this run" in capsys.readouterr().err
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_a_user_error(tmp_path, stub_llama_cpp, monkeypatch, capsys):
+    monkeypatch.setenv("STUB_LOAD_ERROR", "1")
+    data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6"}])
+    code, _ = bench(tmp_path, data, "ar,llamacpp", "--llamacpp-gguf", str(stub_llama_cpp))
+    err = capsys.readouterr().err
+    assert code == 2 and "llama.cpp could not load" in err and "not a GGUF file" in err and "Traceback" not in err

@@ -26,6 +26,7 @@ Writes DIR/results.json, DIR/results.md (the table, also printed), DIR/per_promp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -283,43 +284,82 @@ class HFRunner:
         return Run(tokens, target.decode(shown), ttft, total)
 
 
+class BaselineCrashed(Exception):
+    """A baseline's engine died in its own process (bench drops the method and goes on with the others)."""
+
+
 class LlamaCppRunner:
     """llama.cpp through llama-cpp-python (the optional extra `dflash[llamacpp]`) on a GGUF file of the target:
     greedy (or sampled) decoding of the same prompt ids, timed the same way. By default the GGUF file the registry
-    ships (for smollm2-135m: Q4_1-quantised, so its outputs differ from the float32 target's and are not compared)."""
+    ships (for smollm2-135m: Q4_1-quantised, so its outputs differ from the float32 target's and are not compared).
+    llama.cpp runs in a process of its own (llamacpp_worker.py), which times each generation itself, so that a crash
+    in its native code ends that process and this runner (BaselineCrashed), not the benchmark."""
 
     method, block_size = LLAMACPP_METHOD, 1
 
     def __init__(self, target, gguf: str | None, sampling):
-        try:
-            from llama_cpp import Llama
-        except ImportError as exc:
+        import importlib.util
+        import subprocess
+
+        if importlib.util.find_spec("llama_cpp") is None:
             raise UserError("the llamacpp baseline needs llama-cpp-python: pip install 'dflash[llamacpp]' "
-                            "(it compiles llama.cpp: 5-20 minutes on 2 cores)") from exc
+                            "(it compiles llama.cpp: 5-20 minutes on 2 cores)")
         path = (converted_gguf(registry_gguf(target.name), gguf) if gguf in CONVERSIONS
                 else Path(gguf) if gguf else registry_gguf(target.name))
         if not path.is_file():
             raise UserError(f"GGUF file not found: {path}")
-        self.path, self.sampling, self.eos = path, sampling, set(target.eos_token_ids)
-        self.llm = Llama(model_path=str(path), n_ctx=min(target.max_context, 4096), n_threads=torch.get_num_threads(),
-                         n_batch=512, verbose=False, seed=sampling.seed or 0)
+        self.path, self.sampling, self.eos = path, sampling, sorted(set(target.eos_token_ids))
         self.quantization = quantization_of(path)
         self.decode = target.decode
+        worker = Path(__file__).with_name("llamacpp_worker.py")
+        self.process = subprocess.Popen(
+            [sys.executable, str(worker), str(path), str(min(target.max_context, 4096)), str(torch.get_num_threads()),
+             str(sampling.seed or 0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready = self._reply()
+        if "error" in ready:
+            self.close()
+            raise UserError(f"llama.cpp could not load {path}: {ready['error']}")
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:  # the worker is gone: say how it ended
+            code = self.process.wait()
+            how = f"signal {signal_name(-code)}" if code < 0 else f"exit status {code}"
+            hint = ("; SIGILL: an instruction this CPU or OS refused (a llama-cpp-python built with GGML_NATIVE died "
+                    "so in its AMX path on an Intel Xeon; built with -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                    "-DGGML_AMX_BF16=OFF it ran: docs/RESULTS.md, forty-ninth session)" if code == -4 else "")
+            raise BaselineCrashed(f"llama.cpp's process died ({how}) running {self.path.name}{hint}")
+        return json.loads(line)
 
     def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
-        self.llm.reset()
-        tokens, first_at = [], None
-        start = time.perf_counter()
-        temperature = self.sampling.temperature
-        for token in self.llm.generate(prompt_ids, temp=temperature, top_k=1 if temperature == 0 else 40,
-                                       top_p=self.sampling.top_p, reset=True):
-            first_at = first_at or time.perf_counter()
-            tokens.append(int(token))
-            if len(tokens) >= max_new or (token in self.eos and not ignore_eos):
-                break
-        total = time.perf_counter() - start
+        request = {"prompt": list(prompt_ids), "max_new": max_new, "eos": self.eos, "ignore_eos": ignore_eos,
+                   "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # (died before: _reply says how)
+        reply = self._reply()
+        tokens = reply["tokens"]
         shown = tokens[:-1] if tokens and tokens[-1] in self.eos and not ignore_eos else tokens
-        return Run(tokens, self.decode(shown), (first_at or time.perf_counter()) - start, total)
+        return Run(tokens, self.decode(shown), reply["ttft"], reply["total"])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except Exception:
+                self.process.kill()
+
+
+def signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 CONVERSIONS = {"f32": ("F32", "LLAMA_FTYPE_ALL_F32"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16"),
@@ -381,7 +421,10 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
             runners[method] = HFRunner(target, sampling)
             continue
         if spec.name == LLAMACPP_METHOD:
-            runners[method] = LlamaCppRunner(target, args.llamacpp_gguf, sampling)
+            try:
+                runners[method] = LlamaCppRunner(target, args.llamacpp_gguf, sampling)
+            except BaselineCrashed as error:  # before anything ran: nothing to keep
+                raise UserError(f"the llamacpp baseline cannot run here: {error}") from None
             continue
         options = method_options(args, spec.name, spec.size, several=True, tree=spec.tree)
         proposer, note = build_proposer(spec.name, target, options)
@@ -626,21 +669,37 @@ def run(args) -> int:
     mismatches, rows = [], []
     retimed = dict.fromkeys(runners, 0)  # runs timed again because they captured graphs
     done = 0  # prompts every method has finished: what an interrupted bench reports
-    with kill_stops_like_ctrl_c():  # the prompts finished are written
+    failed = {}  # baselines whose engine died, and how: dropped from the results, the others go on
+
+    def drop(method: str, error: BaselineCrashed) -> None:
+        print(f"dflash bench: {method} dropped from this run: {error}", file=sys.stderr)
+        failed[method] = str(error)
+        methods.remove(method)
+        for table in (runners, totals, per_prompt, retimed):
+            table.pop(method)
+
+    with kill_stops_like_ctrl_c(), closing_runners(runners):  # the prompts finished are written
         try:
             warm = BenchPrompt("warmup", prompts[0].turns[:1])
-            warming = tqdm(runners.items(), desc="warm-up", unit="method", disable=args.no_progress)
+            warming = tqdm(list(runners.items()), desc="warm-up", unit="method", disable=args.no_progress)
             for method, runner in warming:
                 warming.set_postfix_str(method)
-                run_conversation(runner, target, warm, min(WARMUP_TOKENS, args.max_new_tokens), args.ignore_eos)
+                try:
+                    run_conversation(runner, target, warm, min(WARMUP_TOKENS, args.max_new_tokens), args.ignore_eos)
+                except BaselineCrashed as error:
+                    drop(method, error)
             progress = tqdm(prompts, desc="bench", unit="prompt", disable=args.no_progress)
             for index, prompt in enumerate(progress):
                 shift = index % len(methods)
                 runs = {}
                 for method in methods[shift:] + methods[:shift]:
                     progress.set_postfix_str(method)
-                    runs[method], again = run_on_replays(runners[method], target, prompt, args.max_new_tokens,
-                                                         args.ignore_eos, lambda: graphs_made(target, runners))
+                    try:
+                        runs[method], again = run_on_replays(runners[method], target, prompt, args.max_new_tokens,
+                                                             args.ignore_eos, lambda: graphs_made(target, runners))
+                    except BaselineCrashed as error:
+                        drop(method, error)
+                        continue
                     retimed[method] += again
                 compare_prompt(prompt, runs, runners, target, sampling, totals, per_prompt, mismatches, rows)
                 done += 1
@@ -656,6 +715,8 @@ def run(args) -> int:
         results["retimed_runs"] = {m: n for m, n in retimed.items() if n}
     if done < len(prompts):
         results["interrupted"] = {"prompts_done": done, "prompts_asked": len(prompts)}
+    if failed:
+        results["failed"] = failed
     for method, bounds in intervals(per_prompt).items():
         results["methods"][method].update(bounds)
     write_outputs(out_dir, results, rows)
@@ -663,6 +724,17 @@ def run(args) -> int:
         print(f"dflash bench: {len(mismatches)} greedy output(s) differ from ar (see results.json)", file=sys.stderr)
         return 1
     return 130 if done < len(prompts) else 0
+
+
+@contextlib.contextmanager
+def closing_runners(runners: dict):
+    """Ends the runners' own processes (llama.cpp's) when the benchmark ends, however it ends."""
+    try:
+        yield
+    finally:
+        for runner in runners.values():
+            if hasattr(runner, "close"):
+                runner.close()
 
 
 def compare_prompt(prompt, runs: dict, runners: dict, target, sampling, totals: dict, per_prompt: dict,
