@@ -247,7 +247,7 @@ def _amx_measures_faster(rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> b
     import time
 
     generator = torch.Generator().manual_seed(0)
-    weight_tiles = tiles(torch.randn(3072, 576, generator=generator).bfloat16(), pairs=True)
+    weight_tiles = tiles(torch.randn(3072, 576, generator=generator).bfloat16(), pairs=True, lasting=False)
     inputs = {m: torch.randn(m, 576, generator=generator).bfloat16() for m in rows}
     best = {True: float("inf"), False: float("inf")}
     try:
@@ -309,7 +309,7 @@ def _zmm_measures_faster(rows: tuple[int, ...] = (8, 16), repeats: int = 7) -> b
     import time
 
     generator = torch.Generator().manual_seed(0)
-    weight_tiles = tiles(torch.randn(3072, 576, generator=generator))
+    weight_tiles = tiles(torch.randn(3072, 576, generator=generator), lasting=False)
     inputs = [torch.randn(m, 576, generator=generator) for m in rows]
     best = {"avx512-zmm": float("inf"), "avx512": float("inf")}
     old = f32_kernel()
@@ -521,16 +521,19 @@ def supports(weight: torch.Tensor) -> bool:
             and library() is not None)
 
 
-def tiles(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+def tiles(weight: torch.Tensor, pairs: bool | None = None, lasting: bool = True) -> torch.Tensor:
     """The kernel's layout of `weight` [n, k] (see native.c): zero-padded to 24-row, 8-column multiples, then cut
     into panels of 24 rows, each stored column by column ([panels, k8, 24]), so that a panel is one sequential
     stream and each of its inputs meets 24 weights side by side. A bfloat16 weight in pairs (`pairs`, default
-    `bf16_pairs()`) keeps two adjacent inputs of a column together: [panels, k8 / 2, 24, 2]."""
+    `bf16_pairs()`) keeps two adjacent inputs of a column together: [panels, k8 / 2, 24, 2]. `lasting`: on the
+    huge-page arenas of a model's weights (memory.lasting); else a plain tensor, for tiles soon freed."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, -k % 8, 0, -n % PANEL))
     panels = padded.view(padded.shape[0] // PANEL, PANEL, padded.shape[1]).transpose(1, 2)
     if weight.dtype == torch.bfloat16 and (bf16_pairs() if pairs is None else pairs):
         panels = panels.reshape(panels.shape[0], panels.shape[1] // 2, 2, PANEL).transpose(2, 3)
+    if not lasting:  # (freed into an arena, it would stay resident beside the model's tiles)
+        return panels.contiguous()
     return memory.lasting(tuple(panels.shape), panels.dtype).copy_(panels)  # streamed every pass: on huge pages
 
 
