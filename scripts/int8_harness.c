@@ -42,7 +42,7 @@ int main(int argc, char **argv) {
         for (int kind = 0; kind < 2; kind++) {
             double start = now();
             for (int i = 0; i < MATS; i++)
-                dflash_linear_bf16(kind ? int8[i] : bf16[i], x, NULL, y, m, N[i], K[i], threads, layouts[kind]);
+                dflash_linear_bf16(kind ? int8[i] : bf16[i], x, NULL, y, m, N[i], K[i], threads, layouts[kind], 0);
             double seconds = now() - start;
             best[kind] = seconds < best[kind] ? seconds : best[kind];
         }

@@ -27,7 +27,7 @@ int main(int argc, char **argv) {
     for (int round = 0; round < 15; round++) {
         double start = now();
         for (int i = 0; i < MATS; i++)
-            if (bf16) dflash_linear_bf16(w[i], xb, NULL, yb, 1, N[i], K[i], threads, 0);
+            if (bf16) dflash_linear_bf16(w[i], xb, NULL, yb, 1, N[i], K[i], threads, 0, 0);
             else dflash_linear_f32(w[i], x, NULL, y, 1, N[i], K[i], threads);
         double s = now() - start; best = s < best ? s : best;
     }

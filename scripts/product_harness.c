@@ -48,7 +48,7 @@ int main(int argc, char **argv) {
                     double start = now();
                     for (int r = 0; r < (resident ? mats : 1); r++)
                         for (int64_t j = 0; j < count; j++) {
-                            if (bf16) dflash_linear_bf16(wb + j * size, xb, NULL, yb, m, n, k, threads, dflash_bf16_pairs());
+                            if (bf16) dflash_linear_bf16(wb + j * size, xb, NULL, yb, m, n, k, threads, dflash_bf16_pairs(), 0);
                             else dflash_linear_f32(w + j * size, x, NULL, y, m, n, k, threads);
                         }
                     double seconds = (now() - start) / mats;

@@ -1075,3 +1075,22 @@ def test_a_product_loads_the_library_itself():
             "y = native.linear(torch.ones(2, 16), native.tiles(w), 30, None)\n"
             "assert y is not None and torch.allclose(y, torch.ones(2, 16) @ w.T, atol=1e-5)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@needs_native
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_heads_float_outputs_are_its_bfloat16_outputs_widened(bf16_layout, with_bias):
+    """FrozenLinear.float_out (the LM head's logits): our kernel writes a bfloat16 product's outputs as float32
+    directly, bitwise what the bfloat16 product gives widened, at every row count and through every layout."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 150, generator=g).bfloat16()
+    bias = torch.randn(200, generator=g).bfloat16() if with_bias else None
+    head = FrozenLinear(weight, bias, NATIVE)
+    for m in (1, 2, 5, 8, 16, 17):
+        x = torch.randn(m, 150, generator=g).bfloat16()
+        assert head.kernel_for_rows(m) == "native"
+        got = head.float_out(x)
+        assert got.dtype == torch.float32 and torch.equal(got, head(x).float()), m
+    float32_head = FrozenLinear(weight.float(), None, NATIVE)
+    x = torch.randn(3, 150, generator=g)
+    assert torch.equal(float32_head.float_out(x), float32_head(x))

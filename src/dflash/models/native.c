@@ -1268,24 +1268,28 @@ int dflash_linear_f32(const float *tiles, const float *x, const float *bias, flo
 }
 
 /* bfloat16 input, tiles, bias and output; float32 sums. `layout`: the tiles' (0 bfloat16, 1 bfloat16 in pairs, 2 int8
- * in pairs, 3 int8 widened). */
-int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                       int64_t k, int threads, int layout) {
+ * in pairs, 3 int8 widened). `float_out`: y is float32, the outputs rounded to bfloat16 values as they land (an LM
+ * head's logits, which its caller wants in float32: the sums were stored, converted to bfloat16 on one thread, and
+ * converted back, 786k values twice for a 16-row SmolLM2 head). */
+int dflash_linear_bf16(const uint16_t *tiles, const uint16_t *x, const uint16_t *bias, void *y, int64_t m, int64_t n,
+                       int64_t k, int threads, int layout, int float_out) {
     /* the float32 sums (an LM head's: 196 KB a row for SmolLM2) in a buffer kept per thread: a fresh allocation of
      * that size is a new mapping, page-faulted on every call */
     static _Thread_local float *kept;
     static _Thread_local int64_t kept_size;
     int64_t k8 = (k + 7) / 8 * 8;
-    float *xf = padded_input(x, 1, m, k, k8), *yf = kept_buffer(&kept, &kept_size, m * n + n);
-    float *bf = bias && yf ? yf + m * n : NULL;
+    float *xf = padded_input(x, 1, m, k, k8), *buffer = kept_buffer(&kept, &kept_size, (float_out ? 0 : m * n) + n);
+    float *yf = float_out ? (float *)y : buffer, *bf = bias && buffer ? buffer + (float_out ? 0 : m * n) : NULL;
     for (int64_t i = 0; bf && i < n; i++) bf[i] = bf16_to_f32(bias[i]);
     static const int kinds[4] = {1, 2, INT8_PAIRS, INT8_WIDENED};
-    int failed = !xf || !yf || layout < 0 || layout > 3 || run(tiles, kinds[layout], xf, bf, yf, m, n, k8, threads, 0);
+    int failed = !xf || !buffer || layout < 0 || layout > 3 ||
+                 run(tiles, kinds[layout], xf, bf, yf, m, n, k8, threads, float_out);
     free(xf);
     if (failed) return 1;
+    if (float_out) return 0;
     int64_t i = 0;
     for (; i + 8 <= m * n; i += 8) store8(y, i, _mm256_loadu_ps(yf + i), 1); /* a 16-row LM head: 786k values */
-    for (; i < m * n; i++) y[i] = f32_to_bf16(yf[i]);
+    for (; i < m * n; i++) ((uint16_t *)y)[i] = f32_to_bf16(yf[i]);
     return 0;
 }
 

@@ -109,7 +109,7 @@ def library() -> ctypes.CDLL | None:
             for name in ("dflash_linear_f32", "dflash_linear_bf16"):
                 fn = getattr(lib, name)
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * (
-                    2 if name.endswith("bf16") else 1)
+                    3 if name.endswith("bf16") else 1)
                 fn.restype = ctypes.c_int
             lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
             lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
@@ -628,16 +628,18 @@ def tile_inputs(weight_tiles: torch.Tensor) -> int:
     return weight_tiles.shape[1] * (2 if in_pairs(weight_tiles) else 1)
 
 
-def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           float_out: bool = False) -> torch.Tensor | None:
     """x W^T + b, W given as `tiles(W)` with `out_features` rows; None where the kernel does not apply (the caller
-    then uses torch's)."""
+    then uses torch's). `float_out`: a bfloat16 product's outputs as float32, bitwise its bfloat16 outputs widened
+    (an LM head's logits, written so as they land rather than converted twice)."""
     lib = _library if _tried else library()  # (a caller that laid out tiles(w, pairs=...) may not have loaded it)
     k = x.shape[-1]
     if (lib is None or x.dtype != tiles_dtype(weight_tiles) or (bias is not None and not bias.is_contiguous())
             or -(-k // 8) * 8 != tile_inputs(weight_tiles)):  # a wrong width: torch's kernel says so, we would read past
         return None
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32 if float_out else x.dtype)
     args = (weight_tiles.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
             x.numel() // k, out_features, k, torch.get_num_threads())
     if x.dtype == torch.float32:
@@ -645,7 +647,7 @@ def linear(x: torch.Tensor, weight_tiles: torch.Tensor, out_features: int, bias:
     else:  # native.c's layouts: bfloat16, bfloat16 in pairs, int8 in pairs, int8 widened
         pairs = in_pairs(weight_tiles)
         layout = (2 if pairs else 3) if weight_tiles.dtype == torch.int8 else int(pairs)
-        status = lib.dflash_linear_bf16(*args, layout)
+        status = lib.dflash_linear_bf16(*args, layout, int(float_out))
     return y if status == 0 else None
 
 

@@ -465,7 +465,7 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         elif logits_at == "none":
             return None
-        logits = self.head(self.norm.rows(h)).float()
+        logits = self.head.float_out(self.norm.rows(h))
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
