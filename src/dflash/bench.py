@@ -32,6 +32,8 @@ import json
 import os
 import platform
 import re
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -299,7 +301,6 @@ class LlamaCppRunner:
 
     def __init__(self, target, gguf: str | None, sampling):
         import importlib.util
-        import subprocess
 
         if importlib.util.find_spec("llama_cpp") is None:
             raise UserError("the llamacpp baseline needs llama-cpp-python: pip install 'dflash[llamacpp]' "
@@ -327,7 +328,8 @@ class LlamaCppRunner:
             how = f"signal {signal_name(-code)}" if code < 0 else f"exit status {code}"
             hint = ("; SIGILL: an instruction this CPU or OS refused (a llama-cpp-python built with GGML_NATIVE died "
                     "so in its AMX path on an Intel Xeon; built with -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                    "-DGGML_AMX_BF16=OFF it ran: docs/RESULTS.md, forty-ninth session)" if code == -4 else "")
+                    "-DGGML_AMX_BF16=OFF it ran: docs/RESULTS.md, forty-ninth session)"
+                    if code == -signal.SIGILL else "")
             raise BaselineCrashed(f"llama.cpp's process died ({how}) running {self.path.name}{hint}")
         return json.loads(line)
 
@@ -349,13 +351,11 @@ class LlamaCppRunner:
             self.process.stdin.close()
             try:
                 self.process.wait(timeout=10)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 self.process.kill()
 
 
 def signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:

@@ -239,28 +239,34 @@ def set_amx(on: bool) -> bool:
     return old
 
 
-def _amx_measures_faster(rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> bool:
-    """Whether AMX tiles ran a product in pairs faster than VDPBF16PS here: the summed time of a step's and a verify
-    pass's product (`rows`) over a random [3072, 576] bfloat16 weight, SmolLM2's gate/up (3.5 MB, beyond L2), the
-    fastest of `repeats` runs of each, interleaved. About 20 ms. On an Intel Xeon (family 6 model 207, 2 threads)
-    tiles took ~0.8x the time at one row and ~0.25x at sixteen."""
+def _faster_way(switch, ways: tuple, dtype: torch.dtype, rows: tuple[int, ...], repeats: int, **layout):
+    """Which of two `ways` (each passed to `switch`) ran products of `rows` rows in less time here: summed over a
+    random [3072, 576] weight of `dtype`, SmolLM2's gate/up (beyond L2), the fastest of `repeats` interleaved runs of
+    each. The tiles are plain tensors (`lasting=False`): freed into a huge-page arena they would stay resident."""
     import time
 
     generator = torch.Generator().manual_seed(0)
-    weight_tiles = tiles(torch.randn(3072, 576, generator=generator).bfloat16(), pairs=True, lasting=False)
-    inputs = {m: torch.randn(m, 576, generator=generator).bfloat16() for m in rows}
-    best = {True: float("inf"), False: float("inf")}
+    weight_tiles = tiles(torch.randn(3072, 576, generator=generator).to(dtype), lasting=False, **layout)
+    inputs = [torch.randn(m, 576, generator=generator).to(dtype) for m in rows]
+    best = dict.fromkeys(ways, float("inf"))
+    for _ in range(repeats):
+        for way in ways:
+            switch(way)
+            start = time.perf_counter()
+            for x in inputs:
+                linear(x, weight_tiles, 3072, None)
+            best[way] = min(best[way], time.perf_counter() - start)
+    return min(ways, key=best.get)
+
+
+def _amx_measures_faster(rows: tuple[int, ...] = (1, 16), repeats: int = 5) -> bool:
+    """Whether AMX tiles ran a product in pairs faster than VDPBF16PS here, at a step's and a verify pass's rows
+    (`_faster_way`, bfloat16: 3.5 MB). About 20 ms. On an Intel Xeon (family 6 model 207, 2 threads) tiles took
+    ~0.8x the time at one row and ~0.25x at sixteen."""
     try:
-        for _ in range(repeats):
-            for on in (True, False):
-                set_amx(on)
-                start = time.perf_counter()
-                for x in inputs.values():
-                    linear(x, weight_tiles, 3072, None)
-                best[on] = min(best[on], time.perf_counter() - start)
+        return _faster_way(set_amx, (True, False), torch.bfloat16, rows, repeats, pairs=True)
     finally:
         set_amx(False)
-    return best[True] < best[False]
 
 
 F32_KERNELS = ("avx2", "avx512", "avx512-zmm")  # native.c's dflash_set_f32_kernel, by number
@@ -303,27 +309,14 @@ def f32_kernels_here() -> list[str]:
 
 
 def _zmm_measures_faster(rows: tuple[int, ...] = (8, 16), repeats: int = 7) -> bool:
-    """Whether 512-bit code ran float32 products of `rows` rows faster than 256-bit AVX-512VL code here: summed over
-    a random [3072, 576] float32 weight (SmolLM2's gate/up, 7 MB), the fastest of `repeats` interleaved runs of
-    each. A step (one row) reads two panels at a time in 256-bit code either way. About 15 ms."""
-    import time
-
-    generator = torch.Generator().manual_seed(0)
-    weight_tiles = tiles(torch.randn(3072, 576, generator=generator), lasting=False)
-    inputs = [torch.randn(m, 576, generator=generator) for m in rows]
-    best = {"avx512-zmm": float("inf"), "avx512": float("inf")}
+    """Whether 512-bit code ran float32 products of `rows` rows faster than 256-bit AVX-512VL code here
+    (`_faster_way`, float32: 7 MB). A step (one row) reads two panels at a time in 256-bit code either way. About
+    15 ms."""
     old = f32_kernel()
     try:
-        for _ in range(repeats):
-            for name in best:
-                set_f32_kernel(name)
-                start = time.perf_counter()
-                for x in inputs:
-                    linear(x, weight_tiles, 3072, None)
-                best[name] = min(best[name], time.perf_counter() - start)
+        return _faster_way(set_f32_kernel, ("avx512-zmm", "avx512"), torch.float32, rows, repeats) == "avx512-zmm"
     finally:
         set_f32_kernel(old)
-    return best["avx512-zmm"] < best["avx512"]
 
 
 # (two_panel_rows, request_from_rows): native.c; a step (one row) reads two panels at a time either way
