@@ -33,6 +33,9 @@ Switches (the "on" variant is each one's default):
   f32-zmm           float32 panels run in 512-bit code, a panel's columns 0-15 in one register
                     (`native.f32_kernel` "avx512-zmm"), against 256-bit AVX-512VL code ("avx512"); outputs identical.
                     Needs a CPU with AVX-512VL
+  attention-tiles   a bfloat16 target whose products run through AMX tiles scores attention and sums its values
+                    through tiles too (`native.set_attention_tiles`; native.c's tile_scores, tile_values), against
+                    VDPBF16PS; its outputs may differ in the last bits. Use with --dtype bfloat16 on a CPU with AMX
   continuations     prompt lookup (ngram, and beside a drafter) falls back to the target's shipped table of its own
                     frequent continuations (`methods/continuations.py`), against prompt lookup alone
   attention-pairs   a bfloat16 target whose products run in pairs scores attention with VDPBF16PS too (`native.c`:
@@ -178,6 +181,10 @@ def set_attention_pairs(target, on: bool) -> None:
     native.set_attention_pairs(on)
 
 
+def set_attention_tiles(target, on: bool) -> None:
+    native.set_attention_tiles(on)
+
+
 def set_long_matches(target, on: bool) -> None:
     ngram.MAX_MATCH = LONG_MATCH if on else 3  # read when a proposer is built: each variant keeps its own
 
@@ -215,9 +222,10 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "attention-pairs": set_attention_pairs, "long-matches": set_long_matches, "draft-head": set_draft_head,
             "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
             "chained-prior": set_chained_prior, "amx": set_amx,
-            "narrow-passes": set_narrow_passes, "f32-zmm": set_f32_zmm, "screen-tiles": set_screen_tiles}
+            "narrow-passes": set_narrow_passes, "f32-zmm": set_f32_zmm, "screen-tiles": set_screen_tiles,
+            "attention-tiles": set_attention_tiles}
 # switches whose variants may differ in output (each lossless on its own)
-CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "prompts-in-c"}
+CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "attention-tiles", "prompts-in-c"}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
 DEFAULT_HEAD_KERNELS = dict(dflash_proposer.HEAD_KERNELS)
 DEFAULT_FIRST_SCREENED = engine.FIRST_SCREENED

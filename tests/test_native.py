@@ -730,15 +730,16 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_steps(arch, dtype, head_dim, 
     assert calls[0] == (1 + len(block)) * target.num_layers
 
 
-def check_attention_pairs(target, ids, block) -> None:
+def check_attention_pairs(target, ids, block, switch=None) -> None:
     """A verify pass of `block` after `ids` with attention in pairs (scores and value sums through VDPBF16PS) and
-    without: each gives bitwise the logits of stepping the block's tokens one by one, and the two agree within
-    bfloat16 rounding. The caches' never-written value slots read as NaN: a step's last pair of keys may reach one,
-    and must not read it."""
+    without (or with `switch`, e.g. `native.set_attention_tiles`, on and off): each gives bitwise the logits of
+    stepping the block's tokens one by one, and the two agree within bfloat16 rounding. The caches' never-written
+    value slots read as NaN: a step's last pair of keys may reach one, and must not read it."""
+    switch = switch or native.set_attention_pairs
     logits = {}
     try:
         for pairs in (True, False):
-            native.set_attention_pairs(pairs)
+            switch(pairs)
             together, alone = target.new_cache(), target.new_cache()
             for cache in (together, alone):
                 cache.values.fill_(float("nan"))
@@ -749,7 +750,7 @@ def check_attention_pairs(target, ids, block) -> None:
             assert torch.equal(wide, steps)
             logits[pairs] = wide.float()
     finally:
-        native.set_attention_pairs(True)
+        switch(True)
     assert (logits[True] - logits[False]).abs().max() <= TOLERANCE[torch.bfloat16] * logits[False].abs().max()
 
 
@@ -846,6 +847,34 @@ def test_values_summed_in_pairs_keep_verify_equal_to_steps_and_close_to_fmas(arc
         check_attention_pairs(target, ids, [33, 2, 17, 40, 8, 11, 4])
     finally:
         native.set_bf16_pairs(old)
+
+
+@pytest.mark.skipif(not amx_runs_here(), reason="no AMX here")
+@pytest.mark.parametrize("context", [36, 37, 48], ids=["even", "odd", "whole-tiles"])
+@pytest.mark.parametrize("shape", [(4, 2, 64), (16, 1, 64), (2, 1, 128)], ids=["group2", "group16", "head128"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_attention_through_tiles_keeps_verify_equal_to_steps_and_close_to_pairs(arch, shape, context):
+    """A bfloat16 model whose products run through AMX tiles scores its keys and sums its values through tiles too
+    (tile_scores, tile_values): a verify pass still gives bitwise the logits of steps, with never-written value slots
+    at NaN, keys that end inside a tile of 16 or on its edge, Gemma3's window, more queries than one tile holds
+    (group 16: 32 queries an item) and heads of 128, also in a batch of ragged rows; and the logits stay within
+    bfloat16 rounding of attention in VDPBF16PS chains."""
+    old = native.set_bf16_pairs(True), native.set_amx(True)
+    try:
+        target = attention_shape_target(arch, shape, torch.bfloat16)
+        ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 4)[:context]
+        check_attention_pairs(target, ids, [33, 2, 17, 40, 8, 11, 4], native.set_attention_tiles)
+        block = torch.tensor([[9, 33, 2], [17, 40, 8], [11, 4, 5]])
+        together, alone = target.new_cache(3), target.new_cache(3)
+        for cache in (together, alone):
+            target.forward(torch.tensor([ids] * 3), cache)
+            cache.set_lengths([context, context - 7, context - 3])
+        wide = target.forward(block, together).logits
+        steps = torch.cat([target.forward(block[:, i:i + 1], alone).logits for i in range(3)], dim=1)
+        assert torch.equal(wide, steps)
+    finally:
+        native.set_bf16_pairs(old[0])
+        native.set_amx(old[1])
 
 
 @needs_native
@@ -1075,6 +1104,23 @@ def test_a_product_loads_the_library_itself():
             "y = native.linear(torch.ones(2, 16), native.tiles(w), 30, None)\n"
             "assert y is not None and torch.allclose(y, torch.ones(2, 16) @ w.T, atol=1e-5)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.skipif(not amx_runs_here(), reason="no AMX here")
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_attention_tiles_follow_their_environment_switch_and_name_the_build(setting):
+    """DFLASH_ATTENTION_TILES=0 keeps attention in VDPBF16PS where products run through tiles; the build id says
+    which runs ("+atiles"), so kernel plans measured under one are not taken for the other."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from dflash.models import native\nnative.library()\nnative.set_amx(True)\n"
+            "print(native.build_id())\nprint(native.set_attention_tiles(False))\n")
+    env = dict(os.environ, DFLASH_ATTENTION_TILES=setting)
+    build, was_on = subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env,
+                                   capture_output=True, text=True).stdout.split()
+    assert ("+atiles" in build) == (setting == "1") and was_on == str(setting == "1")
 
 
 @needs_native

@@ -124,7 +124,7 @@ def test_tree_pass_in_bfloat16_matches_the_causal_pass():
 
 
 @pytest.mark.parametrize("context", [4, 5, 30])  # the cache's keys end inside a pair of keys or not; 8 at a time
-@pytest.mark.parametrize("layout", ["float32", "bfloat16", "bfloat16-pairs"])
+@pytest.mark.parametrize("layout", ["float32", "bfloat16", "bfloat16-pairs", "bfloat16-amx"])
 @pytest.mark.parametrize("arch,parents", [("llama", PARENTS), ("gemma3", PARENTS), ("gemma3", DEEP)],
                          ids=["llama", "gemma3", "gemma3-deep"])
 def test_every_node_of_a_tree_pass_gives_bitwise_the_logits_of_steps_along_its_path(arch, parents, layout, context):
@@ -140,9 +140,13 @@ def test_every_node_of_a_tree_pass_gives_bitwise_the_logits_of_steps_along_its_p
 
     if layout == "bfloat16-pairs" and not (native.library() is not None and native.library().dflash_bf16_pairs()):
         pytest.skip("no AVX512-BF16 here")
-    old = native.set_bf16_pairs(layout == "bfloat16-pairs") if native.library() is not None else None
+    if layout == "bfloat16-amx" and not (native.library() is not None and native.library().dflash_amx()):
+        pytest.skip("no AMX here")
+    in_pairs = layout in ("bfloat16-pairs", "bfloat16-amx")  # -amx: products and attention through tiles
+    old = (native.set_bf16_pairs(in_pairs), native.set_amx(layout == "bfloat16-amx")) \
+        if native.library() is not None else None
     try:
-        tiny = tiny_target(arch, logit_scale=4.0, hidden_size=128)  # heads of 64 (Llama: 2 of them)
+        tiny = tiny_target(arch, logit_scale=4.0, hidden_size=256)  # 4 heads of 64: value sums in pairs or tiles
         dtype = torch.float32 if layout == "float32" else torch.bfloat16
         target = TargetModel(model=tiny.model.to(dtype), tokenizer=tiny.tokenizer, name=f"tiny-{arch}-{layout}",
                              measure=False, kernel_plan=NATIVE)
@@ -168,7 +172,8 @@ def test_every_node_of_a_tree_pass_gives_bitwise_the_logits_of_steps_along_its_p
             assert torch.equal(tree[node], logits), f"node {node}"
     finally:
         if old is not None:
-            native.set_bf16_pairs(old)
+            native.set_bf16_pairs(old[0])
+            native.set_amx(old[1])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -91,7 +91,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _amx
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _amx, _attention_tiles
     if _tried:
         return _library
     _tried = True
@@ -128,6 +128,11 @@ def library() -> ctypes.CDLL | None:
             if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
                 lib.dflash_set_values_in_registers.argtypes = [ctypes.c_int]
                 lib.dflash_set_values_in_registers.restype = ctypes.c_int
+            if hasattr(lib, "dflash_set_attention_tiles"):  # builds of older sources load too (A/B runs)
+                lib.dflash_set_attention_tiles.argtypes = [ctypes.c_int]
+                lib.dflash_set_attention_tiles.restype = ctypes.c_int
+                _attention_tiles = os.environ.get("DFLASH_ATTENTION_TILES", "1") != "0"
+                lib.dflash_set_attention_tiles(int(_attention_tiles))
             integer_logits = lib.dflash_int8_quad_logits
             integer_logits.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                                        + [ctypes.c_void_p] * 2 + [ctypes.c_int])
@@ -186,15 +191,16 @@ def library() -> ctypes.CDLL | None:
 
 def build_id() -> str:
     """Which build of the kernel runs here ("none" where none does): its file name carries the source hash,
-    "+pairs" where bfloat16 products run in pairs ("+amx" through AMX tiles), "+zmm" where float32 ones run in
-    512-bit code, "+vnni" where the int8 screen sums
-    in integers, and "+wide" where its inputs may be wide."""
+    "+pairs" where bfloat16 products run in pairs ("+amx" through AMX tiles, "+atiles" with attention through them
+    too), "+zmm" where float32 ones run in 512-bit code, "+vnni" where the int8 screen sums in integers, and "+wide"
+    where its inputs may be wide."""
     lib = library()
     if lib is None:
         return "none"
     int8 = {"pairs": "+int8", "widened": "+int8w", None: ""}[int8_kernel()]
     return (Path(lib._name).stem + ("+pairs" if _pairs else "") + ("+amx" if _amx else "")
-            + ("+zmm" if f32_kernel() == "avx512-zmm" else "") + ("+tiles8" if _screen_tiles else "") + int8
+            + ("+zmm" if f32_kernel() == "avx512-zmm" else "") + ("+tiles8" if _screen_tiles else "")
+            + ("+atiles" if _amx and _attention_tiles else "") + int8
             + ("+vnni" if _int8_vnni else "")
             + ("+wide" if _screen_wide else ""))
 
@@ -382,6 +388,19 @@ def set_attention_pairs(on: bool) -> bool:
     return bool(lib.dflash_set_attention_pairs(int(on)))
 
 
+def set_attention_tiles(on: bool) -> bool:
+    """Whether a bfloat16 model whose products run through AMX tiles (`amx`) runs attention's scores and value sums
+    through them too (native.c's tile_scores and tile_values; the default, off with DFLASH_ATTENTION_TILES=0) or
+    with VDPBF16PS (for tests and A/B runs); returns the old setting. Tiles sum blocks of pairs at once, so outputs
+    may differ in the last bits between the two."""
+    global _attention_tiles
+    lib = library()
+    if lib is None:
+        raise RuntimeError("no kernel library here")
+    _attention_tiles = bool(on)
+    return bool(lib.dflash_set_attention_tiles(int(on)))
+
+
 def set_values_in_registers(on: bool) -> bool:
     """Whether attention sums its values for several query heads at once in AVX-512 registers (native.c's
     values64; the default where the CPU has AVX-512F) or head by head over a widened copy (for tests and A/B runs);
@@ -410,6 +429,7 @@ def set_int8_vnni(on: bool) -> bool:
 
 
 _screen_tiles = False
+_attention_tiles = False  # attention through tiles where products run through them (set_attention_tiles)
 
 
 def screen_tiles() -> bool:
