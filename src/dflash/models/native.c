@@ -3038,8 +3038,10 @@ static void normalize_rows(const Layer *L, Pass *P, const void *weight, float *r
  * the pass has enough tokens for it. A token's attention is the same whatever its chunk. */
 static int64_t attention_chunk(const Layer *L, const Pass *P, int tiles) {
     if (!tiles) return ATTEND_CHUNK;
+    int64_t most = MAX(1, 16 / (L->heads / L->kv_heads)); /* tokens whose queries fill a tile */
     int64_t chunks = (2 * P->threads + P->rows * L->kv_heads - 1) / (P->rows * L->kv_heads);
-    return MAX(1, MIN(16 / (L->heads / L->kv_heads), (P->n + chunks - 1) / chunks));
+    chunks = MAX(chunks, (P->n + most - 1) / most);
+    return (P->n + chunks - 1) / chunks; /* as even as they come: 16 tokens 4 x 4, not 5, 5, 5 and 1 */
 }
 
 static void attention(const Layer *L, Pass *P) {
