@@ -1,12 +1,14 @@
 """Two builds of native.c against each other in ONE process, pass by pass (milliseconds, medians of 15 pairs).
 
-Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|layers|batch] [float32|bfloat16] [CONTEXT]
+Usage: .venv/bin/python scripts/ab_native.py OLD.c NEW.c [verify|layers|batch|screen] [float32|bfloat16] [CONTEXT]
 
   verify (default): SmolLM2-135M at CONTEXT (200) cached positions, a decode step and a 16-token verify pass, 2
   threads;
   layers: the same passes without the LM head (the decoder layers alone);
-  batch: a decode step of 16 rows at 600 positions each on 1 thread, as `dflash data --threads 1` runs.
-AB_WIDTHS=1,5,8,16 times those pass widths instead of a step and 16 tokens (verify and layers modes).
+  batch: a decode step of 16 rows at 600 positions each on 1 thread, as `dflash data --threads 1` runs;
+  screen: the greedy tokens of a pass's hidden rows through the LM head's int8 screen (`TargetModel.greedy_of`),
+  after a pass of that width at CONTEXT positions.
+AB_WIDTHS=1,5,8,16 times those pass widths instead of a step and 16 tokens (verify, layers and screen modes).
 
 Why: on a shared 2-core machine whole-pass timings of one build move by 20-50% within minutes, so builds timed in
 turn (scripts/step_verify.py) cannot separate a 5% change. Here both libraries are loaded side by side (ctypes
@@ -49,9 +51,19 @@ def main(argv: list[str]) -> int:
     target = load_target_cached("smollm2-135m", dtype=dtype)
     cache = target.new_cache(rows, context + 64)
     target.forward(torch.randint(100, 10000, (rows, context)), cache)
+    hidden = {}
+    if mode == "screen":
+        target.screen_greedy, target.screen_kind = True, "int8"
+        for width in widths:
+            hidden[width] = target.forward(torch.randint(100, 10000, (rows, width)), cache, (),
+                                           logits_at="hidden").hidden[0]
+            cache.set_lengths([context] * rows)
 
     def run(build: str, width: int) -> None:
         native._library = old if build == "old" else new
+        if mode == "screen":
+            target.greedy_of(hidden[width]).tolist()
+            return
         ids = torch.randint(100, 10000, (rows, width))
         if mode == "layers":
             target.forward(ids, cache, (), logits_at="hidden")

@@ -526,19 +526,21 @@ static int cpu_has_vbmi(void) {
     return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
 }
 /* Eight logits of a bfloat16 head as the pairs kernel stores them, rows ids[] of w: each one chain of VDPBF16PS (the
- * same instruction, lane 0) over the pairs of w and of x (bfloat16 values), rounded to bfloat16; k even (the tiles'
- * zero padding adds nothing). Eight chains side by side: one waits on the instruction's latency. */
+ * same instruction, lane 0) over the pairs of w and of x (bfloat16 values), rounded to bfloat16. An odd k's last
+ * pair holds a zero beside its last value, as the tiles' zero padding does (the kernel adds it like any pair; the
+ * padding's further pairs add exact zeros). Eight chains side by side: one waits on the instruction's latency. */
 PAIRS_TARGET static void chain_dot_pairs8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k,
                                           float *out) {
     __m128 acc[8];
     for (int t = 0; t < 8; t++) acc[t] = _mm_setzero_ps();
-    for (int64_t j = 0; j + 1 < k; j += 2) {
+    for (int64_t j = 0; j < k; j += 2) {
+        int second = j + 1 < k; /* else the pair's second value is the padding's zero */
         __m128bh xj = (__m128bh)_mm_cvtsi32_si128(
-            (int)((uint32_t)f32_to_bf16(x[j]) | (uint32_t)f32_to_bf16(x[j + 1]) << 16));
+            (int)((uint32_t)f32_to_bf16(x[j]) | (second ? (uint32_t)f32_to_bf16(x[j + 1]) << 16 : 0u)));
         for (int t = 0; t < 8; t++) {
             const uint16_t *r = w + ids[t] * k;
-            acc[t] = _mm_dpbf16_ps(acc[t], (__m128bh)_mm_cvtsi32_si128((int)((uint32_t)r[j] | (uint32_t)r[j + 1] << 16)),
-                                   xj);
+            uint32_t pair = (uint32_t)r[j] | (second ? (uint32_t)r[j + 1] << 16 : 0u);
+            acc[t] = _mm_dpbf16_ps(acc[t], (__m128bh)_mm_cvtsi32_si128((int)pair), xj);
         }
     }
     for (int t = 0; t < 8; t++) out[t] = bf16_to_f32(f32_to_bf16(_mm_cvtss_f32(acc[t])));
@@ -1048,23 +1050,33 @@ static int cpu_has_amx(void) {
  * gathered into a panel of their own (columns 0-7, the rest zero) and summed by the same blocks, one input row */
 static void chain_dot_amx8(const uint16_t *w, const int64_t *ids, const float *x, int64_t k, float *out) {
     static _Thread_local uint32_t *panel, *pairs;
-    static _Thread_local int64_t size;
-    int64_t units = (k + 7) / 8 * 4, padded = (units + 15) / 16 * 16;
+    static _Thread_local int64_t size, zeroed_for = -1; /* the k whose padding the panel holds as zeros */
+    int64_t units = (k + 7) / 8 * 4, padded = (units + 15) / 16 * 16, whole = k / 2;
     if (padded > size) {
         free(panel), free(pairs);
         panel = malloc(sizeof(uint32_t) * (size_t)(padded * PANEL)), pairs = malloc(sizeof(uint32_t) * (size_t)padded);
-        size = panel && pairs ? padded : 0;
+        size = panel && pairs ? padded : 0, zeroed_for = -1;
         if (!size) {
             for (int t = 0; t < 8; t++) out[t] = NAN;
             return;
         }
     }
-    memset(panel, 0, sizeof(uint32_t) * (size_t)(padded * PANEL));
-    memset(pairs, 0, sizeof(uint32_t) * (size_t)padded);
+    /* Columns 8-23 and the pairs past k are zeros that no call writes: cleared once per k, not per call (a 27 KB
+     * memset and a scalar merge of every weight into its pair took a sixth of a 16-row screen) */
+    if (zeroed_for != k) {
+        memset(panel, 0, sizeof(uint32_t) * (size_t)(padded * PANEL));
+        memset(pairs, 0, sizeof(uint32_t) * (size_t)padded);
+        zeroed_for = k;
+    }
     for (int64_t j = 0; j < k; j++) {
         uint32_t shift = (uint32_t)(j & 1) * 16;
-        pairs[j / 2] |= (uint32_t)f32_to_bf16(x[j]) << shift;
-        for (int t = 0; t < 8; t++) panel[j / 2 * PANEL + t] |= (uint32_t)w[ids[t] * k + j] << shift;
+        pairs[j / 2] = (j & 1 ? pairs[j / 2] & 0xffffu : 0u) | (uint32_t)f32_to_bf16(x[j]) << shift;
+    }
+    for (int t = 0; t < 8; t++) { /* a row's consecutive bfloat16 pairs are the panel's words, PANEL apart */
+        const uint16_t *row = w + ids[t] * k;
+        for (int64_t m = 0; m < whole; m++)
+            panel[m * PANEL + t] = (uint32_t)row[2 * m] | (uint32_t)row[2 * m + 1] << 16;
+        if (k & 1) panel[whole * PANEL + t] = row[k - 1];
     }
     float sums[PANEL];
     amx_configure(1);
