@@ -1068,10 +1068,9 @@ static void chain_dot_amx8(const uint16_t *w, const int64_t *ids, const float *x
         memset(pairs, 0, sizeof(uint32_t) * (size_t)padded);
         zeroed_for = k;
     }
-    for (int64_t j = 0; j < k; j++) {
-        uint32_t shift = (uint32_t)(j & 1) * 16;
-        pairs[j / 2] = (j & 1 ? pairs[j / 2] & 0xffffu : 0u) | (uint32_t)f32_to_bf16(x[j]) << shift;
-    }
+    for (int64_t m = 0; m < whole; m++)
+        pairs[m] = (uint32_t)f32_to_bf16(x[2 * m]) | (uint32_t)f32_to_bf16(x[2 * m + 1]) << 16;
+    if (k & 1) pairs[whole] = f32_to_bf16(x[k - 1]);
     for (int t = 0; t < 8; t++) { /* a row's consecutive bfloat16 pairs are the panel's words, PANEL apart */
         const uint16_t *row = w + ids[t] * k;
         for (int64_t m = 0; m < whole; m++)
@@ -2624,8 +2623,8 @@ static int attention_tiles_for(int pairs, int64_t d) { return pairs && amx_on &&
  * keys in flight, and an item configures once for both phases (a step's layers took 1% longer through tiles with
  * a configuration per phase and one chain). Scores: tiles 6 and 0 sum 16 keys each for 16 queries, 7 and 4 hold
  * those keys' rows (16 dimension pairs), 5 the queries' pairs. Value sums: tiles 0-3 a quarter of 64 columns each
- * (value_rows' order), 4 the queries' weights (16 key pairs; rows past the queries unread), 5 16 key pairs of
- * values for 16 columns. */
+ * (value_rows' order), 4 the queries' weights (16 key pairs; rows past the queries hold stale words, and their sums
+ * are never stored), 5 16 key pairs of values for 16 columns. */
 static _Thread_local int tiles_configured; /* whether attention's tiles are configured on this thread */
 ATTENTION_TILES_TARGET static void attention_tiles_configure(void) {
     if (tiles_configured) return;
@@ -2862,8 +2861,9 @@ static void expand_tree(float *s, int64_t tree_start, int64_t n, int64_t end, ui
  * (token, head) is still computed by the same operations in the same order whatever the chunk, so a verify pass
  * gives bitwise the attention of single steps. `block`: KEY_BLOCK * d floats of scratch (bf16 widening). */
 #define KEY_BLOCK 32
-/* tokens per work item (attention_items): 2 rather than 4 gives a 4-token pass 6 items instead of 3 on two
- * threads; bf16 SmolLM2 after 600 tokens, three alternating runs: layers of 4- and 8-token passes -4% and -3% */
+/* tokens per work item (attention_items; through tiles, attention_chunk's): 2 rather than 4 gives a 4-token pass 6
+ * items instead of 3 on two threads; bf16 SmolLM2 after 600 tokens, three alternating runs: layers of 4- and 8-token
+ * passes -4% and -3% */
 #define ATTEND_CHUNK 2
 static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, const void *values, int64_t g,
                    int64_t capacity, int64_t d, int64_t last, int64_t step, int64_t window, float scale, int bf16,
