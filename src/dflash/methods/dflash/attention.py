@@ -19,7 +19,6 @@ another block. Two kernels compute it, with the same result:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import shutil
@@ -137,13 +136,21 @@ class BlockSparseAttention(torch.autograd.Function):
 def opaque_block_sparse_attention(q, ctx_k, ctx_v, k, v, layout: BlockLayout) -> torch.Tensor:
     """`block_sparse_attention`, which torch.compile calls as it is instead of tracing (its products write into
     slices of one buffer, and its backward pass is already what a compiler would make of it)."""
-    return opaque_attention()(q, ctx_k, ctx_v, k, v, layout)
+    if _opaque_attention is None:  # an eager caller; a compiled layer made it before its first trace
+        make_attention_opaque()
+    return _opaque_attention(q, ctx_k, ctx_v, k, v, layout)
 
 
-@functools.cache
-def opaque_attention():
-    """Made on first use: torch.compiler.disable imports the compiler."""
-    return torch.compiler.disable(block_sparse_attention)
+_opaque_attention = None
+
+
+def make_attention_opaque() -> None:
+    """Wraps `block_sparse_attention` for the compiler, on first use: torch.compiler.disable imports the compiler
+    (about a second). Called before the compiler traces a layer, which then reads a plain global: a cached
+    function called inside a trace draws dynamo's lru_cache warning."""
+    global _opaque_attention
+    if _opaque_attention is None:
+        _opaque_attention = torch.compiler.disable(block_sparse_attention)
 
 
 def own_products(rows, keys, group: int, nblocks: int, size: int) -> torch.Tensor:

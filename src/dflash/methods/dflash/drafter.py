@@ -32,7 +32,7 @@ from ...models.cache import KVCache, scatter_index
 from ...models.kernels import FrozenLinear
 from ...models.layers import Attention, GatedMLP, RMSNorm, Rotary, native_constants
 from ...models.transformer import MAX_NATIVE_TOKENS
-from .attention import BlockLayout, block_attention
+from .attention import BlockLayout, block_attention, make_attention_opaque
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -184,6 +184,7 @@ class DecoderLayer(nn.Module):
 
 @functools.cache
 def compiled_layer_forward():
+    make_attention_opaque()
     return torch.compile(DecoderLayer.forward)
 
 
