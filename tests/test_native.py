@@ -1093,6 +1093,37 @@ def test_the_final_norm_in_c_is_torchs_within_rounding(dim, unit_offset, dtype):
     assert ((ours.float() - theirs.float()).abs() <= tolerance * theirs.float().abs().clamp_min(1.0)).all()
 
 
+@pytest.mark.parametrize("inter", [1, 7, 8, 9, 16, 24, 37, 44, 90, 1536])  # tails under 16 and 8 lanes
+@pytest.mark.parametrize("gelu", [0, 1])
+def test_the_gate_in_sixteen_lanes_is_bitwise_the_gate_in_eight_and_torchs_within_rounding(inter, gelu):
+    """A bfloat16 model in pairs computes SiLU(gate) * up (GELU for Gemma) straight into down's bfloat16 input,
+    sixteen lanes at a time: the same bits as the eight-lane gate and its conversion, padding to a multiple of 8
+    zero; and torch's bfloat16 SiLU / tanh-GELU, each op rounded, within a rounding or two (gemma3's real MLP
+    width 2048 and SmolLM2's 1536 have no tail: only the odd widths reach it)."""
+    import ctypes
+
+    lib = native.library()
+    if lib is None or not lib.dflash_bf16_pairs():
+        pytest.skip("this CPU has no bfloat16 pairs")
+    m, ip = 3, (inter + 7) // 8 * 8
+    gu = (torch.randn(m, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).bfloat16().float()
+    gu[0, : min(inter, 4)] = torch.tensor([-100.0, 100.0, 0.0, -0.0])[: min(inter, 4)]  # exp's clamp, and zeros
+    outs = []
+    for wide in (1, 0):
+        out = torch.full((m, ip), 0x7FC0, dtype=torch.int16)  # NaN bits: the padding must be written
+        assert lib.dflash_gate_pairs(ctypes.c_void_p(gu.data_ptr()), m, inter, gelu, wide,
+                                     ctypes.c_void_p(out.data_ptr())) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert (outs[0][:, inter:] == 0).all()
+    ours = outs[0][:, :inter].view(torch.bfloat16).float()
+    gate, up = gu[:, :inter].bfloat16(), gu[:, inter:].bfloat16()
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    theirs = (act * up).float()
+    # (GELU's far negative tail, under 1e-4, comes out another way than torch's 1 + tanh: an absolute margin)
+    assert ((ours - theirs).abs() <= 2 ** -6 * theirs.abs() + 1e-4).all()
+
+
 @needs_native
 def test_a_product_loads_the_library_itself():
     """A script that lays out tiles and multiplies, with nothing having loaded the library first, gets our product,

@@ -3179,20 +3179,114 @@ static void gate(const float *gu, int64_t inter, int bf16, int gelu, float *act)
     }
 }
 
+#if PAIRS_BUILT
+/* The gate of a bfloat16 model in pairs, sixteen lanes at a time: exp8's, gelu8's and gated8's operations lane by
+ * lane and bf16_bits8's rounding in integers, so each activation is bitwise gated8's. It writes down's input pairs
+ * only: in pairs nothing reads the float activations. */
+PAIRS_TARGET static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
+}
+PAIRS_TARGET static inline __m512i bf16_bits16(__m512 v) { /* bf16_bits8 on sixteen lanes */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+PAIRS_TARGET static inline __m512 rnd16(__m512 v) { return _mm512_castsi512_ps(bf16_bits16(v)); }
+PAIRS_TARGET static inline __m512 gelu16(__m512 g) {
+    __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                             _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32((int)0x80000000u));
+    __m512 size = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(0x7fffffff)));
+    __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), size));
+    __m512 ratio = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    __m512 tanh = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_castps_si512(ratio)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
+}
+PAIRS_TARGET static inline __m512 gated16(__m512 g, __m512 up, int gelu) { /* gated8 with bf16 rounding */
+    __m512 act = gelu ? gelu16(g)
+                      : _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return rnd16(_mm512_mul_ps(rnd16(act), up));
+}
+/* one token's activations as down's bfloat16 input, its padding to ip (a multiple of 8) zeros; converted as
+ * bf16_array converts gate's floats: VCVTNEPS2BF16 sixteen at a time, a last eight by integer rounding */
+PAIRS_TARGET static void gate_pairs(const float *gu, int64_t inter, int64_t ip, int gelu, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 16 <= ip; i += 16) {
+        __m512 act;
+        if (i + 16 <= inter) {
+            act = gated16(_mm512_loadu_ps(gu + i), _mm512_loadu_ps(gu + inter + i), gelu);
+        } else { /* padding lanes: SiLU and GELU of 0 times 0 are 0 */
+            __mmask16 live = (__mmask16)((1u << (inter - i)) - 1);
+            act = gated16(_mm512_maskz_loadu_ps(live, gu + i), _mm512_maskz_loadu_ps(live, gu + inter + i), gelu);
+        }
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(act));
+    }
+    if (i < ip) { /* eight left: inter ends within them */
+        __mmask16 live = (__mmask16)((1u << (inter - i)) - 1);
+        __m512 act = gated16(_mm512_maskz_loadu_ps(live, gu + i), _mm512_maskz_loadu_ps(live, gu + inter + i), gelu);
+        __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(act), 16));
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_castsi256_si128(bits));
+    }
+}
+#else
+static void gate_pairs(const float *gu, int64_t inter, int64_t ip, int gelu, uint16_t *out) {
+    (void)gu, (void)inter, (void)ip, (void)gelu, (void)out;
+}
+#endif
+
 typedef struct {
     const float *gu;
     float *act;
     int64_t inter, ip;
     int bf16, gelu;
-    uint16_t *pairs; /* layer_pairs: down's input in pairs, filled row by row (NULL: none) */
+    uint16_t *pairs; /* layer_pairs: down's input in pairs, filled row by row instead of act (NULL: none) */
 } Gating;
 
 static void gate_tokens(void *ctx, int64_t first, int64_t last) {
     const Gating *G = ctx;
     for (int64_t t = first; t < last; t++) {
-        gate(G->gu + t * 2 * G->inter, G->inter, G->bf16, G->gelu, G->act + t * G->ip);
-        if (G->pairs) bf16_array(G->act + t * G->ip, G->ip, G->pairs + t * G->ip); /* its padding: zeros */
+        if (G->pairs) /* down reads its input from the pairs alone */
+            gate_pairs(G->gu + t * 2 * G->inter, G->inter, G->ip, G->gelu, G->pairs + t * G->ip);
+        else
+            gate(G->gu + t * 2 * G->inter, G->inter, G->bf16, G->gelu, G->act + t * G->ip);
     }
+}
+
+/* The gates of m tokens (gu [m, 2 * inter] floats: gate, then up) as a bfloat16 model in pairs feeds down: out
+ * [m, PAD8(inter)] bfloat16. wide: gate_pairs's sixteen lanes; else gate's eight, then bf16_array, the way the
+ * layers ran before gate_pairs. For tests, which hold the two to the same bits. -1 where the CPU lacks pairs. */
+int dflash_gate_pairs(const float *gu, int64_t m, int64_t inter, int gelu, int wide, uint16_t *out) {
+    if (!dflash_bf16_pairs()) return -1;
+    int64_t ip = PAD8(inter);
+    float *act = calloc((size_t)ip, sizeof(float));
+    if (!act) return 1;
+    for (int64_t t = 0; t < m; t++) {
+        if (wide) {
+            gate_pairs(gu + t * 2 * inter, inter, ip, gelu, out + t * ip);
+        } else {
+            gate(gu + t * 2 * inter, inter, 2, gelu, act);
+            bf16_array(act, ip, out + t * ip);
+        }
+    }
+    free(act);
+    return 0;
 }
 
 /* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */

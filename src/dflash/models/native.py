@@ -165,6 +165,10 @@ def library() -> ctypes.CDLL | None:
                                 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
                                 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
             drafter.restype = ctypes.c_int
+            if hasattr(lib, "dflash_gate_pairs"):  # builds of older sources load too (A/B runs)
+                lib.dflash_gate_pairs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                  ctypes.c_int, ctypes.c_void_p]
+                lib.dflash_gate_pairs.restype = ctypes.c_int
             norm = lib.dflash_rms_norm
             norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
             norm.restype = ctypes.c_int
