@@ -42,6 +42,21 @@ def test_json_logprobs_are_the_targets(capsys):
         assert entry["text"] == target.decode([entry["token"]])
 
 
+def test_ignore_eos_generates_past_the_end_of_sequence(capsys, monkeypatch):
+    """--ignore-eos: generation goes on past the target's end-of-sequence token to --max-new-tokens. The tiny
+    target's end-of-sequence is made the first token it generates for this prompt (which it then repeats)."""
+    from dflash.models.target import TargetModel
+
+    args = ["--method", "ar", "--max-new-tokens", "9", "--json", "--no-chat", "w5 w9"]
+    free = json.loads(run(capsys, *args)[1])["tokens"]
+    end = free[0]
+    monkeypatch.setattr(TargetModel, "eos_token_ids", property(lambda self: [end]))
+    stopped = json.loads(run(capsys, *args)[1])
+    kept_on = json.loads(run(capsys, "--ignore-eos", *args)[1])
+    assert stopped["finish_reason"] == "stop" and stopped["tokens"] == free[:1]  # the EOS token, then no more
+    assert kept_on["finish_reason"] == "length" and kept_on["tokens"] == free
+
+
 def test_penalties_reach_the_engine(capsys):
     from dflash.engine import GenerationConfig, SpeculativeDecoder
     from dflash.sampling import SamplingConfig

@@ -206,6 +206,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "top-p) and the K most likely at its position, K in [0, 20]")
     p.add_argument("--compare-ar", action="store_true",
                    help="also run plain autoregressive decoding and print the speedup (median of 3 interleaved runs)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens tokens, past end-of-sequence (for timing fixed lengths, "
+                        "as in bench; the server's ignore_eos)")
     p.add_argument("prompt", help="the prompt text")
 
 
@@ -220,7 +223,8 @@ def run(args) -> int:
                               args.frequency_penalty, args.repetition_penalty)
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs goes with --json")
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs,
+                              ignore_eos=args.ignore_eos)
     config.validate()
     check_drafter_folders(args.drafter, [args.method])
     options = method_options(args, args.method)
