@@ -1093,6 +1093,35 @@ def test_the_final_norm_in_c_is_torchs_within_rounding(dim, unit_offset, dtype):
     assert ((ours.float() - theirs.float()).abs() <= tolerance * theirs.float().abs().clamp_min(1.0)).all()
 
 
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_exponentials_sixteen_at_a_time_change_no_bit(arch, dtype):
+    """Where the CPU has AVX-512F, softmax takes its exponentials sixteen at a time and adds each half to the eight
+    lanes' sums in their order: every logit of steps and of verify passes after contexts whose key counts end at
+    each remainder of 16 (and 8) is bitwise what eight at a time gives."""
+    lib = native.library()
+    target = tiny_target(arch, logit_scale=4.0)
+    target.model.to(dtype)
+    choose_kernels(target, "native")
+    ids = target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21 w2 w6 w13 w14")
+    block = [33, 2, 17, 40, 8, 11, 4]
+    logits = {}
+    for wide in (1, 0):
+        old = lib.dflash_set_wide_exponentials(wide)
+        try:
+            cache, runs = target.new_cache(), []
+            target.forward(torch.tensor([ids]), cache)
+            for step in range(17):  # the contexts' key counts pass through every remainder of 16
+                runs.append(target.forward(torch.tensor([block]), cache).logits)
+                cache.truncate(len(ids) + step)
+                target.forward(torch.tensor([[block[step % 7]]]), cache)
+            logits[wide] = torch.cat(runs, 1)
+        finally:
+            lib.dflash_set_wide_exponentials(old)
+    assert torch.equal(logits[1], logits[0])
+
+
 @pytest.mark.parametrize("inter", [1, 7, 8, 9, 16, 24, 37, 44, 90, 1536])  # tails under 16 and 8 lanes
 @pytest.mark.parametrize("gelu", [0, 1])
 def test_the_gate_in_sixteen_lanes_is_bitwise_the_gate_in_eight_and_torchs_within_rounding(inter, gelu):

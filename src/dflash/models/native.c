@@ -2073,6 +2073,27 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
+#if PAIRS_BUILT
+/* exp8's operations on sixteen lanes, lane by lane the same bits (the gate and softmax where the CPU has AVX-512F) */
+#define WIDE_EXP_TARGET __attribute__((target("avx512f")))
+WIDE_EXP_TARGET static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
+}
+#endif
+
 /* out = x / rms(x) * weight, statistics in float32; torch rounds x / rms(x) to the model dtype, then the product.
  * `unit`: Gemma's norm, whose stored weight is an offset from 1 and whose product is taken before one rounding. */
 static void rms_norm(const float *x, const void *weight, float eps, int64_t dim, int bf16, float *out, int unit) {
@@ -2209,10 +2230,9 @@ static inline const float *cache_rows(const void *cache, int64_t at, int64_t j0,
 }
 
 /* x[j] = e^(x[j] - shift) for j < n; returns their sum (the same lanes and order for a given n, so a token's
- * softmax does not depend on the pass it is in) */
-static float exp_shifted(float *x, int64_t n, float shift) {
-    __m256 sums = _mm256_setzero_ps(), by = _mm256_set1_ps(shift);
-    int64_t j = 0;
+ * softmax does not depend on the pass it is in); the eight-lane loop from j on, adding to sums (exp_sums16's) */
+static float exp_shifted_from(float *x, int64_t n, float shift, int64_t j, __m256 sums) {
+    __m256 by = _mm256_set1_ps(shift);
     for (; j + 8 <= n; j += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), by));
         _mm256_storeu_ps(x + j, e);
@@ -2225,6 +2245,40 @@ static float exp_shifted(float *x, int64_t n, float shift) {
         for (int64_t i = 0; j + i < n; i++) total += (x[j + i] = tail[i]);
     }
     return total;
+}
+#if PAIRS_BUILT
+/* Sixteen at a time, each half added to the eight lanes' sums in the order the eight-lane loop adds them: the same
+ * values and sum, bitwise, for half the exponentials' instructions. Returns where it stopped. */
+WIDE_EXP_TARGET static int64_t exp_sums16(float *x, int64_t n, float shift, __m256 *sums) {
+    __m512 by = _mm512_set1_ps(shift);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), by));
+        _mm512_storeu_ps(x + j, e);
+        *sums = _mm256_add_ps(*sums, _mm512_castps512_ps256(e));
+        *sums = _mm256_add_ps(*sums, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+    return j;
+}
+#else
+static int64_t exp_sums16(float *x, int64_t n, float shift, __m256 *sums) { return (void)x, (void)n, (void)shift, (void)sums, 0; }
+#endif
+static int exp_wide = -1; /* -1: not yet asked (then: where the CPU has AVX-512F) */
+static int exp_lanes16(void) {
+    if (exp_wide < 0) __builtin_cpu_init(), exp_wide = PAIRS_BUILT && __builtin_cpu_supports("avx512f");
+    return exp_wide;
+}
+/* Whether softmax takes its exponentials sixteen at a time (on: only where the CPU can); returns the previous
+ * setting. Either way gives the same outputs: for tests and A/B runs. */
+int dflash_set_wide_exponentials(int on) {
+    int old = exp_lanes16();
+    exp_wide = on && PAIRS_BUILT && __builtin_cpu_supports("avx512f");
+    return old;
+}
+static float exp_shifted(float *x, int64_t n, float shift) {
+    __m256 sums = _mm256_setzero_ps();
+    int64_t j = exp_lanes16() ? exp_sums16(x, n, shift, &sums) : 0;
+    return exp_shifted_from(x, n, shift, j, sums);
 }
 
 /* max(x[0..n-1]) (-inf for none; NaNs skipped, as `x > top ? x : top` does), eight lanes at a time: a scalar
@@ -3183,22 +3237,6 @@ static void gate(const float *gu, int64_t inter, int bf16, int gelu, float *act)
 /* The gate of a bfloat16 model in pairs, sixteen lanes at a time: exp8's, gelu8's and gated8's operations lane by
  * lane and bf16_bits8's rounding in integers, so each activation is bitwise gated8's. It writes down's input pairs
  * only: in pairs nothing reads the float activations. */
-PAIRS_TARGET static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
-    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
-}
 PAIRS_TARGET static inline __m512i bf16_bits16(__m512 v) { /* bf16_bits8 on sixteen lanes */
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

@@ -165,6 +165,9 @@ def library() -> ctypes.CDLL | None:
                                 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
                                 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
             drafter.restype = ctypes.c_int
+            if hasattr(lib, "dflash_set_wide_exponentials"):  # builds of older sources load too (A/B runs)
+                lib.dflash_set_wide_exponentials.argtypes = [ctypes.c_int]
+                lib.dflash_set_wide_exponentials.restype = ctypes.c_int
             if hasattr(lib, "dflash_gate_pairs"):  # builds of older sources load too (A/B runs)
                 lib.dflash_gate_pairs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                   ctypes.c_int, ctypes.c_void_p]
