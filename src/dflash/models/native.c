@@ -2055,43 +2055,27 @@ static void add_rounded(const float *a, const float *b, float *y, int64_t n, int
 /* e^x on eight lanes (Cody-Waite reduction and a degree-5 polynomial: ~1 ulp over the range softmax and SiLU use).
  * The argument is clamped to [-87.3, 88.3], so e^x stays a normal float: what is below rounds to ~1e-38, which
  * weighs nothing in a softmax sum or a SiLU. libm's expf, one value at a time, cost SmolLM2's 16-token verify
- * pass ~3 ms. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
-}
-
+ * pass ~3 ms. One body for W = 256 and 512 bits, so that sixteen lanes (exp16) are lane by lane exp8's bits. */
+#define EXP_LANES(W, ROUND_NEAREST)                                                                                 \
+    x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(-87.3f)), _mm##W##_set1_ps(88.3f));                      \
+    __m##W n = ROUND_NEAREST(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504088896341f)),                           \
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                          \
+    x = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693359375f), x);                                                     \
+    x = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(-2.12194440e-4f), x);                                                  \
+    __m##W y = _mm##W##_set1_ps(1.9875691500e-4f);                                                                    \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.3981999507e-3f));                                                  \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(8.3334519073e-3f));                                                  \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(4.1665795894e-2f));                                                  \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.6666665459e-1f));                                                  \
+    y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(5.0000001201e-1f));                                                  \
+    y = _mm##W##_add_ps(_mm##W##_fmadd_ps(y, _mm##W##_mul_ps(x, x), x), _mm##W##_set1_ps(1.0f));                     \
+    __m##W##i scale = _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23); \
+    return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(scale));
+static inline __m256 exp8(__m256 x) { EXP_LANES(256, _mm256_round_ps) }
 #if PAIRS_BUILT
-/* exp8's operations on sixteen lanes, lane by lane the same bits (the gate and softmax where the CPU has AVX-512F) */
+/* the gate and softmax sixteen at a time, where the CPU has AVX-512F */
 #define WIDE_EXP_TARGET __attribute__((target("avx512f")))
-WIDE_EXP_TARGET static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
-    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
-}
+WIDE_EXP_TARGET static inline __m512 exp16(__m512 x) { EXP_LANES(512, _mm512_roundscale_ps) }
 #endif
 
 /* out = x / rms(x) * weight, statistics in float32; torch rounds x / rms(x) to the model dtype, then the product.
@@ -2261,7 +2245,9 @@ WIDE_EXP_TARGET static int64_t exp_sums16(float *x, int64_t n, float shift, __m2
     return j;
 }
 #else
-static int64_t exp_sums16(float *x, int64_t n, float shift, __m256 *sums) { return (void)x, (void)n, (void)shift, (void)sums, 0; }
+static int64_t exp_sums16(float *x, int64_t n, float shift, __m256 *sums) {
+    return (void)x, (void)n, (void)shift, (void)sums, 0;
+}
 #endif
 static int exp_wide = -1; /* -1: not yet asked (then: where the CPU has AVX-512F) */
 static int exp_lanes16(void) {
@@ -3258,8 +3244,11 @@ PAIRS_TARGET static inline __m512 gelu16(__m512 g) {
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
 }
 PAIRS_TARGET static inline __m512 gated16(__m512 g, __m512 up, int gelu) { /* gated8 with bf16 rounding */
-    __m512 act = gelu ? gelu16(g)
-                      : _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    __m512 act;
+    if (gelu)
+        act = gelu16(g);
+    else
+        act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
     return rnd16(_mm512_mul_ps(rnd16(act), up));
 }
 /* one token's activations as down's bfloat16 input, its padding to ip (a multiple of 8) zeros; converted as
