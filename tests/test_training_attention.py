@@ -87,6 +87,7 @@ def reference_flex(q, keys, values, block_mask, enable_gqa):
 
 
 @pytest.mark.parametrize("kv_heads,block_size,capacity", [(4, 16, 0), (2, 5, 512), (1, 4, 0)])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose: the reference
 def test_flex_equals_blocks_in_values_and_gradients(kv_heads, block_size, capacity):
     """The padding of the context, the keys after it and GQA give `blocks`' outputs and every gradient; and
     FlexAttention's own (eager) forward agrees."""
