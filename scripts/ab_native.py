@@ -14,7 +14,7 @@ Why: on a shared 2-core machine whole-pass timings of one build move by 20-50% w
 turn (scripts/step_verify.py) cannot separate a 5% change. Here both libraries are loaded side by side (ctypes
 loads each with its own symbols) and the passes alternate between them, the order flipping every round, on the
 same weights (both builds must share the tile layout) and the same cache. Each pair's ratio new/old is taken, and
-their median and range printed. To get an OLD.c: `git show COMMIT:src/dflash/models/native.c > /tmp/old.c`.
+their median and range printed. To get an OLD.c: `scripts/native_source.py COMMIT > /tmp/old.c`.
 """
 
 import os

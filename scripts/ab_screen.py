@@ -7,7 +7,7 @@ Each of 40 rounds (after one dropped to warm up) runs, for each build in turn (t
 tokens of context (untimed: it evicts the head from the caches, as a round does), then times only the greedy token
 through the int8 screen; both builds' tokens must be the same. Prints each build's median and the median (range) of
 new / old per round. The screen is a few percent of a step, so a whole-pass A/B (scripts/ab_native.py) cannot
-separate it. To get an OLD.c: `git show COMMIT:src/dflash/models/native.c > /tmp/old.c`.
+separate it. To get an OLD.c: `scripts/native_source.py COMMIT > /tmp/old.c`.
 """
 
 import statistics

@@ -61,8 +61,8 @@ Switches (the "on" variant is each one's default):
   prompts-in-c      prompts go through the C stack, 64 tokens a pass (`Transformer.prompts_in_c_up_to`), against
                     torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
                     target's outputs may differ: the two round a prompt's sums differently
-  native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `git show
-                    REV:src/dflash/models/native.c > /tmp/old.c`), libraries swapped in one process as
+  native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `.venv/bin/python
+                    scripts/native_source.py REV > /tmp/old.c`), libraries swapped in one process as
                     scripts/ab_native.py does, on whole generations; both builds must share the tile layout and
                     the C functions' arguments (this checkout's Python calls both: a build from before 0324e6e, whose
                     dflash_stack took no feature_stride, crashes as soon as a drafter asks for features)

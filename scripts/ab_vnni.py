@@ -6,8 +6,8 @@ Times `native.vnni_product` (the int8 screen's sums, and a drafter's int8 LM hea
 rows) and over its first 16,384 rows (a drafter's draft vocabulary) at 1, 4, 8 and 16 input rows, 2 threads, each
 call after a 96 MB write has evicted the head from the caches (as a target pass does in a round). The builds
 alternate, the order flipping every pair; each pair's ratio new/old is taken, and its median and 20-80% range
-printed. Both builds' outputs must be bitwise equal (checked). To get an OLD.c: `git show
-COMMIT:src/dflash/models/native.c > /tmp/old.c`.
+printed. Both builds' outputs must be bitwise equal (checked). To get an OLD.c:
+`scripts/native_source.py COMMIT > /tmp/old.c`.
 """
 
 import sys

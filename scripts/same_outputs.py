@@ -3,7 +3,7 @@
 (a faster kernel summing the same chains) must print "all same".
 
 Usage: .venv/bin/python scripts/same_outputs.py OLD.c NEW.c [float32|bfloat16]
-(to get an OLD.c: `git show COMMIT:src/dflash/models/native.c > /tmp/old.c`)
+(to get an OLD.c: `scripts/native_source.py COMMIT > /tmp/old.c`)
 """
 
 import sys

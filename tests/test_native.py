@@ -366,6 +366,47 @@ def test_the_kernels_build_wherever_they_can_run():
     assert native.library() is not None, native.why_not
 
 
+
+def test_the_source_is_native_c_with_each_part_in_place_of_its_include():
+    """source_text puts each part where native.c includes it (the include line's comment goes too, the part's
+    trailing blank lines are cut), the parts of another revision through `read` (scripts/native_source.py)."""
+    files = {"native.c": b'#include <stdint.h>\na\n#include "native/x_1.c"  /* why */\nb\n#include "native/y.c"\n',
+             "native/x_1.c": b"X\n\n", "native/y.c": b"Y1\nY2\n"}
+    assert native.source_text(files.__getitem__) == b"#include <stdint.h>\na\nX\nb\nY1\nY2\n"
+
+
+def test_every_part_of_the_source_is_built_once_and_keys_the_build(tmp_path, monkeypatch):
+    """native.c includes every file of native/ exactly once (a part left out of the build would be dead code, one
+    included twice a compile error), the whole text is what the compiler reads (the same tokens from the one
+    flattened file as from native.c and its parts), and a change to any part changes the cached library's key."""
+    import os
+    import shutil
+    import subprocess
+
+    folder = native.SOURCE.parent
+    included = [m[1].decode() for m in native.PART.finditer(native.SOURCE.read_bytes())]
+    parts = sorted(str(path.relative_to(folder)) for path in (folder / "native").glob("*.c"))
+    assert sorted(included) == parts and len(set(included)) == len(included) > 1
+    text = native.source_text()
+    assert b'#include "native/' not in text
+    assert all((folder / part).read_bytes().rstrip(b"\n") in text for part in parts)
+    if compiler := shutil.which(os.environ.get("CC", "cc")):
+        flat = tmp_path / "flat.c"
+        flat.write_bytes(text)
+        tokens = lambda path: [line for line in subprocess.run(  # noqa: E731
+            [compiler, "-E", "-P", *native.FLAGS[:4], str(path)], capture_output=True, text=True, check=True
+        ).stdout.splitlines() if line.strip()]
+        assert tokens(flat) == tokens(native.SOURCE)
+    key = native.build_key("cc 1")
+    copy = tmp_path / "copy"
+    shutil.copytree(folder / "native", copy / "native")
+    shutil.copy(native.SOURCE, copy / "native.c")
+    monkeypatch.setattr(native, "SOURCE", copy / "native.c")
+    assert native.build_key("cc 1") == key and native.build_key("cc 2") != key
+    last = copy / parts[-1]
+    last.write_bytes(last.read_bytes() + b"/* changed */\n")
+    assert native.build_key("cc 1") != key
+
 # ---- the one-token decoder layer ------------------------------------------------------------------------------------
 from conftest import ARCHS  # noqa: E402
 from dflash.models.target import choose_kernels  # noqa: E402

@@ -1,4 +1,5 @@
-"""Our own CPU kernels (native.c), compiled on first use with the machine's C compiler.
+"""Our own CPU kernels (native.c and its parts, native/*.c: one translation unit), compiled on first use with the
+machine's C compiler.
 
 Two things, both for passes of a few tokens (a decode step, a verify pass), where torch's CPU path was far from the
 hardware: a matrix product that reads weights near the memory bandwidth (torch's kernels read SmolLM2's 1-7 MB
@@ -7,7 +8,8 @@ call (between its products, ~25 small torch ops a layer had cost about as much a
 more candidate for kernels.py, chosen per shape where it measures faster; a layer runs in C where the plan chose it
 for all four of the layer's products (transformer.py). Built only on x86-64 Linux CPUs with AVX2 and FMA, with a C compiler
 (`$CC`, else `cc`) and OpenMP; anything else (or DFLASH_NATIVE=0) leaves it out, and torch's kernels run.
-The shared library is cached under the dflash cache by a hash of source, flags and compiler, so it is built once.
+The shared library is cached under the dflash cache by a hash of source (`source_text`: native.c with its parts in
+place), flags and compiler, so it is built once.
 Where the CPU multiplies bfloat16 itself (AVX512-BF16: AMD Zen 4, Intel Sapphire Rapids), bfloat16 weights are laid
 out in pairs of inputs for it (`bf16_pairs`; DFLASH_BF16_PAIRS=0 keeps the widening kernel); where it also has AMX
 tiles (Intel Sapphire Rapids and later) and they measure faster, products in pairs run through them (`amx`;
@@ -21,10 +23,12 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ import torch
 from . import memory
 
 SOURCE = Path(__file__).with_name("native.c")
+PART = re.compile(rb'^#include "(native/[A-Za-z0-9_]+\.c)".*$', re.MULTILINE)  # native.c's parts, in order
 PANEL = 24  # output rows per panel of the layout (native.c)
 VNNI_GROUP = 16  # rows per group of the int8 screen's integer layout (native.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -70,11 +75,26 @@ def _cpu_has_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
+def source_text(read: Callable[[str], bytes] | None = None) -> bytes:
+    """The kernels' source as one file: native.c with each part (native/*.c) in place of its #include line, the
+    tokens the compiler reads. The build's cache key hashes it, so a change to any part builds anew; an A/B run
+    builds another revision's from it (scripts/native_source.py). `read(path)`: a file by its path relative to
+    native.c's folder, "native.c" itself first; by default SOURCE and the parts beside it."""
+    if read is None:
+        return PART.sub(lambda m: (SOURCE.parent / m[1].decode()).read_bytes().rstrip(b"\n"), SOURCE.read_bytes())
+    return PART.sub(lambda m: read(m[1].decode()).rstrip(b"\n"), read("native.c"))
+
+
+def build_key(compiler_version: str) -> str:
+    """The built library's name in the cache: a hash of the source with its parts, the flags and the compiler."""
+    return hashlib.sha256(source_text() + " ".join(FLAGS).encode() + compiler_version.encode()).hexdigest()[:16]
+
+
 def _build(compiler: str) -> Path:
     from ..hub import cache_dir
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = build_key(version)
     target = cache_dir() / "native" / f"dflash_native_{key}.so"
     if target.exists():
         return target
