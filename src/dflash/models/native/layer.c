@@ -92,18 +92,44 @@ static void set_longest(Pass *P) { /* the most cache positions any row's tokens 
     for (int64_t r = 0; r < P->rows; r++) P->longest = MAX(P->longest, P->starts[r] + P->n);
 }
 
-/* q, k, v of every token: norm, product, Qwen3's per-head norms, RoPE; k and v written to their row's cache */
-static void project(const Layer *L, Pass *P) {
-    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, d = L->d, hp = PAD8(L->hidden);
-    float *qkv = P->part[QKV], *tmp = P->part[TMP];
+/* Work on the pass's tokens one at a time, shared among the threads where the pass has enough of it (`work`
+ * floats): between the products the first thread ran them alone, and the others waited (a 16-token bfloat16 pass
+ * of SmolLM2: the norms and RoPE were 2.4% of its time, the other thread idle 7%; shared, the pass took 0.984x and
+ * 0.989x the time, docs/data/session52). Each token is computed whole by one thread, so the results do not depend
+ * on which. */
+static void for_tokens(const Pass *P, int64_t work, Task task, void *ctx) {
+    int threads = work >= 4096 ? P->threads : 1;
+    parallel_for(P->m, MAX(1, P->m / (2 * MAX(threads, 1))), threads, task, ctx);
+}
+
+typedef struct {
+    const Layer *L;
+    const Pass *P;
+    const void *weight;
+} Norms;
+
+static void norm_tokens(void *ctx, int64_t first, int64_t last) { /* x's rows normalised into XN */
+    const Norms *N = ctx;
+    const Layer *L = N->L;
+    for (int64_t t = first; t < last; t++)
+        rms_norm(N->P->part[X] + t * L->hidden, N->weight, L->eps, L->hidden, L->bf16,
+                 N->P->part[XN] + t * PAD8(L->hidden), L->gemma);
+}
+
+static void norm_into_xn(const Layer *L, Pass *P, const void *weight) {
+    Norms N = {L, P, weight};
+    for_tokens(P, P->m * L->hidden, norm_tokens, &N);
+}
+
+/* Each token's Qwen3 / Gemma3 per-head norms and RoPE, and its k and v into its row's cache */
+static void position_tokens(void *ctx, int64_t first, int64_t last) {
+    const Norms *N = ctx;
+    const Layer *L = N->L;
+    const Pass *P = N->P;
+    int64_t width = (L->heads + 2 * L->kv_heads) * L->d, d = L->d;
+    float *qkv = P->part[QKV], tmp[d]; /* this thread's: one head's norm or rotation */
     size_t elem = L->bf16 ? 2 : 4;
-    for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm1, L->eps, L->hidden, L->bf16,
-                                                P->part[XN] + t * hp, L->gemma);
-    /* with qkv_rows, the sums are rounded (bfloat16) once, after the rows are added, as one product would */
-    product_rounded(L->qkv, L->qkv_bias, weights_of(L), P->part[XN], qkv, P->m, width, L->hidden, P->threads,
-                    P->part[BIAS], L->bf16 != 0 && !P->qkv_rows);
-    for (int64_t i = 0; P->qkv_rows && i < P->m * width; i++) qkv[i] = rnd(qkv[i] + P->qkv_rows[i], L->bf16);
-    for (int64_t t = 0; t < P->m; t++) {
+    for (int64_t t = first; t < last; t++) {
         const char *cos = (const char *)P->cos + t * d * elem, *sin = (const char *)P->sin + t * d * elem;
         for (int64_t head = 0; head < L->heads + L->kv_heads; head++) {
             float *v = qkv + t * width + head * d;
@@ -124,6 +150,19 @@ static void project(const Layer *L, Pass *P) {
             for (; i < d; i++) store(keys, at + i, k[i], L->bf16), store(values, at + i, v[i], L->bf16);
         }
     }
+}
+
+/* q, k, v of every token: norm, product, Qwen3's per-head norms, RoPE; k and v written to their row's cache */
+static void project(const Layer *L, Pass *P) {
+    int64_t width = (L->heads + 2 * L->kv_heads) * L->d;
+    float *qkv = P->part[QKV];
+    norm_into_xn(L, P, L->norm1);
+    /* with qkv_rows, the sums are rounded (bfloat16) once, after the rows are added, as one product would */
+    product_rounded(L->qkv, L->qkv_bias, weights_of(L), P->part[XN], qkv, P->m, width, L->hidden, P->threads,
+                    P->part[BIAS], L->bf16 != 0 && !P->qkv_rows);
+    for (int64_t i = 0; P->qkv_rows && i < P->m * width; i++) qkv[i] = rnd(qkv[i] + P->qkv_rows[i], L->bf16);
+    Norms N = {L, P, NULL};
+    for_tokens(P, P->m * (L->heads + L->kv_heads) * L->d, position_tokens, &N);
 }
 
 /* Attention, in work items of (row, kv head, a chunk of up to `chunk` of the row's tokens) shared among the
@@ -329,10 +368,9 @@ int dflash_gate_pairs(const float *gu, int64_t m, int64_t inter, int gelu, int w
 
 /* norm, gate/up, SiLU(gate) * up, down, and the residual into h_out */
 static void mlp(const Layer *L, Pass *P, void *h_out) {
-    int64_t inter = L->inter, ip = PAD8(inter), hp = PAD8(L->hidden);
+    int64_t inter = L->inter, ip = PAD8(inter);
     float *gu = P->part[GU];
-    for (int64_t t = 0; t < P->m; t++) rms_norm(P->part[X] + t * L->hidden, L->norm2, L->eps, L->hidden, L->bf16,
-                                                P->part[XN] + t * hp, L->gemma);
+    norm_into_xn(L, P, L->norm2);
     product(L->gate_up, NULL, weights_of(L), P->part[XN], gu, P->m, 2 * inter, L->hidden, P->threads, P->part[BIAS]);
     Gating G = {gu, P->part[ACT], inter, ip, L->bf16, L->gelu, layer_pairs(L->bf16)};
     parallel_for(P->m, 1, P->m * inter >= 8192 ? P->threads : 1, gate_tokens, &G);
