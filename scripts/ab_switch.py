@@ -29,7 +29,7 @@ Switches (the "on" variant is each one's default):
                     the choice on AMD EPYC); outputs identical
   screen-tiles      the int8 screen of the LM head sums more than one row through AMX tiles (TDPBSUD, AMX-INT8;
                     `native.screen_tiles`), against VPDPBUSD, each with its own measured switch to wide inputs
-                    (`engine.measured_wide_from`); the same integer sums, outputs identical. Needs a CPU with AMX
+                    (`timings.measured_wide_from`); the same integer sums, outputs identical. Needs a CPU with AMX
   f32-zmm           float32 panels run in 512-bit code, a panel's columns 0-15 in one register
                     (`native.f32_kernel` "avx512-zmm"), against 256-bit AVX-512VL code ("avx512"); outputs identical.
                     Needs a CPU with AVX-512VL
@@ -84,7 +84,8 @@ import torch
 
 from dflash.bench import parse_method, read_prompts, resolve_dataset
 from dflash import control, engine
-from dflash.engine import GenerationConfig, SpeculativeDecoder, measured_screening, measured_wide_from
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.timings import measured_screening, measured_wide_from
 from dflash.loading import build_proposer, load_target_cached
 from dflash.corpus import read_packed
 from dflash.methods import continuations, ngram

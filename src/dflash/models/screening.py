@@ -6,7 +6,7 @@ a smaller copy of the head, bfloat16 (half the bytes) or int8 with a scale per t
 far each approximate logit can be from the float32 one (native.c, `dflash_greedy_screened`, derives the bounds);
 tokens that cannot be the largest are dropped, and the rest, a handful, are summed in float32 in exactly the order
 the float32 head's kernel sums them. So the chosen token is bitwise the float32 head's argmax: screening changes how
-fast a token is found, never which. Which screen runs (or none) is measured per machine (engine.measured_screening).
+fast a token is found, never which. Which screen runs (or none) is measured per machine (timings.measured_screening).
 Where the CPU has AVX512-VNNI, the int8 screen sums in integers (inputs rounded to integers, a term for that rounding
 in its bound; native.c): 2-2.5x faster at 5-16 rows, which a float32 FMA per widened weight had made compute-bound.
 Where many rows are screened its inputs are wide (all but a row's 8 largest channels in a byte; those add their high
@@ -24,7 +24,7 @@ BF16_ROUNDING = 2.0**-8  # |w - bf16(w)| <= 2^-8 |w|, rounding to nearest
 ROOM = 1 + 1e-6  # for computing a bound in double precision
 KINDS = ("bfloat16", "int8")
 # Rows from which the integer screen's inputs are wide (native.c): below, reading the head bounds its time and wide
-# inputs only add survivors. The engine measures it per machine (engine.measured_screening); this is the start.
+# inputs only add survivors. The engine measures it per machine (timings.measured_screening); this is the start.
 WIDE_FROM = 8
 
 

@@ -503,7 +503,7 @@ class Transformer(nn.Module):
 
     def set_wide_from(self, rows: int) -> None:
         """From how many rows integer screens round their inputs wide (screening.ScreenedHead.wide_from): this head's
-        screens now and those made later (engine.measured_wide_from measures it)."""
+        screens now and those made later (timings.measured_wide_from measures it)."""
         self.__dict__["_wide_from"] = rows
         for screen in self.__dict__.get("_screens", {}).values():
             if screen is not None:
