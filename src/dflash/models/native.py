@@ -111,7 +111,7 @@ def _build(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _amx, _attention_tiles
+    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _attention_tiles
     if _tried:
         return _library
     _tried = True
