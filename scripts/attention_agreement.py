@@ -21,6 +21,7 @@ from dflash.loading import load_target_cached  # noqa: E402
 from dflash.methods.dflash import attention  # noqa: E402
 from dflash.methods.dflash.drafter import DFlashDrafter  # noqa: E402
 from dflash.methods.dflash.objective import DFlashObjective  # noqa: E402
+from dflash.train_config import TrainConfig  # noqa: E402
 from test_training_attention import reference_flex, unmasked_flex  # noqa: E402
 
 DRAFTER = "src/dflash/drafters/smollm2-135m-dflash"
@@ -38,7 +39,7 @@ def main() -> int:
             objective = DFlashObjective(drafter, target, anchors_per_seq=anchors)
             objective.attention = "blocks" if flex is None else "flex"
             attention.compiled_flex = lambda flex=flex: flex
-            config = trainer.TrainConfig(grad_accum=sequences, seqs_per_pass=sequences)
+            config = TrainConfig(grad_accum=sequences, seqs_per_pass=sequences)
             run = trainer.Trainer(objective, config, "unused", examples, [], progress=False)
             run.autocast = lambda dtype=dtype: torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
             started = time.perf_counter()

@@ -17,17 +17,18 @@ import torch
 from dflash import trainer
 from dflash.loading import load_target_cached
 from dflash.methods import registry
+from dflash.train_config import TrainConfig
 
 
 def main() -> None:
     method, checkpoint, data = sys.argv[1:4]
     anchors = int(sys.argv[4]) if len(sys.argv) > 4 else 512
     dtype = sys.argv[5] if len(sys.argv) > 5 else "bfloat16"
-    fraction = float(sys.argv[6]) if len(sys.argv) > 6 else trainer.TrainConfig.eval_fraction
+    fraction = float(sys.argv[6]) if len(sys.argv) > 6 else TrainConfig.eval_fraction
     target = load_target_cached("smollm2-135m", dtype)
     recipe = registry.get(method).training
     model = recipe.load_model(Path(checkpoint), target)
-    config = trainer.TrainConfig(method=method, anchors_per_seq=anchors, eval_fraction=fraction)
+    config = TrainConfig(method=method, anchors_per_seq=anchors, eval_fraction=fraction)
     config = config.replace(recipe.shape_of(model))
     objective = recipe.objective(model, target, config)
     usable = [e for e in trainer.load_examples(data) if objective.usable(e)]

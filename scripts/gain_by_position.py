@@ -18,6 +18,7 @@ from dflash import trainer
 from dflash.loading import load_target_cached
 from dflash.methods import registry
 from dflash.methods.dflash.objective import accept_lengths, anchor_candidates, decode_rounds
+from dflash.train_config import TrainConfig
 
 BUCKET = 128  # response positions per line of the by-depth table
 
@@ -26,7 +27,7 @@ def accept_lengths_by_sequence(target, drafter: Path, data: str, window: int, fr
                                 autocast: bool) -> list[list[int]]:
     recipe = registry.get("dflash").training
     model = recipe.load_model(drafter, target)
-    config = trainer.TrainConfig(method="dflash", anchors_per_seq=window, eval_fraction=fraction)
+    config = TrainConfig(method="dflash", anchors_per_seq=window, eval_fraction=fraction)
     objective = recipe.objective(model, target, config.replace(recipe.shape_of(model)))
     usable = [e for e in trainer.load_examples(data) if objective.usable(e)]
     _, heldout = trainer.split_heldout(usable, fraction)

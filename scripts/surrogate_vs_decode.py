@@ -21,6 +21,7 @@ from dflash.loading import build_proposer, load_target_cached
 from dflash.methods import registry
 from dflash.methods.base import MethodOptions
 from dflash.methods.dflash.objective import accept_lengths
+from dflash.train_config import TrainConfig
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     target = load_target_cached("smollm2-135m", "float32")
     recipe = registry.get("dflash").training
     model = recipe.load_model(Path(drafter), target)
-    config = trainer.TrainConfig(method="dflash", anchors_per_seq=4096, eval_fraction=fraction)
+    config = TrainConfig(method="dflash", anchors_per_seq=4096, eval_fraction=fraction)
     config = config.replace(recipe.shape_of(model))
     objective = recipe.objective(model, target, config)
     objective.model.eval()

@@ -21,6 +21,7 @@ import torch
 from dflash import trainer
 from dflash.loading import load_target_cached
 from dflash.methods.dflash.objective import DFlashTraining
+from dflash.train_config import TrainConfig
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     target = load_target_cached("smollm2-135m", "bfloat16" if cuda else dt, device=device)
     recipe = DFlashTraining()
     drafter = recipe.load_model(Path("src/dflash/drafters/smollm2-135m-dflash"), target).train()
-    objective = recipe.objective(drafter, target, trainer.TrainConfig(anchors_per_seq=anchors))
+    objective = recipe.objective(drafter, target, TrainConfig(anchors_per_seq=anchors))
     examples = [e for e in trainer.load_examples("corpus/smollm2-135m")[: 8 * (rounds + 1)] if objective.usable(e)]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
                 else torch.autocast("cpu", dtype=torch.bfloat16) if dt == "bfloat16" else nullcontext())

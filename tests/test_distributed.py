@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash import trainer
+from dflash.train_config import TrainConfig
 from test_trainer import checkpoint_weights, counting_records, train_args, train_argv, write_shards
 
 # 8 training sequences, a global batch of 3: steps of 3, 3 and 2 sequences per epoch, so the two processes take
@@ -68,7 +69,7 @@ def test_a_global_batch_smaller_than_the_world_is_refused(tmp_path):
     from dflash.distributed import World
     from dflash.errors import UserError
 
-    config = trainer.TrainConfig(grad_accum=1)
+    config = TrainConfig(grad_accum=1)
     with pytest.raises(UserError, match="grad-accum"):
         trainer.Trainer(OneWeight(), config, tmp_path, train=["a sequence"], heldout=[], world=World(rank=0, size=2))
 

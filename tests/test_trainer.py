@@ -32,6 +32,7 @@ from dflash.methods.dflash.attention import BlockLayout, block_sparse_attention
 from dflash.methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from dflash.errors import UserError
 from dflash.testing import tiny_target
+from dflash.train_config import TrainConfig
 
 MASK_ID = 2
 WORDS = range(5, 64)  # the tiny tokenizer's ordinary words; 0..4 are special
@@ -339,15 +340,15 @@ def test_loss_vocabulary_is_what_drafting_scores(target):
 
 
 def test_checkpoints_from_before_loss_vocab_resume_on_the_full_vocabulary(tmp_path):
-    saved = trainer.TrainConfig(eval_every=10)
+    saved = TrainConfig(eval_every=10)
     values = json.loads(saved.to_json())
     del values["loss_vocab"]
     (tmp_path / trainer.CONFIG_FILE).write_text(json.dumps(values))
     (tmp_path / trainer.STATE_FILE).write_bytes(b"")
     assert trainer.read_checkpoint_config(tmp_path).loss_vocab == "full"
-    assert trainer.TrainConfig().loss_vocab == "draft"
+    assert TrainConfig().loss_vocab == "draft"
     with pytest.raises(UserError, match="loss_vocab"):
-        trainer.TrainConfig(loss_vocab="rows").validate()
+        TrainConfig(loss_vocab="rows").validate()
 
 
 @pytest.mark.parametrize("distill", [False, True])
@@ -494,10 +495,10 @@ def test_runs_at_several_sequences_per_pass_follow_the_same_curve(resume_runs, t
     straight, paired = checkpoint_weights(root / "straight", 8), checkpoint_weights(out, 8)
     for name in straight:
         torch.testing.assert_close(paired[name], straight[name], atol=1e-4, rtol=1e-3)  # Adam amplifies rounding
-    config = trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE)
+    config = TrainConfig.from_file(out / trainer.CONFIG_FILE)
     assert config.seqs_per_pass == 2
     with pytest.raises(UserError, match="seqs_per_pass must be >= 0"):
-        trainer.TrainConfig(seqs_per_pass=-1).validate()
+        TrainConfig(seqs_per_pass=-1).validate()
     with pytest.raises(UserError, match="applies to --method dflash only"):
         trainer.run(build_parser().parse_args(eagle3_argv(data, tmp_path / "e", "--seqs-per-pass", "2")))
 
@@ -510,7 +511,7 @@ def test_automatic_sequences_per_pass(target, monkeypatch):
     def new_trainer(**options):
         drafter = tiny_drafter(target, num_layers=1, block_size=4, seed=2)
         objective = DFlashObjective(drafter, target, anchors_per_seq=16)
-        config = trainer.TrainConfig(grad_accum=4, lr=1e-2, **options)
+        config = TrainConfig(grad_accum=4, lr=1e-2, **options)
         return trainer.Trainer(objective, config, "unused", examples, [], progress=False)
 
     run = new_trainer()
@@ -544,7 +545,7 @@ def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):
     train, heldout = trainer.split_heldout(examples, 0.1)
     drafter = tiny_drafter(target, num_layers=1, block_size=4)
     objective = DFlashObjective(drafter, target, anchors_per_seq=64)
-    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=4, lr=3e-3, eval_every=10_000,
+    config = TrainConfig(num_layers=1, block_size=4, epochs=4, lr=3e-3, eval_every=10_000,
                                  save_every=10_000, log_every=50)
     run = trainer.Trainer(objective, config, tmp_path, train, heldout, progress=False)
     untrained_tau = run.evaluate()["eval_tau"]
@@ -581,7 +582,7 @@ def own_greedy(target, tmp_path_factory):
     train, heldout = examples[:30], examples[30:]
     out = tmp_path_factory.mktemp("own-greedy")
     objective = DFlashObjective(tiny_drafter(target, num_layers=1, block_size=4), target, anchors_per_seq=64)
-    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=12, lr=3e-3, eval_every=10_000,
+    config = TrainConfig(num_layers=1, block_size=4, epochs=12, lr=3e-3, eval_every=10_000,
                                  save_every=10_000, log_every=50)
     trainer.Trainer(objective, config, out, train, heldout, progress=False).fit()
     return train, heldout, out / "final"
@@ -671,7 +672,7 @@ def test_decoded_anchors_resume_exactly(tmp_path):
     for name in first:
         torch.testing.assert_close(second[name], first[name], atol=1e-6, rtol=1e-5)
     with pytest.raises(UserError, match="anchors must be uniform or decoded"):
-        trainer.TrainConfig().replace({"anchors": "every"})
+        TrainConfig().replace({"anchors": "every"})
 
 
 # ---- a time limit (--minutes) ----------------------------------------------------------------------------------------
@@ -681,7 +682,7 @@ def timed_trainer(target, tmp_path, step_seconds, finish_by, fit_schedule=True, 
     examples = [trainer.example_of(r) for r in counting_records(14)]
     heldout = examples[12:] if eval_seconds is not None else []
     objective = DFlashObjective(tiny_drafter(target, num_layers=1, block_size=4), target, anchors_per_seq=8)
-    config = trainer.TrainConfig(num_layers=1, block_size=4, epochs=50, lr=3e-3, eval_every=eval_every,
+    config = TrainConfig(num_layers=1, block_size=4, epochs=50, lr=3e-3, eval_every=eval_every,
                                  save_every=10_000, log_every=1)
     run = trainer.Trainer(objective, config, tmp_path, examples[:12], heldout, progress=False, finish_by=finish_by,
                           fit_schedule=fit_schedule)
@@ -712,7 +713,7 @@ def test_a_time_limit_fits_the_schedule_to_the_pace(target, tmp_path):
     assert run.state.step == run.total_steps == 82 and now[0] == 82.0
     assert run.warmup_steps == round(0.04 * 82)
     assert run.scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
-    saved = trainer.TrainConfig.from_file(tmp_path / trainer.CONFIG_FILE)
+    saved = TrainConfig.from_file(tmp_path / trainer.CONFIG_FILE)
     assert saved.schedule_steps == saved.max_steps == 82
     assert trainer.read_checkpoint_config(trainer.checkpoint_dirs(tmp_path)[-1]).schedule_steps == 82
 
@@ -873,12 +874,12 @@ def test_interrupted_save_is_never_latest(tmp_path):
 
 
 def test_config_round_trips_and_rejects_bad_values():
-    config = trainer.TrainConfig(lr=1e-3, gamma=5.0, max_steps=7)
-    assert trainer.TrainConfig.from_dict(json.loads(config.to_json())) == config
+    config = TrainConfig(lr=1e-3, gamma=5.0, max_steps=7)
+    assert TrainConfig.from_dict(json.loads(config.to_json())) == config
     with pytest.raises(UserError, match="unknown training option"):
-        trainer.TrainConfig.from_dict({"learning_rate": 1e-3})
+        TrainConfig.from_dict({"learning_rate": 1e-3})
     with pytest.raises(UserError, match="must be a number"):
-        trainer.TrainConfig.from_dict({"epochs": "six"})
+        TrainConfig.from_dict({"epochs": "six"})
     with pytest.raises(UserError, match="epochs must be >= 1"):
         config.replace({"epochs": 0})
     with pytest.raises(UserError, match="warmup_ratio"):
@@ -936,7 +937,7 @@ def test_eagle3_resume_continues_exactly(eagle3_runs):
     for name in straight:
         torch.testing.assert_close(split[name], straight[name], atol=1e-6, rtol=1e-5)
     assert not torch.equal(straight["fc.weight"], checkpoint_weights(root / "split", 5)["fc.weight"])
-    config = trainer.TrainConfig.from_file(root / "split" / "checkpoints" / "step-000008" / trainer.CONFIG_FILE)
+    config = TrainConfig.from_file(root / "split" / "checkpoints" / "step-000008" / trainer.CONFIG_FILE)
     assert (config.method, config.num_layers, config.num_features, config.block_size, config.draft_vocab) == (
         "eagle3", 1, 3, 4, 40)
     state = torch.load(root / "split" / "checkpoints" / "step-000008" / trainer.STATE_FILE, weights_only=True)
@@ -1040,14 +1041,14 @@ def test_distilled_and_target_initialised_runs_and_a_fixed_schedule(resume_runs,
     losses = [r["loss"] for r in log if "loss" in r]
     assert len(losses) == 6 and sum(losses[3:]) < sum(losses[:3])
     assert [r["lr"] for r in log if "lr" in r][-1] < 0.15 * 3e-3  # the cosine nearly ended by step 6 of 6
-    config = trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE)
+    config = TrainConfig.from_file(out / trainer.CONFIG_FILE)
     assert (config.loss, config.init, config.schedule_steps) == ("kl", "target", 6)
     target = tiny_target("llama")
     fresh = trainer.recipe_of(config).new_model(target, config)
     last = target.model.get_decoder().layers[-1]
     assert torch.equal(fresh.layers[-1].mlp.down_proj.weight, last.mlp.down_proj.weight)
     with pytest.raises(UserError, match="loss must be ce or kl"):
-        trainer.TrainConfig(loss="mse").validate()
+        TrainConfig(loss="mse").validate()
 
 
 def test_more_kv_heads_keep_the_drafters_outputs(target):
@@ -1106,14 +1107,14 @@ def test_training_with_more_kv_heads_and_layers(resume_runs, tmp_path):
     assert (start.config.num_key_value_heads, wide.config.num_key_value_heads) == (2, 4)
     assert (start.config.num_hidden_layers, wide.config.num_hidden_layers) == (1, 2)
     assert wide.layers[1].mlp.down_proj.weight.any()  # trained away from zero
-    config = trainer.TrainConfig.from_file(out / trainer.CONFIG_FILE)
+    config = TrainConfig.from_file(out / trainer.CONFIG_FILE)
     assert (config.kv_heads, config.num_layers) == (4, 2)
     assert trainer.run(two_layer_args("--resume", "--max-steps", "3", "--save-every", "100")) == 0
     assert DFlashDrafter.load(out / "final").config.num_key_value_heads == 4
 
     fresh_out = tmp_path / "fresh"
     assert trainer.run(train_args(data, fresh_out, "--kv-heads", "4", "--init", "target", "--max-steps", "1")) == 0
-    config = trainer.TrainConfig.from_file(fresh_out / trainer.CONFIG_FILE)
+    config = TrainConfig.from_file(fresh_out / trainer.CONFIG_FILE)
     tiny = tiny_target("llama")
     fresh = trainer.recipe_of(config).new_model(tiny, config)
     theirs = tiny.model.get_decoder().layers[-1].self_attn.v_proj.weight

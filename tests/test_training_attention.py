@@ -18,6 +18,7 @@ from dflash.methods.dflash.attention import TILE, BlockLayout, block_attention, 
     flex_block_attention, flex_block_mask
 from dflash.methods.dflash.objective import DFlashObjective, sample_anchors
 from dflash.testing import tiny_target
+from dflash.train_config import TrainConfig
 from test_trainer import counting_records, eagle3_argv, tiny_drafter, train_args, write_shards
 
 
@@ -208,7 +209,7 @@ def test_flex_on_a_cpu_and_unknown_kernels_are_user_errors(target, tmp_path):
     with pytest.raises(UserError, match="--attention flex: FlexAttention trains on CUDA only"):
         DFlashObjective(tiny_drafter(target), target, anchors_per_seq=16, attention="flex")
     with pytest.raises(UserError, match="attention must be auto, blocks, flex"):
-        trainer.TrainConfig(attention="dense").validate()
+        TrainConfig(attention="dense").validate()
     data = write_shards(tmp_path / "data", counting_records(6))
     with pytest.raises(UserError, match="--attention flex: FlexAttention trains on CUDA only"):
         trainer.run(train_args(data, tmp_path / "out", "--attention", "flex"))
@@ -221,7 +222,7 @@ def test_flex_on_a_cpu_and_unknown_kernels_are_user_errors(target, tmp_path):
 def new_trainer(target, examples, attention_setting="auto"):
     drafter = tiny_drafter(target, num_layers=1, block_size=4, seed=2)
     objective = DFlashObjective(drafter, target, anchors_per_seq=16, attention=attention_setting)
-    config = trainer.TrainConfig(grad_accum=4, seqs_per_pass=4, lr=1e-2)
+    config = TrainConfig(grad_accum=4, seqs_per_pass=4, lr=1e-2)
     return trainer.Trainer(objective, config, "unused", examples, [], progress=False)
 
 
