@@ -438,7 +438,7 @@ def test_a_timing_taken_on_a_busier_machine_is_taken_again(tmp_path, monkeypatch
 
 
 def test_pass_costs_never_fall_with_width():
-    from dflash.engine import nondecreasing
+    from dflash.control import nondecreasing
 
     assert nondecreasing([1.0, 1.1, 1.3, 1.6]) == [1.0, 1.1, 1.3, 1.6]
     # a busy moment's reading (seen: a 2-token pass at 2.31x a step, an 8-token one at 1.87x) is pooled with its
