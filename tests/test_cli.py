@@ -161,7 +161,7 @@ def test_drafter_methods_come_with_prompt_lookup_and_share_their_drafter(capsys,
     its lookup rounds, and the CLI offers it."""
     from types import SimpleNamespace
 
-    from dflash.cli import drafter_paths, method_options
+    from dflash.options import drafter_paths, method_options
     from dflash.methods import registry
 
     assert {"dflash+ngram", "eagle3+ngram"} <= set(registry.names()) and "ngram+ngram" not in registry.names()

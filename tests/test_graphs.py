@@ -167,7 +167,7 @@ def test_graphs_are_on_by_default_only_where_they_can_run(monkeypatch):
     --no-cuda-graphs decide otherwise."""
     import argparse
 
-    from dflash.cli import add_target_arguments
+    from dflash.options import add_target_arguments
     from dflash.loading import graphs_by_default, load_target_cached
     from dflash.models.target import TargetModel
 

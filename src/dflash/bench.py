@@ -43,6 +43,8 @@ from .bench_runners import (BASELINES, HF_METHOD, LLAMACPP_METHOD, BaselineCrash
                             LlamaCppRunner, Run)
 from .errors import UserError
 from .jsonl import iter_jsonl
+from .options import (add_method_arguments, add_target_arguments, check_drafter_folders, kill_stops_like_ctrl_c,
+                      method_options)
 
 # name -> (file in the data folder, prompt template)
 DATASETS = {
@@ -177,7 +179,6 @@ def parse_methods(text: str) -> list[str]:
 
 # ---- the runs of a prompt ------------------------------------------------------------------------------------
 def build_runners(methods: list[str], target, args, sampling) -> dict:
-    from .cli import method_options
     from .loading import build_proposer
     from .methods import registry
 
@@ -370,7 +371,6 @@ def logit_gap(target, reference: Run, tokens: list[int], at: int) -> float | Non
 
 # ---- the command ----------------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_method_arguments, add_target_arguments
 
     add_target_arguments(p)
     add_method_arguments(p, several=True)
@@ -409,7 +409,6 @@ def validate(args) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from .cli import check_drafter_folders, kill_stops_like_ctrl_c
     from .loading import settle_heap, target_from_args
     from .sampling import SamplingConfig
 

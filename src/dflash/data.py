@@ -32,6 +32,7 @@ import torch
 from .corpus import OutputDir, write_json_atomic
 from .errors import UserError
 from .jsonl import iter_jsonl
+from .options import add_target_arguments, kill_stops_like_ctrl_c
 
 # Benchmark test splits: training on them would inflate every acceptance number we report.
 BENCHMARK_SPLITS = ("gsm8k_test", "math500_test", "humaneval", "mt_bench")
@@ -306,7 +307,6 @@ class DataSettings:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli import add_target_arguments
 
     add_target_arguments(p)
     p.add_argument("--input", action="append", default=[], metavar="PATH[:N]",
@@ -509,7 +509,6 @@ def table_folder(args) -> int:
 
 
 def run(args) -> int:
-    from .cli import kill_stops_like_ctrl_c
     from .distributed import init_world
 
     validate(args)

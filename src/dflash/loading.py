@@ -58,7 +58,7 @@ def graphs_by_default(target: TargetModel) -> bool:
 
 
 def target_from_args(args, many_rows: bool = False, release_plain: bool = False) -> TargetModel:
-    """The target the CLI's target arguments (cli.add_target_arguments) describe. `many_rows`: a command whose
+    """The target the CLI's target arguments (options.add_target_arguments) describe. `many_rows`: a command whose
     passes batch a changing number of rows (serving, regeneration, training) runs graphs only when asked: graphs
     are kept per row count (padded to powers of two) and width, and how such a load fares is not yet measured.
     `release_plain`: a command that runs no forward of transformers' (TargetModel.release_plain)."""

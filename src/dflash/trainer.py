@@ -44,6 +44,7 @@ from torch import nn
 
 from .distributed import SINGLE, World, init_world
 from .errors import UserError
+from .options import add_target_arguments
 from .train_config import RESUMABLE, TrainConfig, not_trainable, read_config_values
 
 ORDER_STREAM, ANCHOR_STREAM, EVAL_STREAM = 1, 2, 3  # separate seeded random streams
@@ -696,7 +697,6 @@ def write_plot(log_path: Path, png_path: Path) -> bool:
 
 # ---- command line ----------------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    from .cli import add_target_arguments
     from .methods import registry
 
     add_target_arguments(p)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..options import add_method_arguments, add_target_arguments, check_drafter_folders, method_options
 from .metrics import Metrics, MetricsMiddleware
 from .schemas import (
     Exchange,
@@ -348,7 +349,6 @@ class BackgroundServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_method_arguments, add_target_arguments
 
     add_target_arguments(p)
     add_method_arguments(p)
@@ -377,7 +377,6 @@ def run(args) -> int:
         import uvicorn  # noqa: F401
     except ModuleNotFoundError as exc:
         raise UserError(f"`dflash serve` needs {exc.name}: pip install 'dflash[serve]'") from exc
-    from ..cli import check_drafter_folders, method_options
     from ..engine import GenerationConfig, SpeculativeDecoder
     from ..loading import build_proposer, settle_heap, target_from_args
 

@@ -1,0 +1,154 @@
+"""`dflash generate`: speculative generation of one prompt, printed as it comes where stdout is a terminal, with
+the acceptance and speed figures after it (and, with --compare-ar, the speedup over plain decoding of the same prompt
+through the same engine, outputs compared)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from .errors import UserError
+from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, check_drafter_folders,
+                      method_options)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_arguments(p)
+    add_method_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability (the target's, before temperature, top-k and "
+                        "top-p) and the K most likely at its position, K in [0, 20]")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also run plain autoregressive decoding and print the speedup (median of 3 interleaved runs)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-new-tokens tokens, past end-of-sequence (for timing fixed lengths, "
+                        "as in bench; the server's ignore_eos)")
+    p.add_argument("prompt", help="the prompt text")
+
+
+def run(args) -> int:
+    from .engine import GenerationConfig, SpeculativeDecoder
+    from .loading import build_proposer, settle_heap, target_from_args
+    from .sampling import SamplingConfig
+
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
+                              args.frequency_penalty, args.repetition_penalty)
+    if args.logprobs is not None and not args.json:
+        raise UserError("--logprobs goes with --json")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs,
+                              ignore_eos=args.ignore_eos)
+    config.validate()
+    check_drafter_folders(args.drafter, [args.method])
+    options = method_options(args, args.method)
+    target = target_from_args(args, release_plain=True)
+    proposer, note = build_proposer(args.method, target, options)
+    if note:
+        print(f"[dflash] {note}", file=sys.stderr)
+    prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
+    decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
+    settle_heap()
+    decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))  # warm-up
+    streaming = None
+    if args.compare_ar and args.method != "ar":
+        result, ar_result = compare_with_ar(decoder, SpeculativeDecoder(target), prompt_ids, config)
+    else:
+        streaming = None if args.json else live_text(target, config)
+        result, ar_result = decoder.generate(prompt_ids, config, streaming), None
+        if streaming is not None:
+            streaming.finish(result.text)
+    stats = result.stats
+    if args.json:
+        payload = {
+            "text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+            "method": args.method, "tau": stats.tau, "tokens_per_s": stats.tokens_per_s,
+            "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
+            "draft_length_histogram": stats.draft_length_histogram, "skipped_drafting": stats.skipped_drafting,
+            "lookup_rounds": stats.lookup_rounds, "table_rounds": stats.table_rounds,
+            "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
+            "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
+            "drafter": proposer.report,
+        }
+        if result.logprobs is not None:
+            payload["logprobs"] = [logprob_json(target, entry) for entry in result.logprobs]
+        if ar_result is not None:
+            payload["ar_tokens_per_s"] = ar_result.stats.tokens_per_s
+            payload["speedup"] = stats.tokens_per_s / ar_result.stats.tokens_per_s
+        print(json.dumps(payload))
+        return 0
+    if streaming is None:
+        print(result.text)
+    table = f"{stats.table_rounds} from the continuation table" if stats.table_rounds else ""
+    lookup = (f" ({stats.lookup_rounds} by prompt lookup{', ' + table if table else ''})" if stats.lookup_rounds
+              else f" ({table})" if table else "")
+    line = (
+        f"[{args.method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}, "
+        f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms"
+    )
+    if ar_result is not None:
+        same = "identical" if ar_result.tokens == result.tokens else "DIFFERENT"
+        line += (f" | ar {ar_result.stats.tokens_per_s:.1f} tok/s -> speedup "
+                 f"{stats.tokens_per_s / ar_result.stats.tokens_per_s:.2f}x (outputs {same}; median of "
+                 f"{COMPARE_RUNS} interleaved runs each)")
+    print(line, file=sys.stderr)
+    return 0
+
+
+COMPARE_RUNS = 3
+
+
+# Enough rounds for the thread chooser's first probe and its confirmation (threads.py), so that beside a busy core
+# the measured generation, its prefill included, already runs on the faster count.
+WARM_UP_TOKENS = 12
+
+
+def live_text(target, config) -> "LiveText | None":
+    """Where stdout is a terminal, the text is printed as it is generated; a pipe gets it whole at the end."""
+    return LiveText(target, config) if sys.stdout.isatty() else None
+
+
+class LiveText:
+    """Prints a generation's text as its tokens come: pieces that never show a stop token or the start of a stop
+    string (serving/streaming.py), then the rest of the final text."""
+
+    def __init__(self, target, config):
+        from .serving.streaming import TextDeltas
+
+        self.deltas = TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
+
+    def __call__(self, new_ids: list[int]) -> None:
+        print(self.deltas.push(new_ids), end="", flush=True)
+
+    def finish(self, text: str) -> None:
+        print(self.deltas.finish(text), flush=True)
+
+
+def logprob_json(target, entry) -> dict:
+    """One token's log-probability as --json prints it: ids with their text, most likely alternatives first."""
+    return {"token": entry.token, "text": target.decode([entry.token]), "logprob": entry.logprob,
+            "top": [{"token": t, "text": target.decode([t]), "logprob": lp} for t, lp in entry.top]}
+
+
+def compare_with_ar(decoder, ar_decoder, prompt_ids, config):
+    """(method result, ar result), each the run of median speed out of COMPARE_RUNS, alternating which goes first:
+    on a shared machine one run of each swings by 10% or more. Every run's output is compared with the first ar's."""
+    ar_decoder.generate(prompt_ids, replace(config, max_new_tokens=WARM_UP_TOKENS))  # warm-up, as the method had
+    runs, ar_runs = [], []
+    for i in range(COMPARE_RUNS):
+        pair = (decoder, ar_decoder) if i % 2 == 0 else (ar_decoder, decoder)
+        for d in pair:
+            (runs if d is decoder else ar_runs).append(d.generate(prompt_ids, config))
+    reference = ar_runs[0].tokens
+    for r in runs + ar_runs:  # a differing run must show as DIFFERENT, whichever run is the median
+        if r.tokens != reference:
+            return r, ar_runs[0]
+
+    def median(results):
+        return sorted(results, key=lambda r: r.stats.tokens_per_s)[len(results) // 2]
+    return median(runs), median(ar_runs)
