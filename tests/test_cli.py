@@ -101,6 +101,19 @@ def test_compare_ar(capsys):
     assert payload["speedup"] == pytest.approx(payload["tokens_per_s"] / payload["ar_tokens_per_s"])
 
 
+def test_the_prompt_may_come_from_standard_input(capsys, monkeypatch):
+    """`-` reads the prompt from standard input: the same tokens as the same text given as an argument."""
+    import io
+
+    code, given, _ = run(capsys, "--method", "ngram", "--max-new-tokens", "8", "--json", "w1 w2\nw3")
+    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\nw3"))
+    code_piped, piped, _ = run(capsys, "--method", "ngram", "--max-new-tokens", "8", "--json", "-")
+    assert code == code_piped == 0 and json.loads(piped)["tokens"] == json.loads(given)["tokens"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    code, _, err = run(capsys, "-")
+    assert code == 2 and "the prompt is empty" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["   "], "empty"),
     (["--max-new-tokens", "0", "w1"], "max_new_tokens"),

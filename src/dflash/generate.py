@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens tokens, past end-of-sequence (for timing fixed lengths, "
                         "as in bench; the server's ignore_eos)")
-    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("prompt", help="the prompt text, or - to read it from standard input (e.g. a file: - < FILE)")
 
 
 def run(args) -> int:
@@ -36,6 +36,10 @@ def run(args) -> int:
     from .loading import build_proposer, settle_heap, target_from_args
     from .sampling import SamplingConfig
 
+    if args.prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise UserError("the prompt is - (standard input), but nothing is piped in: dflash generate - < FILE")
+        args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise UserError("the prompt is empty")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
