@@ -102,14 +102,14 @@ static void for_tokens(const Pass *P, int64_t work, Task task, void *ctx) {
     parallel_for(P->m, MAX(1, P->m / (2 * MAX(threads, 1))), threads, task, ctx);
 }
 
-typedef struct {
+typedef struct { /* the work for_tokens shares out: a layer's pass, and the weight of its norm where it is one */
     const Layer *L;
     const Pass *P;
     const void *weight;
-} Norms;
+} TokenWork;
 
 static void norm_tokens(void *ctx, int64_t first, int64_t last) { /* x's rows normalised into XN */
-    const Norms *N = ctx;
+    const TokenWork *N = ctx;
     const Layer *L = N->L;
     for (int64_t t = first; t < last; t++)
         rms_norm(N->P->part[X] + t * L->hidden, N->weight, L->eps, L->hidden, L->bf16,
@@ -117,13 +117,13 @@ static void norm_tokens(void *ctx, int64_t first, int64_t last) { /* x's rows no
 }
 
 static void norm_into_xn(const Layer *L, Pass *P, const void *weight) {
-    Norms N = {L, P, weight};
+    TokenWork N = {L, P, weight};
     for_tokens(P, P->m * L->hidden, norm_tokens, &N);
 }
 
 /* Each token's Qwen3 / Gemma3 per-head norms and RoPE, and its k and v into its row's cache */
 static void position_tokens(void *ctx, int64_t first, int64_t last) {
-    const Norms *N = ctx;
+    const TokenWork *N = ctx;
     const Layer *L = N->L;
     const Pass *P = N->P;
     int64_t width = (L->heads + 2 * L->kv_heads) * L->d, d = L->d;
@@ -161,7 +161,7 @@ static void project(const Layer *L, Pass *P) {
     product_rounded(L->qkv, L->qkv_bias, weights_of(L), P->part[XN], qkv, P->m, width, L->hidden, P->threads,
                     P->part[BIAS], L->bf16 != 0 && !P->qkv_rows);
     for (int64_t i = 0; P->qkv_rows && i < P->m * width; i++) qkv[i] = rnd(qkv[i] + P->qkv_rows[i], L->bf16);
-    Norms N = {L, P, NULL};
+    TokenWork N = {L, P, NULL};
     for_tokens(P, P->m * (L->heads + L->kv_heads) * L->d, position_tokens, &N);
 }
 
