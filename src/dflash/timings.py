@@ -185,9 +185,8 @@ def measured_wide_from(target, repeats: int = 9) -> None:
 def measured_head_saving(target, first_logits: int, repeats: int = 7) -> float:
     """How much more the LM head costs on 2 x `first_logits` positions than on `first_logits` (engine.py's
     FIRST_LOGITS), as a fraction (0.3: 30% more): what a 16-token round saves when it rejects within its first
-    `first_logits` positions, and so the largest
-    share of rounds that may need the second step before the stepped head loses. Timed at load, cached per
-    machine, model and kernel choice like the pass costs (`cached_timing`)."""
+    `first_logits` positions, and so the largest share of rounds that may need the second step before the stepped
+    head loses. Timed at load, cached per machine, model and kernel choice like the pass costs (`cached_timing`)."""
     from .models.target import cached_timing, interleaved_medians
 
     def measure() -> dict:

@@ -80,8 +80,8 @@ def source_text(read: Callable[[str], bytes] | None = None) -> bytes:
     tokens the compiler reads. The build's cache key hashes it, so a change to any part builds anew; an A/B run
     builds another revision's from it (scripts/native_source.py). `read(path)`: a file by its path relative to
     native.c's folder, "native.c" itself first; by default SOURCE and the parts beside it."""
-    if read is None:
-        return PART.sub(lambda m: (SOURCE.parent / m[1].decode()).read_bytes().rstrip(b"\n"), SOURCE.read_bytes())
+    if read is None:  # (SOURCE may be another name: an A/B run's old.c)
+        read = lambda path: (SOURCE if path == "native.c" else SOURCE.parent / path).read_bytes()  # noqa: E731
     return PART.sub(lambda m: read(m[1].decode()).rstrip(b"\n"), read("native.c"))
 
 
