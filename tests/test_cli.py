@@ -141,14 +141,16 @@ def test_bad_input_is_one_line_exit_2(capsys, args, message):
     (["--method", "eagle3", "--tree", "64", "w1"], "a tree has 1 to 63"),
     (["--drafter", "/nonexistent/drafter", "w1"], "dflash's drafter folder not found: /nonexistent/drafter"),
     (["--method", "eagle3+ngram", "--drafter", "/nonexistent/head", "w1"], "eagle3's drafter folder not found"),
+    (["--drafter", "EMPTY", "w1"], "has no config.json or model.safetensors"),
 ])
-def test_method_options_are_refused_before_the_target_loads(capsys, monkeypatch, args, message):
+def test_method_options_are_refused_before_the_target_loads(capsys, monkeypatch, tmp_path, args, message):
     import dflash.loading
 
     def no_loading(*_):
         raise AssertionError("the target loaded before the options were checked")
 
     monkeypatch.setattr(dflash.loading, "target_from_args", no_loading)
+    args = [str(tmp_path) if arg == "EMPTY" else arg for arg in args]
     code, out, err = run(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in err
 

@@ -118,8 +118,12 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
 def check_drafter_folders(values: list[str] | None, methods: list[str]) -> None:
     """Each --drafter folder exists: said before the target loads, not after a minute of loading and timing it."""
     for method, path in drafter_paths(values, methods).items():
-        if not Path(path).exists():
+        folder = Path(path)
+        if not folder.exists():
             raise UserError(f"{method}'s drafter folder not found: {path}")
+        missing = [name for name in ("config.json", "model.safetensors") if not (folder / name).is_file()]
+        if missing:
+            raise UserError(f"{method}'s drafter folder {path} has no {' or '.join(missing)}")
 
 
 def method_options(args, method: str, block_size: int | None = None, several: bool = False,
