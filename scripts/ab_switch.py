@@ -58,8 +58,8 @@ Switches (the "on" variant is each one's default):
                     inputs (every channel in two bytes, int16's precision) everywhere; both pin the integer screen
   chained-prior     a draft position without a confidence (prompt lookup's) starts from the estimate of the position
                     before it (`control.Calibration`), against 0.5 at every position
-  prompts-in-c      prompts go through the C stack, 64 tokens a pass (`Transformer.prompts_in_c_up_to`), against
-                    torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
+  prompts-in-c      prompts go through the C stack (`Transformer.prompts_in_c_up_to`, passes of `prompt_chunk`),
+                    against torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
                     target's outputs may differ: the two round a prompt's sums differently
   native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `.venv/bin/python
                     scripts/native_source.py REV > /tmp/old.c`), libraries swapped in one process as

@@ -2,8 +2,8 @@
 
   causal: torch's layers with attention by SDPA's causal kernel (`sdpa_backends.CAUSAL`) against a mask of bools;
           the outputs must agree bitwise;
-  c:      the C stack, 64 tokens a pass (`Transformer.prompts_in_c_up_to`), against torch's layers whole (CAUSAL);
-          the largest difference of the last logits is printed.
+  c:      the C stack (`Transformer.prompts_in_c_up_to`, passes of `prompt_chunk`), against torch's layers whole
+          (CAUSAL); the largest difference of the last logits is printed.
 
 Usage: .venv/bin/python scripts/prefill_ab.py [causal|c] [DTYPE] [LENGTHS]
        (defaults: c, bfloat16, 48,100,200,400,800). Two threads.

@@ -576,10 +576,11 @@ def test_rows_of_more_than_sixteen_tokens_take_the_torch_layers_batches_do_not(m
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_prompts_run_through_the_c_stack_in_passes_of_64(arch, dtype, monkeypatch):
-    """A one-row prompt goes through the C stack, 64 tokens a pass, up to the measured length (unmeasured targets:
-    any). Each token takes the chains of a step, so a prompt split anywhere else writes bitwise the same cache and
-    gives the same logits and features (a prefix cache's hit reads what the whole prompt would have written); every
-    logits_at reads the same hidden states; torch's layers, whole, agree within rounding."""
+    """A one-row prompt goes through the C stack, 64 tokens a pass (unmeasured targets; or 128 or 256, as
+    measured), up to the measured length (unmeasured targets: any). Each token takes the chains of a step, so a
+    prompt split anywhere else, or in passes of another length, writes bitwise the same cache and gives the same
+    logits and features (a prefix cache's hit reads what the whole prompt would have written); every logits_at
+    reads the same hidden states; torch's layers, whole, agree within rounding."""
     target = tiny_target(arch, logit_scale=4.0, hidden_size=128)
     target.model.to(dtype)
     choose_kernels(target, "native")
@@ -595,6 +596,12 @@ def test_prompts_run_through_the_c_stack_in_passes_of_64(arch, dtype, monkeypatc
     assert torch.equal(torch.cat([first[1], rest[1]], 1), features)
     assert torch.equal(split.keys[..., :150, :], whole.keys[..., :150, :])
     assert torch.equal(split.values[..., :150, :], whole.values[..., :150, :])
+    for chunk, passes in ((128, 2), (256, 1)):  # 128 + 22; 150 at once
+        engine.prompt_chunk, calls[0] = chunk, 0
+        longer = target.new_cache(capacity=160)
+        assert torch.equal(engine(prompt, longer, (0, 2))[0], logits) and calls[0] == passes * target.num_layers
+        assert torch.equal(longer.keys[..., :150, :], whole.keys[..., :150, :])
+    engine.prompt_chunk = 64
     for logits_at, expected in (("last", logits[:, -1:]), (torch.tensor([99]), logits[:, 99:100]), ("none", None)):
         got, got_features = engine(prompt, target.new_cache(capacity=160), (0, 2), logits_at)
         assert (got is None and expected is None) or torch.equal(got, expected)

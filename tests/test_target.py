@@ -328,6 +328,24 @@ def test_prompts_go_to_the_c_stack_up_to_the_longest_length_it_won_at():
     assert prompts_in_c_from(medians(1.0, 1.0)) == 0  # a tie keeps torch's layers
 
 
+def test_prompts_take_the_pass_length_that_measured_fastest_held_to_a_scores_budget():
+    """The longest timed prompt's fastest pass length, the shorter on a tie; a pass after a long context is halved
+    while its attention scores (tokens x heads x positions, float32) would pass SCORES_BUDGET, down to 64."""
+    from dflash.models.target import prompt_chunk_from
+    from dflash.models.transformer import SCORES_BUDGET
+
+    assert prompt_chunk_from({"c384@64": 1.0, "c384@128": 0.9, "c384@256": 0.8}) == 256
+    assert prompt_chunk_from({"c384@64": 1.0, "c384@128": 0.9, "c384@256": 0.95}) == 128
+    assert prompt_chunk_from({"c384@64": 1.0, "c384@128": 1.0, "c384@256": 1.0}) == 64
+    engine = tiny_target("llama").engine
+    engine.prompt_chunk = 256
+    heads = engine.heads
+    assert engine._chunk_at(0) == 256
+    assert engine._chunk_at(SCORES_BUDGET // (4 * heads * 256) - 256) == 256
+    assert engine._chunk_at(SCORES_BUDGET // (4 * heads * 256) - 255) == 128
+    assert engine._chunk_at(10 ** 9) == 64
+
+
 def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_path, monkeypatch):
     """choose_prompts_in_c times real prompts both ways through this target's own forward, caches the choice per
     machine (a second load reads it) and reports it; DFLASH_PROMPTS_IN_C=0 keeps prompts in torch's layers."""
@@ -341,20 +359,24 @@ def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_
     def medians(calls, repeats):
         for name, call in calls.items():
             call()  # each way really runs its prompt
-            timed.append((name, target.engine.prompts_in_c_up_to))
-        return {name: 0.5 if name == f"c{PROMPT_LENGTHS[0]}" else 1.0 for name in calls}  # C wins only at 64
+            timed.append((name, target.engine.prompts_in_c_up_to, target.engine.prompt_chunk))
+        # C wins at 64 and, in passes of 128, at 384 too
+        return {name: 0.5 if name in (f"c{PROMPT_LENGTHS[0]}", f"c{PROMPT_LENGTHS[1]}@128") else 1.0
+                for name in calls}
 
     monkeypatch.setattr(target_module, "interleaved_medians", medians)
     # the cache's staleness check times a step of each target: a tiny one's 0.1 ms varies by more than its margin
     monkeypatch.setattr(target_module, "time_pass", lambda *args, **kwargs: 1.0)
     choose_prompts_in_c(target)
-    assert target.engine.prompts_in_c_up_to == PROMPT_LENGTHS[0] == target.kernel_report["prompts_in_c_up_to"]
-    assert {name: up_to for name, up_to in timed} == {f"{way}{n}": (0 if way == "torch" else 1 << 30)
-                                                       for n in PROMPT_LENGTHS for way in ("torch", "c")}
+    assert target.engine.prompts_in_c_up_to == 1 << 30 == target.kernel_report["prompts_in_c_up_to"]
+    assert target.engine.prompt_chunk == 128 == target.kernel_report["prompt_chunk"]
+    short, long = PROMPT_LENGTHS
+    assert sorted(timed) == sorted([(f"torch{short}", 0, 64), (f"torch{long}", 0, 64), (f"c{short}", 1 << 30, 64)]
+                                   + [(f"c{long}@{chunk}", 1 << 30, chunk) for chunk in (64, 128, 256)])
     timed.clear()
     again = tiny_target("llama")
     choose_prompts_in_c(again)
-    assert not timed and again.engine.prompts_in_c_up_to == PROMPT_LENGTHS[0]
+    assert not timed and again.engine.prompts_in_c_up_to == 1 << 30 and again.engine.prompt_chunk == 128
     monkeypatch.setenv("DFLASH_PROMPTS_IN_C", "0")
     choose_prompts_in_c(again)
     assert again.engine.prompts_in_c_up_to == 0

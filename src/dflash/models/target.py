@@ -23,7 +23,7 @@ from .hf import HFEngine
 from .graphs import PassGraphs
 from . import native, sdpa_backends
 from .kernels import NATIVE, PACKED, PLAIN, STALE_RATIO, KernelPlan, kernel_plan_for, shape_key
-from .transformer import EVERY_PROMPT, Transformer, Unsupported
+from .transformer import EVERY_PROMPT, PROMPT_CHUNKS, Transformer, Unsupported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # a target's precisions: DTYPES, and int8 weights in its decoder layers with bfloat16 activations (quantize_int8)
@@ -415,12 +415,20 @@ def prompts_in_c_from(medians: dict[str, float], lengths=PROMPT_LENGTHS) -> int:
     return EVERY_PROMPT
 
 
+def prompt_chunk_from(medians: dict[str, float], length: int = max(PROMPT_LENGTHS)) -> int:
+    """Transformer.prompt_chunk from the medians of a prompt of `length` through the C stack in passes of each of
+    PROMPT_CHUNKS ("c384@64", ...): the fastest, the shorter on a tie."""
+    return min(PROMPT_CHUNKS, key=lambda chunk: (medians[f"c{length}@{chunk}"], chunk))
+
+
 def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
-    """Whether prompts go through the C stack, 64 tokens a pass, or torch's layers whole, and up to what length:
-    which is faster depends on the machine (oneDNN's products over many rows against the C stack's fused layer and
-    attention; Transformer._prompt_in_c). Prompts of PROMPT_LENGTHS timed both ways, interleaved, once per machine,
-    model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores). DFLASH_PROMPTS_IN_C=0 keeps every prompt
-    in torch's layers, unmeasured."""
+    """Whether prompts go through the C stack or torch's layers whole, up to what length, and in passes of how
+    many tokens: which is faster depends on the machine (oneDNN's products over many rows against the C stack's
+    fused layer and attention, Transformer._prompt_in_c; a pass reads every weight once, and on an Intel Xeon with
+    AMX a bfloat16 SmolLM2 prompt of 1024 tokens took 0.82x the time in passes of 256 as of 64, float32 and int8
+    1.01-1.04x). Prompts of PROMPT_LENGTHS timed both ways, and the longest in passes of each of PROMPT_CHUNKS,
+    interleaved, once per machine, model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores).
+    DFLASH_PROMPTS_IN_C=0 keeps every prompt in torch's layers, unmeasured."""
     from . import native
 
     engine = target.engine
@@ -432,20 +440,27 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     ids = torch.tensor([[5 + i % 50 for i in range(max(PROMPT_LENGTHS))]])
 
     def measure() -> dict:
-        def prompt(n: int, up_to: int):
+        def prompt(n: int, up_to: int, chunk: int = PROMPT_CHUNKS[0]):
             def call():
-                engine.prompts_in_c_up_to = up_to
+                engine.prompts_in_c_up_to, engine.prompt_chunk = up_to, chunk
                 target.forward(ids[:, :n], target.new_cache(capacity=n), logits_at="last")
             return call
 
-        ways = (("torch", 0), ("c", EVERY_PROMPT))
-        calls = {f"{way}{n}": prompt(n, up_to) for n in PROMPT_LENGTHS for way, up_to in ways}
+        longest = max(PROMPT_LENGTHS)
+        calls = {f"torch{n}": prompt(n, 0) for n in PROMPT_LENGTHS}
+        calls.update({f"c{n}": prompt(n, EVERY_PROMPT) for n in PROMPT_LENGTHS if n < longest})
+        calls.update({f"c{longest}@{chunk}": prompt(longest, EVERY_PROMPT, chunk) for chunk in PROMPT_CHUNKS})
         medians = interleaved_medians(calls, repeats)
-        return {"up_to": prompts_in_c_from(medians), **{name: round(s, 5) for name, s in medians.items()}}
+        chunk = prompt_chunk_from(medians)
+        medians[f"c{longest}"] = medians[f"c{longest}@{chunk}"]
+        return {"up_to": prompts_in_c_from(medians), "chunk": chunk,
+                **{name: round(s, 5) for name, s in medians.items()}}
 
-    engine.prompts_in_c_up_to = cached_timing(target, f"prompts-in-c:{native.build_id()}", measure)["up_to"]
+    choice = cached_timing(target, f"prompts-in-c-chunk:{native.build_id()}", measure)
+    engine.prompts_in_c_up_to, engine.prompt_chunk = choice["up_to"], choice["chunk"]
     if target.kernel_report is not None:
         target.kernel_report["prompts_in_c_up_to"] = engine.prompts_in_c_up_to
+        target.kernel_report["prompt_chunk"] = engine.prompt_chunk
 
 
 NARROW_WIDTHS = (2, 3, 4, 5)  # the passes whose products choose_narrow_passes times

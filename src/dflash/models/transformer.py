@@ -33,6 +33,10 @@ MAX_VERIFY_TOKENS = trees.MAX_TREE_TOKENS  # ... after a cached prefix, rows of 
 # passes of blocks over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of
 # ngram@32:whole.
 EVERY_PROMPT = 1 << 30  # Transformer.prompts_in_c_up_to where prompts of any length run through the C stack
+PROMPT_CHUNKS = (MAX_VERIFY_TOKENS, 128, 256)  # the tokens a prompt's pass through the C stack may take at most
+# (Transformer.prompt_chunk): each pass reads every weight once, so longer passes read them fewer times, but hold
+# scores for every token (SCORES_BUDGET); which is faster is measured per machine (target.choose_prompts_in_c)
+SCORES_BUDGET = 64 << 20  # bytes of attention scores (tokens x heads x positions, float32) a longer pass may hold
 
 
 def runs_in_c(n: int, starts: list[int]) -> bool:
@@ -190,9 +194,12 @@ class Transformer(nn.Module):
         # only, then True: not until the window ends (TargetModel.weights_held)
         self.versions_held: bool | None = None
         # prompts (a row's pass from an empty cache, or of over 64 new tokens) of up to this many tokens run through
-        # the C stack, 64 tokens a pass: measured per machine at load (target.choose_prompts_in_c); 0: torch's
-        # layers. Unmeasured (test targets): all of them, so every engine test reads its prompts in C
+        # the C stack, up to prompt_chunk tokens a pass: both measured per machine at load
+        # (target.choose_prompts_in_c); 0: torch's layers. Unmeasured (test targets): all of them, 64 a pass, so
+        # every engine test reads its prompts in C
         self.prompts_in_c_up_to = EVERY_PROMPT
+        self.prompt_chunk = MAX_VERIFY_TOKENS
+        self.heads = layers[0].self_attn.heads
 
     # ---- building ------------------------------------------------------------------------------------------------
     @classmethod
@@ -320,7 +327,7 @@ class Transformer(nn.Module):
         b, n = input_ids.shape
         starts = cache.lengths
         prompt_in_c = tree is None and not runs_in_c(n, starts) and self._prompt_in_c(input_ids)
-        if prompt_in_c and n > MAX_VERIFY_TOKENS:
+        if prompt_in_c and n > self._chunk_at(starts[0]):
             return self._prompt_in_chunks(input_ids, cache, feature_layers, logits_at)
         end = max(starts) + n
         cache.reserve(end)
@@ -382,17 +389,29 @@ class Transformer(nn.Module):
 
     def _prompt_in_chunks(self, input_ids: torch.Tensor, cache: KVCache, feature_layers: tuple[int, ...],
                           logits_at: str | torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A long prompt as passes of MAX_VERIFY_TOKENS, each through the C stack (forward's result)."""
-        n = input_ids.shape[1]
+        """A long prompt as passes of up to prompt_chunk tokens, each through the C stack (forward's result)."""
+        n, start = input_ids.shape[1], cache.lengths[0]
         hidden, features = [], []
-        for first in range(0, n, MAX_VERIFY_TOKENS):
-            h, f = self.forward(input_ids[:, first:first + MAX_VERIFY_TOKENS], cache, feature_layers, "hidden")
+        first = 0
+        while first < n:
+            chunk = self._chunk_at(start + first)
+            h, f = self.forward(input_ids[:, first:first + chunk], cache, feature_layers, "hidden")
+            first += chunk
             hidden.append(h)
             if f is not None:
                 features.append(f)
         h = torch.cat(hidden, dim=1) if len(hidden) > 1 else hidden[0]
         features = torch.cat(features, dim=1) if features else None
         return (h if isinstance(logits_at, str) and logits_at == "hidden" else self.logits(h, logits_at)), features
+
+    def _chunk_at(self, start: int) -> int:
+        """The tokens of a prompt's next pass after `start` cached ones: prompt_chunk, halved while its attention
+        scores would pass SCORES_BUDGET (a long context), never under 64. Each token takes the chains of a step
+        whatever the pass, so the choice changes only the time."""
+        chunk = self.prompt_chunk
+        while chunk > MAX_VERIFY_TOKENS and chunk * self.heads * (start + chunk) * 4 > SCORES_BUDGET:
+            chunk //= 2
+        return max(chunk, MAX_VERIFY_TOKENS)
 
     @torch.inference_mode()
     def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
