@@ -61,6 +61,8 @@ Switches (the "on" variant is each one's default):
   prompts-in-c      prompts go through the C stack (`Transformer.prompts_in_c_up_to`, passes of `prompt_chunk`),
                     against torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
                     target's outputs may differ: the two round a prompt's sums differently
+  prompt-chunk      prompts through the C stack in passes of 256 tokens (`Transformer.prompt_chunk`), against 64;
+                    a matter of TTFT only (each token takes the chains of a step either way: outputs identical)
   native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `.venv/bin/python
                     scripts/native_source.py REV > /tmp/old.c`), libraries swapped in one process as
                     scripts/ab_native.py does, on whole generations; both builds must share the tile layout and
@@ -93,7 +95,7 @@ from dflash.methods.base import SHIPPED_DRAFTERS, MethodOptions
 from dflash.methods.dflash import proposer as dflash_proposer
 from dflash.models import native
 from dflash.models.target import choose_kernels
-from dflash.models.transformer import EVERY_PROMPT
+from dflash.models.transformer import EVERY_PROMPT, PROMPT_CHUNKS
 from batch_methods import run_batch
 
 VARIANTS = ("off", "on")
@@ -213,6 +215,11 @@ def set_prompts_in_c(target, on: bool) -> None:
     target.engine.prompts_in_c_up_to = EVERY_PROMPT if on else 0
 
 
+def set_prompt_chunk(target, on: bool) -> None:
+    target.engine.prompts_in_c_up_to = EVERY_PROMPT
+    target.engine.prompt_chunk = PROMPT_CHUNKS[-1] if on else PROMPT_CHUNKS[0]
+
+
 def set_screen_steps(target, on: bool) -> None:
     engine.FIRST_SCREENED = DEFAULT_FIRST_SCREENED if on else 64
 
@@ -224,7 +231,7 @@ SWITCHES = {"deferred-logits": set_deferred_logits, "read-steps": set_read_steps
             "screen-wide": set_screen_wide, "native-build": set_native_build, "prompts-in-c": set_prompts_in_c,
             "chained-prior": set_chained_prior, "amx": set_amx,
             "narrow-passes": set_narrow_passes, "f32-zmm": set_f32_zmm, "screen-tiles": set_screen_tiles,
-            "attention-tiles": set_attention_tiles}
+            "attention-tiles": set_attention_tiles, "prompt-chunk": set_prompt_chunk}
 # switches whose variants may differ in output (each lossless on its own)
 CHANGES_ROUNDING = {"amx", "bf16-pairs", "attention-pairs", "attention-tiles", "prompts-in-c"}
 DEFAULT_FIRST_READ = dflash_proposer.FIRST_READ
