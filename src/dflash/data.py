@@ -526,7 +526,7 @@ def run(args) -> int:
 def regenerate_folder(args, world) -> int:
     """Regenerate what the folder lacks. Under torchrun every process takes its share of the prompts still to do
     and writes its own shards; process 0 writes the manifest, and the last one once everyone has finished."""
-    from .loading import target_from_args
+    from .loading import settle_heap, target_from_args
 
     say = (lambda text: print(text, file=sys.stderr)) if world.main else (lambda text: None)
     inputs = args.input or ([] if args.sharegpt else list(DEFAULT_INPUTS))
@@ -544,6 +544,7 @@ def regenerate_folder(args, world) -> int:
     out = OutputDir(Path(args.out), args.shard_size, writer)
     out.check_settings(settings.as_dict())
     target = target_from_args(args, many_rows=True, release_plain=True)  # one copy each, in every process
+    settle_heap()  # hours of generation after one load
     todo, too_long = encode_todo(target, [p for p in mix if p.id not in out.done_ids], args.max_prompt_tokens)
     skipped += too_long
     save = partial(write_manifest, out, settings, prompts, skipped)  # called with the run's tokens/s so far

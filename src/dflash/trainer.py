@@ -809,7 +809,7 @@ def initial_model(args, target, config: TrainConfig, explicit: set[str]):
 # ---- building a run ----------------------------------------------------------------------------------------------
 def build_run(args, overrides: dict, out: Path):
     """Objective, config and the checkpoint to resume (or None)."""
-    from .loading import target_from_args
+    from .loading import settle_heap, target_from_args
 
     resume_from = resolve_checkpoint(args.resume, out) if args.resume else None
     if resume_from is not None:
@@ -822,6 +822,7 @@ def build_run(args, overrides: dict, out: Path):
         explicit = set(values) | set(overrides)
         config = method_config(config, explicit)
     target = target_from_args(args, many_rows=True)
+    settle_heap()  # hours of training after one load
     recipe = recipe_of(config)
     if resume_from is not None:
         model = recipe.load_model(resume_from, target)
