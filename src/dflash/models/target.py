@@ -425,8 +425,8 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     """Whether prompts go through the C stack or torch's layers whole, up to what length, and in passes of how
     many tokens: which is faster depends on the machine (oneDNN's products over many rows against the C stack's
     fused layer and attention, Transformer._prompt_in_c; a pass reads every weight once, and on an Intel Xeon with
-    AMX a bfloat16 SmolLM2 prompt of 1024 tokens took 0.82x the time in passes of 256 as of 64, float32 and int8
-    1.01-1.04x). Prompts of PROMPT_LENGTHS timed both ways, and the longest in passes of each of PROMPT_CHUNKS,
+    AMX a bfloat16 SmolLM2 prompt of 1024 tokens took 0.81x the time in passes of 256 as of 64, int8 0.86x,
+    float32 1.03x). Prompts of PROMPT_LENGTHS timed both ways, and the longest in passes of each of PROMPT_CHUNKS,
     interleaved, once per machine, model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores).
     DFLASH_PROMPTS_IN_C=0 keeps every prompt in torch's layers, unmeasured."""
     from . import native
