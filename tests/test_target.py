@@ -334,9 +334,9 @@ def test_prompts_take_the_pass_length_that_measured_fastest_held_to_a_scores_bud
     from dflash.models.target import prompt_chunk_from
     from dflash.models.transformer import SCORES_BUDGET
 
-    assert prompt_chunk_from({"c384@64": 1.0, "c384@128": 0.9, "c384@256": 0.8}) == 256
-    assert prompt_chunk_from({"c384@64": 1.0, "c384@128": 0.9, "c384@256": 0.95}) == 128
-    assert prompt_chunk_from({"c384@64": 1.0, "c384@128": 1.0, "c384@256": 1.0}) == 64
+    assert prompt_chunk_from({"c384@64": 1.0, "c384@256": 0.8}) == 256
+    assert prompt_chunk_from({"c384@64": 0.9, "c384@256": 0.95}) == 64
+    assert prompt_chunk_from({"c384@64": 1.0, "c384@256": 1.0}) == 64
     engine = tiny_target("llama").engine
     engine.prompt_chunk = 256
     heads = engine.heads
@@ -360,8 +360,8 @@ def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_
         for name, call in calls.items():
             call()  # each way really runs its prompt
             timed.append((name, target.engine.prompts_in_c_up_to, target.engine.prompt_chunk))
-        # C wins at 64 and, in passes of 128, at 384 too
-        return {name: 0.5 if name in (f"c{PROMPT_LENGTHS[0]}", f"c{PROMPT_LENGTHS[1]}@128") else 1.0
+        # C wins at 64 and, in passes of 256, at 384 too
+        return {name: 0.5 if name in (f"c{PROMPT_LENGTHS[0]}", f"c{PROMPT_LENGTHS[1]}@256") else 1.0
                 for name in calls}
 
     monkeypatch.setattr(target_module, "interleaved_medians", medians)
@@ -369,14 +369,14 @@ def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_
     monkeypatch.setattr(target_module, "time_pass", lambda *args, **kwargs: 1.0)
     choose_prompts_in_c(target)
     assert target.engine.prompts_in_c_up_to == 1 << 30 == target.kernel_report["prompts_in_c_up_to"]
-    assert target.engine.prompt_chunk == 128 == target.kernel_report["prompt_chunk"]
+    assert target.engine.prompt_chunk == 256 == target.kernel_report["prompt_chunk"]
     short, long = PROMPT_LENGTHS
     assert sorted(timed) == sorted([(f"torch{short}", 0, 64), (f"torch{long}", 0, 64), (f"c{short}", 1 << 30, 64)]
-                                   + [(f"c{long}@{chunk}", 1 << 30, chunk) for chunk in (64, 128, 256)])
+                                   + [(f"c{long}@{chunk}", 1 << 30, chunk) for chunk in (64, 256)])
     timed.clear()
     again = tiny_target("llama")
     choose_prompts_in_c(again)
-    assert not timed and again.engine.prompts_in_c_up_to == 1 << 30 and again.engine.prompt_chunk == 128
+    assert not timed and again.engine.prompts_in_c_up_to == 1 << 30 and again.engine.prompt_chunk == 256
     monkeypatch.setenv("DFLASH_PROMPTS_IN_C", "0")
     choose_prompts_in_c(again)
     assert again.engine.prompts_in_c_up_to == 0

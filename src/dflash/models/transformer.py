@@ -33,9 +33,10 @@ MAX_VERIFY_TOKENS = trees.MAX_TREE_TOKENS  # ... after a cached prefix, rows of 
 # passes of blocks over 16 (--block-size 32), which through torch's layers changed 3 of 3 bfloat16 GSM8K outputs of
 # ngram@32:whole.
 EVERY_PROMPT = 1 << 30  # Transformer.prompts_in_c_up_to where prompts of any length run through the C stack
-PROMPT_CHUNKS = (MAX_VERIFY_TOKENS, 128, 256)  # the tokens a prompt's pass through the C stack may take at most
+PROMPT_CHUNKS = (MAX_VERIFY_TOKENS, 256)  # the tokens a prompt's pass through the C stack may take at most
 # (Transformer.prompt_chunk): each pass reads every weight once, so longer passes read them fewer times, but hold
-# scores for every token (SCORES_BUDGET); which is faster is measured per machine (target.choose_prompts_in_c)
+# scores for every token (SCORES_BUDGET); which is faster is measured per machine (target.choose_prompts_in_c:
+# passes of 128 timed between the two on an Intel Xeon, so they are not timed; a long context halves 256 to them)
 SCORES_BUDGET = 64 << 20  # bytes of attention scores (tokens x heads x positions, float32) a longer pass may hold
 
 
