@@ -23,14 +23,21 @@ def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: dic
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def check_folder(folder: str | Path, kind: str) -> None:
+    """A UserError unless `folder` holds a `kind` folder's two files (the CLI asks before it loads the target)."""
+    missing = [name for name in ("config.json", "model.safetensors") if not (Path(folder) / name).is_file()]
+    if missing:
+        raise UserError(f"{folder} is not a {kind} folder (needs config.json and model.safetensors; it has no "
+                        f"{' or '.join(missing)})")
+
+
 def read_folder(folder: str | Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, state dict) of a `kind` folder ("drafter", "EAGLE-3 head"), or a UserError."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise UserError(f"{folder} is not a {kind} folder (needs config.json and model.safetensors)")
+    check_folder(folder, kind)
     try:
         config = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as exc:

@@ -117,13 +117,12 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
 
 def check_drafter_folders(values: list[str] | None, methods: list[str]) -> None:
     """Each --drafter folder exists: said before the target loads, not after a minute of loading and timing it."""
+    from .checkpoint import check_folder
+
     for method, path in drafter_paths(values, methods).items():
-        folder = Path(path)
-        if not folder.exists():
+        if not Path(path).exists():
             raise UserError(f"{method}'s drafter folder not found: {path}")
-        missing = [name for name in ("config.json", "model.safetensors") if not (folder / name).is_file()]
-        if missing:
-            raise UserError(f"{method}'s drafter folder {path} has no {' or '.join(missing)}")
+        check_folder(path, f"{method} drafter")
 
 
 def method_options(args, method: str, block_size: int | None = None, several: bool = False,

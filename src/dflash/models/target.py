@@ -427,7 +427,8 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     fused layer and attention, Transformer._prompt_in_c; a pass reads every weight once, and on an Intel Xeon with
     AMX a bfloat16 SmolLM2 prompt of 1024 tokens took 0.81x the time in passes of 256 as of 64, int8 0.86x,
     float32 1.03x). Prompts of PROMPT_LENGTHS timed both ways, and the longest in passes of each of PROMPT_CHUNKS,
-    interleaved, once per machine, model and kernel choice (`cached_timing`; ~3-6 s on 2 Zen 4 cores).
+    interleaved, once per machine, model and kernel choice (`cached_timing`; on 2 Intel Xeon cores 6.2 s for a
+    float32 SmolLM2, 2.2 s in bfloat16).
     DFLASH_PROMPTS_IN_C=0 keeps every prompt in torch's layers, unmeasured."""
     from . import native
 
