@@ -13,7 +13,7 @@ static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *v
             int64_t t = (first + q) / group, h = (first + q) % group;
             p[q] = R.scores + t * R.score_token + h * R.score_head;
             to[q] = seen[t], from[q] = lo[t];
-            if (pairs) weights_as_pairs((float *)p[q], from[q], to[q]);
+            if (pairs) weights_as_pairs((float *)p[q], from[q], to[q], 1.0f);
         }
         for (int64_t c = 0; c < d; c += 64) {
             for (int q = 0; q < count; q++) {
@@ -85,9 +85,13 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
         first = MIN(first, from[t]);
     }
     int tiles = attention_tiles_for(pairs, d);
+    /* through tiles, not a tree: each query's largest score comes from tile_scores, and its softmax's division by
+     * the sum is left to the rounding of its weights to pairs (weights_as_pairs): two passes over the scores fewer */
+    int fused = tiles && !tree;
+    float tops[fused ? tokens * group : 1], inverses[fused ? tokens * group : 1];
     if (tiles)
         attend_tiles(R, tokens, group, q16, (const uint16_t *)keys + at, (const uint16_t *)values + at, d, capacity,
-                     first, longest, from, seen, scale, 0);
+                     first, longest, from, seen, scale, 0, fused ? tops : NULL, NULL);
     for (int64_t j0 = first / KEY_BLOCK * KEY_BLOCK; !tiles && j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *k = pairs ? NULL : cache_rows(keys, at, j0, j1, d, bf16, block);
@@ -109,8 +113,10 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
             int64_t n = seen[t], lo = chain_lo[t], end = n;
             float *s = R.scores + t * R.score_token + h * R.score_head;
             if (tree) end = compact_tree(s, tree_start, n, tree[t]);
-            float top = largest(s + lo, end - lo), inverse = 1.0f / exp_shifted(s + lo, end - lo, top);
-            for (int64_t j = lo; j < end; j++) s[j] *= inverse;
+            float top = fused ? tops[t * group + h] : largest(s + lo, end - lo);
+            float inverse = 1.0f / exp_shifted(s + lo, end - lo, top);
+            if (fused) inverses[t * group + h] = inverse;
+            for (int64_t j = lo; !fused && j < end; j++) s[j] *= inverse;
             if (tree_pairs) {
                 (tiles ? tree_value_tiles : tree_value_pairs)((const uint16_t *)values + at, d, s, lo, end, tree_start,
                                                               tree[t], R.out + t * R.out_token + h * d);
@@ -123,7 +129,7 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
     if (tree_pairs) { /* summed above, node by node */
     } else if (tiles) {
         attend_tiles(R, tokens, group, q16, (const uint16_t *)keys + at, (const uint16_t *)values + at, d, capacity,
-                     first, longest, from, seen, scale, 1);
+                     first, longest, from, seen, scale, 1, NULL, fused ? inverses : NULL);
     } else if (in_registers || (pairs && d % 64 == 0)) {
         attend_values64(R, tokens, group, values, at, d, from, seen, bf16, pairs && d % 64 == 0);
     } else {

@@ -406,15 +406,17 @@ VALUE_PAIRS64(1) VALUE_PAIRS64(2) VALUE_PAIRS64(3) VALUE_PAIRS64(4) VALUE_PAIRS6
 static const ValuePairs64 value_pairs64_of[VALUE_HEADS] = {value_pairs64_1, value_pairs64_2, value_pairs64_3,
                                                            value_pairs64_4, value_pairs64_5, value_pairs64_6};
 
-/* A query's weights s[from..to) as pairs of bfloat16 in place: the bfloat16 array b[j] = bf16(s[j]) for j in
- * [from, to) and 0 for the other key of a boundary pair, its word m pair m (b[2m] | b[2m+1] << 16). Writing b[j]
- * at byte 2j never overtakes the reads at byte 4j. */
-ATTENTION_PAIRS_TARGET static void weights_as_pairs(float *s, int64_t from, int64_t to) {
+/* A query's weights s[from..to) as pairs of bfloat16 in place: the bfloat16 array b[j] = bf16(s[j] * inverse) for
+ * j in [from, to) and 0 for the other key of a boundary pair, its word m pair m (b[2m] | b[2m+1] << 16). Writing
+ * b[j] at byte 2j never overtakes the reads at byte 4j. `inverse`: softmax's division by its sum, where it was left
+ * to this pass (1 otherwise: exact); the product is rounded to float32, then to bfloat16, as two passes round it. */
+ATTENTION_PAIRS_TARGET static void weights_as_pairs(float *s, int64_t from, int64_t to, float inverse) {
     uint16_t *b = (uint16_t *)s;
+    __m512 by = _mm512_set1_ps(inverse);
     for (int64_t j = from / 2 * 2; j < to; j += 16) {
         int64_t a = MAX(from - j, 0), z = MIN(to - j, 16), end = MIN((to + 1) / 2 * 2 - j, 16);
         __mmask16 valid = (__mmask16)(((1u << z) - 1) & ~((1u << a) - 1)), room = (__mmask16)((1u << end) - 1);
-        __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, s + j));
+        __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, s + j), by));
         _mm256_mask_storeu_epi16(b + j, room, (__m256i)h);
     }
 }
@@ -432,7 +434,7 @@ ATTENTION_PAIRS_TARGET static void tree_value_pairs(const uint16_t *v, int64_t d
                                                     int64_t tree_start, uint64_t visible, float *out) {
     int64_t slot[64];
     chain_slots(tree_start, visible, slot);
-    weights_as_pairs(p, lo, count);
+    weights_as_pairs(p, lo, count, 1.0f);
 #define CHAIN_ROW(j) ((j) < lo || (j) >= count ? NULL : v + c + ((j) < tree_start ? (j) : slot[(j) - tree_start]) * d)
     for (int64_t c = 0; c < d; c += 64) {
         __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -450,7 +452,9 @@ ATTENTION_PAIRS_TARGET static void tree_value_pairs(const uint16_t *v, int64_t d
 typedef void (*ValuePairs64)(const uint16_t *v, int64_t d, const float *const *p, const int64_t *from,
                              const int64_t *to, float *const *out);
 static const ValuePairs64 value_pairs64_of[VALUE_HEADS] = {NULL};
-static void weights_as_pairs(float *s, int64_t from, int64_t to) { (void)s, (void)from, (void)to; }
+static void weights_as_pairs(float *s, int64_t from, int64_t to, float inverse) {
+    (void)s, (void)from, (void)to, (void)inverse;
+}
 static void tree_value_pairs(const uint16_t *v, int64_t d, float *p, int64_t lo, int64_t count, int64_t tree_start,
                              uint64_t visible, float *out) {
     (void)v, (void)d, (void)p, (void)lo, (void)count, (void)tree_start, (void)visible, (void)out;
