@@ -925,6 +925,30 @@ def test_attention_through_tiles_keeps_verify_equal_to_steps_and_close_to_pairs(
         native.set_amx(old[1])
 
 
+@pytest.mark.skipif(not amx_runs_here(), reason="no AMX here")
+@pytest.mark.parametrize("context", [70, 100], ids=["whole-blocks", "split-blocks"])
+def test_attention_through_tiles_shifts_each_softmax_by_the_largest_score_it_stored(context):
+    """Through tiles each query's largest score is taken as its scores are stored, in blocks of 32 keys (unmasked
+    where every query of an item reads the whole block, masked at its edges), and softmax's division by the sum
+    waits for the weights' rounding to pairs. With queries 3000x sharper, scores run to the hundreds, and a shift
+    below the largest would overflow the exponentials: a 24-token pass (items of 8 queries, scores transposed in
+    registers) still gives bitwise its steps, finite and within bfloat16 rounding of attention in VDPBF16PS."""
+    old = native.set_bf16_pairs(True), native.set_amx(True)
+    try:
+        target = attention_shape_target("llama", (4, 2, 64), torch.bfloat16)
+        with torch.no_grad():
+            for layer in target.model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(3000.0)
+        choose_kernels(target, "native")
+        ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 9)[:context]
+        block = [33, 2, 17, 40, 8, 11, 4, 9, 21, 30, 5, 7, 12, 44, 3, 18, 27, 36, 6, 14, 25, 39, 10, 2]
+        check_attention_pairs(target, ids, block, native.set_attention_tiles)
+        assert torch.isfinite(target.forward(torch.tensor([ids + block])).logits).all()
+    finally:
+        native.set_bf16_pairs(old[0])
+        native.set_amx(old[1])
+
+
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "gemma3"])
 def test_odd_shapes_decode_like_transformers(arch):
