@@ -1,9 +1,10 @@
 /* ---- a group of query heads attends: over the cache and the pass's own keys, or a tree's ------------------------ */
 
 /* attend's value sums through values64 (d a multiple of 64): the chunk's query heads, VALUE_HEADS at a time, each
- * 64 columns at a time; token t of the chunk sums the values of keys [lo[t], seen[t]) */
+ * 64 columns at a time; token t of the chunk sums the values of keys [lo[t], seen[t]); `inverses` (in pairs; NULL:
+ * none): each query head's softmax's division, left to the rounding of its weights to pairs */
 static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *values, int64_t at, int64_t d,
-                            const int64_t *lo, const int64_t *seen, int bf16, int pairs) {
+                            const int64_t *lo, const int64_t *seen, int bf16, int pairs, const float *inverses) {
     const float *p[VALUE_HEADS];
     float *out[VALUE_HEADS];
     int64_t from[VALUE_HEADS], to[VALUE_HEADS], heads = tokens * group;
@@ -13,7 +14,7 @@ static void attend_values64(Rows R, int64_t tokens, int64_t group, const void *v
             int64_t t = (first + q) / group, h = (first + q) % group;
             p[q] = R.scores + t * R.score_token + h * R.score_head;
             to[q] = seen[t], from[q] = lo[t];
-            if (pairs) weights_as_pairs((float *)p[q], from[q], to[q], 1.0f);
+            if (pairs) weights_as_pairs((float *)p[q], from[q], to[q], inverses ? inverses[first + q] : 1.0f);
         }
         for (int64_t c = 0; c < d; c += 64) {
             for (int q = 0; q < count; q++) {
@@ -85,10 +86,11 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
         first = MIN(first, from[t]);
     }
     int tiles = attention_tiles_for(pairs, d);
-    /* through tiles, not a tree: each query's largest score comes from tile_scores, and its softmax's division by
-     * the sum is left to the rounding of its weights to pairs (weights_as_pairs): two passes over the scores fewer */
-    int fused = tiles && !tree;
-    float tops[fused ? tokens * group : 1], inverses[fused ? tokens * group : 1];
+    /* weights rounded to pairs, not a tree: softmax's division by the sum is left to that rounding
+     * (weights_as_pairs), and through tiles each query's largest score comes from tile_scores: a pass over the
+     * scores fewer, two through tiles */
+    int late = !tree && pairs && d % 64 == 0, fused = tiles && !tree;
+    float tops[fused ? tokens * group : 1], inverses[late ? tokens * group : 1];
     if (tiles)
         attend_tiles(R, tokens, group, q16, (const uint16_t *)keys + at, (const uint16_t *)values + at, d, capacity,
                      first, longest, from, seen, scale, 0, fused ? tops : NULL, NULL);
@@ -115,8 +117,8 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
             if (tree) end = compact_tree(s, tree_start, n, tree[t]);
             float top = fused ? tops[t * group + h] : largest(s + lo, end - lo);
             float inverse = 1.0f / exp_shifted(s + lo, end - lo, top);
-            if (fused) inverses[t * group + h] = inverse;
-            for (int64_t j = lo; !fused && j < end; j++) s[j] *= inverse;
+            if (late) inverses[t * group + h] = inverse;
+            for (int64_t j = lo; !late && j < end; j++) s[j] *= inverse;
             if (tree_pairs) {
                 (tiles ? tree_value_tiles : tree_value_pairs)((const uint16_t *)values + at, d, s, lo, end, tree_start,
                                                               tree[t], R.out + t * R.out_token + h * d);
@@ -129,9 +131,10 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
     if (tree_pairs) { /* summed above, node by node */
     } else if (tiles) {
         attend_tiles(R, tokens, group, q16, (const uint16_t *)keys + at, (const uint16_t *)values + at, d, capacity,
-                     first, longest, from, seen, scale, 1, NULL, fused ? inverses : NULL);
+                     first, longest, from, seen, scale, 1, NULL, late ? inverses : NULL);
     } else if (in_registers || (pairs && d % 64 == 0)) {
-        attend_values64(R, tokens, group, values, at, d, from, seen, bf16, pairs && d % 64 == 0);
+        attend_values64(R, tokens, group, values, at, d, from, seen, bf16, pairs && d % 64 == 0,
+                        late ? inverses : NULL);
     } else {
         for (int64_t j0 = first / KEY_BLOCK * KEY_BLOCK; j0 < longest; j0 += KEY_BLOCK) {
             int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
