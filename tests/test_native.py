@@ -848,6 +848,37 @@ def attention_shape_target(arch: str, shape: tuple[int, int, int], dtype: torch.
 
 
 @pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
+@pytest.mark.parametrize("shape", [(6, 2, 64), (4, 2, 64), (3, 1, 24)], ids=["group3", "group2", "head24"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_scores_two_queries_at_a_time_give_bitwise_the_query_by_query_scores(arch, shape, dtype):
+    """Float32 attention scores two queries at once in AVX-512 registers (block_scores_two): a token's heads in
+    pairs, or its last head with the next token's first, whose keys end one apart (a causal pass) or start apart
+    (Gemma3's window). Each score is the very chain of FMAs and sum of lanes of the query-by-query loop: the same
+    logits, bit for bit, for a prompt, steps, verify passes and a batch of ragged rows, with a group of 3 (pairs
+    across tokens) and heads of 24 (eights, then keys one by one)."""
+    target = attention_shape_target(arch, shape, dtype)
+    ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
+    logits = {}
+    old, pairs = native.set_scores_two(True), native.set_attention_pairs(False)  # bfloat16: widened keys, as float32
+    try:
+        for two in (True, False):
+            native.set_scores_two(two)
+            cache, batch = target.new_cache(), target.new_cache(3)
+            outputs = [target.forward(torch.tensor([ids]), cache).logits]
+            target.forward(torch.tensor([ids] * 3), batch)
+            batch.set_lengths([37, 30, 34])
+            outputs += [target.forward(torch.tensor([block]), cache).logits
+                        for block in ([9], [33, 2, 17, 40, 8, 11, 4], [5])]
+            outputs.append(target.forward(torch.tensor([[9, 33, 2], [17, 40, 8], [11, 4, 5]]), batch).logits)
+            logits[two] = outputs
+    finally:
+        native.set_scores_two(old)
+        native.set_attention_pairs(pairs)
+    for got, expected in zip(logits[True], logits[False]):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
 @pytest.mark.parametrize("shape", [(4, 2, 64), (8, 1, 64), (2, 1, 128)], ids=["group2", "group8", "head128"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, shape, dtype):

@@ -145,6 +145,8 @@ def library() -> ctypes.CDLL | None:
             lib.dflash_set_narrow_passes.restype = ctypes.c_int
             lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
             lib.dflash_set_attention_pairs.restype = ctypes.c_int
+            if hasattr(lib, "dflash_set_scores_two"):  # builds of older sources load too (A/B runs)
+                lib.dflash_set_scores_two.argtypes, lib.dflash_set_scores_two.restype = [ctypes.c_int], ctypes.c_int
             if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
                 lib.dflash_set_values_in_registers.argtypes = [ctypes.c_int]
                 lib.dflash_set_values_in_registers.restype = ctypes.c_int
@@ -436,6 +438,16 @@ def set_values_in_registers(on: bool) -> bool:
     if lib is None:
         raise RuntimeError("no kernel library here")
     return bool(lib.dflash_set_values_in_registers(int(on)))
+
+
+def set_scores_two(on: bool) -> bool:
+    """Whether attention scores two queries at once in AVX-512 registers where it runs in float32 (native.c's
+    block_scores_two; the default where the CPU has AVX-512F) or query by query (for tests and A/B runs); returns
+    the old setting. Outputs are bitwise the same either way."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("no kernel library here")
+    return bool(lib.dflash_set_scores_two(int(on)))
 
 
 def int8_vnni() -> bool:

@@ -94,19 +94,24 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
     if (tiles)
         attend_tiles(R, tokens, group, q16, (const uint16_t *)keys + at, (const uint16_t *)values + at, d, capacity,
                      first, longest, from, seen, scale, 0, fused ? tops : NULL, NULL);
+    int two = !pairs && d % 8 == 0 && scores_two_here();
     for (int64_t j0 = first / KEY_BLOCK * KEY_BLOCK; !tiles && j0 < longest; j0 += KEY_BLOCK) {
         int64_t j1 = MIN(j0 + KEY_BLOCK, longest);
         const float *k = pairs ? NULL : cache_rows(keys, at, j0, j1, d, bf16, block);
-        for (int64_t t = 0; t < tokens; t++)
-            for (int64_t h = 0; h < group; h++) {
-                const float *q = R.q + t * R.q_token + h * d;
-                float *s = R.scores + t * R.score_token + h * R.score_head;
-                if (pairs)
-                    block_scores_pairs(q16 + (t * group + h) * d, (const uint16_t *)keys + at + j0 * d, j0, j1,
-                                       from[t], seen[t], d, scale, s);
-                else
-                    block_scores(q, k, j0, j1, from[t], seen[t], d, scale, s);
-            }
+        for (int64_t i = 0; i < tokens * group; i++) { /* query i: token i / group's head i % group */
+            int64_t t = i / group, u = (i + 1) / group;
+            const float *q = R.q + t * R.q_token + i % group * d;
+            float *s = R.scores + t * R.score_token + i % group * R.score_head;
+            if (pairs)
+                block_scores_pairs(q16 + i * d, (const uint16_t *)keys + at + j0 * d, j0, j1, from[t], seen[t], d,
+                                   scale, s);
+            else if (two && i + 1 < tokens * group) /* this query and the next, at once */
+                block_scores_two(q, R.q + u * R.q_token + (i + 1) % group * d, k, j0, j1, from[t], seen[t], from[u],
+                                 seen[u], d, scale, s, R.scores + u * R.score_token + (i + 1) % group * R.score_head),
+                    i++;
+            else
+                block_scores(q, k, j0, j1, from[t], seen[t], d, scale, s);
+        }
     }
     int in_registers = d % 64 == 0 && values64_here(); /* values64 writes its sums whole, from zero */
     int tree_pairs = tree && pairs && d % 64 == 0;

@@ -303,6 +303,67 @@ static int cpu_has_avx512f(void) {
 static const Values64 values64_of[2][VALUE_HEADS] = {{NULL}, {NULL}};
 static int cpu_has_avx512f(void) { return 0; }
 #endif
+/* block_scores for two queries at once (AVX-512F; two heads, or a token's last head and the next token's first):
+ * each register holds eight keys' lanes for the first query in its low half and for the second in its high half,
+ * each lane the same chain of FMAs as dot8's and each score the same sum of lanes (hadd's as shuffles and adds), so
+ * the scores are bitwise block_scores' for half the multiply-add instructions (float32 attention's scores were most
+ * of a float32 prompt's attention). The keys both read in the same eights go together, the rest as block_scores
+ * takes them. */
+#if PAIRS_BUILT
+VALUES_TARGET static inline __m512 hadd_lanes(__m512 x, __m512 y) { /* _mm256_hadd_ps in each 128-bit lane */
+    return _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+}
+VALUES_TARGET static inline __m512 dot8_two(const float *qa, const float *qb, const float *k, int64_t d) {
+    __m512 a[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m512d both = _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(qa + i))),
+                                          _mm256_castps_pd(_mm256_loadu_ps(qb + i)), 1);
+        for (int r = 0; r < 8; r++) {
+            __m512d key = _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(k + r * d + i)));
+            a[r] = _mm512_fmadd_ps(_mm512_castpd_ps(key), _mm512_castpd_ps(both), a[r]);
+        }
+    }
+    __m512 t0 = hadd_lanes(hadd_lanes(a[0], a[1]), hadd_lanes(a[2], a[3]));
+    __m512 t1 = hadd_lanes(hadd_lanes(a[4], a[5]), hadd_lanes(a[6], a[7]));
+    /* dot8's last step, low 128-bit lane + high of each half: [a 0..3, b 0..3, a 4..7, b 4..7], then a's, b's */
+    __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    return _mm512_shuffle_f32x4(sum, sum, 0xD8);
+}
+VALUES_TARGET static void block_scores_two(const float *qa, const float *qb, const float *k, int64_t j0, int64_t j1,
+                                           int64_t lo_a, int64_t n_a, int64_t lo_b, int64_t n_b, int64_t d,
+                                           float scale, float *sa, float *sb) {
+    int64_t j = MAX(j0, lo_a), stop = MIN(MIN(j1, n_a), n_b);
+    for (; j == MAX(j0, lo_b) && d % 8 == 0 && j + 8 <= stop; j += 8, lo_a = lo_b = j) {
+        __m512 two = _mm512_mul_ps(dot8_two(qa, qb, k + (j - j0) * d, d), _mm512_set1_ps(scale));
+        _mm256_storeu_ps(sa + j, _mm512_castps512_ps256(two));
+        _mm256_storeu_ps(sb + j, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(two), 1)));
+    }
+    /* each head's own eights and single keys after the ones they share, as block_scores goes on from there */
+    int64_t a = MAX(j0, lo_a), b = MAX(j0, lo_b);
+    block_scores(qa, k + (a - j0) * d, a, j1, a, n_a, d, scale, sa);
+    block_scores(qb, k + (b - j0) * d, b, j1, b, n_b, d, scale, sb);
+}
+#else
+static void block_scores_two(const float *qa, const float *qb, const float *k, int64_t j0, int64_t j1, int64_t lo_a,
+                             int64_t n_a, int64_t lo_b, int64_t n_b, int64_t d, float scale, float *sa, float *sb) {
+    (void)qa, (void)qb, (void)k, (void)j0, (void)j1, (void)lo_a, (void)n_a, (void)lo_b, (void)n_b, (void)d;
+    (void)scale, (void)sa, (void)sb;
+}
+#endif
+static int scores_two = -1; /* -1: not yet asked (then: where the CPU has AVX-512F); 0: block_scores, head by head */
+static int scores_two_here(void) {
+    if (scores_two < 0) scores_two = cpu_has_avx512f();
+    return scores_two;
+}
+/* Whether float32 scores go two queries at once (on: only where the CPU can); returns the previous setting. Either
+ * way gives the same outputs: for tests and A/B runs. */
+int dflash_set_scores_two(int on) {
+    int old = scores_two_here();
+    scores_two = on && cpu_has_avx512f();
+    return old;
+}
+
 static int values_in_registers = -1; /* -1: not yet asked (then: where the CPU has AVX-512F); 0: block_values */
 static int values64_here(void) {
     if (values_in_registers < 0) values_in_registers = cpu_has_avx512f();
