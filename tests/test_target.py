@@ -316,14 +316,20 @@ def test_a_fresh_prefill_attends_causally_and_equals_the_masked_pass(family_targ
         assert torch.equal(a[..., :40, :], b[..., :40, :])
 
 
-def test_prompts_go_to_the_c_stack_up_to_the_longest_length_it_won_at():
+def test_prompts_go_to_the_c_stack_up_to_where_its_ratio_to_torch_reaches_one():
+    """Up to where the line through the C stack's time over torch's at the last length it won at and the first it
+    lost at reaches 1; where it won at every length, along the line through the last two, once 1024 was timed."""
     from dflash.models.target import prompts_in_c_from
 
-    def medians(c64, c384):
-        return {"c64": c64, "torch64": 1.0, "c384": c384, "torch384": 1.0}
+    def medians(c64, c384, c1024=None):
+        timed = {"c64": c64, "torch64": 1.0, "c384": c384, "torch384": 1.0}
+        return timed if c1024 is None else {**timed, "c1024": c1024, "torch1024": 1.0}
 
-    assert prompts_in_c_from(medians(0.8, 0.9)) == 1 << 30  # won at the longest measured: every length
-    assert prompts_in_c_from(medians(0.8, 1.1)) == 64
+    assert prompts_in_c_from(medians(0.8, 0.9)) == 1 << 30  # won at both, 1024 not timed: every length
+    assert prompts_in_c_from(medians(0.8, 0.9, 1.1)) == 704  # 384 + 0.1 / 0.2 x 640
+    assert prompts_in_c_from(medians(0.8, 0.9, 0.95)) == 1664  # still winning at 1024: 1024 + 0.05 / 0.05 x 640
+    assert prompts_in_c_from(medians(0.8, 0.9, 0.85)) == 1 << 30  # winning by more as prompts grow: every length
+    assert prompts_in_c_from(medians(0.8, 1.1)) == 277  # 64 + 0.2 / 0.3 x 320
     assert prompts_in_c_from(medians(1.1, 0.9)) == 0  # lost at the shortest: none
     assert prompts_in_c_from(medians(1.0, 1.0)) == 0  # a tie keeps torch's layers
 
@@ -350,7 +356,7 @@ def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_
     """choose_prompts_in_c times real prompts both ways through this target's own forward, caches the choice per
     machine (a second load reads it) and reports it; DFLASH_PROMPTS_IN_C=0 keeps prompts in torch's layers."""
     from dflash.models import target as target_module
-    from dflash.models.target import PROMPT_LENGTHS, choose_prompts_in_c
+    from dflash.models.target import LONG_PROMPT, PROMPT_LENGTHS, choose_prompts_in_c
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     target = tiny_target("llama")
@@ -368,15 +374,19 @@ def test_the_prompt_path_is_measured_once_per_machine_and_can_be_turned_off(tmp_
     # the cache's staleness check times a step of each target: a tiny one's 0.1 ms varies by more than its margin
     monkeypatch.setattr(target_module, "time_pass", lambda *args, **kwargs: 1.0)
     choose_prompts_in_c(target)
-    assert target.engine.prompts_in_c_up_to == 1 << 30 == target.kernel_report["prompts_in_c_up_to"]
+    # won at 64 and 384 (ratio 0.5), so a long prompt timed too (1024, or the tiny target's 512 positions), where it
+    # tied: up to where 0.5 rises to 1, that length
+    long_prompt = min(LONG_PROMPT, target.max_context)
+    assert target.engine.prompts_in_c_up_to == long_prompt == target.kernel_report["prompts_in_c_up_to"]
     assert target.engine.prompt_chunk == 256 == target.kernel_report["prompt_chunk"]
     short, long = PROMPT_LENGTHS
     assert sorted(timed) == sorted([(f"torch{short}", 0, 64), (f"torch{long}", 0, 64), (f"c{short}", 1 << 30, 64)]
-                                   + [(f"c{long}@{chunk}", 1 << 30, chunk) for chunk in (64, 256)])
+                                   + [(f"c{long}@{chunk}", 1 << 30, chunk) for chunk in (64, 256)]
+                                   + [(f"torch{long_prompt}", 0, 64), (f"c{long_prompt}", 1 << 30, 256)])
     timed.clear()
     again = tiny_target("llama")
     choose_prompts_in_c(again)
-    assert not timed and again.engine.prompts_in_c_up_to == 1 << 30 and again.engine.prompt_chunk == 256
+    assert not timed and again.engine.prompts_in_c_up_to == long_prompt and again.engine.prompt_chunk == 256
     monkeypatch.setenv("DFLASH_PROMPTS_IN_C", "0")
     choose_prompts_in_c(again)
     assert again.engine.prompts_in_c_up_to == 0

@@ -30,6 +30,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TARGET_DTYPES = {**DTYPES, "int8": torch.bfloat16}
 KERNEL_CHOICES = ("auto", "packed", "plain", "native")
 PROMPT_LENGTHS = (64, 384)  # the prompt lengths at which the C stack is timed against torch's layers
+# ... and once more, where the C stack won at 384: its attention costs a token more as the context grows, and on an
+# Intel Xeon with AMX (fifty-fourth session) it took 0.92x-0.97x torch's time at 300 tokens, 1.01x-1.13x at 1024 and
+# 1.15x-1.38x at 2048 in float32, bfloat16 and int8 alike, so a choice made at 384 alone sent long prompts the slow way
+LONG_PROMPT = 1024
 
 
 @dataclass
@@ -403,16 +407,28 @@ def choose_kernels(target: TargetModel, kernels: str = "auto") -> None:
     choose_narrow_passes(target)
 
 
-def prompts_in_c_from(medians: dict[str, float], lengths=PROMPT_LENGTHS) -> int:
-    """Transformer.prompts_in_c_up_to from the medians of prompts timed both ways ("c64", "torch64", ...): up to
-    the longest of `lengths` at which the C stack was faster, it and every shorter one; past the longest measured,
-    the choice made there holds."""
-    up_to = 0
-    for n in sorted(lengths):
-        if medians[f"c{n}"] >= medians[f"torch{n}"]:
-            return up_to
-        up_to = n
-    return EVERY_PROMPT
+def prompts_in_c_from(medians: dict[str, float]) -> int:
+    """Transformer.prompts_in_c_up_to from the medians of prompts timed both ways ("c64" and "torch64", ...): none
+    if the C stack lost at the shortest length (a tie keeps torch's layers); else up to where its time over torch's
+    reaches 1 along the line through the last length it won at and the first it lost at; where it won at every
+    length, every prompt, unless a length past PROMPT_LENGTHS was timed (`choose_prompts_in_c`'s long prompt) and
+    the ratio rose to it: then up to where the line through the last two lengths reaches 1."""
+    timed = sorted(int(name[1:]) for name in medians if name[0] == "c" and name[1:].isdigit()
+                   and f"torch{name[1:]}" in medians)
+    ratio = {n: medians[f"c{n}"] / medians[f"torch{n}"] for n in timed}
+    if not timed or ratio[timed[0]] >= 1:
+        return 0
+    for won, n in zip(timed, timed[1:]):
+        if ratio[n] >= 1:
+            return crossing(won, n, ratio)
+    if timed[-1] <= max(PROMPT_LENGTHS) or ratio[timed[-1]] <= ratio[timed[-2]]:
+        return EVERY_PROMPT
+    return min(EVERY_PROMPT, crossing(timed[-2], timed[-1], ratio))
+
+
+def crossing(a: int, b: int, ratio: dict) -> int:
+    """The length at which the line through (a, ratio[a]) and (b, ratio[b]) reaches a ratio of 1"""
+    return round(a + (1 - ratio[a]) * (b - a) / (ratio[b] - ratio[a]))
 
 
 def prompt_chunk_from(medians: dict[str, float], length: int = max(PROMPT_LENGTHS)) -> int:
@@ -427,8 +443,11 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     fused layer and attention, Transformer._prompt_in_c; a pass reads every weight once, and on an Intel Xeon with
     AMX a bfloat16 SmolLM2 prompt of 1024 tokens took 0.81x the time in passes of 256 as of 64, int8 0.86x,
     float32 1.03x). Prompts of PROMPT_LENGTHS timed both ways, and the longest in passes of each of PROMPT_CHUNKS,
-    interleaved, once per machine, model and kernel choice (`cached_timing`; on 2 Intel Xeon cores 6.2 s for a
-    float32 SmolLM2, 2.2 s in bfloat16).
+    interleaved; where the C stack won at both lengths, a LONG_PROMPT timed once each way too (its attention costs
+    more a token as the context grows: prompts_in_c_from draws the line). Once per machine, model and kernel choice
+    (`cached_timing`; on 2 Intel Xeon cores 6.2 s for a float32 SmolLM2, 2.2 s in bfloat16, and where the long
+    prompt is timed, about 5 s and 2 s more: a warm-up and a timing each way, as torch's first run of a shape
+    also makes its kernels).
     DFLASH_PROMPTS_IN_C=0 keeps every prompt in torch's layers, unmeasured."""
     from . import native
 
@@ -438,7 +457,7 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
     if os.environ.get("DFLASH_PROMPTS_IN_C", "1") == "0":
         engine.prompts_in_c_up_to = 0
         return
-    ids = torch.tensor([[5 + i % 50 for i in range(max(PROMPT_LENGTHS))]])
+    ids = torch.tensor([[5 + i % 50 for i in range(LONG_PROMPT)]])
 
     def measure() -> dict:
         def prompt(n: int, up_to: int, chunk: int = PROMPT_CHUNKS[0]):
@@ -454,10 +473,14 @@ def choose_prompts_in_c(target: TargetModel, repeats: int = 2) -> None:
         medians = interleaved_medians(calls, repeats)
         chunk = prompt_chunk_from(medians)
         medians[f"c{longest}"] = medians[f"c{longest}@{chunk}"]
+        long = min(LONG_PROMPT, target.max_context)
+        if long > longest and prompts_in_c_from(medians) == EVERY_PROMPT:  # won at both: how far does it go on?
+            medians.update(interleaved_medians({f"c{long}": prompt(long, EVERY_PROMPT, chunk),
+                                                f"torch{long}": prompt(long, 0)}, 1))
         return {"up_to": prompts_in_c_from(medians), "chunk": chunk,
                 **{name: round(s, 5) for name, s in medians.items()}}
 
-    choice = cached_timing(target, f"prompts-in-c-chunk:{native.build_id()}", measure)
+    choice = cached_timing(target, f"prompts-in-c-long:{native.build_id()}", measure)
     engine.prompts_in_c_up_to, engine.prompt_chunk = choice["up_to"], choice["chunk"]
     if target.kernel_report is not None:
         target.kernel_report["prompts_in_c_up_to"] = engine.prompts_in_c_up_to
