@@ -847,6 +847,35 @@ def attention_shape_target(arch: str, shape: tuple[int, int, int], dtype: torch.
     return target
 
 
+def assert_the_same_either_way(target, switch) -> None:
+    """With attention in pairs off (in pairs, scores and values go through VDPBF16PS either way), `switch` on and
+    off give bitwise the same logits for a prompt and the passes after it (attention_passes)."""
+    ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
+    logits = {}
+    old, pairs = switch(True), native.set_attention_pairs(False)
+    try:
+        for on in (True, False):
+            switch(on)
+            logits[on] = attention_passes(target, ids)
+    finally:
+        switch(old)
+        native.set_attention_pairs(pairs)
+    for got, expected in zip(logits[True], logits[False]):
+        assert torch.equal(got, expected)
+
+
+def attention_passes(target, ids: list[int]) -> list[torch.Tensor]:
+    """The logits of a prompt of 37 tokens, a step after it, a verify pass of 7, another step, and a verify pass of
+    3 tokens in a batch of three rows cut back to ragged lengths."""
+    cache, batch = target.new_cache(), target.new_cache(3)
+    outputs = [target.forward(torch.tensor([ids]), cache).logits]
+    target.forward(torch.tensor([ids] * 3), batch)
+    batch.set_lengths([37, 30, 34])
+    outputs += [target.forward(torch.tensor([block]), cache).logits for block in ([9], [33, 2, 17, 40, 8, 11, 4], [5])]
+    outputs.append(target.forward(torch.tensor([[9, 33, 2], [17, 40, 8], [11, 4, 5]]), batch).logits)
+    return outputs
+
+
 @pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
 @pytest.mark.parametrize("shape", [(6, 2, 64), (4, 2, 64), (3, 1, 24)], ids=["group3", "group2", "head24"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -856,26 +885,7 @@ def test_scores_two_queries_at_a_time_give_bitwise_the_query_by_query_scores(arc
     (Gemma3's window). Each score is the very chain of FMAs and sum of lanes of the query-by-query loop: the same
     logits, bit for bit, for a prompt, steps, verify passes and a batch of ragged rows, with a group of 3 (pairs
     across tokens) and heads of 24 (eights, then keys one by one)."""
-    target = attention_shape_target(arch, shape, dtype)
-    ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
-    logits = {}
-    old, pairs = native.set_scores_two(True), native.set_attention_pairs(False)  # bfloat16: widened keys, as float32
-    try:
-        for two in (True, False):
-            native.set_scores_two(two)
-            cache, batch = target.new_cache(), target.new_cache(3)
-            outputs = [target.forward(torch.tensor([ids]), cache).logits]
-            target.forward(torch.tensor([ids] * 3), batch)
-            batch.set_lengths([37, 30, 34])
-            outputs += [target.forward(torch.tensor([block]), cache).logits
-                        for block in ([9], [33, 2, 17, 40, 8, 11, 4], [5])]
-            outputs.append(target.forward(torch.tensor([[9, 33, 2], [17, 40, 8], [11, 4, 5]]), batch).logits)
-            logits[two] = outputs
-    finally:
-        native.set_scores_two(old)
-        native.set_attention_pairs(pairs)
-    for got, expected in zip(logits[True], logits[False]):
-        assert torch.equal(got, expected)
+    assert_the_same_either_way(attention_shape_target(arch, shape, dtype), native.set_scores_two)
 
 
 @pytest.mark.skipif(native.library() is None or not values_in_registers_here(), reason="no AVX-512F here")
@@ -886,27 +896,7 @@ def test_values_summed_in_registers_give_bitwise_the_head_by_head_sums(arch, sha
     of FMAs the head-by-head loop sums: the same logits, bit for bit, for steps, verify passes (a token's keys end
     one apart), a batch of ragged rows, and Gemma3's sliding window (heads whose keys start apart), with more query
     heads than one call takes (group 8: 16 heads a work item) and heads of 128 (two calls of 64 columns)."""
-    target = attention_shape_target(arch, shape, dtype)
-    ids = (target.encode_prompt("w20 w31 w9 w9 w40 w12 w3 w8 w30 w11 w5 w7 w21") * 3)[:37]
-    logits = {}
-    old = native.set_values_in_registers(True)
-    pairs = native.set_attention_pairs(False)  # in pairs, values are summed by value_pairs64 either way
-    try:
-        for in_registers in (True, False):
-            native.set_values_in_registers(in_registers)
-            cache, batch = target.new_cache(), target.new_cache(3)
-            target.forward(torch.tensor([ids]), cache)
-            target.forward(torch.tensor([ids] * 3), batch)
-            batch.set_lengths([37, 30, 34])
-            outputs = [target.forward(torch.tensor([block]), cache).logits
-                       for block in ([9], [33, 2, 17, 40, 8, 11, 4], [5])]
-            outputs.append(target.forward(torch.tensor([[9, 33, 2], [17, 40, 8], [11, 4, 5]]), batch).logits)
-            logits[in_registers] = outputs
-    finally:
-        native.set_values_in_registers(old)
-        native.set_attention_pairs(pairs)
-    for got, expected in zip(logits[True], logits[False]):
-        assert torch.equal(got, expected)
+    assert_the_same_either_way(attention_shape_target(arch, shape, dtype), native.set_values_in_registers)
 
 
 @pytest.mark.skipif(not pairs_run_here(), reason="no AVX512-BF16 here")

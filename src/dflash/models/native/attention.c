@@ -351,31 +351,25 @@ static void block_scores_two(const float *qa, const float *qb, const float *k, i
     (void)scale, (void)sa, (void)sb;
 }
 #endif
-static int scores_two = -1; /* -1: not yet asked (then: where the CPU has AVX-512F); 0: block_scores, head by head */
-static int scores_two_here(void) {
-    if (scores_two < 0) scores_two = cpu_has_avx512f();
-    return scores_two;
+/* A setting on wherever the CPU has AVX-512F (-1 until first asked), which tests and A/B runs may turn off; turning
+ * it on elsewhere changes nothing. Returns the previous setting. */
+static int avx512_setting(int *setting) {
+    if (*setting < 0) *setting = cpu_has_avx512f();
+    return *setting;
 }
-/* Whether float32 scores go two queries at once (on: only where the CPU can); returns the previous setting. Either
- * way gives the same outputs: for tests and A/B runs. */
-int dflash_set_scores_two(int on) {
-    int old = scores_two_here();
-    scores_two = on && cpu_has_avx512f();
+static int set_avx512_setting(int *setting, int on) {
+    int old = avx512_setting(setting);
+    *setting = on && cpu_has_avx512f();
     return old;
 }
-
-static int values_in_registers = -1; /* -1: not yet asked (then: where the CPU has AVX-512F); 0: block_values */
-static int values64_here(void) {
-    if (values_in_registers < 0) values_in_registers = cpu_has_avx512f();
-    return values_in_registers;
-}
-/* Whether attention sums values through values64 (on: only where the CPU can); returns the previous setting.
- * Either way gives the same outputs: for tests and A/B runs. */
-int dflash_set_values_in_registers(int on) {
-    int old = values64_here();
-    values_in_registers = on && cpu_has_avx512f();
-    return old;
-}
+static int scores_two = -1;          /* 0: block_scores, query by query */
+static int values_in_registers = -1; /* 0: block_values */
+static int scores_two_here(void) { return avx512_setting(&scores_two); }
+static int values64_here(void) { return avx512_setting(&values_in_registers); }
+/* Whether float32 scores go two queries at once; whether attention sums values through values64. Either way gives
+ * the same outputs: for tests and A/B runs. */
+int dflash_set_scores_two(int on) { return set_avx512_setting(&scores_two, on); }
+int dflash_set_values_in_registers(int on) { return set_avx512_setting(&values_in_registers, on); }
 
 static int attention_pairs = 1; /* 0: FMA chains of widened keys and values even where pairs run (A/B runs) */
 int dflash_set_attention_pairs(int on) {
