@@ -59,8 +59,8 @@ Switches (the "on" variant is each one's default):
   chained-prior     a draft position without a confidence (prompt lookup's) starts from the estimate of the position
                     before it (`control.Calibration`), against 0.5 at every position
   prompts-in-c      prompts go through the C stack (`Transformer.prompts_in_c_up_to`, passes of `prompt_chunk`),
-                    against torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A bfloat16
-                    target's outputs may differ: the two round a prompt's sums differently
+                    against torch's layers whole; mostly a matter of TTFT (printed beside the time per token). A
+                    bfloat16 target's outputs may differ: the two round a prompt's sums differently
   prompt-chunk      prompts through the C stack in passes of 256 tokens (`Transformer.prompt_chunk`), against 64;
                     a matter of TTFT only (each token takes the chains of a step either way: outputs identical)
   native-build      this checkout's native.c against the build of the file AB_OLD_NATIVE names (e.g. `.venv/bin/python

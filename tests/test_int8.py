@@ -147,8 +147,9 @@ def test_int8_products_are_the_pairs_chain_over_the_integers_scaled_after(m, n, 
 @pytest.mark.parametrize("n,k", [(67, 150), (24, 8), (96, 576), (30, 1536)])
 def test_int8_products_through_amx_tiles_are_the_bfloat16_tiles_products_over_the_integers(m, n, k):
     """Through AMX tiles int8 weights are expanded to their bfloat16 values a chunk at a time (32 pairs, two
-    blocks; over 16 rows, each panel whole first) and summed by the bfloat16 kernel's blocks: with unit scales bitwise the bfloat16 product on bf16(q),
-    every row its own, the scales applied after (close to the float32 product)."""
+    blocks; over 16 rows, each panel whole first) and summed by the bfloat16 kernel's blocks: with unit scales
+    bitwise the bfloat16 product on bf16(q), every row its own, the scales applied after (close to the float32
+    product)."""
     p = int8_pair_products(m, n, k, amx=True)
     assert torch.equal(p["ones"], p["bf16"])
     assert torch.equal(p["got"], p["alone"])

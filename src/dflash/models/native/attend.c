@@ -105,11 +105,11 @@ static void attend(Rows R, int64_t tokens, int64_t group, const void *keys, cons
             if (pairs)
                 block_scores_pairs(q16 + i * d, (const uint16_t *)keys + at + j0 * d, j0, j1, from[t], seen[t], d,
                                    scale, s);
-            else if (two && i + 1 < tokens * group) /* this query and the next, at once */
+            else if (two && i + 1 < tokens * group) { /* this query and the next, at once */
                 block_scores_two(q, R.q + u * R.q_token + (i + 1) % group * d, k, j0, j1, from[t], seen[t], from[u],
-                                 seen[u], d, scale, s, R.scores + u * R.score_token + (i + 1) % group * R.score_head),
-                    i++;
-            else
+                                 seen[u], d, scale, s, R.scores + u * R.score_token + (i + 1) % group * R.score_head);
+                i++;
+            } else
                 block_scores(q, k, j0, j1, from[t], seen[t], d, scale, s);
         }
     }

@@ -131,8 +131,8 @@ ATTENTION_TILES_TARGET static inline void store_scores(float (*sums)[16], int64_
  * A block past the capacity is copied, zero-padded, so no read leaves the cache; the scores of keys past `longest`
  * (stale or never written) are not stored. `top` (NULL: none): each query's largest stored score (NaNs skipped, as
  * `largest` skips them), taken from the registers as they are stored, so softmax need not read the scores for it.
- * A head of 64 keeps its queries in tiles and the next block's products in flight (tiles 5 and 7, then 6 and 0)
- * while the registers store a block's scores. */
+ * A head of 64 keeps its queries in tiles and the next block's products in flight while the registers store a
+ * block's scores (blocks summed in tiles 6 and 0, 5 and 7, in turn). */
 ATTENTION_TILES_TARGET static void tile_scores(const uint16_t *const *q, int queries, const uint16_t *keys, int64_t d,
                                                int64_t capacity, int64_t first, int64_t longest,
                                                const int64_t *from, const int64_t *seen, float scale,
