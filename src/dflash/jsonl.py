@@ -1,12 +1,19 @@
-"""Reading user-given JSONL files with errors that name the file and line."""
+"""Reading user-given JSONL files with errors that name the file and line, and the prompts in their rows."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from .errors import UserError
+
+# Layouts a row's prompt may come in, in the order they are tried (named in errors and --help)
+PROMPT_LAYOUTS = ("'turns' (a list of strings)", "'messages' (OpenAI chat)", "'conversations' (ShareGPT)",
+                  "'prompt'", "'instruction' (with 'input', Alpaca)", "'question'", "'problem'", "'query'")
+USER_ROLES = ("user", "human")
+SYSTEM_ROLES = ("system", "developer")
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
@@ -20,3 +27,61 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{line_no} is not valid JSON ({exc.msg})") from exc
             yield line_no, row
+
+
+@dataclass
+class PromptRow:
+    turns: list[str]  # the user's messages in order; the model answers each itself before the next
+    system: str | None = None  # a system message to open the conversation with, where the row has one
+
+
+def prompt_of(row) -> PromptRow | None:
+    """A row's prompt in whichever common layout it has (PROMPT_LAYOUTS, first match wins), or None. In a chat
+    (`messages`, `conversations`) the user's turns are kept and the assistant's dropped: a benchmark has the method
+    answer each turn itself, and regeneration asks the target for the answers."""
+    if not isinstance(row, dict):
+        return None
+    turns = row.get("turns")
+    if isinstance(turns, list) and turns and all(_text(t) for t in turns):
+        return PromptRow(list(turns))
+    for key in ("messages", "conversations", "prompt"):  # 'prompt' may hold a chat too
+        if isinstance(row.get(key), list):
+            return _chat(row[key])
+    if _text(row.get("prompt")):
+        return PromptRow([row["prompt"]])
+    if _text(row.get("instruction")):
+        extra = row.get("input")
+        return PromptRow([row["instruction"] + (f"\n\n{extra}" if _text(extra) else "")])
+    text = next((row[key] for key in ("question", "problem", "query") if _text(row.get(key))), None)
+    return PromptRow([text]) if text is not None else None
+
+
+def layouts_hint() -> str:
+    return "a prompt in one of the fields " + ", ".join(PROMPT_LAYOUTS)
+
+
+def _chat(messages: list) -> PromptRow | None:
+    """The user turns and first system message of an OpenAI (`role`/`content`) or ShareGPT (`from`/`value`) chat;
+    None when it has no user turn or a message is not one of these."""
+    turns, system = [], None
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        role = message.get("role", message.get("from"))
+        text = _content(message.get("content", message.get("value")))
+        if role in USER_ROLES and text:
+            turns.append(text)
+        elif role in SYSTEM_ROLES and text and system is None and not turns:
+            system = text
+    return PromptRow(turns, system) if turns else None
+
+
+def _content(content) -> str | None:
+    """A message's text: a string, or OpenAI's list of parts, of which the text parts joined"""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if _text(content) else None
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())

@@ -1,0 +1,46 @@
+"""Prompts from user JSONL rows in the layouts people keep them in (jsonl.prompt_of), as bench and data read them."""
+
+import pytest
+
+from dflash.jsonl import PromptRow, prompt_of
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"prompt": "p"}, PromptRow(["p"])),
+    ({"turns": ["a", "b"], "prompt": "a"}, PromptRow(["a", "b"])),  # MT-Bench: the turns win
+    ({"turns": ["a", " "], "prompt": "a"}, PromptRow(["a"])),  # an empty turn: not a list of turns
+    ({"question": "q"}, PromptRow(["q"])),
+    ({"problem": "m", "solution": "s"}, PromptRow(["m"])),
+    ({"query": "q"}, PromptRow(["q"])),
+    ({"instruction": "Translate.", "input": "Good morning"}, PromptRow(["Translate.\n\nGood morning"])),
+    ({"instruction": "Translate.", "input": ""}, PromptRow(["Translate."])),
+    ({"prompt": "wins", "question": "loses", "instruction": "loses"}, PromptRow(["wins"])),
+    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "u1"},
+                   {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]},
+     PromptRow(["u1", "u2"], "Be brief.")),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "image_url"},
+                                                {"type": "text", "text": "here"}]}]}, PromptRow(["look here"])),
+    ({"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"},
+                   {"role": "system", "content": "late"}]}, PromptRow(["u"], "d")),
+    ({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "h1"},
+                        {"from": "gpt", "value": "g1"}, {"from": "human", "value": "h2"}]},
+     PromptRow(["h1", "h2"], "s")),
+    ({"prompt": [{"role": "user", "content": "chat in prompt"}]}, PromptRow(["chat in prompt"])),
+])
+def test_each_layout_gives_its_user_turns_and_system_message(row, expected):
+    assert prompt_of(row) == expected
+
+
+@pytest.mark.parametrize("row", [
+    {"text": "raw text is not a prompt"},
+    {"prompt": "   "},
+    {"messages": [{"role": "assistant", "content": "only the model speaks"}]},
+    {"messages": [{"role": "system", "content": "s"}]},
+    {"messages": ["not a message"]},
+    {"messages": []},
+    {"conversations": [{"from": "gpt", "value": "g"}]},
+    ["a", "list"],
+    "a string",
+])
+def test_rows_without_a_user_prompt_have_none(row):
+    assert prompt_of(row) is None
