@@ -1,8 +1,8 @@
-"""The `dflash` command: generate, data, train, bench, serve, fetch.
+"""The `dflash` command: generate, chat, data, train, bench, serve, fetch.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int` (generate.py,
-data.py, trainer.py, bench.py, serving/app.py, hub.py); this file wires them up. The argument groups they share are
-in options.py, so the same thing has the same flag everywhere.
+chat.py, data.py, trainer.py, bench.py, serving/app.py, hub.py); this file wires them up. The argument groups they
+share are in options.py, so the same thing has the same flag everywhere.
 
 User mistakes (UserError) print one line and exit with code 2, never a traceback.
 """
@@ -19,6 +19,7 @@ from .errors import UserError
 
 SUBCOMMANDS = {
     "generate": ("dflash.generate", "speculative generation of one prompt"),
+    "chat": ("dflash.chat", "a conversation in the terminal, each reply printed as it is generated"),
     "data": ("dflash.data", "build a prompt mix and regenerate responses with the target"),
     "train": ("dflash.trainer", "train a DFlash (or EAGLE-3) drafter"),
     "bench": ("dflash.bench", "benchmark methods side by side (tau, speedup, tokens/s)"),

@@ -33,8 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .engine import GenerationConfig, SpeculativeDecoder
-    from .loading import build_proposer, settle_heap, target_from_args
-    from .sampling import SamplingConfig
+    from .loading import settle_heap
 
     if args.prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
@@ -42,19 +41,12 @@ def run(args) -> int:
         args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise UserError("the prompt is empty")
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
-                              args.frequency_penalty, args.repetition_penalty)
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs goes with --json")
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs,
-                              ignore_eos=args.ignore_eos)
-    config.validate()
-    check_drafter_folders(args.drafter, [args.method])
-    options = method_options(args, args.method)
-    target = target_from_args(args, release_plain=True)
-    proposer, note = build_proposer(args.method, target, options)
-    if note:
-        print(f"[dflash] {note}", file=sys.stderr)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
+                              logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    target, proposer = load_method(args, config)
+    sampling = config.sampling
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
@@ -88,13 +80,7 @@ def run(args) -> int:
         return 0
     if streaming is None:
         print(result.text)
-    table = f"{stats.table_rounds} from the continuation table" if stats.table_rounds else ""
-    lookup = (f" ({stats.lookup_rounds} by prompt lookup{', ' + table if table else ''})" if stats.lookup_rounds
-              else f" ({table})" if table else "")
-    line = (
-        f"[{args.method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}, "
-        f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms"
-    )
+    line = figures_line(args.method, stats)
     if ar_result is not None:
         same = "identical" if ar_result.tokens == result.tokens else "DIFFERENT"
         line += (f" | ar {ar_result.stats.tokens_per_s:.1f} tok/s -> speedup "
@@ -105,6 +91,37 @@ def run(args) -> int:
 
 
 COMPARE_RUNS = 3
+
+
+def sampling_from_args(args):
+    from .sampling import SamplingConfig
+
+    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
+                          args.frequency_penalty, args.repetition_penalty)
+
+
+def load_method(args, config):
+    """(target, proposer) for --target and --method, after the config and drafter folders are checked: a mistake
+    is said before the target takes seconds to load."""
+    from .loading import build_proposer, target_from_args
+
+    config.validate()
+    check_drafter_folders(args.drafter, [args.method])
+    options = method_options(args, args.method)
+    target = target_from_args(args, release_plain=True)
+    proposer, note = build_proposer(args.method, target, options)
+    if note:
+        print(f"[dflash] {note}", file=sys.stderr)
+    return target, proposer
+
+
+def figures_line(method: str, stats) -> str:
+    """One generation's acceptance and speed, as generate and chat print them after the text."""
+    table = f"{stats.table_rounds} from the continuation table" if stats.table_rounds else ""
+    lookup = (f" ({stats.lookup_rounds} by prompt lookup{', ' + table if table else ''})" if stats.lookup_rounds
+              else f" ({table})" if table else "")
+    return (f"[{method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}, "
+            f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms")
 
 
 # Enough rounds for the thread chooser's first probe and its confirmation (threads.py), so that beside a busy core

@@ -1,0 +1,101 @@
+"""`dflash chat`: turns from standard input, each reply the target's own greedy answer to the whole conversation,
+old exchanges dropped to fit, Ctrl-C stopping a reply cleanly."""
+
+import io
+import os
+import signal
+
+import pytest
+
+from dflash.chat import Conversation, StopOnInterrupt
+from dflash.cli import main
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.testing import tiny_target
+
+
+def chat(capsys, monkeypatch, lines, *argv):
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    code = main(["chat", "--target", "tiny-qwen2", "--max-new-tokens", "10", "--quiet", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def ar_replies(turns, system=None, max_new=10):
+    """Plain greedy decoding of each turn after the conversation so far (its own earlier replies), /reset honoured"""
+    target = tiny_target("qwen2", logit_scale=4.0)  # the CLI's tiny-qwen2: its replies follow its context
+    decoder, replies = SpeculativeDecoder(target), []
+    opening = [{"role": "system", "content": system}] if system else []
+    messages = list(opening)
+    for turn in turns:
+        if turn == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": turn})
+        reply = decoder.generate(target.encode_messages(messages), GenerationConfig(max_new_tokens=max_new)).text
+        messages.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    return replies
+
+
+@pytest.mark.parametrize("method", ["ngram", "dflash+ngram"])
+def test_each_reply_is_the_targets_own_answer_to_the_conversation(capsys, monkeypatch, method):
+    turns = ["w1 w2 w3", "w4 w5", "/reset", "w4 w5"]
+    code, out, err = chat(capsys, monkeypatch, turns, "--method", method, "--system", "w9 w8")
+    replies = ar_replies(turns, "w9 w8")
+    assert code == 0 and out == "".join(reply + "\n" for reply in replies)
+    assert replies[1] != replies[2]  # the same words after the first exchange and after /reset: its context told
+
+
+def test_blank_lines_are_skipped_and_exit_ends_the_chat(capsys, monkeypatch):
+    code, out, _ = chat(capsys, monkeypatch, ["", "w1 w2", "/exit", "w3"], "--method", "ngram")
+    assert code == 0 and out == ar_replies(["w1 w2"])[0] + "\n"
+
+
+def test_the_oldest_exchanges_go_first_when_the_conversation_outgrows_the_room():
+    target = tiny_target("llama")
+    conversation = Conversation("w9", [("w1 " * 20, "w2 " * 20), ("w3", "w4"), ("w5", "w6")])
+    whole = len(target.encode_messages(conversation.messages("w7")))
+    ids, dropped = conversation.fit(target.encode_messages, "w7", whole - 1)
+    assert dropped == 1 and conversation.exchanges == [("w3", "w4"), ("w5", "w6")]
+    assert ids == target.encode_messages(conversation.messages("w7")) and len(ids) < whole
+    ids, dropped = conversation.fit(target.encode_messages, "w7", len(ids))
+    assert dropped == 0 and len(conversation.exchanges) == 2
+    with pytest.raises(UserError, match="no room"):
+        conversation.fit(target.encode_messages, "w7 " * 50, 10)
+    assert conversation.system == "w9" and conversation.exchanges == []
+
+
+def test_a_message_too_long_for_the_context_is_said_and_the_chat_goes_on(capsys, monkeypatch):
+    code, out, err = chat(capsys, monkeypatch, ["w1 " * 5000, "w1 w2"], "--method", "ngram")
+    assert code == 0 and "no room for a reply" in err and "Traceback" not in err
+    assert out == ar_replies(["w1 w2"])[0] + "\n"
+
+
+def test_ctrl_c_during_a_reply_asks_it_to_stop_instead_of_raising():
+    before = signal.getsignal(signal.SIGINT)
+    with StopOnInterrupt() as stop:
+        assert not stop.asked
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the engine
+        assert stop.asked
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_stopped_reply_is_cut_cleanly_and_kept_in_the_conversation(capsys, monkeypatch):
+    """SIGINT after the first committed tokens: the reply ends there ('cancelled'), a prefix of the whole one"""
+    from dflash import chat as chat_module
+
+    real = chat_module.LiveText
+
+    class InterruptingText(real):
+        def __call__(self, new_ids):
+            super().__call__(new_ids)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(chat_module, "LiveText", InterruptingText)
+    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2 w3\n"))
+    assert main(["chat", "--target", "tiny-qwen2", "--method", "ngram", "--max-new-tokens", "30"]) == 0
+    out, err = capsys.readouterr()
+    assert "(stopped)" in err
+    whole = ar_replies(["w1 w2 w3"], max_new=30)[0]
+    assert whole.startswith(out.rstrip("\n")) and len(out.rstrip("\n")) < len(whole)
