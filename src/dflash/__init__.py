@@ -2,6 +2,7 @@
 
 from .engine import GenerationConfig, GenerationResult, SpeculativeDecoder
 from .errors import UserError
+from .llm import LLM
 from .methods.base import Draft, MethodOptions, Proposer
 from .methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from .methods.dflash.proposer import DFlashProposer
@@ -10,7 +11,7 @@ from .models.target import TargetModel, load_target
 from .sampling import SamplingConfig
 
 __all__ = [
-    "DFlashConfig", "DFlashDrafter", "DFlashProposer", "Draft", "GenerationConfig", "GenerationResult",
+    "DFlashConfig", "DFlashDrafter", "DFlashProposer", "Draft", "GenerationConfig", "GenerationResult", "LLM",
     "MethodOptions", "NgramProposer", "Proposer", "SamplingConfig", "SpeculativeDecoder", "TargetModel", "UserError",
     "load_target",
 ]

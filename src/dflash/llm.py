@@ -1,0 +1,70 @@
+"""The shortest way in from Python: a target and a method loaded once, then `generate` for one prompt or many (run
+as one continuous batch) and `chat` for a list of messages, as vLLM's `LLM` reads.
+
+    from dflash import LLM
+    llm = LLM("smollm2-135m")                      # the shipped drafter with prompt lookup, greedy by default
+    print(llm.generate("What is 17 * 23?").text)
+    for result in llm.generate(["Hi!", "Name a color."], max_new_tokens=32):
+        print(result.text, result.stats.tau)
+
+Every result is the target's own output (greedy: token-identical to plain decoding; sampled: the target's
+distribution), with the acceptance and speed figures in `result.stats`."""
+
+from __future__ import annotations
+
+from .engine import Engine, GenerationConfig, GenerationResult
+from .methods.base import MethodOptions
+from .sampling import SamplingConfig
+
+
+class LLM:
+    """`target`: a registry name, a Hugging Face folder, a .gguf file or a hub id; `method`: ar, ngram, dflash,
+    eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the target);
+    `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
+    keys and values for prompts that start alike (a chat's next turn)."""
+
+    def __init__(self, target: str = "smollm2-135m", method: str = "dflash+ngram", *, dtype: str = "float32",
+                 device: str | None = None, drafter: str | None = None, block_size: int | None = None,
+                 adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256):
+        import torch
+
+        from .loading import build_proposer, load_target_cached, settle_heap
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        options = MethodOptions(drafter=drafter, block_size=block_size)
+        self.target = load_target_cached(target, dtype, device, release_plain=True)
+        self.proposer, self.note = build_proposer(method, self.target, options)  # note: an untrained drafter
+        self.method = method
+        self.engine = Engine(self.target, self.proposer, max_batch=max_batch, adaptive=adaptive,
+                             prefix_cache_bytes=int(prefix_cache_mb * 2**20))
+        settle_heap()
+
+    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
+                 chat: bool = True) -> GenerationResult | list[GenerationResult]:
+        """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
+        template (where the tokenizer has one); `stop`: strings that end a generation (not included)."""
+        many = not isinstance(prompts, str)
+        ids = [self.target.encode_prompt(p, chat=chat) for p in (prompts if many else [prompts])]
+        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        results = self._run(ids, config)
+        return results if many else results[0]
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = ()) -> GenerationResult:
+        """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout)."""
+        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        return self._run([self.target.encode_messages(messages)], config)[0]
+
+    def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop) -> GenerationConfig:
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop))
+        config.validate()
+        return config
+
+    def _run(self, prompt_ids: list[list[int]], config: GenerationConfig) -> list[GenerationResult]:
+        for ids in prompt_ids:
+            self.engine.budget(ids)  # a prompt too long for the context is refused before any runs
+        sequences = [self.engine.submit(ids, config) for ids in prompt_ids]
+        self.engine.run()
+        return [seq.result for seq in sequences]

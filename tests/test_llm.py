@@ -1,0 +1,55 @@
+"""dflash.LLM: one prompt or many through one loaded target and method, each result the target's own output."""
+
+import pytest
+
+from dflash import LLM, GenerationConfig, SpeculativeDecoder, UserError
+from dflash.testing import tiny_target
+
+
+def ar_tokens(prompts, max_new, chat=True):
+    target = tiny_target("qwen2", logit_scale=4.0)  # LLM("tiny-qwen2")'s target
+    decoder = SpeculativeDecoder(target)
+    return [decoder.generate(target.encode_prompt(p, chat=chat), GenerationConfig(max_new_tokens=max_new)).tokens
+            for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["ngram", "dflash+ngram"])
+def test_one_prompt_or_many_give_plain_greedy_decodings_in_order(method):
+    llm = LLM("tiny-qwen2", method, device="cpu", max_batch=2)
+    prompts = ["w1 w2 w3", "w4 w5", "w6 w1 w6 w1", "w9"]
+    expected = ar_tokens(prompts, 12)
+    one = llm.generate(prompts[0], max_new_tokens=12)
+    many = llm.generate(prompts, max_new_tokens=12)  # four prompts, two rows: continuous batching
+    assert one.tokens == expected[0] and [r.tokens for r in many] == expected
+    assert len({tuple(t) for t in expected}) > 1  # the prompts' answers differ: order is checked
+    assert [r.tokens for r in llm.generate(prompts, max_new_tokens=12, chat=False)] == ar_tokens(prompts, 12, False)
+
+
+def test_chat_answers_the_messages_as_the_template_lays_them_out():
+    llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    messages = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w1 w2"},
+                {"role": "assistant", "content": "w7"}, {"role": "user", "content": "w4"}]
+    target = tiny_target("qwen2", logit_scale=4.0)
+    expected = SpeculativeDecoder(target).generate(target.encode_messages(messages), GenerationConfig(max_new_tokens=9))
+    assert llm.chat(messages, max_new_tokens=9).tokens == expected.tokens
+
+
+def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
+    llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    first, again = (llm.generate("w1 w2", max_new_tokens=16, temperature=1.0, seed=5) for _ in range(2))
+    assert first.tokens == again.tokens
+    whole = llm.generate("w1 w2", max_new_tokens=16).text
+    word = whole.split()[2]
+    cut = llm.generate("w1 w2", max_new_tokens=16, stop=(word,))
+    assert cut.text == whole[:whole.index(word)] and cut.finish_reason == "stop"
+
+
+def test_bad_requests_are_user_errors_before_anything_runs():
+    llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    with pytest.raises(UserError, match="max_new_tokens"):
+        llm.generate("w1", max_new_tokens=0)
+    with pytest.raises(UserError, match="does not fit"):
+        llm.generate(["w1", "w1 " * 5000])
+    assert not llm.engine.busy  # the short prompt was not left queued
+    with pytest.raises(UserError):
+        LLM("tiny-nothing")
