@@ -109,9 +109,36 @@ def _build(compiler: str) -> Path:
     return target
 
 
+_I, _L, _P, _F, _D = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+# The library's entry points and their argument types (each returns an int). Those in _OPTIONAL are absent from
+# builds of older sources, which load too (A/B runs against an old commit's kernels).
+_SIGNATURES = {
+    "dflash_linear_f32": [_P] * 4 + [_L] * 3 + [_I],
+    "dflash_linear_bf16": [_P] * 4 + [_L] * 3 + [_I] * 3,
+    "dflash_bf16_pairs": [], "dflash_int8_vnni": [], "dflash_int8_pairs": [], "dflash_amx": [],
+    "dflash_screen_tiles": [], "dflash_f32_kernel": [],
+    "dflash_set_amx": [_I], "dflash_set_screen_tiles": [_I], "dflash_set_f32_kernel": [_I],
+    "dflash_set_narrow_passes": [_I] * 2, "dflash_set_attention_pairs": [_I],
+    "dflash_set_scores_two": [_I], "dflash_set_values_in_registers": [_I], "dflash_set_attention_tiles": [_I],
+    "dflash_set_wide_exponentials": [_I],
+    "dflash_gate_pairs": [_P, _L, _L, _I, _I, _P],
+    "dflash_int8_quad_logits": [_P] * 3 + [_L] * 3 + [_I] + [_P] * 2 + [_I],
+    "dflash_greedy_screened": ([_P, _I] + [_P] * 2 + [_I] + [_P] + [_D] * 2 + [_P] + [_L] * 3 + [_I] + [_P] * 2),
+    "dflash_greedy_screened_normed": ([_P, _I] + [_P] * 2 + [_I] + [_P] + [_D] * 2 + [_P] * 2 + [_F] + [_I] * 2
+                                      + [_L] * 3 + [_I] + [_P] * 2),
+    "dflash_layer": ([_P] * 2 + [_L] * 2 + [_P] * 5 + [_L] + [_I] * 2 + [_P] * 2 + [_F] + [_P] * 4 + [_F]
+                     + [_P] * 4 + [_L] * 5 + [_F] + [_I] * 2 + [_L] + [_P] * 2 + [_L, _I] + [_P] * 2 + [_L]),
+    "dflash_stack": ([_P] * 3 + [_L] * 2 + [_P] * 5 + [_L] * 2 + [_I, _L] + [_P] * 2 + [_L, _P]),
+    "dflash_drafter_stack": ([_P] * 3 + [_L] * 2 + [_P] * 3 + [_L] + [_P] * 4 + [_L] * 2 + [_I, _L, _P]),
+    "dflash_rms_norm": [_P] * 3 + [_L] * 2 + [_F] + [_I] * 2,
+}
+_OPTIONAL = {"dflash_set_scores_two", "dflash_set_values_in_registers", "dflash_set_attention_tiles",
+             "dflash_set_wide_exponentials", "dflash_gate_pairs"}
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on the first call; None where it cannot be (see `why_not`)."""
-    global _library, _tried, why_not, _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _attention_tiles
+    global _library, _tried, why_not
     if _tried:
         return _library
     _tried = True
@@ -126,96 +153,45 @@ def library() -> ctypes.CDLL | None:
     else:
         try:
             lib = ctypes.CDLL(str(_build(compiler)))
-            for name in ("dflash_linear_f32", "dflash_linear_bf16"):
-                fn = getattr(lib, name)
-                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * (
-                    3 if name.endswith("bf16") else 1)
-                fn.restype = ctypes.c_int
-            lib.dflash_bf16_pairs.argtypes, lib.dflash_bf16_pairs.restype = [], ctypes.c_int
-            lib.dflash_int8_vnni.argtypes, lib.dflash_int8_vnni.restype = [], ctypes.c_int
-            lib.dflash_int8_pairs.argtypes, lib.dflash_int8_pairs.restype = [], ctypes.c_int
-            lib.dflash_amx.argtypes, lib.dflash_amx.restype = [], ctypes.c_int
-            lib.dflash_set_amx.argtypes, lib.dflash_set_amx.restype = [ctypes.c_int], ctypes.c_int
-            lib.dflash_screen_tiles.argtypes, lib.dflash_screen_tiles.restype = [], ctypes.c_int
-            lib.dflash_set_screen_tiles.argtypes = [ctypes.c_int]
-            lib.dflash_set_screen_tiles.restype = ctypes.c_int
-            lib.dflash_f32_kernel.argtypes, lib.dflash_f32_kernel.restype = [], ctypes.c_int
-            lib.dflash_set_f32_kernel.argtypes, lib.dflash_set_f32_kernel.restype = [ctypes.c_int], ctypes.c_int
-            lib.dflash_set_narrow_passes.argtypes = [ctypes.c_int] * 2
-            lib.dflash_set_narrow_passes.restype = ctypes.c_int
-            lib.dflash_set_attention_pairs.argtypes = [ctypes.c_int]
-            lib.dflash_set_attention_pairs.restype = ctypes.c_int
-            if hasattr(lib, "dflash_set_scores_two"):  # builds of older sources load too (A/B runs)
-                lib.dflash_set_scores_two.argtypes, lib.dflash_set_scores_two.restype = [ctypes.c_int], ctypes.c_int
-            if hasattr(lib, "dflash_set_values_in_registers"):  # builds of older sources load too (A/B runs)
-                lib.dflash_set_values_in_registers.argtypes = [ctypes.c_int]
-                lib.dflash_set_values_in_registers.restype = ctypes.c_int
-            if hasattr(lib, "dflash_set_attention_tiles"):  # builds of older sources load too (A/B runs)
-                lib.dflash_set_attention_tiles.argtypes = [ctypes.c_int]
-                lib.dflash_set_attention_tiles.restype = ctypes.c_int
-                _attention_tiles = os.environ.get("DFLASH_ATTENTION_TILES", "1") != "0"
-                lib.dflash_set_attention_tiles(int(_attention_tiles))
-            integer_logits = lib.dflash_int8_quad_logits
-            integer_logits.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-                                       + [ctypes.c_void_p] * 2 + [ctypes.c_int])
-            integer_logits.restype = ctypes.c_int
-            screened = lib.dflash_greedy_screened
-            screened.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-                                 + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
-                                 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
-            screened.restype = ctypes.c_int
-            normed = lib.dflash_greedy_screened_normed
-            normed.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
-                               + [ctypes.c_void_p] + [ctypes.c_double] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
-                               + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2)
-            normed.restype = ctypes.c_int
-            layer = lib.dflash_layer
-            layer.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
-                              + [ctypes.c_int64] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_float]
-                              + [ctypes.c_void_p] * 4 + [ctypes.c_float] + [ctypes.c_void_p] * 4
-                              + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_int64]
-                              + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int] + [ctypes.c_void_p] * 2
-                              + [ctypes.c_int64])
-            layer.restype = ctypes.c_int
-            stack = lib.dflash_stack
-            stack.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 5
-                              + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 2
-                              + [ctypes.c_int64, ctypes.c_void_p])
-            stack.restype = ctypes.c_int
-            drafter = lib.dflash_drafter_stack
-            drafter.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
-                                + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
-                                + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
-            drafter.restype = ctypes.c_int
-            if hasattr(lib, "dflash_set_wide_exponentials"):  # builds of older sources load too (A/B runs)
-                lib.dflash_set_wide_exponentials.argtypes = [ctypes.c_int]
-                lib.dflash_set_wide_exponentials.restype = ctypes.c_int
-            if hasattr(lib, "dflash_gate_pairs"):  # builds of older sources load too (A/B runs)
-                lib.dflash_gate_pairs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                                  ctypes.c_int, ctypes.c_void_p]
-                lib.dflash_gate_pairs.restype = ctypes.c_int
-            norm = lib.dflash_rms_norm
-            norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
-            norm.restype = ctypes.c_int
+            _declare(lib)
             _library = lib
-            _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
-            _int8_on = os.environ.get("DFLASH_INT8", "1") != "0"
-            _int8_pairs = bool(lib.dflash_int8_pairs()) and os.environ.get("DFLASH_INT8_PAIRS", "1") != "0"
-            _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
-            _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
-            if _pairs and lib.dflash_amx() and os.environ.get("DFLASH_AMX", "1") != "0":
-                set_amx(_amx_measures_faster())
-                set_screen_tiles(_amx and bool(lib.dflash_screen_tiles()))
-            if lib.dflash_f32_kernel() >= 1 and os.environ.get("DFLASH_F32_ZMM", "1") != "0":
-                set_f32_kernel("avx512-zmm" if _zmm_measures_faster() else "avx512")
+            _choose_settings(lib)
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:  # AttributeError: a symbol is missing
-            why_not = f"build failed: {exc}"
+            _library, why_not = None, f"build failed: {exc}"
     if _library is None and why_not.startswith(("build failed", "no C compiler")):
         # a CPU our kernels would have run on: say so once, or a run is several times slower without a word
         print(f"[dflash] our CPU kernels are not running here ({why_not}): torch's kernels run instead, several "
               "times slower on a CPU (set CC to a C compiler with OpenMP, or DFLASH_NATIVE=0 to silence this)",
               file=sys.stderr)
     return _library
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Argument and result types of every entry point (_SIGNATURES); AttributeError where one is missing"""
+    for name, argtypes in _SIGNATURES.items():
+        if name in _OPTIONAL and not hasattr(lib, name):
+            continue
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+
+
+def _choose_settings(lib: ctypes.CDLL) -> None:
+    """What this CPU and build can do, less what the environment turns off; AMX and 512-bit float32 kernels only
+    where they measure faster here."""
+    global _pairs, _int8_vnni, _screen_wide, _int8_on, _int8_pairs, _attention_tiles
+    if hasattr(lib, "dflash_set_attention_tiles"):
+        _attention_tiles = os.environ.get("DFLASH_ATTENTION_TILES", "1") != "0"
+        lib.dflash_set_attention_tiles(int(_attention_tiles))
+    _pairs = bool(lib.dflash_bf16_pairs()) and os.environ.get("DFLASH_BF16_PAIRS", "1") != "0"
+    _int8_on = os.environ.get("DFLASH_INT8", "1") != "0"
+    _int8_pairs = bool(lib.dflash_int8_pairs()) and os.environ.get("DFLASH_INT8_PAIRS", "1") != "0"
+    _int8_vnni = bool(lib.dflash_int8_vnni()) and os.environ.get("DFLASH_INT8_VNNI", "1") != "0"
+    _screen_wide = _int8_vnni and os.environ.get("DFLASH_SCREEN_WIDE", "1") != "0"
+    if _pairs and lib.dflash_amx() and os.environ.get("DFLASH_AMX", "1") != "0":
+        set_amx(_amx_measures_faster())
+        set_screen_tiles(_amx and bool(lib.dflash_screen_tiles()))
+    if lib.dflash_f32_kernel() >= 1 and os.environ.get("DFLASH_F32_ZMM", "1") != "0":
+        set_f32_kernel("avx512-zmm" if _zmm_measures_faster() else "avx512")
 
 
 def build_id() -> str:
