@@ -125,6 +125,26 @@ def test_two_turn_records(tmp_path):
     assert sorted((r["id"], r["turn"]) for r in rows if r["method"] == "ngram") == [("81", 0), ("81", 1), ("82", 0)]
 
 
+def test_hf_lookup_is_transformers_prompt_lookup_beside_plain_generate(tmp_path, monkeypatch):
+    """hf-lookup drafts through transformers' own PromptLookupCandidateGenerator (hf never does) and, greedy,
+    gives ar's tokens"""
+    from transformers.generation import candidate_generator
+
+    lookups = []
+    real = candidate_generator.PromptLookupCandidateGenerator.get_candidates
+    monkeypatch.setattr(candidate_generator.PromptLookupCandidateGenerator, "get_candidates",
+                        lambda self, *a, **k: lookups.append(1) or real(self, *a, **k))
+    data = write_jsonl(tmp_path / "set.jsonl", [{"prompt": "w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"}])
+    code, out = bench(tmp_path, data, "hf")
+    assert code == 0 and not lookups
+    code, out = bench(tmp_path, data, "hf,hf-lookup", name="lookup")
+    assert code == 0 and lookups
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["ar", "hf", "hf-lookup"] and "speedup" in results["methods"]["hf-lookup"]
+    rows = [json.loads(line) for line in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"ar", "hf", "hf-lookup"} and all(r["same_as_ar"] for r in rows)
+
+
 def test_a_chat_row_runs_its_user_turns_after_its_system_message(tmp_path):
     """An OpenAI `messages` row: the system message opens every turn's conversation, the row's own assistant
     answers are dropped, and each later turn follows the method's own answer."""

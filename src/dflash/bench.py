@@ -5,7 +5,8 @@
 All methods run in one process, interleaved per prompt (the order rotates from prompt to prompt so no method always
 runs on a cache warmed by another), after one short warm-up generation each; a timed run during which CUDA graphs
 were captured (or compiled) is run again and its repeat kept (`run_on_replays`). `hf` is the target's own
-`model.generate` (greedy or sampled), timed the same way, to show that our `ar` path is not a slow strawman.
+`model.generate` (greedy or sampled), timed the same way, to show that our `ar` path is not a slow strawman;
+`hf-lookup` the same with transformers' own prompt lookup decoding, the speculation a transformers user has for free.
 
 Aggregates (DFLASH_SPEC.md section 7), pooled over all generations rather than averaged per prompt:
     tau            = tokens emitted over all verify rounds / number of rounds (bonus included)
@@ -39,8 +40,8 @@ from typing import Callable
 import torch
 
 from .bench_report import write_outputs
-from .bench_runners import (BASELINES, HF_METHOD, LLAMACPP_METHOD, BaselineCrashed, EngineRunner, HFRunner,
-                            LlamaCppRunner, Run)
+from .bench_runners import (BASELINES, HF_LOOKUP_METHOD, HF_LOOKUP_TOKENS, HF_METHODS, LLAMACPP_METHOD,
+                            BaselineCrashed, EngineRunner, HFRunner, LlamaCppRunner, Run)
 from .errors import UserError
 from .jsonl import iter_jsonl, layouts_hint, prompt_of
 from .options import (add_method_arguments, add_target_arguments, check_drafter_folders, kill_stops_like_ctrl_c,
@@ -178,8 +179,8 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         raise UserError("--continuations applies to prompt lookup: add ngram or NAME+ngram to --methods")
     runners = {}
     for method, spec in specs.items():
-        if spec.name == HF_METHOD:
-            runners[method] = HFRunner(target, sampling)
+        if spec.name in HF_METHODS:
+            runners[method] = HFRunner(target, sampling, HF_LOOKUP_TOKENS if spec.name == HF_LOOKUP_METHOD else None)
             continue
         if spec.name == LLAMACPP_METHOD:
             try:
@@ -370,7 +371,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "'question', 'problem' or 'query')")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--methods", default="ar,ngram,dflash,dflash+ngram",
-                   help="comma-separated: the engine's methods and hf (transformers' generate); NAME@B runs a "
+                   help="comma-separated: the engine's methods, hf (transformers' generate), hf-lookup (the same "
+                        "with its prompt lookup decoding) and llamacpp; NAME@B runs a "
                         "method at block size B, NAME@B:whole (or NAME:whole) verifies whole blocks instead of the "
                         "adaptive choice, NAME:treeN drafts a tree of N nodes a round (dflash; :treeN:whole verifies them "
                         "all), side by side "
@@ -412,7 +414,8 @@ def run(args) -> int:
     names = [parse_method(method).name for method in methods]
     check_drafter_folders(args.drafter, [name for name in names if name not in BASELINES])
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = target_from_args(args, release_plain="hf" not in methods)  # transformers' `generate` reads them
+    # transformers' `generate` reads the plain weights
+    target = target_from_args(args, release_plain=not any(m in HF_METHODS for m in methods))
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     runners = build_runners(methods, target, args, sampling)
     settle_heap()

@@ -18,8 +18,13 @@ import torch
 from .errors import UserError
 
 HF_METHOD = "hf"  # transformers' own generate, beside the engine's methods
+# transformers' generate with its own speculative decoding, prompt lookup (`prompt_lookup_num_tokens`): what a
+# transformers user gets for free, and the nearest thing to `ngram` there
+HF_LOOKUP_METHOD = "hf-lookup"
+HF_LOOKUP_TOKENS = 10  # drafts a round: transformers' documented example value
 LLAMACPP_METHOD = "llamacpp"  # llama.cpp (llama-cpp-python) on a GGUF file: the engine a CPU user would pick instead
-BASELINES = (HF_METHOD, LLAMACPP_METHOD)  # other engines: timed, but not ours to compare token by token
+BASELINES = (HF_METHOD, HF_LOOKUP_METHOD, LLAMACPP_METHOD)  # other engines: timed, not ours to compare token by token
+HF_METHODS = (HF_METHOD, HF_LOOKUP_METHOD)  # baselines that run transformers' forward (the plain weights)
 
 
 @dataclass
@@ -82,14 +87,16 @@ class _FirstTokenClock:
 
 
 class HFRunner:
-    """The target's own `model.generate`, same prompt ids, same stop ids, same length limit as ar."""
+    """The target's own `model.generate`, same prompt ids, same stop ids, same length limit as ar; with
+    `lookup_tokens`, transformers' prompt lookup decoding drafting that many tokens a round (hf-lookup)."""
 
-    method, block_size = "hf", 1
+    block_size = 1
 
-    def __init__(self, target, sampling):
+    def __init__(self, target, sampling, lookup_tokens: int | None = None):
         from transformers.generation.streamers import BaseStreamer
 
-        self.target, self.sampling = target, sampling
+        self.target, self.sampling, self.lookup_tokens = target, sampling, lookup_tokens
+        self.method = HF_LOOKUP_METHOD if lookup_tokens else HF_METHOD
         target.restore_plain_weights()  # transformers' forward reads the model's own parameters
         self.clock_type = type("FirstTokenClock", (_FirstTokenClock, BaseStreamer), {})
 
@@ -104,6 +111,7 @@ class HFRunner:
             gc.temperature, gc.top_k, gc.top_p = self.sampling.temperature, self.sampling.top_k, self.sampling.top_p
         else:  # unset sampling knobs so transformers does not warn that they are ignored
             gc.temperature = gc.top_k = gc.top_p = None
+        gc.prompt_lookup_num_tokens = self.lookup_tokens
         return gc
 
     def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
