@@ -330,3 +330,20 @@ def test_settle_heap_gives_freed_heap_back_to_the_system():
     settle_heap()
     libc.free(blocks[-1])
     assert held - resident_mb() > 64
+
+
+def test_env_says_what_runs_here_and_why_the_kernels_do_not(capsys, monkeypatch):
+    import torch
+
+    from dflash.models import native
+
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] == torch.__version__ and info["native_kernels"] == native.build_id()
+    assert info["cpu_count"] >= 1 and isinstance(info["cpu"]["isa"], list)
+    assert ("native_kernels_missing_because" in info) == (native.library() is None)
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "why_not", "no C compiler")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "native_kernels_missing_because  no C compiler" in out and "\ntorch " in out

@@ -1,8 +1,8 @@
-"""The `dflash` command: generate, chat, data, train, bench, serve, fetch.
+"""The `dflash` command: generate, chat, data, train, bench, serve, fetch, env.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int` (generate.py,
-chat.py, data.py, trainer.py, bench.py, serving/app.py, hub.py); this file wires them up. The argument groups they
-share are in options.py, so the same thing has the same flag everywhere.
+chat.py, data.py, trainer.py, bench.py, serving/app.py, hub.py, environment.py); this file wires them up. The
+argument groups they share are in options.py, so the same thing has the same flag everywhere.
 
 User mistakes (UserError) print one line and exit with code 2, never a traceback.
 """
@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "bench": ("dflash.bench", "benchmark methods side by side (tau, speedup, tokens/s)"),
     "serve": ("dflash.serving.app", "OpenAI-compatible HTTP server"),
     "fetch": ("dflash.hub", "download and convert registry target models into the cache"),
+    "env": ("dflash.environment", "what this machine and install give dflash (for bug reports)"),
 }
 
 
