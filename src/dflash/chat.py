@@ -102,7 +102,10 @@ def run(args) -> int:
         print("[dflash] chat: /reset starts again, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply", file=sys.stderr)
     conversation = Conversation(args.system)
     room = decoder.budget([]) - min(args.max_new_tokens, REPLY_ROOM)  # prompt tokens a turn may take at most
-    warm = False
+    # the thread chooser's first probes before a reply is timed, on a greeting of its own: warming up on the first
+    # turn would leave that turn's prompt in the prefix cache and its figures flattered
+    warm_up = target.encode_messages(Conversation(args.system).messages("Hello"))
+    decoder.generate(warm_up, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))
     while (user := read_turn(interactive)) is not None:
         if user in ("/exit", "/quit"):
             break
@@ -119,9 +122,6 @@ def run(args) -> int:
             continue
         if dropped:
             print(f"[dflash] the {dropped} oldest exchange(s) dropped to leave room for a reply", file=sys.stderr)
-        if not warm:  # the thread chooser's first probes, before a reply is timed
-            decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))
-            warm = True
         live = LiveText(target, config)
         with StopOnInterrupt() as stop:
             def show(new_ids: list[int]) -> bool:
