@@ -180,6 +180,20 @@ def test_a_chat_row_runs_its_user_turns_after_its_system_message(tmp_path):
     assert code == 0 and json.loads((out / "results.json").read_text())["num_generations"] == 2
 
 
+def test_without_out_each_run_gets_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "w1 w2"}])
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main(["bench", "--target", "tiny-llama", "--device", "cpu", "--dataset", str(data), "--methods", "ar",
+                     "--max-new-tokens", "4", "--no-progress"]) == 0
+    folders = sorted((tmp_path / "runs" / "bench").iterdir())
+    assert len(folders) == 2 and all(f.name.startswith("mine-") for f in folders)
+    for folder in folders:
+        results = json.loads((folder / "results.json").read_text())
+        assert results["command"].endswith(f"--out {folder.relative_to(tmp_path)}")
+    assert f"results: {folders[0].relative_to(tmp_path)}" in capsys.readouterr().out
+
+
 def test_limit_and_sampling(tmp_path):
     data = write_jsonl(tmp_path / "set.jsonl", [{"prompt": f"w{i} w{i + 1}"} for i in range(5, 12)])
     code, out = bench(tmp_path, data, "ngram", "--limit", "2", "--temperature", "0.8")

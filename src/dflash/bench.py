@@ -387,7 +387,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: runs/bench/DATASET-DATE-TIME, a new one each run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -410,7 +411,8 @@ def run(args) -> int:
     methods = parse_methods(args.methods)
     path, template = resolve_dataset(args.dataset, args.template)
     prompts = read_prompts(path, template, args.limit)
-    out_dir = Path(args.out)
+    out_dir = Path(args.out or default_out(args.dataset))
+    args.out = str(out_dir)  # the command line results.json records names it
     names = [parse_method(method).name for method in methods]
     check_drafter_folders(args.drafter, [name for name in names if name not in BASELINES])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -584,6 +586,17 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         # > 1 means our ar path is faster than transformers' generate
         results["ar_vs_hf_tokens_per_s"] = summaries["ar"]["tokens_per_s"] / max(1e-9, summaries["hf"]["tokens_per_s"])
     return results
+
+
+def default_out(dataset: str) -> Path:
+    """runs/bench/<dataset's name>-<local date and time>: a run never writes over an earlier one's results"""
+    name = Path(dataset).stem if dataset.endswith(".jsonl") else dataset
+    base = Path("runs") / "bench" / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():  # two runs in the same second
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def command_line(args) -> str:
