@@ -48,6 +48,8 @@ def test_bad_requests_are_user_errors_before_anything_runs():
     llm = LLM("tiny-qwen2", "ngram", device="cpu")
     with pytest.raises(UserError, match="max_new_tokens"):
         llm.generate("w1", max_new_tokens=0)
+    with pytest.raises(UserError, match="non-empty"):
+        llm.generate(["w1", "  "])
     with pytest.raises(UserError, match="does not fit"):
         llm.generate(["w1", "w1 " * 5000])
     assert not llm.engine.busy  # the short prompt was not left queued

@@ -13,6 +13,7 @@ distribution), with the acceptance and speed figures in `result.stats`."""
 from __future__ import annotations
 
 from .engine import Engine, GenerationConfig, GenerationResult
+from .errors import UserError
 from .methods.base import MethodOptions
 from .sampling import SamplingConfig
 
@@ -45,7 +46,10 @@ class LLM:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included)."""
         many = not isinstance(prompts, str)
-        ids = [self.target.encode_prompt(p, chat=chat) for p in (prompts if many else [prompts])]
+        texts = list(prompts) if many else [prompts]
+        if not all(isinstance(p, str) and p.strip() for p in texts):
+            raise UserError("every prompt must be a non-empty string")
+        ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop)
         results = self._run(ids, config)
         return results if many else results[0]
