@@ -44,3 +44,20 @@ def test_each_layout_gives_its_user_turns_and_system_message(row, expected):
 ])
 def test_rows_without_a_user_prompt_have_none(row):
     assert prompt_of(row) is None
+
+
+def test_a_row_as_the_conversation_to_answer_next():
+    from dflash.jsonl import conversation_of
+
+    chat = {"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "u1"},
+                         {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "t"},
+                         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]}
+    assert conversation_of(chat) == [{"role": "system", "content": "d"}, {"role": "user", "content": "u1"},
+                                     {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    assert conversation_of({"conversations": [{"from": "human", "value": "h"}, {"from": "gpt", "value": "g"}]}) == [
+        {"role": "user", "content": "h"}]
+    assert conversation_of({"question": "q"}) == [{"role": "user", "content": "q"}]
+    assert conversation_of({"turns": ["one"]}) == [{"role": "user", "content": "one"}]
+    assert conversation_of({"turns": ["one", "two"]}) is None  # the second follows an answer not yet given
+    assert conversation_of({"messages": [{"role": "assistant", "content": "a"}]}) is None
+    assert conversation_of({"text": "t"}) is None

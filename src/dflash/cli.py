@@ -1,8 +1,8 @@
-"""The `dflash` command: generate, chat, data, train, bench, serve, fetch, env.
+"""The `dflash` command: generate, batch, chat, data, train, bench, serve, fetch, env.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int` (generate.py,
-chat.py, data.py, trainer.py, bench.py, serving/app.py, hub.py, environment.py); this file wires them up. The
-argument groups they share are in options.py, so the same thing has the same flag everywhere.
+batch.py, chat.py, data.py, trainer.py, bench.py, serving/app.py, hub.py, environment.py); this file wires them
+up. The argument groups they share are in options.py, so the same thing has the same flag everywhere.
 
 User mistakes (UserError) print one line and exit with code 2, never a traceback.
 """
@@ -19,6 +19,7 @@ from .errors import UserError
 
 SUBCOMMANDS = {
     "generate": ("dflash.generate", "speculative generation of one prompt"),
+    "batch": ("dflash.batch", "many prompts from a JSONL file as one continuous batch, answers to a JSONL file"),
     "chat": ("dflash.chat", "a conversation in the terminal, each reply printed as it is generated"),
     "data": ("dflash.data", "build a prompt mix and regenerate responses with the target"),
     "train": ("dflash.trainer", "train a DFlash (or EAGLE-3) drafter"),

@@ -56,6 +56,30 @@ def prompt_of(row) -> PromptRow | None:
     return PromptRow([text]) if text is not None else None
 
 
+def conversation_of(row) -> list[dict] | None:
+    """A row as the conversation to answer next, in {"role", "content"} messages: a chat (`messages`,
+    `conversations`) up to its last user turn, earlier assistant turns included (a finished chat's last answer is
+    the one asked for again); any other layout its one prompt, after its system message. None for a row with no prompt, a chat without a user turn, or `turns` of several (each later turn
+    follows an answer not yet given: `dflash bench` runs those)."""
+    chat = next((row[key] for key in ("messages", "conversations", "prompt")
+                 if isinstance(row, dict) and isinstance(row.get(key), list)), None)
+    if chat is not None:
+        if prompt_of({"messages": chat}) is None:
+            return None
+        roles = {"human": "user", "gpt": "assistant", "developer": "system"}
+        messages = [{"role": roles.get(m.get("role", m.get("from")), m.get("role", m.get("from"))),
+                     "content": _content(m.get("content", m.get("value"))) or ""} for m in chat]
+        messages = [m for m in messages if m["role"] in ("system", "user", "assistant") and m["content"]]
+        while messages[-1]["role"] != "user":  # a finished chat: its last answer is the one to give again
+            messages.pop()
+        return messages
+    found = prompt_of(row)
+    if found is None or len(found.turns) > 1:
+        return None
+    opening = [{"role": "system", "content": found.system}] if found.system else []
+    return opening + [{"role": "user", "content": found.turns[0]}]
+
+
 def layouts_hint() -> str:
     return "a prompt in one of the fields " + ", ".join(PROMPT_LAYOUTS)
 

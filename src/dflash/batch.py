@@ -1,0 +1,133 @@
+"""`dflash batch IN.jsonl --output OUT.jsonl`: many prompts through one loaded target and method as one continuous
+batch, each answer appended to the output as it finishes, with its row's id. An interrupted run loses nothing but
+the answers under way, and the same command resumes it: rows whose id the output already holds are skipped.
+
+Rows come in any layout `dflash bench` reads; a chat (`messages`, `conversations`) is answered after its last user
+turn, its earlier assistant turns included (jsonl.conversation_of). Greedy answers are the target's own, token for token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import UserError
+from .generate import load_method, sampling_from_args
+from .jsonl import conversation_of, iter_jsonl, layouts_hint
+from .options import add_method_arguments, add_sampling_arguments, add_target_arguments, kill_stops_like_ctrl_c
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_target_arguments(p)
+    add_method_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line")
+    p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
+    p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
+    p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def read_requests(path: Path) -> list[tuple[str, list[dict]]]:
+    """(id, conversation) for every row; UserError naming the line for a row without a prompt or a repeated id"""
+    if not path.is_file():
+        raise UserError(f"input file not found: {path}")
+    requests, seen = [], set()
+    for line_no, row in iter_jsonl(path):
+        messages = conversation_of(row)
+        if messages is None:
+            raise UserError(f"{path}:{line_no} needs {layouts_hint()}; a chat needs a user turn, and `turns` one turn")
+        rid = str(row.get("id", line_no - 1))
+        if rid in seen:
+            raise UserError(f"{path}:{line_no} repeats the id {rid!r}: ids must be unique to resume a run")
+        seen.add(rid)
+        requests.append((rid, messages))
+    if not requests:
+        raise UserError(f"{path} holds no prompts")
+    return requests
+
+
+def answered_ids(output: Path) -> set[str]:
+    """The ids the output already holds; a last line cut short by a kill is cut off the file (its row is answered
+    again), so that what is appended starts on a line of its own"""
+    if not output.exists():
+        return set()
+    text = output.read_bytes()
+    if text and not text.endswith(b"\n"):
+        with output.open("r+b") as f:
+            f.truncate(text.rfind(b"\n") + 1)
+    done = set()
+    for line in output.read_text(encoding="utf-8").splitlines():
+        try:
+            done.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return done
+
+
+def encode(target, messages: list[dict], chat: bool) -> list[int]:
+    if chat:
+        return target.encode_messages(messages)
+    if len(messages) > 1:
+        raise UserError("--no-chat sends one prompt as it is: a chat or a system message needs the chat template")
+    return target.encode_prompt(messages[0]["content"], chat=False)
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from .engine import Engine, GenerationConfig
+    from .loading import settle_heap
+
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    requests, output = read_requests(Path(args.input)), Path(args.output)
+    done = answered_ids(output)
+    todo = [(rid, messages) for rid, messages in requests if rid not in done]
+    if done:
+        print(f"[dflash] {len(requests) - len(todo)} of {len(requests)} answers already in {output}; "
+              f"{len(todo)} to go", file=sys.stderr)
+    if not todo:
+        return 0
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args))
+    target, proposer = load_method(args, config)
+    engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
+    settle_heap()
+    ids = {rid: encode(target, messages, not args.no_chat) for rid, messages in todo}
+    for rid, prompt in ids.items():
+        try:
+            engine.budget(prompt)
+        except UserError as exc:
+            raise UserError(f"row {rid!r}: {exc}") from None
+    output.parent.mkdir(parents=True, exist_ok=True)
+    written, tokens, start = 0, 0, time.perf_counter()
+    with kill_stops_like_ctrl_c(), output.open("a", encoding="utf-8") as out, \
+            tqdm(total=len(todo), unit="prompt", disable=args.no_progress, file=sys.stderr) as bar:
+        owner = {id(engine.submit(prompt, config)): rid for rid, prompt in ids.items()}
+        try:
+            with target.weights_held():
+                while engine.busy:
+                    for seq in engine.step():
+                        result = seq.result
+                        out.write(json.dumps(answer_row(owner[id(seq)], result)) + "\n")
+                        out.flush()  # on disk as it finishes: a kill loses only the answers under way
+                        written, tokens = written + 1, tokens + len(result.tokens)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s")
+        except KeyboardInterrupt:
+            print(f"dflash batch: interrupted; {written} answers written to {output}, {len(todo) - written} to go: "
+                  "run the same command to continue", file=sys.stderr)
+            return 130
+    seconds = time.perf_counter() - start
+    print(f"[{args.method}] {written} answers, {tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} "
+          f"tok/s, up to {args.max_batch} at once); written to {output}", file=sys.stderr)
+    return 0
+
+
+def answer_row(rid: str, result) -> dict:
+    stats = result.stats
+    return {"id": rid, "text": result.text, "finish_reason": result.finish_reason,
+            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+            "tau": stats.tau if stats.num_rounds else None}
