@@ -42,8 +42,8 @@ class Conversation:
         return opening + done + [{"role": "user", "content": user}]
 
     def fit(self, encode, user: str, room: int) -> tuple[list[int], int]:
-        """The prompt ids of the next turn, the oldest exchanges dropped until `room` tokens fit after them
-        (returns how many were dropped); UserError if the system message and this turn alone leave no room."""
+        """The prompt ids of the next turn, at most `room` of them, the oldest exchanges dropped until they fit
+        (returns how many were dropped); UserError if the system message and this turn alone take more."""
         dropped = 0
         while True:
             ids = encode(self.messages(user))
