@@ -491,3 +491,14 @@ def test_metrics_are_prometheus_text(client, url):
         resident = int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) << 10
         assert resident / 2 <= samples["process_resident_memory_bytes"] <= 2 * resident  # the server runs in this process
     assert json.loads(json.dumps(samples))  # plain numbers only
+
+
+
+def test_a_developer_message_is_the_system_message():
+    """OpenAI's `developer` role opens the conversation as `system` does: chat templates know only that one
+    (SmolLM2's put its own default system message before a `developer` turn)"""
+    from dflash.serving.schemas import schemas
+
+    body = schemas().ChatRequest(model=MODEL, messages=[{"role": "developer", "content": [{"type": "text", "text": "d"}]},
+                                                        {"role": "user", "content": "u"}])
+    assert [m.as_dict() for m in body.messages] == [{"role": "system", "content": "d"}, {"role": "user", "content": "u"}]

@@ -39,7 +39,9 @@ def schemas() -> SimpleNamespace:
 
         def as_dict(self) -> dict:
             text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-            return {"role": self.role, "content": text}
+            # OpenAI's newer name for the system message; chat templates know only `system` (SmolLM2's rendered a
+            # `developer` turn after its own default system message)
+            return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
     class StreamOptions(BaseModel):
         include_usage: bool = False
