@@ -4,7 +4,6 @@ Every generated text is compared with SpeculativeDecoder run directly on the sam
 are computed while the server is idle: the target is not thread-safe, and the server's worker owns it otherwise.
 """
 
-import asyncio
 import json
 import re
 import time
@@ -18,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from dflash.engine import GenerationConfig, GenerationResult, GenerationStats, SpeculativeDecoder  # noqa: E402
+from dflash.engine import GenerationConfig, SpeculativeDecoder  # noqa: E402
 from dflash.methods.base import Proposer  # noqa: E402
 from dflash.methods.dflash.proposer import DFlashProposer, untrained_drafter  # noqa: E402
 from dflash.sampling import SamplingConfig  # noqa: E402
@@ -499,6 +498,7 @@ def test_a_developer_message_is_the_system_message():
     (SmolLM2's put its own default system message before a `developer` turn)"""
     from dflash.serving.schemas import schemas
 
-    body = schemas().ChatRequest(model=MODEL, messages=[{"role": "developer", "content": [{"type": "text", "text": "d"}]},
-                                                        {"role": "user", "content": "u"}])
-    assert [m.as_dict() for m in body.messages] == [{"role": "system", "content": "d"}, {"role": "user", "content": "u"}]
+    developer = {"role": "developer", "content": [{"type": "text", "text": "d"}]}
+    body = schemas().ChatRequest(model=MODEL, messages=[developer, {"role": "user", "content": "u"}])
+    assert [m.as_dict() for m in body.messages] == [{"role": "system", "content": "d"},
+                                                    {"role": "user", "content": "u"}]
