@@ -32,6 +32,11 @@ def test_chat_answers_the_messages_as_the_template_lays_them_out():
     target = tiny_target("qwen2", logit_scale=4.0)
     expected = SpeculativeDecoder(target).generate(target.encode_messages(messages), GenerationConfig(max_new_tokens=9))
     assert llm.chat(messages, max_new_tokens=9).tokens == expected.tokens
+    sent = []
+    encode = llm.target.encode_messages
+    llm.target.encode_messages = lambda ms: sent.append(ms) or encode(ms)
+    developer = [{"role": "developer", "content": "w3"}, *messages[1:]]
+    assert llm.chat(developer, max_new_tokens=9).tokens == expected.tokens and sent == [messages]
 
 
 def test_sampling_with_a_seed_repeats_and_stop_strings_cut():

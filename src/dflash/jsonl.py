@@ -12,8 +12,8 @@ from .errors import UserError
 # Layouts a row's prompt may come in, in the order they are tried (named in errors and --help)
 PROMPT_LAYOUTS = ("'turns' (a list of strings)", "'messages' (OpenAI chat)", "'conversations' (ShareGPT)",
                   "'prompt'", "'instruction' (with 'input', Alpaca)", "'question'", "'problem'", "'query'")
-USER_ROLES = ("user", "human")
-SYSTEM_ROLES = ("system", "developer")
+USER_ROLES = ("user", "human")  # ShareGPT's name and OpenAI's
+ROLE_NAMES = {"human": "user", "gpt": "assistant", "developer": "system"}  # other names -> OpenAI chat's
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
@@ -59,17 +59,16 @@ def prompt_of(row) -> PromptRow | None:
 def conversation_of(row) -> list[dict] | None:
     """A row as the conversation to answer next, in {"role", "content"} messages: a chat (`messages`,
     `conversations`) up to its last user turn, earlier assistant turns included (a finished chat's last answer is
-    the one asked for again); any other layout its one prompt, after its system message. None for a row with no prompt, a chat without a user turn, or `turns` of several (each later turn
-    follows an answer not yet given: `dflash bench` runs those)."""
+    the one asked for again); any other layout its one prompt, after its system message. None for a row with no
+    prompt, a chat without a user turn, or `turns` of several (each later turn follows an answer not yet given:
+    `dflash bench` runs those)."""
     chat = next((row[key] for key in ("messages", "conversations", "prompt")
                  if isinstance(row, dict) and isinstance(row.get(key), list)), None)
     if chat is not None:
-        if prompt_of({"messages": chat}) is None:
+        if _chat(chat) is None:
             return None
-        roles = {"human": "user", "gpt": "assistant", "developer": "system"}
-        messages = [{"role": roles.get(m.get("role", m.get("from")), m.get("role", m.get("from"))),
-                     "content": _content(m.get("content", m.get("value"))) or ""} for m in chat]
-        messages = [m for m in messages if m["role"] in ("system", "user", "assistant") and m["content"]]
+        messages = [{"role": role, "content": text} for role, text in map(_message, chat)
+                    if role in ("system", "user", "assistant") and text]
         while messages[-1]["role"] != "user":  # a finished chat: its last answer is the one to give again
             messages.pop()
         return messages
@@ -78,6 +77,13 @@ def conversation_of(row) -> list[dict] | None:
         return None
     opening = [{"role": "system", "content": found.system}] if found.system else []
     return opening + [{"role": "user", "content": found.turns[0]}]
+
+
+def openai_role(role):
+    """A message's role by its OpenAI chat name: ShareGPT's `human` and `gpt`, and OpenAI's newer `developer` for the
+    system message, which chat templates do not know (SmolLM2's rendered a `developer` turn after its own default
+    system message)"""
+    return ROLE_NAMES.get(role, role)
 
 
 def layouts_hint() -> str:
@@ -91,13 +97,19 @@ def _chat(messages: list) -> PromptRow | None:
     for message in messages:
         if not isinstance(message, dict):
             return None
-        role = message.get("role", message.get("from"))
-        text = _content(message.get("content", message.get("value")))
-        if role in USER_ROLES and text:
+        role, text = _message(message)
+        if role == "user" and text:
             turns.append(text)
-        elif role in SYSTEM_ROLES and text and system is None and not turns:
+        elif role == "system" and text and system is None and not turns:
             system = text
     return PromptRow(turns, system) if turns else None
+
+
+def _message(message) -> tuple[str | None, str | None]:
+    """(role by its OpenAI name, text) of an OpenAI (`role`/`content`) or ShareGPT (`from`/`value`) message"""
+    if not isinstance(message, dict):
+        return None, None
+    return openai_role(message.get("role", message.get("from"))), _content(message.get("content", message.get("value")))
 
 
 def _content(content) -> str | None:

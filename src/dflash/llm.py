@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
+from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .sampling import SamplingConfig
 
@@ -56,8 +57,10 @@ class LLM:
 
     def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = ()) -> GenerationResult:
-        """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout)."""
+        """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
+        the system message)."""
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
         return self._run([self.target.encode_messages(messages)], config)[0]
 
     def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop) -> GenerationConfig:

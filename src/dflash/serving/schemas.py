@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
+from ..jsonl import openai_role
 from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
 
 if TYPE_CHECKING:
@@ -39,9 +40,7 @@ def schemas() -> SimpleNamespace:
 
         def as_dict(self) -> dict:
             text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-            # OpenAI's newer name for the system message; chat templates know only `system` (SmolLM2's rendered a
-            # `developer` turn after its own default system message)
-            return {"role": "system" if self.role == "developer" else self.role, "content": text}
+            return {"role": openai_role(self.role), "content": text}  # `developer`: the system message
 
     class StreamOptions(BaseModel):
         include_usage: bool = False
