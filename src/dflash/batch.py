@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .errors import UserError
-from .generate import load_method, sampling_from_args
+from .generate import config_from_args, load_method
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
 from .options import add_method_arguments, add_sampling_arguments, add_target_arguments, kill_stops_like_ctrl_c
 
@@ -78,7 +78,7 @@ def encode(target, messages: list[dict], chat: bool) -> list[int]:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from .engine import Engine, GenerationConfig
+    from .engine import Engine
     from .loading import settle_heap
 
     if args.max_batch < 1:
@@ -91,7 +91,7 @@ def run(args) -> int:
               f"{len(todo)} to go", file=sys.stderr)
     if not todo:
         return 0
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args))
+    config = config_from_args(args)
     target, proposer = load_method(args, config)
     engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
     settle_heap()

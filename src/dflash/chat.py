@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .errors import UserError
-from .generate import WARM_UP_TOKENS, LiveText, figures_line, load_method, sampling_from_args
+from .generate import WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method
 from .options import add_method_arguments, add_sampling_arguments, add_target_arguments
 
 PREFIX_CACHE_MB = 256  # the turns before, kept for the next turn (prefixes.py evicts the least recently used)
@@ -91,7 +91,7 @@ def run(args) -> int:
     from .engine import GenerationConfig, SpeculativeDecoder
     from .loading import settle_heap
 
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args))
+    config = config_from_args(args)
     target, proposer = load_method(args, config)
     sampling = config.sampling
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks,
@@ -105,7 +105,8 @@ def run(args) -> int:
     # the thread chooser's first probes before a reply is timed, on a greeting of its own: warming up on the first
     # turn would leave that turn's prompt in the prefix cache and its figures flattered
     warm_up = target.encode_messages(Conversation(args.system).messages("Hello"))
-    decoder.generate(warm_up, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))
+    decoder.generate(warm_up, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling,
+                                               response_format=config.response_format))
     while (user := read_turn(interactive)) is not None:
         if user in ("/exit", "/quit"):
             break

@@ -30,6 +30,7 @@ from .methods.base import TABLE_LABEL, Draft, Proposer
 from .prefixes import PrefixCache
 from . import trees
 from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
+from .structured import JsonConstraint, json_vocabulary, validate_format
 from .threads import chooser_for
 from .timings import measured_head_saving, measured_pass_costs, measured_screening
 
@@ -59,6 +60,7 @@ class GenerationConfig:
     # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first
+    response_format: str | None = None  # "json_object": the output is always a prefix of a JSON object (structured.py)
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The token ids that end a generation: its own stop ids, and the target's EOS ids unless ignore_eos."""
@@ -70,7 +72,12 @@ class GenerationConfig:
         for top in (self.logprobs, self.prompt_logprobs):
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise UserError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        validate_format(self.response_format)
         self.sampling.validate()
+
+    @property
+    def json_output(self) -> bool:
+        return self.response_format == "json_object"
 
 
 @dataclass
@@ -177,6 +184,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if the config asks
     prompt_logprobs: list[TokenLogprob] | None = None
+    grammar: JsonConstraint | None = None  # what the output may be next (GenerationConfig.response_format)
     features: list[torch.Tensor] = field(default_factory=list)  # of the cached tokens, kept for the prefix cache
     finish: str | None = None
     result: GenerationResult | None = None
@@ -242,6 +250,9 @@ class Engine:
                                      tree_calibration=self.tree_calibration)
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
+        if config.json_output:
+            vocabulary = json_vocabulary(self.target.tokenizer, self.target.vocab_size)
+            seq.grammar = JsonConstraint(vocabulary, stop_ids)
         self.waiting.append(seq)
         return seq
 
@@ -469,7 +480,7 @@ class Engine:
         starts = [len(seq.sequence) - 1 for seq in rows]
         layers = rows[0].proposer.feature_layers
         cache, started = self._before_pass(starts, width)
-        screened = self.target.screens and all(plain_greedy(seq) for seq in rows)
+        screened = self.target.screens and all(screenable(seq) for seq in rows)
         deferred = screened or (width > FIRST_LOGITS and self.head_overrun < self.head_saving)
         out = self.target.forward(torch.tensor(padded, device=self.target.device), cache, layers,
                                   logits_at="hidden" if deferred else "all")
@@ -631,7 +642,10 @@ class Engine:
                 row_logits = penalized_logits(row_logits, cfg, before, len(seq.prompt_ids), block)
             first, picked = len(history or seq.sequence) + offset, []
             for j in range(w):
-                picked += pick_tokens(row_logits[j: j + 1], cfg, first + j).tolist()
+                at = row_logits[j: j + 1]
+                if seq.grammar is not None:
+                    at = grammar_masked(at, seq, (history or seq.sequence) + (drafts[i] if drafts else [])[:offset + j])
+                picked += pick_tokens(at, cfg, first + j).tolist()
                 if block is not None and (j >= len(block) or picked[-1] != block[j]):
                     break
             chosen.append(picked)
@@ -653,6 +667,9 @@ class Engine:
             cut = [max(0, min(widths[i], stop) - start) for i in pending]
             if screened:
                 picked = [p[:w] for p, w in zip(self.target.greedy_of(rows_hidden).tolist(), cut)]
+                picked = [tokens if rows[i].grammar is None
+                          else self._grammar_checked(rows[i], tokens, rows_hidden[k], drafts[i], start)
+                          for k, (i, tokens) in enumerate(zip(pending, picked))]
             else:
                 picked = self._choose(self.target.logits_of(rows_hidden), [rows[i] for i in pending], cut, start,
                                       [drafts[i] for i in pending])
@@ -661,6 +678,22 @@ class Engine:
             pending = [i for i in pending
                        if len(chosen[i]) < widths[i] and chosen[i] == drafts[i][: len(chosen[i])]]
             start = stop
+        return chosen
+
+    def _grammar_checked(self, seq: Sequence, greedy: list[int], hidden: torch.Tensor, draft: list[int],
+                         offset: int) -> list[int]:
+        """A grammar row's tokens from the screen's greedy ones (positions offset, offset + 1, ... of its block): where
+        the unconstrained argmax is allowed it is also the constrained one, so only a refused position's logits are
+        computed, and masked. Stops where the draft is rejected, as acceptance does."""
+        chosen = []
+        for j, token in enumerate(greedy):
+            allowed = seq.grammar.mask(seq.output, draft[: offset + j])
+            if not allowed[token]:
+                logits = self.target.logits_of(hidden[j: j + 1])
+                token = int(logits.masked_fill(~allowed.to(logits.device), float("-inf")).argmax())
+            chosen.append(token)
+            if offset + j >= len(draft) or token != draft[offset + j]:
+                break
         return chosen
 
     def _prompt_logprobs(self, seq: Sequence, out) -> list[TokenLogprob]:
@@ -779,8 +812,20 @@ class SpeculativeDecoder:
 
 
 def plain_greedy(seq: Sequence) -> bool:
-    """Greedy without penalties: the argmax of the raw logits, which the LM head's screen can find."""
+    """Greedy without penalties or a grammar: the argmax of the raw logits, which the LM head's screen can find."""
+    return seq.config.sampling.greedy and not seq.config.sampling.penalized and seq.grammar is None
+
+
+def screenable(seq: Sequence) -> bool:
+    """Greedy without penalties: the screen's argmax (with a grammar, checked against its mask: _grammar_checked)."""
     return seq.config.sampling.greedy and not seq.config.sampling.penalized
+
+
+def grammar_masked(logits: torch.Tensor, seq: Sequence, before: list[int]) -> torch.Tensor:
+    """`logits` of the position after `before` (the prompt, the committed output, then drafts), with the tokens the
+    sequence's grammar refuses there at -inf."""
+    past = before[len(seq.prompt_ids) + len(seq.output):]
+    return logits.masked_fill(~seq.grammar.mask(seq.output, past).to(logits.device), float("-inf"))
 
 
 def _has_stop_string(text: str, stop_strings) -> bool:

@@ -43,14 +43,14 @@ def run(args) -> int:
         raise UserError("the prompt is empty")
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs goes with --json")
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
-                              logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     target, proposer = load_method(args, config)
     sampling = config.sampling
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
-    decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling))  # warm-up
+    warm_up = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling, response_format=config.response_format)
+    decoder.generate(prompt_ids, warm_up)
     streaming = None
     if args.compare_ar and args.method != "ar":
         result, ar_result = compare_with_ar(decoder, SpeculativeDecoder(target), prompt_ids, config)
@@ -91,6 +91,14 @@ def run(args) -> int:
 
 
 COMPARE_RUNS = 3
+
+
+def config_from_args(args, **more):
+    """The GenerationConfig of the sampling options (add_sampling_arguments) and `more` of its fields."""
+    from .engine import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
+                            response_format=args.response_format, **more)
 
 
 def sampling_from_args(args):

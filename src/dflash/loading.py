@@ -22,17 +22,20 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
                        compile: bool = False, cuda_graphs: bool | None = None,
                        release_plain: bool = False) -> TargetModel:
     """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (our native kernels where
-    they build, nothing measured); anything else goes to load_target. `cuda_graphs` None: on where they can run
+    they build, nothing measured; `tiny-ARCH-bytes`: with a byte-level tokenizer, which can write JSON); anything
+    else goes to load_target. `cuda_graphs` None: on where they can run
     (graphs_by_default)."""
     if spec.startswith("tiny-"):
         from .testing import tiny_target
 
-        arch = spec.removeprefix("tiny-")
+        arch = spec.removeprefix("tiny-").removesuffix("-bytes")
         if arch not in TINY_ARCHS:
             raise UserError(f"unknown tiny target {spec!r}; use {', '.join('tiny-' + a for a in TINY_ARCHS)}")
         if dtype not in TARGET_DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")
-        target = tiny_target(arch, logit_scale=4.0)
+        bytes_ = spec.endswith("-bytes")
+        target = tiny_target(arch, vocab_size=320 if bytes_ else 64, logit_scale=4.0,
+                             tokenizer="bytes" if bytes_ else "words")
         target.measure, target.release_plain = False, release_plain
         target.model.to(TARGET_DTYPES[dtype])
         if dtype == "int8":

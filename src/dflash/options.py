@@ -164,6 +164,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
     group.add_argument("--repetition-penalty", type=float, default=1.0,
                        help="divides the positive logits (multiplies the negative) of tokens in the prompt or output, "
                             "as transformers does (default: 1 = off)")
+    group.add_argument("--response-format", choices=["text", "json_object"], default="text",
+                       help="json_object: the output is always a JSON object (OpenAI's JSON mode; still lossless: "
+                            "the target's own constrained choices) (default: text)")
 
 
 def _cuda() -> bool:

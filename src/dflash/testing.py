@@ -34,6 +34,37 @@ def tiny_tokenizer(vocab_size: int):
     return tok
 
 
+# merges of the byte-level tokenizer (tiny_target(tokenizer="bytes")): tokens that span JSON's boundaries, as a
+# real vocabulary's do (a closing quote with the colon after it, a space with an opening quote, whole literals)
+BYTE_MERGES = [("{", '"'), ('"', ":"), ('"', ","), ("\u0120", '"'), ('"', "}"), ("}", "}"), ("]", ","), (":", "\u0120"),
+               (",", "\u0120"), ("\u010a", "\u0120"), ("t", "r"), ("u", "e"), ("tr", "ue"), ("n", "u"), ("l", "l"),
+               ("nu", "ll"), ("1", "2"), ("a", "b"), ("\u0120", "1"), ('\\', "n"), ("[", "{"), ("}", "]"), ("e", "-"),
+               ("a", "m"), ("n", "am"), ("nam", "e"), ('"', "name"), ('"name', '":')]
+
+
+def tiny_byte_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (SmolLM2's kind): the specials, the 256 bytes, then BYTE_MERGES."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from .structured import byte_level_alphabet
+
+    alphabet = sorted(byte_level_alphabet(), key=byte_level_alphabet().get)
+    merged = ["".join(pair) for pair in BYTE_MERGES]
+    words = SPECIAL_TOKENS + alphabet + merged
+    if len(words) > vocab_size:
+        raise ValueError(f"a byte-level tiny tokenizer needs vocab_size >= {len(words)}")
+    core = Tokenizer(models.BPE({w: i for i, w in enumerate(words)}, BYTE_MERGES))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", mask_token="<mask>",
+        additional_special_tokens=["<user>", "<assistant>"],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_size: int = 64):
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -55,9 +86,10 @@ def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_siz
 
 
 def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, seed: int = 0,
-                logit_scale: float = 1.0, hidden_size: int = 64) -> TargetModel:
+                logit_scale: float = 1.0, hidden_size: int = 64, tokenizer: str = "words") -> TargetModel:
     """A random target (4 heads of hidden_size / 4). `logit_scale` sharpens the output distribution (random models
-    are near uniform)."""
+    are near uniform). `tokenizer`: "words" ("w0", "w1", ...) or "bytes" (tiny_byte_tokenizer: JSON can be
+    written; vocab_size >= 289)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -74,5 +106,6 @@ def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, 
     # nothing timed: a test's costs come from its injected clock, never from this machine's speed. Our own kernels
     # (the one-token layer step and products, native.py) where this machine builds them, so every test runs
     # through them as a real model does; torch's F.linear where it does not.
-    return TargetModel(model=model, tokenizer=tiny_tokenizer(vocab_size), name=f"tiny-{arch}", measure=False,
+    words = tiny_byte_tokenizer(vocab_size) if tokenizer == "bytes" else tiny_tokenizer(vocab_size)
+    return TargetModel(model=model, tokenizer=words, name=f"tiny-{arch}", measure=False,
                        kernel_plan=NATIVE)

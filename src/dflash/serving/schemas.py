@@ -45,6 +45,9 @@ def schemas() -> SimpleNamespace:
     class StreamOptions(BaseModel):
         include_usage: bool = False
 
+    class ResponseFormat(BaseModel):  # OpenAI's: "text", or "json_object" (JSON mode); json_schema is refused
+        type: Literal["text", "json_object", "json_schema"]
+
     class OpenAIFields(BaseModel):
         model_config = ConfigDict(extra="ignore")
         model: str | None = None
@@ -64,6 +67,8 @@ def schemas() -> SimpleNamespace:
         repetition_penalty: float = 1.0  # extension (as in vLLM and transformers); 1 = off
         logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
         user: str | None = None
+        response_format: ResponseFormat | None = None
+        tools: list | None = None  # refused when not empty: no tool calls
 
     class ChatRequest(OpenAIFields):
         messages: list[ChatMessage] = Field(min_length=1)
@@ -143,6 +148,9 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
         (0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}"),
         (body.top_k >= 0, f"top_k must be >= 0, got {body.top_k}"),
         (not getattr(body, "suffix", None), "suffix is not supported"),
+        (body.response_format is None or body.response_format.type != "json_schema",
+         "response_format json_schema is not supported; json_object (JSON mode) is"),
+        (not body.tools, "tools (function calling) are not supported"),
     ]
     for ok, message in checks:
         if not ok:
@@ -159,6 +167,7 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
         max_new_tokens=max(1, default_max_tokens if max_tokens is None else max_tokens), sampling=sampling,
         stop_strings=tuple(stop), stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
+        response_format=body.response_format.type if body.response_format is not None else None,
     )
     config.validate()
     return config

@@ -1,0 +1,311 @@
+"""JSON output (response_format json_object): the grammar against Python's json module, the masks against feeding
+every token byte by byte, and constrained speculative decoding against a plain constrained loop, greedy and seeded,
+for every proposer; the distribution of a sampled position; the CLI and the server."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import ARCHS, OracleProposer, OracleTree, RandomProposer
+from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.methods.base import Proposer
+from dflash.methods.dflash.proposer import DFlashProposer
+from dflash.methods.ngram import NgramProposer
+from dflash.sampling import SamplingConfig, pick_tokens
+from dflash.structured import (DONE, START_STATE, JsonVocabulary, complete, feed_bytes, json_vocabulary,
+                               token_pieces)
+from dflash.testing import tiny_byte_tokenizer, tiny_target
+from test_engine import make_drafter
+
+VOCAB = 320
+MAX_NEW = 40
+PROMPT = "Write a JSON object about a cat."
+DOCUMENTS = ['{"name": "Tom", "age": 3, "tags": ["grey", "fat"], "owner": null}',
+             '{"a": [1, -2.5e+3, 0, true, false, {"b": {}}, []], "c\\u00e9": "x\\n\\"y\\""}',
+             '{\n  "nested": {"deep": [[["\u00fcber", "\u4e2d\u6587", "\U0001f600"]]]},\n  "n": -0.125E-2\n}']
+
+
+def strict_object(text: str) -> bool:
+    """Whether Python's json module reads `text` as one object (NaN and Infinity refused, as JSON does)."""
+    def refuse(constant):
+        raise ValueError(constant)
+    try:
+        return isinstance(json.loads(text, parse_constant=refuse), dict)
+    except ValueError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def byte_targets():
+    return {arch: tiny_target(arch, vocab_size=VOCAB, logit_scale=4.0, tokenizer="bytes") for arch in ARCHS}
+
+
+def structure_bias(target, strong: bool = True) -> dict[int, float]:
+    """A push towards quotes, colons and closing braces: a random model then closes its objects (strong: greedy
+    closes them within a few tokens; mild: samples write keys and values of many kinds first)."""
+    ids = target.tokenizer.convert_tokens_to_ids
+    if strong:
+        return {ids('"'): 5.0, ids("}"): 3.0, ids('"}'): 4.0, ids(":"): 3.0, ids('":'): 3.0, ids(","): 1.0}
+    return {ids('"'): 3.0, ids("}"): 2.5, ids('"}'): 2.5, ids(":"): 2.0, ids('":'): 2.5, ids(",\u0120"): 2.0,
+            ids("1"): 2.0, ids("true"): 2.0, ids("a"): 1.5}
+
+
+# ---- the grammar ---------------------------------------------------------------------------------------------------
+def test_the_grammar_accepts_exactly_the_objects_python_reads():
+    rng = random.Random(0)
+    alphabet = '{}[]":,0123456789-.eE+tfalsenru\\"ab \n\u00e9'
+    completes = 0
+    for _ in range(60000):
+        text = "{" + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14)))
+        if text != text.rstrip():  # whitespace after the object is refused: it ends where the object does
+            continue
+        state = feed_bytes(START_STATE, text.encode())
+        assert complete(state) == strict_object(text), text
+        completes += complete(state)
+    assert completes > 100
+    for document in DOCUMENTS:
+        data = document.encode()
+        assert complete(feed_bytes(START_STATE, data))
+        assert all(feed_bytes(START_STATE, data[:n]) is not None for n in range(len(data)))  # every prefix goes on
+
+
+@pytest.mark.parametrize("text", ['{"a": 01}', '{"a": 1,}', "[1]", ' {"a": 1}', '{"a" 1}', '{"a": tru}', '{"a": 1}}',
+                                  '{"\\x": 1}', '{"a": "\x01"}', '{"a": .5}', '{"a": 1.}', '{"a": -}'])
+def test_the_grammar_refuses_what_json_refuses(text):
+    assert not complete(feed_bytes(START_STATE, text.encode()))
+
+
+def test_strings_take_only_valid_utf8():
+    prefix = b'{"a": "'
+    for character in ("\u00e9", "\u4e2d", "\U0001f600"):
+        assert feed_bytes(START_STATE, prefix + character.encode()) is not None
+    for bad in (b"\xc0\xaf", b"\xed\xa0\x80", b"\xe0\x80\x80", b"\xf4\x90\x80\x80", b"\x80", b"\xff"):
+        assert feed_bytes(START_STATE, prefix + bad) is None, bad
+    assert feed_bytes(START_STATE, prefix + b"\xe4\xb8") is not None  # half a character: the rest may follow
+
+
+def test_whitespace_runs_are_capped():
+    from dflash.structured import MAX_SPACES
+
+    assert feed_bytes(START_STATE, b"{" + b" " * MAX_SPACES) is not None
+    assert feed_bytes(START_STATE, b"{" + b" " * (MAX_SPACES + 1)) is None
+    assert feed_bytes(START_STATE, b'{"a": " ' + b" " * 100) is not None  # inside a string spaces are text
+
+
+# ---- the vocabulary ------------------------------------------------------------------------------------------------
+def test_byte_level_pieces_are_the_tokens_bytes():
+    tokenizer = tiny_byte_tokenizer(VOCAB)
+    pieces = token_pieces(tokenizer, VOCAB)
+    for document in DOCUMENTS:
+        ids = tokenizer.encode(document, add_special_tokens=False)
+        assert b"".join(pieces[i] for i in ids) == document.encode()
+    assert all(pieces[i] is None for i in tokenizer.all_special_ids)
+    assert pieces[len(tokenizer):] == [None] * (VOCAB - len(tokenizer))  # the model's ids past the tokenizer
+
+
+def test_sentencepiece_pieces_read_their_spaces_and_byte_fallbacks():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<0x0A>": 1, "<0xC3>": 2, "<0xA9>": 3, "\u2581": 4, "{": 5, "\u2581\"": 6, "a": 7}
+    core = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>")
+    assert token_pieces(tokenizer, 9) == [None, b"\n", b"\xc3", b"\xa9", b" ", b"{", b' "', b"a", None]
+
+
+def test_a_tokenizer_without_known_bytes_is_refused_in_one_line():
+    with pytest.raises(UserError, match="byte-level BPE or SentencePiece"):
+        json_vocabulary(tiny_target("llama").tokenizer, 64)
+
+
+def test_masks_are_every_token_fed_byte_by_byte():
+    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
+    states = {feed_bytes(START_STATE, d.encode()[:n]) for d in DOCUMENTS for n in range(len(d.encode()))}
+    assert len(states) > 40
+    for state in states:
+        mask = vocabulary.allowed(state)
+        fed = torch.tensor([vocabulary.advance(state, token) is not None for token in range(VOCAB)])
+        assert torch.equal(mask, fed), state
+        assert state[0] == DONE or mask.any()
+
+
+# ---- generation ----------------------------------------------------------------------------------------------------
+def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new=MAX_NEW) -> list[int]:
+    """One transformers forward per token over the whole sequence; the allowed tokens found by feeding each token's
+    bytes after the text so far; end-of-sequence only once the object is whole."""
+    pieces = token_pieces(target.tokenizer, target.vocab_size)
+    eos = set(target.eos_token_ids)
+    sequence = list(prompt_ids)
+    for position in range(max_new):
+        with torch.no_grad():
+            logits = target.model(torch.tensor([sequence])).logits[0, -1:].float()
+        for token, bias in sampling.logit_bias.items():
+            logits[0, token] += bias
+        state = feed_bytes(START_STATE, b"".join(pieces[t] for t in sequence[len(prompt_ids):]))
+        allowed = [t in eos if complete(state) else pieces[t] is not None and feed_bytes(state, pieces[t]) is not None
+                   for t in range(target.vocab_size)]
+        logits[0, ~torch.tensor(allowed)] = float("-inf")
+        token = int(pick_tokens(logits, sampling, len(sequence))[0])
+        sequence.append(token)
+        if token in eos:
+            break
+    return sequence[len(prompt_ids):]
+
+
+def proposers(target, reference, prompt_len):
+    return {
+        "ar": Proposer(), "ngram": NgramProposer(max_draft=7), "random": RandomProposer(target.vocab_size, 15),
+        "oracle": OracleProposer(reference, prompt_len, 15), "dflash": DFlashProposer(make_drafter(target, 8), target),
+        "tree": OracleTree(reference, prompt_len, 12, target.vocab_size),
+    }
+
+
+def json_config(sampling: SamplingConfig, max_new=MAX_NEW) -> GenerationConfig:
+    return GenerationConfig(max_new, sampling=sampling, response_format="json_object")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("biased", [False, True])
+def test_constrained_greedy_equals_a_plain_constrained_loop_for_every_proposer(byte_targets, arch, biased):
+    target = byte_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPT)
+    sampling = SamplingConfig(logit_bias=structure_bias(target) if biased else {})
+    expected = plain_constrained_loop(target, prompt_ids, sampling)
+    free = SpeculativeDecoder(target).generate(prompt_ids, GenerationConfig(MAX_NEW, sampling=sampling))
+    assert free.tokens != expected, "the grammar should change this output"
+    for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, json_config(sampling))
+        assert result.tokens == expected, name
+        state = feed_bytes(START_STATE, result.text.encode())
+        assert state is not None, name  # always a prefix of an object
+        if biased:  # pushed to close: the object is whole and ends the generation
+            assert result.finish_reason == "stop" and strict_object(result.text), (name, result.text)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seeded_constrained_samples_are_the_plain_loops_for_every_proposer(byte_targets, arch):
+    target = byte_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPT)
+    for seed in (1, 2):
+        sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=seed, logit_bias=structure_bias(target, False))
+        expected = plain_constrained_loop(target, prompt_ids, sampling)
+        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+            result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, json_config(sampling))
+            assert result.tokens == expected, (name, seed)
+
+
+def test_a_sampled_position_has_the_masked_distribution(byte_targets):
+    """At T=1 the first token is drawn from the target's distribution over the tokens that open an object only."""
+    target = byte_targets["llama"]
+    prompt_ids = target.encode_prompt(PROMPT)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt_ids])).logits[0, -1].float()
+    vocabulary = json_vocabulary(target.tokenizer, target.vocab_size)
+    opening = vocabulary.allowed(START_STATE)
+    assert opening.sum() == 2  # "{" and '{"'
+    expected = torch.zeros_like(logits)
+    expected[opening] = logits[opening].softmax(-1)
+    decoder = SpeculativeDecoder(target, NgramProposer(max_draft=4))
+    draws = 1500
+    counts = torch.zeros_like(logits)
+    for seed in range(draws):
+        result = decoder.generate(prompt_ids, json_config(SamplingConfig(temperature=1.0, seed=seed), max_new=1))
+        counts[result.tokens[0]] += 1
+    assert counts[~opening].sum() == 0
+    observed = counts / draws
+    token = int(opening.nonzero()[0])
+    p = float(expected[token])
+    assert abs(float(observed[token]) - p) < 4 * (p * (1 - p) / draws) ** 0.5 + 1e-3
+
+
+def test_a_batch_mixes_json_and_text_rows(byte_targets):
+    """Rows with and without the grammar in one continuous batch each give what they give alone."""
+    target = byte_targets["qwen3"]
+    prompts = [target.encode_prompt(p) for p in (PROMPT, "Say hi.", "A JSON list of dogs, please.")]
+    sampling = SamplingConfig(logit_bias=structure_bias(target))
+    configs = [json_config(sampling), GenerationConfig(MAX_NEW, sampling=sampling),
+               json_config(SamplingConfig(temperature=0.9, seed=3))]
+    alone = [SpeculativeDecoder(target, NgramProposer(max_draft=7)).generate(p, c).tokens
+             for p, c in zip(prompts, configs)]
+    engine = Engine(target, NgramProposer(max_draft=7), max_batch=3)
+    sequences = [engine.submit(p, c) for p, c in zip(prompts, configs)]
+    engine.run()
+    assert [seq.result.tokens for seq in sequences] == alone
+
+
+def test_bad_settings_are_refused(byte_targets):
+    target = byte_targets["llama"]
+    decoder = SpeculativeDecoder(target)
+    ids = target.encode_prompt(PROMPT)
+    with pytest.raises(UserError, match="response_format must be one of"):
+        decoder.generate(ids, GenerationConfig(8, response_format="yaml"))
+    with pytest.raises(UserError, match="ignore_eos"):
+        decoder.generate(ids, GenerationConfig(8, response_format="json_object", ignore_eos=True))
+
+
+# ---- the CLI and the server ----------------------------------------------------------------------------------------
+def test_the_server_answers_in_json_mode_and_refuses_schemas_and_tools(byte_targets):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dflash.serving import BackgroundServer, create_app
+
+    target = byte_targets["llama"]
+    sampling = SamplingConfig(logit_bias=structure_bias(target))
+    messages = [{"role": "user", "content": PROMPT}]
+    reference = SpeculativeDecoder(target, NgramProposer(max_draft=7)).generate(
+        target.encode_messages(messages), json_config(sampling, max_new=32))
+    bias = {str(k): v for k, v in sampling.logit_bias.items()}
+    with BackgroundServer(create_app(target, NgramProposer(max_draft=7), "tiny-json")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(**kwargs):
+            return client.chat.completions.create(model="tiny-json", messages=messages, max_tokens=32, temperature=0,
+                                                  logit_bias=bias, **kwargs)
+        answer = ask(response_format={"type": "json_object"})
+        assert answer.choices[0].message.content == reference.text and strict_object(reference.text)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
+                           ask(response_format={"type": "json_object"}, stream=True) if chunk.choices)
+        assert streamed == reference.text
+        assert ask(response_format={"type": "text"}).choices[0].message.content != reference.text
+        schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+        with pytest.raises(openai.BadRequestError, match="json_schema is not supported"):
+            ask(response_format=schema)
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(openai.BadRequestError, match="tools"):
+            ask(tools=[tool])
+
+
+def test_the_server_says_when_the_tokenizer_cannot_do_json(tiny_targets):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dflash.serving import BackgroundServer, create_app
+
+    with BackgroundServer(create_app(tiny_targets["qwen3"], Proposer(), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="byte-level BPE or SentencePiece"):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=4,
+                                           response_format={"type": "json_object"})
+        answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}],
+                                                max_tokens=4)
+        assert answer.choices[0].message.content  # still serving
+
+
+def test_generate_and_llm_take_the_response_format(capsys):
+    from dflash.cli import main
+    from dflash.llm import LLM
+
+    target = tiny_target("qwen2", vocab_size=VOCAB, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
+    expected = plain_constrained_loop(target, target.encode_prompt(PROMPT), SamplingConfig(), max_new=24)
+    assert main(["generate", "--target", "tiny-qwen2-bytes", "--method", "ngram", "--max-new-tokens", "24",
+                 "--response-format", "json_object", "--json", PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == expected
+    llm = LLM("tiny-qwen2-bytes", "ngram", device="cpu")
+    assert llm.generate(PROMPT, max_new_tokens=24, response_format="json_object").tokens == expected
+    with pytest.raises(UserError, match="response_format must be one of"):
+        llm.generate(PROMPT, response_format="json")
+    assert main(["generate", "--target", "tiny-qwen2", "--response-format", "json_object", "w1"]) == 2
+    assert "byte-level BPE or SentencePiece" in capsys.readouterr().err
