@@ -4,6 +4,7 @@ for every proposer; the distribution of a sampled position; the CLI and the serv
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from dflash.methods.base import Proposer
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
-from dflash.structured import (DONE, START_STATE, JsonVocabulary, complete, feed_bytes, json_vocabulary,
-                               token_pieces)
+from dflash.grammar import DONE, JSON_OBJECT, MAX_SPACES, START_STATE, compile_schema, complete
+from dflash.structured import JsonVocabulary, json_vocabulary, token_pieces
 from dflash.testing import tiny_byte_tokenizer, tiny_target
 from test_engine import make_drafter
 
@@ -62,37 +63,145 @@ def test_the_grammar_accepts_exactly_the_objects_python_reads():
         text = "{" + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14)))
         if text != text.rstrip():  # whitespace after the object is refused: it ends where the object does
             continue
-        state = feed_bytes(START_STATE, text.encode())
+        state = JSON_OBJECT.feed_bytes(START_STATE, text.encode())
         assert complete(state) == strict_object(text), text
         completes += complete(state)
     assert completes > 100
     for document in DOCUMENTS:
         data = document.encode()
-        assert complete(feed_bytes(START_STATE, data))
-        assert all(feed_bytes(START_STATE, data[:n]) is not None for n in range(len(data)))  # every prefix goes on
+        assert complete(JSON_OBJECT.feed_bytes(START_STATE, data))
+        assert all(JSON_OBJECT.feed_bytes(START_STATE, data[:n]) is not None for n in range(len(data)))  # prefixes
 
 
 @pytest.mark.parametrize("text", ['{"a": 01}', '{"a": 1,}', "[1]", ' {"a": 1}', '{"a" 1}', '{"a": tru}', '{"a": 1}}',
                                   '{"\\x": 1}', '{"a": "\x01"}', '{"a": .5}', '{"a": 1.}', '{"a": -}'])
 def test_the_grammar_refuses_what_json_refuses(text):
-    assert not complete(feed_bytes(START_STATE, text.encode()))
+    assert not complete(JSON_OBJECT.feed_bytes(START_STATE, text.encode()))
 
 
 def test_strings_take_only_valid_utf8():
     prefix = b'{"a": "'
     for character in ("\u00e9", "\u4e2d", "\U0001f600"):
-        assert feed_bytes(START_STATE, prefix + character.encode()) is not None
+        assert JSON_OBJECT.feed_bytes(START_STATE, prefix + character.encode()) is not None
     for bad in (b"\xc0\xaf", b"\xed\xa0\x80", b"\xe0\x80\x80", b"\xf4\x90\x80\x80", b"\x80", b"\xff"):
-        assert feed_bytes(START_STATE, prefix + bad) is None, bad
-    assert feed_bytes(START_STATE, prefix + b"\xe4\xb8") is not None  # half a character: the rest may follow
+        assert JSON_OBJECT.feed_bytes(START_STATE, prefix + bad) is None, bad
+    assert JSON_OBJECT.feed_bytes(START_STATE, prefix + b"\xe4\xb8") is not None  # half a character: more may come
 
 
 def test_whitespace_runs_are_capped():
-    from dflash.structured import MAX_SPACES
+    assert JSON_OBJECT.feed_bytes(START_STATE, b"{" + b" " * MAX_SPACES) is not None
+    assert JSON_OBJECT.feed_bytes(START_STATE, b"{" + b" " * (MAX_SPACES + 1)) is None
+    assert JSON_OBJECT.feed_bytes(START_STATE, b'{"a": " ' + b" " * 100) is not None  # inside a string spaces are text
 
-    assert feed_bytes(START_STATE, b"{" + b" " * MAX_SPACES) is not None
-    assert feed_bytes(START_STATE, b"{" + b" " * (MAX_SPACES + 1)) is None
-    assert feed_bytes(START_STATE, b'{"a": " ' + b" " * 100) is not None  # inside a string spaces are text
+
+# ---- JSON Schema ---------------------------------------------------------------------------------------------------
+def pet_models():
+    """Pydantic models whose schemas hold what the grammar enforces: $defs and $refs (one recursive), enums of
+    strings and of numbers (12 beside 1 and 123), optional fields (anyOf with null), bounded arrays."""
+    from enum import Enum
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, Enum):
+        red = "red"
+        green = "green"
+
+    class Pet(BaseModel):
+        name: str
+        age: int
+        color: Color
+        weight: float
+        vaccinated: bool
+        nickname: Optional[str] = None
+        tags: list[Literal["a", "bb", "ccc"]] = Field(default_factory=list, max_length=3)
+
+    class Owner(BaseModel):
+        pets: list[Pet] = Field(min_length=1)
+        rating: Literal[1, 12, 123]
+        friend: Optional["Owner"] = None
+
+    return Owner
+
+
+# the bytes a random walk through a grammar picks from: printable ASCII, a newline, pieces of UTF-8 characters
+WALK_BYTES = bytes(range(0x20, 0x7F)) + b"\n\xc3\xa9\xe4\xb8\xad"
+
+
+def random_document(grammar, rng: random.Random, budget: int = 60) -> bytes:
+    """A random walk through the grammar's allowed bytes until the document is whole; past `budget` bytes it closes
+    what it can (quotes and brackets, then null, then the rest) so that it ends."""
+    state, out = START_STATE, bytearray()
+    while not complete(state):
+        allowed = [b for b in WALK_BYTES if grammar.feed(state, b) is not None]
+        assert allowed, f"a dead end after {bytes(out)!r}"  # every state the grammar lets through can be finished
+        if len(out) > budget:
+            for preferred in (b'"}]', b",:", b"n", b"tf", b"0123456789"):
+                closing = [b for b in allowed if b in preferred]
+                if closing:
+                    allowed = closing
+                    break
+            else:
+                allowed = [b for b in allowed if b not in b" \n"] or allowed
+        byte = rng.choice(allowed)
+        out.append(byte)
+        state = grammar.feed(state, byte)
+    return bytes(out)
+
+
+def test_whatever_a_schema_grammar_lets_through_validates():
+    owner = pet_models()
+    grammar = compile_schema(owner.model_json_schema())
+    rng = random.Random(0)
+    for _ in range(300):
+        document = random_document(grammar, rng)
+        owner.model_validate_json(document, strict=True)  # raises where the grammar let an invalid document through
+        assert list(json.loads(document)) == [k for k in owner.model_fields if k in json.loads(document)]
+
+
+def test_a_schema_grammar_takes_valid_documents_in_the_schemas_order_and_refuses_the_rest():
+    grammar = compile_schema(pet_models().model_json_schema())
+    pet = '{"name": "Tom", "age": 3, "color": "red", "weight": 4.5, "vaccinated": true%s}'
+    good = ['{"pets": [%s], "rating": 12}' % (pet % ""),
+            '{"pets": [%s, %s], "rating": 123, "friend": null}' % (pet % ', "nickname": null', pet % ', "tags": []'),
+            '{"pets": [%s], "rating": 1, "friend": {"pets": [%s], "rating": 12}}' % (pet % "", pet % ', "tags": ["bb"]')]
+    bad = ['{"pets": [], "rating": 12}',  # minItems 1
+           '{"pets": [%s], "rating": 2}' % (pet % ""),  # not in the enum
+           '{"pets": [%s], "rating": 1.0}' % (pet % ""),
+           '{"rating": 12, "pets": [%s]}' % (pet % ""),  # out of order
+           '{"pets": [%s], "rating": 12, "extra": 1}' % (pet % ""),
+           '{"pets": [%s]}' % (pet % ""),  # rating is required
+           '{"pets": [%s], "rating": 12}' % (pet % ', "tags": ["a", "a", "a", "a"]'),  # maxItems 3
+           '{"pets": [%s], "rating": 12}' % (pet % "").replace('"age": 3', '"age": 3.5'),
+           '{"pets": [%s], "rating": 12}' % (pet % "").replace('"red"', '"blue"')]
+    for document in good:
+        assert complete(grammar.feed_bytes(START_STATE, document.encode())), document
+    for document in bad:
+        assert not complete(grammar.feed_bytes(START_STATE, document.encode())), document
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "pattern cannot be enforced"),
+    ({"type": "array", "items": {"type": "integer"}}, "an object at its root"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}, "start alike"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "points at nothing"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only local $refs"),
+    ({"type": "object", "properties": {"a": {"type": "date"}}}, "unknown type"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, "does not define: b"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "minItems <= maxItems"),
+])
+def test_what_a_grammar_cannot_enforce_is_refused_in_one_line(schema, fragment):
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        compile_schema(schema)
+
+
+def test_free_form_objects_and_closed_empty_ones():
+    counts = compile_schema({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert complete(counts.feed_bytes(START_STATE, b'{"x": 1, "y": -20}'))
+    assert not complete(counts.feed_bytes(START_STATE, b'{"x": "1"}'))
+    empty = compile_schema({"type": "object", "properties": {}, "additionalProperties": False})
+    assert complete(empty.feed_bytes(START_STATE, b"{}"))
+    assert empty.feed_bytes(START_STATE, b'{"') is None
 
 
 # ---- the vocabulary ------------------------------------------------------------------------------------------------
@@ -124,17 +233,18 @@ def test_a_tokenizer_without_known_bytes_is_refused_in_one_line():
 
 def test_masks_are_every_token_fed_byte_by_byte():
     vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
-    states = {feed_bytes(START_STATE, d.encode()[:n]) for d in DOCUMENTS for n in range(len(d.encode()))}
+    states = {JSON_OBJECT.feed_bytes(START_STATE, d.encode()[:n]) for d in DOCUMENTS for n in range(len(d.encode()))}
     assert len(states) > 40
     for state in states:
-        mask = vocabulary.allowed(state)
-        fed = torch.tensor([vocabulary.advance(state, token) is not None for token in range(VOCAB)])
+        mask = vocabulary.allowed(JSON_OBJECT, state)
+        fed = torch.tensor([vocabulary.advance(JSON_OBJECT, state, token) is not None for token in range(VOCAB)])
         assert torch.equal(mask, fed), state
         assert state[0] == DONE or mask.any()
 
 
 # ---- generation ----------------------------------------------------------------------------------------------------
-def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new=MAX_NEW) -> list[int]:
+def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new=MAX_NEW,
+                           grammar=JSON_OBJECT) -> list[int]:
     """One transformers forward per token over the whole sequence; the allowed tokens found by feeding each token's
     bytes after the text so far; end-of-sequence only once the object is whole."""
     pieces = token_pieces(target.tokenizer, target.vocab_size)
@@ -145,9 +255,9 @@ def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new
             logits = target.model(torch.tensor([sequence])).logits[0, -1:].float()
         for token, bias in sampling.logit_bias.items():
             logits[0, token] += bias
-        state = feed_bytes(START_STATE, b"".join(pieces[t] for t in sequence[len(prompt_ids):]))
-        allowed = [t in eos if complete(state) else pieces[t] is not None and feed_bytes(state, pieces[t]) is not None
-                   for t in range(target.vocab_size)]
+        state = grammar.feed_bytes(START_STATE, b"".join(pieces[t] for t in sequence[len(prompt_ids):]))
+        allowed = [t in eos if complete(state) else pieces[t] is not None
+                   and grammar.feed_bytes(state, pieces[t]) is not None for t in range(target.vocab_size)]
         logits[0, ~torch.tensor(allowed)] = float("-inf")
         token = int(pick_tokens(logits, sampling, len(sequence))[0])
         sequence.append(token)
@@ -180,7 +290,7 @@ def test_constrained_greedy_equals_a_plain_constrained_loop_for_every_proposer(b
     for name, proposer in proposers(target, expected, len(prompt_ids)).items():
         result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, json_config(sampling))
         assert result.tokens == expected, name
-        state = feed_bytes(START_STATE, result.text.encode())
+        state = JSON_OBJECT.feed_bytes(START_STATE, result.text.encode())
         assert state is not None, name  # always a prefix of an object
         if biased:  # pushed to close: the object is whole and ends the generation
             assert result.finish_reason == "stop" and strict_object(result.text), (name, result.text)
@@ -205,7 +315,7 @@ def test_a_sampled_position_has_the_masked_distribution(byte_targets):
     with torch.no_grad():
         logits = target.model(torch.tensor([prompt_ids])).logits[0, -1].float()
     vocabulary = json_vocabulary(target.tokenizer, target.vocab_size)
-    opening = vocabulary.allowed(START_STATE)
+    opening = vocabulary.allowed(JSON_OBJECT, START_STATE)
     assert opening.sum() == 2  # "{" and '{"'
     expected = torch.zeros_like(logits)
     expected[opening] = logits[opening].softmax(-1)
@@ -220,6 +330,40 @@ def test_a_sampled_position_has_the_masked_distribution(byte_targets):
     token = int(opening.nonzero()[0])
     p = float(expected[token])
     assert abs(float(observed[token]) - p) < 4 * (p * (1 - p) / draws) ** 0.5 + 1e-3
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "ok": {"type": "boolean"},
+    "kind": {"enum": ["cat", "dog", 12]}, "tags": {"type": "array", "items": {"type": "number"}, "maxItems": 2}},
+    "required": ["name", "age", "ok", "kind"]}
+
+
+def fits_schema(document: dict) -> bool:
+    """SCHEMA's rules, checked by hand."""
+    names = [k for k in SCHEMA["properties"] if k in document]
+    return (list(document) == names and all(k in document for k in SCHEMA["required"])
+            and isinstance(document["name"], str) and type(document["age"]) is int
+            and isinstance(document["ok"], bool) and document["kind"] in ("cat", "dog", 12)
+            and all(type(t) in (int, float) for t in document.get("tags", [])) and len(document.get("tags", [])) <= 2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_schema_constrained_decoding_is_the_plain_loops_for_every_proposer(byte_targets, arch):
+    target = byte_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPT)
+    grammar = compile_schema(SCHEMA)
+    ids = target.tokenizer.convert_tokens_to_ids  # commas and brackets end integers and arrays, less whitespace
+    closing = {**structure_bias(target), ids(","): 4.0, ids("]"): 3.0,
+               **{ids(space): -5.0 for space in ("\u010a", "\u0109", "\u0120")}}
+    for sampling in (SamplingConfig(logit_bias=closing),
+                     SamplingConfig(temperature=0.8, seed=5, logit_bias=structure_bias(target, False))):
+        expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=80, grammar=grammar)
+        config = GenerationConfig(80, sampling=sampling, response_format="json_schema", json_schema=SCHEMA)
+        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+            result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
+            assert result.tokens == expected, name
+        if sampling.greedy:
+            assert result.finish_reason == "stop" and fits_schema(json.loads(result.text)), result.text
 
 
 def test_a_batch_mixes_json_and_text_rows(byte_targets):
@@ -248,7 +392,7 @@ def test_bad_settings_are_refused(byte_targets):
 
 
 # ---- the CLI and the server ----------------------------------------------------------------------------------------
-def test_the_server_answers_in_json_mode_and_refuses_schemas_and_tools(byte_targets):
+def test_the_server_answers_in_json_mode_and_by_schema_and_refuses_tools(byte_targets):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from dflash.serving import BackgroundServer, create_app
@@ -258,6 +402,10 @@ def test_the_server_answers_in_json_mode_and_refuses_schemas_and_tools(byte_targ
     messages = [{"role": "user", "content": PROMPT}]
     reference = SpeculativeDecoder(target, NgramProposer(max_draft=7)).generate(
         target.encode_messages(messages), json_config(sampling, max_new=32))
+    schema_reference = SpeculativeDecoder(target, NgramProposer(max_draft=7)).generate(
+        target.encode_messages(messages), GenerationConfig(32, sampling=sampling, response_format="json_schema",
+                                                           json_schema=SCHEMA))
+    assert schema_reference.text != reference.text
     bias = {str(k): v for k, v in sampling.logit_bias.items()}
     with BackgroundServer(create_app(target, NgramProposer(max_draft=7), "tiny-json")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -271,9 +419,14 @@ def test_the_server_answers_in_json_mode_and_refuses_schemas_and_tools(byte_targ
                            ask(response_format={"type": "json_object"}, stream=True) if chunk.choices)
         assert streamed == reference.text
         assert ask(response_format={"type": "text"}).choices[0].message.content != reference.text
-        schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-        with pytest.raises(openai.BadRequestError, match="json_schema is not supported"):
-            ask(response_format=schema)
+        structured = ask(response_format={"type": "json_schema",
+                                          "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
+        assert structured.choices[0].message.content == schema_reference.text
+        with pytest.raises(openai.BadRequestError, match="pattern cannot be enforced"):
+            ask(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}}})
+        with pytest.raises(openai.BadRequestError, match="needs its json_schema"):
+            ask(response_format={"type": "json_schema"})
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         with pytest.raises(openai.BadRequestError, match="tools"):
             ask(tools=[tool])
@@ -309,3 +462,20 @@ def test_generate_and_llm_take_the_response_format(capsys):
         llm.generate(PROMPT, response_format="json")
     assert main(["generate", "--target", "tiny-qwen2", "--response-format", "json_object", "w1"]) == 2
     assert "byte-level BPE or SentencePiece" in capsys.readouterr().err
+
+
+def test_generate_and_llm_take_a_json_schema(capsys, tmp_path):
+    from dflash.cli import main
+    from dflash.llm import LLM
+
+    target = tiny_target("qwen2", vocab_size=VOCAB, logit_scale=4.0, tokenizer="bytes")
+    expected = plain_constrained_loop(target, target.encode_prompt(PROMPT), SamplingConfig(), max_new=24,
+                                      grammar=compile_schema(SCHEMA))
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    for given in (json.dumps(SCHEMA), str(tmp_path / "schema.json")):
+        assert main(["generate", "--target", "tiny-qwen2-bytes", "--max-new-tokens", "24", "--json-schema", given,
+                     "--json", PROMPT]) == 0
+        assert json.loads(capsys.readouterr().out)["tokens"] == expected
+    assert LLM("tiny-qwen2-bytes", "ngram", device="cpu").generate(PROMPT, 24, json_schema=SCHEMA).tokens == expected
+    assert main(["generate", "--target", "tiny-qwen2-bytes", "--json-schema", "{not json", PROMPT]) == 2
+    assert "--json-schema takes a JSON Schema file" in capsys.readouterr().err

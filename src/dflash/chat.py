@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import UserError
 from .generate import WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method
@@ -88,12 +88,11 @@ def read_turn(interactive: bool) -> str | None:
 
 
 def run(args) -> int:
-    from .engine import GenerationConfig, SpeculativeDecoder
+    from .engine import SpeculativeDecoder
     from .loading import settle_heap
 
     config = config_from_args(args)
     target, proposer = load_method(args, config)
-    sampling = config.sampling
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks,
                                  prefix_cache_bytes=PREFIX_CACHE_MB << 20)
     settle_heap()
@@ -105,8 +104,7 @@ def run(args) -> int:
     # the thread chooser's first probes before a reply is timed, on a greeting of its own: warming up on the first
     # turn would leave that turn's prompt in the prefix cache and its figures flattered
     warm_up = target.encode_messages(Conversation(args.system).messages("Hello"))
-    decoder.generate(warm_up, GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling,
-                                               response_format=config.response_format))
+    decoder.generate(warm_up, replace(config, max_new_tokens=WARM_UP_TOKENS))
     while (user := read_turn(interactive)) is not None:
         if user in ("/exit", "/quit"):
             break

@@ -30,7 +30,8 @@ from .methods.base import TABLE_LABEL, Draft, Proposer
 from .prefixes import PrefixCache
 from . import trees
 from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
-from .structured import JsonConstraint, json_vocabulary, validate_format
+from .grammar import JsonGrammar
+from .structured import JsonConstraint, json_vocabulary, output_grammar
 from .threads import chooser_for
 from .timings import measured_head_saving, measured_pass_costs, measured_screening
 
@@ -60,7 +61,9 @@ class GenerationConfig:
     # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first
-    response_format: str | None = None  # "json_object": the output is always a prefix of a JSON object (structured.py)
+    # "json_object": the output is always (a prefix of) a JSON object; "json_schema": one that `json_schema` allows
+    response_format: str | None = None
+    json_schema: dict | None = None
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The token ids that end a generation: its own stop ids, and the target's EOS ids unless ignore_eos."""
@@ -72,12 +75,12 @@ class GenerationConfig:
         for top in (self.logprobs, self.prompt_logprobs):
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise UserError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-        validate_format(self.response_format)
+        self.grammar()
         self.sampling.validate()
 
-    @property
-    def json_output(self) -> bool:
-        return self.response_format == "json_object"
+    def grammar(self) -> JsonGrammar | None:
+        """The grammar of the response format (structured.py), None for free text."""
+        return output_grammar(self.response_format, self.json_schema)
 
 
 @dataclass
@@ -250,9 +253,10 @@ class Engine:
                                      tree_calibration=self.tree_calibration)
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
-        if config.json_output:
+        grammar = config.grammar()
+        if grammar is not None:
             vocabulary = json_vocabulary(self.target.tokenizer, self.target.vocab_size)
-            seq.grammar = JsonConstraint(vocabulary, stop_ids)
+            seq.grammar = JsonConstraint(vocabulary, grammar, stop_ids)
         self.waiting.append(seq)
         return seq
 

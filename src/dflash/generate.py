@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from .errors import UserError
 from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, check_drafter_folders,
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .engine import GenerationConfig, SpeculativeDecoder
+    from .engine import SpeculativeDecoder
     from .loading import settle_heap
 
     if args.prompt == "-":
@@ -45,11 +46,10 @@ def run(args) -> int:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     target, proposer = load_method(args, config)
-    sampling = config.sampling
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
-    warm_up = GenerationConfig(max_new_tokens=WARM_UP_TOKENS, sampling=sampling, response_format=config.response_format)
+    warm_up = replace(config, max_new_tokens=WARM_UP_TOKENS, logprobs=None, ignore_eos=False)
     decoder.generate(prompt_ids, warm_up)
     streaming = None
     if args.compare_ar and args.method != "ar":
@@ -97,8 +97,25 @@ def config_from_args(args, **more):
     """The GenerationConfig of the sampling options (add_sampling_arguments) and `more` of its fields."""
     from .engine import GenerationConfig
 
+    schema = json_schema_from(args.json_schema)
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
-                            response_format=args.response_format, **more)
+                            response_format="json_schema" if schema is not None else args.response_format,
+                            json_schema=schema, **more)
+
+
+def json_schema_from(given: str | None) -> dict | None:
+    """--json-schema: a file holding the schema, or the schema itself."""
+    if given is None:
+        return None
+    path = Path(given)
+    text = path.read_text() if not given.lstrip().startswith("{") and path.is_file() else given
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--json-schema takes a JSON Schema file or the schema as JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise UserError("--json-schema must be a JSON object")
+    return schema
 
 
 def sampling_from_args(args):

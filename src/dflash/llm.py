@@ -43,32 +43,37 @@ class LLM:
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
-                 chat: bool = True, response_format: str | None = None) -> GenerationResult | list[GenerationResult]:
+                 chat: bool = True, response_format: str | None = None,
+                 json_schema: dict | None = None) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
-        `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode)."""
+        `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
+        output is an object the schema allows."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
             raise UserError("every prompt must be a non-empty string")
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
-        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format)
+        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         results = self._run(ids, config)
         return results if many else results[0]
 
     def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
-             response_format: str | None = None) -> GenerationResult:
+             response_format: str | None = None, json_schema: dict | None = None) -> GenerationResult:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message)."""
-        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format)
+        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
         return self._run([self.target.encode_messages(messages)], config)[0]
 
-    def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop, response_format) -> GenerationConfig:
+    def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop, response_format,
+                json_schema) -> GenerationConfig:
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if json_schema is not None and response_format is None:
+            response_format = "json_schema"
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop),
-                                  response_format=response_format)
+                                  response_format=response_format, json_schema=json_schema)
         config.validate()
         return config
 

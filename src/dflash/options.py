@@ -167,6 +167,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
     group.add_argument("--response-format", choices=["text", "json_object"], default="text",
                        help="json_object: the output is always a JSON object (OpenAI's JSON mode; still lossless: "
                             "the target's own constrained choices) (default: text)")
+    group.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                       help="the output is always an object this JSON Schema allows (a file, or the schema itself)")
 
 
 def _cuda() -> bool:

@@ -45,8 +45,15 @@ def schemas() -> SimpleNamespace:
     class StreamOptions(BaseModel):
         include_usage: bool = False
 
-    class ResponseFormat(BaseModel):  # OpenAI's: "text", or "json_object" (JSON mode); json_schema is refused
+    class JsonSchemaFormat(BaseModel):  # OpenAI's structured outputs: {"name", "schema", "strict", "description"}
+        name: str = "response"
+        schema_: dict = Field(alias="schema")
+        strict: bool | None = None
+        description: str | None = None
+
+    class ResponseFormat(BaseModel):  # "text", "json_object" (JSON mode) or "json_schema" (structured outputs)
         type: Literal["text", "json_object", "json_schema"]
+        json_schema: JsonSchemaFormat | None = None
 
     class OpenAIFields(BaseModel):
         model_config = ConfigDict(extra="ignore")
@@ -148,8 +155,9 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
         (0 < body.top_p <= 1, f"top_p must be in (0, 1], got {body.top_p}"),
         (body.top_k >= 0, f"top_k must be >= 0, got {body.top_k}"),
         (not getattr(body, "suffix", None), "suffix is not supported"),
-        (body.response_format is None or body.response_format.type != "json_schema",
-         "response_format json_schema is not supported; json_object (JSON mode) is"),
+        (body.response_format is None or (body.response_format.type == "json_schema")
+         == (body.response_format.json_schema is not None),
+         "response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}"),
         (not body.tools, "tools (function calling) are not supported"),
     ]
     for ok, message in checks:
@@ -168,6 +176,8 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
         stop_strings=tuple(stop), stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
         response_format=body.response_format.type if body.response_format is not None else None,
+        json_schema=body.response_format.json_schema.schema_ if body.response_format is not None
+        and body.response_format.json_schema is not None else None,
     )
     config.validate()
     return config

@@ -1,0 +1,413 @@
+"""JSON as a pushdown automaton over bytes: any JSON object (OpenAI's JSON mode), or the objects a JSON Schema allows.
+
+`JsonGrammar.feed(state, byte)` says what one more byte leaves, or None where no valid document continues that way;
+structured.py turns that into the tokens allowed at each position. A state is a tuple (mode, aux, spaces, stack):
+`mode` what the grammar expects next, `aux` that mode's detail, `spaces` the whitespace run so far (capped at
+MAX_SPACES: a small model under a JSON mask otherwise pads with newlines until it runs out of tokens), `stack` the
+open containers as frames (kind "o" or "a", the container's schema node, the last property written or the items
+so far). States are hashable, so masks are kept per state.
+
+A schema compiles into nodes (`compile_schema`): objects write their properties in the schema's order (optional
+ones may be skipped, required ones may not; no others, as OpenAI's strict mode asks), arrays their items between
+minItems and maxItems, strings any text, `enum` and `const` exactly one of their values, `anyOf` / `oneOf` / a list
+of types one alternative, chosen by its first byte. Keywords the grammar cannot enforce (pattern, minimum, ...) are
+refused in one line rather than silently ignored: whatever the grammar lets through validates against the schema.
+Strings hold valid UTF-8 only, so the text always decodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+from .errors import UserError
+
+MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
+
+(START, OBJECT_OPEN, KEY_NEXT, COLON, VALUE, ARRAY_OPEN, AFTER_VALUE, STRING, ESCAPE, UNICODE, UTF8, MINUS, ZERO,
+ INTEGER, POINT, FRACTION, EXP_MARK, EXP_SIGN, EXPONENT, CHOICE, DONE) = range(21)
+STRUCTURAL = frozenset({START, OBJECT_OPEN, KEY_NEXT, COLON, VALUE, ARRAY_OPEN, AFTER_VALUE})
+WHITESPACE = frozenset(b" \t\n\r")
+HEX = frozenset(b"0123456789abcdefABCDEF")
+SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
+QUOTE, BACKSLASH = ord('"'), ord("\\")
+# a number's modes: byte class -> next mode; the modes where a number may end (the byte then read after the value)
+NUMBER_MOVES = {
+    MINUS: {"0": ZERO, "d": INTEGER},
+    ZERO: {".": POINT, "e": EXP_MARK},
+    INTEGER: {"0": INTEGER, "d": INTEGER, ".": POINT, "e": EXP_MARK},
+    POINT: {"0": FRACTION, "d": FRACTION},
+    FRACTION: {"0": FRACTION, "d": FRACTION, "e": EXP_MARK},
+    EXP_MARK: {"+": EXP_SIGN, "0": EXPONENT, "d": EXPONENT},
+    EXP_SIGN: {"0": EXPONENT, "d": EXPONENT},
+    EXPONENT: {"0": EXPONENT, "d": EXPONENT},
+}
+NUMBER_ENDS = frozenset({ZERO, INTEGER, FRACTION, EXPONENT})
+BYTE_CLASS = {**{b: "d" for b in b"123456789"}, ord("0"): "0", ord("."): ".", ord("e"): "e", ord("E"): "e",
+              ord("+"): "+", ord("-"): "+"}
+START_STATE = (START, 0, 0, ())
+
+
+@dataclass(frozen=True)
+class Node:
+    """One schema node. kind: any, object, array, string, number, integer, boolean, null, choice or union."""
+
+    kind: str
+    keys: tuple[bytes, ...] = ()  # object: its properties' names as JSON writes them, quotes included, in order
+    values: tuple[int, ...] = ()  # object: each property's node; union: the alternatives' nodes
+    required: tuple[bool, ...] = ()
+    free: int = -1  # object without properties: the node of any key's value
+    items: int = -1  # array: the node of its items
+    min_items: int = 0
+    max_items: int | None = None
+    choices: tuple[bytes, ...] = ()  # choice: the values as JSON writes them
+
+    def first_bytes(self, nodes: list[Node], within: frozenset = frozenset()) -> frozenset[int]:
+        """The bytes a value of this node can start with (unions need their alternatives' to be apart)."""
+        starts = {"any": b'{["-0123456789tfn', "object": b"{", "array": b"[", "string": b'"', "boolean": b"tf",
+                  "number": b"-0123456789", "integer": b"-0123456789", "null": b"n"}
+        if self.kind == "choice":
+            return frozenset(c[0] for c in self.choices)
+        if self.kind == "union":
+            if id(self) in within:
+                raise UserError("a union that is its own alternative (through $refs) has no first byte")
+            return frozenset().union(*(nodes[v].first_bytes(nodes, within | {id(self)}) for v in self.values))
+        return frozenset(starts[self.kind])
+
+
+ANY, ANY_OBJECT, ANY_ARRAY = 0, 1, 2
+BUILTIN_NODES = [Node("any"), Node("object", free=ANY), Node("array", items=ANY)]
+LITERALS = Node("choice", choices=(b"true", b"false", b"null"))
+
+
+def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
+    """A UTF-8 lead byte's continuation bytes to come and the range of the first (strict: no overlong forms, no
+    surrogates, nothing past U+10FFFF, as Python's decoder)."""
+    if 0xC2 <= byte <= 0xDF:
+        return 1, 0x80, 0xBF
+    if 0xE0 <= byte <= 0xEF:
+        return 2, 0xA0 if byte == 0xE0 else 0x80, 0x9F if byte == 0xED else 0xBF
+    if 0xF0 <= byte <= 0xF4:
+        return 3, 0x90 if byte == 0xF0 else 0x80, 0x8F if byte == 0xF4 else 0xBF
+    return None
+
+
+class JsonGrammar:
+    """The automaton of one grammar: `nodes` (BUILTIN_NODES first) and the root object's node. `key` names the
+    grammar in mask caches."""
+
+    def __init__(self, nodes: list[Node], root: int, key: str):
+        self.nodes, self.root, self.key = nodes, root, key
+
+    def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
+        for byte in data:
+            if state is None:
+                return None
+            state = self.feed(state, byte)
+        return state
+
+    def feed(self, state: tuple, byte: int) -> tuple | None:
+        """The state after one more byte, or None where no valid document continues that way."""
+        mode, aux, spaces, stack = state
+        if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value
+            if byte == QUOTE:
+                if aux:
+                    return (COLON, self.nodes[stack[-1][1]].free, 0, stack)
+                return (AFTER_VALUE, 0, 0, stack)
+            if byte == BACKSLASH:
+                return (ESCAPE, aux, 0, stack)
+            if byte < 0x80:
+                return state if byte >= 0x20 else None  # raw control characters are not allowed in a string
+            lead = _utf8_lead(byte)
+            return None if lead is None else (UTF8, (aux, *lead), 0, stack)
+        if mode in (ESCAPE, UNICODE, UTF8):
+            return self._escaped_or_multibyte(mode, aux, stack, byte)
+        if mode in NUMBER_MOVES:  # aux: 1 for an integer
+            following = NUMBER_MOVES[mode].get(BYTE_CLASS.get(byte, ""))
+            if following is not None and not (aux and following in (POINT, EXP_MARK)):
+                return (following, aux, 0, stack)
+            return self.feed((AFTER_VALUE, 0, 0, stack), byte) if mode in NUMBER_ENDS else None
+        if mode == CHOICE:
+            return self._choice_byte(aux, stack, byte)
+        if mode == DONE:
+            return None
+        if byte in WHITESPACE and mode != START:  # the object comes first, as OpenAI's JSON mode writes it
+            return (mode, aux, spaces + 1, stack) if spaces < MAX_SPACES else None
+        return self._structural(mode, aux, stack, byte)
+
+    @staticmethod
+    def _escaped_or_multibyte(mode: int, aux, stack: tuple, byte: int) -> tuple | None:
+        if mode == ESCAPE:  # aux: the string's is-key flag
+            if byte in SIMPLE_ESCAPES:
+                return (STRING, aux, 0, stack)
+            return (UNICODE, aux * 8 + 4, 0, stack) if byte == ord("u") else None
+        if mode == UNICODE:  # aux: is-key * 8 + hex digits to come
+            if byte not in HEX:
+                return None
+            is_key, left = divmod(aux, 8)
+            return (STRING, is_key, 0, stack) if left == 1 else (UNICODE, aux - 1, 0, stack)
+        is_key, left, low, high = aux  # UTF8: inside a multi-byte character, the next byte's range
+        if not low <= byte <= high:
+            return None
+        return (STRING, is_key, 0, stack) if left == 1 else (UTF8, (is_key, left - 1, 0x80, 0xBF), 0, stack)
+
+    def _structural(self, mode: int, aux, stack: tuple, byte: int) -> tuple | None:
+        """A byte other than whitespace where the grammar expects punctuation or a value."""
+        if mode == START:
+            return (OBJECT_OPEN, 0, 0, (("o", self.root, -1),)) if byte == ord("{") else None
+        if mode == COLON:  # aux: the value's node
+            return (VALUE, aux, 0, stack) if byte == ord(":") else None
+        if mode == VALUE:
+            return self._value_start(aux, stack, byte)
+        kind, at, done = stack[-1]
+        node = self.nodes[at]
+        if mode in (OBJECT_OPEN, KEY_NEXT):
+            if byte == QUOTE:
+                return (STRING, 1, 0, stack) if node.free >= 0 else self._choice(self._next_keys(node, done), 1,
+                                                                                  True, stack)
+            return _closed(stack) if mode == OBJECT_OPEN and byte == ord("}") and self._may_close(node, done) else None
+        if mode == ARRAY_OPEN:
+            if byte == ord("]"):
+                return _closed(stack) if node.min_items == 0 else None
+            if node.max_items == 0:
+                return None
+            return self._value_start(node.items, stack[:-1] + (("a", at, 1),), byte)
+        # AFTER_VALUE
+        if kind == "o":
+            if byte == ord(","):
+                return (KEY_NEXT, 0, 0, stack) if node.free >= 0 or self._next_keys(node, done) else None
+            return _closed(stack) if byte == ord("}") and self._may_close(node, done) else None
+        if byte == ord(","):
+            return (VALUE, node.items, 0, stack[:-1] + (("a", at, done + 1),)) if node.max_items is None \
+                or done < node.max_items else None
+        return _closed(stack) if byte == ord("]") and done >= node.min_items else None
+
+    @staticmethod
+    def _next_keys(node: Node, done: int) -> tuple[bytes, ...]:
+        """The properties that may come after property `done`: the later ones up to the first required one."""
+        keys = []
+        for key, required in zip(node.keys[done + 1:], node.required[done + 1:]):
+            keys.append(key)
+            if required:
+                break
+        return tuple(keys)
+
+    @staticmethod
+    def _may_close(node: Node, done: int) -> bool:
+        return node.free >= 0 or not any(node.required[done + 1:])
+
+    def _value_start(self, at: int, stack: tuple, byte: int) -> tuple | None:
+        node = self.nodes[at]
+        if node.kind == "union":  # the alternatives start apart (compile_schema checks), so one at most goes on
+            for alternative in node.values:
+                state = self._value_start(alternative, stack, byte)
+                if state is not None:
+                    return state
+            return None
+        if node.kind == "choice":
+            return self._choice(node.choices, 0, False, stack, byte)
+        generic = node.kind == "any"
+        if byte == ord("{") and (generic or node.kind == "object"):
+            return (OBJECT_OPEN, 0, 0, stack + (("o", ANY_OBJECT if generic else at, -1),))
+        if byte == ord("[") and (generic or node.kind == "array"):
+            return (ARRAY_OPEN, 0, 0, stack + (("a", ANY_ARRAY if generic else at, 0),))
+        if byte == QUOTE and (generic or node.kind == "string"):
+            return (STRING, 0, 0, stack)
+        if generic or node.kind in ("number", "integer"):
+            integer = int(node.kind == "integer")
+            if byte == ord("-"):
+                return (MINUS, integer, 0, stack)
+            if ord("0") <= byte <= ord("9"):
+                return (ZERO if byte == ord("0") else INTEGER, integer, 0, stack)
+        if generic or node.kind in ("boolean", "null"):
+            literals = LITERALS.choices if generic else (b"true", b"false") if node.kind == "boolean" else (b"null",)
+            return self._choice(literals, 0, False, stack, byte)
+        return None
+
+    def _choice(self, choices: tuple[bytes, ...], at: int, key: bool, stack: tuple, byte: int | None = None):
+        """Matching one of `choices` (enum values, or an object's next keys when `key`) with `at` bytes read; `byte`
+        the next one, if any."""
+        if not choices:  # nothing may come: refused here, so that no state is a dead end
+            return None
+        state = (CHOICE, (choices, at, key), 0, stack)
+        return state if byte is None else self._choice_byte(state[1], stack, byte)
+
+    def _choice_byte(self, aux, stack: tuple, byte: int) -> tuple | None:
+        choices, at, key = aux
+        going = tuple(c for c in choices if len(c) > at and c[at] == byte)
+        if not going:  # a value that is whole here (enum 1 beside 12) ends, and the byte comes after it
+            whole = [c for c in choices if len(c) == at]
+            return self.feed(self._after_choice(whole[0], key, stack), byte) if whole else None
+        if all(len(c) == at + 1 for c in going):
+            return self._after_choice(going[0], key, stack)
+        return (CHOICE, (going, at + 1, key), 0, stack)
+
+    def _after_choice(self, chosen: bytes, key: bool, stack: tuple) -> tuple:
+        if not key:
+            return (AFTER_VALUE, 0, 0, stack)
+        _, at, _ = stack[-1]
+        node = self.nodes[at]
+        index = node.keys.index(chosen)
+        return (COLON, node.values[index], 0, stack[:-1] + (("o", at, index),))
+
+
+def _closed(stack: tuple) -> tuple:
+    """The state once the innermost container closes: the document is whole when it was the outermost."""
+    return (DONE, 0, 0, ()) if len(stack) == 1 else (AFTER_VALUE, 0, 0, stack[:-1])
+
+
+def complete(state: tuple | None) -> bool:
+    return state is not None and state[0] == DONE
+
+
+JSON_OBJECT = JsonGrammar(BUILTIN_NODES, ANY_OBJECT, "json_object")
+
+
+# ---- JSON Schema -> nodes ------------------------------------------------------------------------------------------
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+               "writeOnly", "$defs", "definitions", "strict"}
+ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
+            "anyOf", "oneOf", "$ref"}
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(text: str) -> JsonGrammar:
+    schema = json.loads(text)
+    compiler = _SchemaCompiler(schema)
+    root = compiler.node(schema, "#")
+    compiler.check_unions()
+    if compiler.nodes[root].kind != "object":
+        raise UserError("a JSON schema for structured output must describe an object at its root (as OpenAI's "
+                        "json_schema asks)")
+    return JsonGrammar(compiler.nodes, root, "schema:" + text)
+
+
+def compile_schema(schema) -> JsonGrammar:
+    """The grammar of the objects `schema` (a JSON Schema, as a dict) allows; UserError for what it cannot enforce."""
+    if not isinstance(schema, dict):
+        raise UserError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema)  # its properties in order: they are written in that order
+    except (TypeError, ValueError) as error:
+        raise UserError(f"the JSON schema is not JSON: {error}") from None
+    return _compiled(text)
+
+
+class _SchemaCompiler:
+    def __init__(self, document: dict):
+        self.document = document
+        self.nodes: list[Node | None] = list(BUILTIN_NODES)
+        self.refs: dict[str, int] = {}
+        self.unions: list[tuple[int, str]] = []
+
+    def add(self, node: Node) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def node(self, schema, path: str) -> int:
+        if schema is True or schema == {}:
+            return ANY
+        if not isinstance(schema, dict):
+            raise UserError(f"{path}: a schema must be an object or true, got {schema!r}")
+        unknown = sorted(set(schema) - ANNOTATIONS - ENFORCED)
+        if unknown:
+            raise UserError(f"{path}: {', '.join(unknown)} cannot be enforced while generating; supported: "
+                            f"{', '.join(sorted(ENFORCED))}")
+        if "$ref" in schema:
+            return self.reference(schema["$ref"], path)
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise UserError(f"{path}: enum must be a non-empty list")
+            return self.add(Node("choice", choices=tuple(dict.fromkeys(_encoded(v) for v in values))))
+        for word in ("anyOf", "oneOf"):
+            if word in schema:
+                options = schema[word]
+                if not isinstance(options, list) or not options:
+                    raise UserError(f"{path}: {word} must be a non-empty list of schemas")
+                return self.union([self.node(s, f"{path}/{word}/{i}") for i, s in enumerate(options)], path)
+        kind = schema.get("type", "object" if "properties" in schema else None)
+        if kind is None:
+            if set(schema) - ANNOTATIONS:
+                raise UserError(f"{path}: give a type (one of {', '.join(TYPES)})")
+            return ANY
+        if isinstance(kind, list):
+            rest = {k: v for k, v in schema.items() if k != "type"}
+            return self.union([self.node({**rest, "type": k}, f"{path}/type/{k}") for k in kind], path)
+        if kind not in TYPES:
+            raise UserError(f"{path}: unknown type {kind!r} (one of {', '.join(TYPES)})")
+        if kind == "object":
+            return self.object(schema, path)
+        if kind == "array":
+            return self.array(schema, path)
+        return self.add(Node(kind))
+
+    def object(self, schema: dict, path: str) -> int:
+        properties = schema.get("properties") or {}
+        required = schema.get("required") or []
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            raise UserError(f"{path}: properties must be an object and required a list")
+        missing = [name for name in required if name not in properties]
+        if missing:
+            raise UserError(f"{path}: required names properties it does not define: {', '.join(missing)}")
+        if not properties:
+            extra = schema.get("additionalProperties", True)
+            value = ANY if extra is True else self.node(extra, f"{path}/additionalProperties") if extra else -1
+            if value < 0:  # additionalProperties false and nothing else: only {}
+                return self.add(Node("object"))
+            return self.add(Node("object", free=value))
+        at = self.add(Node("object"))  # its index first: a property may refer back to it
+        values = tuple(self.node(s, f"{path}/properties/{name}") for name, s in properties.items())
+        self.nodes[at] = Node("object", keys=tuple(_encoded(name) for name in properties), values=values,
+                              required=tuple(name in required for name in properties))
+        return at
+
+    def array(self, schema: dict, path: str) -> int:
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        if not isinstance(low, int) or low < 0 or high is not None and (not isinstance(high, int) or high < low):
+            raise UserError(f"{path}: minItems and maxItems must be whole numbers, minItems <= maxItems")
+        items = self.node(schema.get("items", True), f"{path}/items")
+        return self.add(Node("array", items=items, min_items=low, max_items=high))
+
+    def union(self, options: list[int], path: str) -> int:
+        if len(options) == 1:
+            return options[0]
+        self.unions.append((len(self.nodes), path))  # checked once every node is built (a $ref may be pending)
+        return self.add(Node("union", values=tuple(options)))
+
+    def check_unions(self) -> None:
+        """Each union's alternatives must start with different bytes: the first byte then picks one, and the
+        automaton stays deterministic."""
+        for at, path in self.unions:
+            seen: set[int] = set()
+            for option in self.nodes[at].values:
+                starts = self.nodes[option].first_bytes(self.nodes)
+                if starts & seen:
+                    raise UserError(f"{path}: alternatives that can start alike (two objects, two strings, ...) are "
+                                    "not supported; give them different types")
+                seen |= starts
+
+    def reference(self, ref, path: str) -> int:
+        if ref in self.refs:  # perhaps still being built: a recursive schema
+            return self.refs[ref]
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise UserError(f"{path}: only local $refs (#/$defs/NAME) are supported, got {ref!r}")
+        target = self.document
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise UserError(f"{path}: $ref {ref} points at nothing")
+            target = target[part]
+        at = self.add(None)
+        self.refs[ref] = at
+        built = self.node(target, ref)
+        if self.nodes[built] is None:
+            raise UserError(f"{path}: $ref {ref} refers to itself with nothing between")
+        self.nodes[at] = self.nodes[built]
+        return at
+
+
+def _encoded(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()
