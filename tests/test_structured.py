@@ -479,3 +479,35 @@ def test_generate_and_llm_take_a_json_schema(capsys, tmp_path):
     assert LLM("tiny-qwen2-bytes", "ngram", device="cpu").generate(PROMPT, 24, json_schema=SCHEMA).tokens == expected
     assert main(["generate", "--target", "tiny-qwen2-bytes", "--json-schema", "{not json", PROMPT]) == 2
     assert "--json-schema takes a JSON Schema file" in capsys.readouterr().err
+
+
+def test_bench_constrains_every_method_alike(tmp_path, capsys, monkeypatch):
+    from dflash.cli import main
+
+    generations = []  # (prompt ids, config, tokens) of every generation the bench runs
+    plain_generate = SpeculativeDecoder.generate
+
+    def recorded(self, prompt_ids, config=None, on_tokens=None):
+        result = plain_generate(self, prompt_ids, config, on_tokens)
+        generations.append((list(prompt_ids), config, result.tokens))
+        return result
+    monkeypatch.setattr(SpeculativeDecoder, "generate", recorded)
+
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPT, "A JSON list of dogs, please.")))
+    out = tmp_path / "out"
+    argv = ["bench", "--target", "tiny-llama-bytes", "--device", "cpu", "--dataset", str(data), "--max-new-tokens",
+            "24", "--out", str(out), "--no-progress", "--methods", "ar,ngram,dflash", "--json-schema", json.dumps(SCHEMA)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_mismatches"] == 0 and results["response_format"] == "json_schema"
+    assert results["json_schema"] == SCHEMA and "--json-schema" in results["command"]
+    target = tiny_target("llama", vocab_size=VOCAB, logit_scale=4.0, tokenizer="bytes")
+    prompt_ids = target.encode_prompt(PROMPT)
+    expected = plain_constrained_loop(target, prompt_ids, SamplingConfig(), max_new=24, grammar=compile_schema(SCHEMA))
+    runs = [tokens for ids, config, tokens in generations if ids == prompt_ids and config.max_new_tokens == 24]
+    assert len(runs) >= 3 and all(tokens == expected for tokens in runs)  # each method's timed runs
+    assert all(config.json_schema == SCHEMA for _, config, _ in generations)  # warm-ups too
+    for bad, fragment in ((["--methods", "ar,hf"], "hf cannot constrain"), (["--ignore-eos"], "--ignore-eos cannot")):
+        assert main(argv[:-4] + ["--methods", "ar", "--json-schema", json.dumps(SCHEMA)] + bad) == 2
+        assert fragment in capsys.readouterr().err

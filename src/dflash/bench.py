@@ -31,6 +31,7 @@ import contextlib
 import os
 import platform
 import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -193,8 +194,18 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         adaptive = not (spec.whole_blocks or args.whole_blocks)
-        runners[method] = EngineRunner(method, target, proposer, sampling, adaptive)
+        runners[method] = EngineRunner(method, target, proposer, sampling, adaptive, *output_format(args))
     return runners
+
+
+def output_format(args) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) of --response-format / --json-schema: every method's output constrained alike."""
+    from .generate import json_schema_from
+
+    schema = json_schema_from(args.json_schema)
+    if schema is not None:
+        return "json_schema", schema
+    return (None, None) if args.response_format == "text" else (args.response_format, None)
 
 
 def run_conversation(runner, target, prompt: BenchPrompt, max_new: int, ignore_eos: bool) -> list[Run]:
@@ -387,6 +398,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--response-format", choices=["text", "json_object"], default="text",
+                   help="json_object: every method's output constrained to a JSON object (default: text)")
+    p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="every method's output constrained to objects this JSON Schema allows")
     p.add_argument("--out", default=None,
                    help="output folder (default: runs/bench/DATASET-DATE-TIME, a new one each run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -399,6 +414,13 @@ def validate(args) -> None:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if output_format(args)[0] is not None:
+        if args.ignore_eos:
+            raise UserError("--ignore-eos cannot go with structured output: a JSON document ends where it ends")
+        baselines = [m for m in parse_methods(args.methods) if parse_method(m).name in (*HF_METHODS, LLAMACPP_METHOD)]
+        if baselines:
+            raise UserError(f"{', '.join(baselines)} cannot constrain their output; leave them out of --methods with "
+                            "--response-format / --json-schema")
 
 
 def run(args) -> int:
@@ -577,6 +599,8 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         # greedy rounds' tokens through a screen of the LM head (models/screening.py), or the whole head (None)
         "greedy_screen": target.screen_kind if target.screens else None,
         "ignore_eos": args.ignore_eos,
+        "response_format": output_format(args)[0] or "text",
+        "json_schema": output_format(args)[1],
         "dataset_file": str(path),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args),
@@ -624,6 +648,10 @@ def command_line(args) -> str:
         parts.append("--whole-blocks")
     if args.ignore_eos:
         parts.append("--ignore-eos")
+    if args.response_format != "text":
+        parts.append(f"--response-format {args.response_format}")
+    if args.json_schema is not None:
+        parts.append(f"--json-schema {shlex.quote(args.json_schema)}")
     if args.threads is not None:
         parts.append(f"--threads {args.threads}")
     return " ".join(parts + [f"--out {args.out}"])

@@ -44,10 +44,12 @@ class Run:
 class EngineRunner:
     """A proposer behind the shared verification loop."""
 
-    def __init__(self, method: str, target, proposer, sampling, adaptive: bool = True):
+    def __init__(self, method: str, target, proposer, sampling, adaptive: bool = True,
+                 response_format: str | None = None, json_schema: dict | None = None):
         from .engine import SpeculativeDecoder
 
         self.method, self.sampling = method, sampling
+        self.response_format, self.json_schema = response_format, json_schema  # structured output (structured.py)
         self.decoder = SpeculativeDecoder(target, proposer, adaptive=adaptive)
         self.block_size = proposer.max_draft + 1
         self.report = proposer.report
@@ -64,7 +66,8 @@ class EngineRunner:
     def generate(self, prompt_ids: list[int], max_new: int, ignore_eos: bool) -> Run:
         from .engine import GenerationConfig
 
-        config = GenerationConfig(max_new_tokens=max_new, sampling=copy.copy(self.sampling), ignore_eos=ignore_eos)
+        config = GenerationConfig(max_new_tokens=max_new, sampling=copy.copy(self.sampling), ignore_eos=ignore_eos,
+                                  response_format=self.response_format, json_schema=self.json_schema)
         result = self.decoder.generate(prompt_ids, config)
         stats = result.stats
         return Run(result.tokens, result.text, stats.ttft_s, stats.total_s, list(stats.accept_lengths),
