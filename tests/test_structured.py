@@ -12,7 +12,7 @@ import torch
 from conftest import ARCHS, OracleProposer, OracleTree, RandomProposer
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
-from dflash.methods.base import Proposer
+from dflash.methods.base import Draft, Proposer
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
@@ -364,6 +364,33 @@ def test_schema_constrained_decoding_is_the_plain_loops_for_every_proposer(byte_
             assert result.tokens == expected, name
         if sampling.greedy:
             assert result.finish_reason == "stop" and fits_schema(json.loads(result.text)), result.text
+
+
+class RefusedDrafts(Proposer):
+    """Drafts the grammar never allows (the mask token), then a valid continuation's first token (the oracle's)."""
+
+    name = "refused"
+
+    def __init__(self, reference: list[int], prompt_len: int, refused: int):
+        self.reference, self.prompt_len, self.refused, self.max_draft = reference, prompt_len, refused, 7
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        done = len(sequence) - self.prompt_len
+        right = self.reference[done: done + 3]
+        return Draft(right + [self.refused] + right, [0.9] * (2 * len(right) + 1))
+
+
+def test_drafts_the_grammar_refuses_are_never_verified(byte_targets):
+    target = byte_targets["llama"]
+    prompt_ids = target.encode_prompt(PROMPT)
+    sampling = SamplingConfig(logit_bias=structure_bias(target, False))
+    expected = plain_constrained_loop(target, prompt_ids, sampling)
+    refused = target.tokenizer.mask_token_id
+    proposer = RefusedDrafts(expected, len(prompt_ids), refused)
+    result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, json_config(sampling))
+    assert result.tokens == expected
+    assert max(result.stats.draft_lengths) == 3  # each round's drafts cut before the refused token
+    assert sum(result.stats.accept_lengths) == len(expected) - 1  # all but the first token, from the prompt pass
 
 
 def test_a_batch_mixes_json_and_text_rows(byte_targets):

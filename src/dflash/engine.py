@@ -410,7 +410,7 @@ class Engine:
                 [s.proposer for s in drafting], [s.sequence for s in drafting],
                 [_keep_going(s) for s in drafting])
             share = (self.timer() - started) / len(drafting)  # what each sequence's drafting adds to the round
-            drafts = {id(s): (d, share) for s, d in zip(drafting, made)}
+            drafts = {id(s): (within_grammar(s, d), share) for s, d in zip(drafting, made)}
         planned = []
         for seq in rows:
             lookup = lookups[id(seq)]
@@ -447,7 +447,7 @@ class Engine:
         lookup = seq.proposer.lookup
         if lookup is None or seq.controller.whole_blocks:
             return Plan(Draft([]), 0)
-        draft = lookup.propose(seq.sequence, limit=seq.proposer.max_draft)
+        draft = within_grammar(seq, lookup.propose(seq.sequence, limit=seq.proposer.max_draft))
         if shared:
             chances = seq.controller.acceptance(len(draft.tokens), None, draft.label, lookup=True)
             return Plan(draft, len(chances), lookup=True, value=expected_accepted(chances)[-1], chances=chances)
@@ -823,6 +823,18 @@ def plain_greedy(seq: Sequence) -> bool:
 def screenable(seq: Sequence) -> bool:
     """Greedy without penalties: the screen's argmax (with a grammar, checked against its mask: _grammar_checked)."""
     return seq.config.sampling.greedy and not seq.config.sampling.penalized
+
+
+def within_grammar(seq: Sequence, draft: Draft) -> Draft:
+    """A chain of drafts cut before its first token the sequence's grammar refuses: the target never picks that
+    token, so verifying it, and the drafts after it, could only cost. The controller then chooses among the rest."""
+    if seq.grammar is None or draft.parents is not None or not draft.tokens:
+        return draft
+    keep = seq.grammar.allowed_prefix(seq.output, draft.tokens)
+    if keep == len(draft.tokens):
+        return draft
+    confidence = draft.confidence[:keep] if draft.confidence is not None else None
+    return Draft(draft.tokens[:keep], confidence, draft.label)
 
 
 def grammar_masked(logits: torch.Tensor, seq: Sequence, before: list[int]) -> torch.Tensor:

@@ -183,6 +183,19 @@ class JsonConstraint:
             self.state = advanced
         self.seen = len(output)
 
+    def allowed_prefix(self, output: list[int], draft: list[int]) -> int:
+        """How many of `draft`'s first tokens the grammar allows after the committed `output` (a stop token only
+        once the document is whole, and nothing after it)."""
+        self.commit(output)
+        state = self.state
+        for count, token in enumerate(draft):
+            if state[0] == DONE:
+                return count + (token in self.stop_ids)
+            state = self.vocabulary.advance(self.grammar, state, token)
+            if state is None:
+                return count
+        return len(draft)
+
     def mask(self, output: list[int], past: list[int]) -> torch.Tensor:
         """Bool [vocab] of the tokens allowed after the committed `output` and then `past` (a block's drafts before
         the position): the grammar's, or the stop tokens once the document is whole."""

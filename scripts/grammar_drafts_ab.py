@@ -1,0 +1,59 @@
+"""Grammar-filtered drafts (engine.within_grammar: a chain cut before its first token the grammar refuses) off
+against on, prompt by prompt in one process, identical outputs checked.
+
+Usage: .venv/bin/python scripts/grammar_drafts_ab.py FORMAT [METHODS] [REPEATS]
+FORMAT: json_object, or a JSON Schema file; METHODS: comma-separated (default dflash+ngram,dflash); prompts:
+docs/data/session56/json_prompts.jsonl; float32 SmolLM2-135M-Instruct, greedy, 128 new tokens. Each repeat runs
+every prompt and method in both modes, the mode order alternating between repeats.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import dflash.engine as engine
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.loading import build_proposer, load_target_cached, settle_heap
+
+PROMPTS = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56" / "json_prompts.jsonl"
+
+
+def unfiltered(seq, draft):
+    return draft
+
+
+def main() -> None:
+    fmt = sys.argv[1]
+    methods = (sys.argv[2] if len(sys.argv) > 2 else "dflash+ngram,dflash").split(",")
+    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    output = dict(response_format=fmt) if fmt == "json_object" else dict(
+        response_format="json_schema", json_schema=json.loads(Path(fmt).read_text()))
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    target = load_target_cached("smollm2-135m", release_plain=True)
+    decoders = {m: SpeculativeDecoder(target, build_proposer(m, target)[0]) for m in methods}
+    filtered = engine.within_grammar
+    settle_heap()
+    totals = {(m, mode): [0, 0.0, 0] for m in methods for mode in ("off", "on")}  # tokens, seconds, rounds
+    for repeat in range(repeats):
+        for prompt in prompts:
+            ids = target.encode_prompt(prompt)
+            for method in methods:
+                tokens = {}
+                for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
+                    engine.within_grammar = filtered if mode == "on" else unfiltered
+                    result = decoders[method].generate(ids, GenerationConfig(128, **output))
+                    tokens[mode] = result.tokens
+                    total = totals[(method, mode)]
+                    total[0] += len(result.tokens)
+                    total[1] += result.stats.total_s
+                    total[2] += result.stats.num_rounds
+                assert tokens["on"] == tokens["off"], (method, prompt)
+    engine.within_grammar = filtered
+    for method in methods:
+        off, on = totals[(method, "off")], totals[(method, "on")]
+        print(f"{fmt} {method}: off {off[0] / off[1]:.1f} tok/s tau {off[0] / off[2]:.2f} | on {on[0] / on[1]:.1f} "
+              f"tok/s tau {on[0] / on[2]:.2f} | time a token on/off {(on[1] / on[0]) / (off[1] / off[0]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
