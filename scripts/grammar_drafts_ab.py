@@ -1,7 +1,8 @@
-"""Grammar-filtered drafts (engine.within_grammar: a chain cut before its first token the grammar refuses) off
-against on, prompt by prompt in one process, identical outputs checked.
+"""What a grammar does to drafting, off against on, prompt by prompt in one process, identical outputs checked.
 
-Usage: .venv/bin/python scripts/grammar_drafts_ab.py FORMAT [METHODS] [REPEATS]
+Usage: .venv/bin/python scripts/grammar_drafts_ab.py SWITCH FORMAT [METHODS] [REPEATS]
+SWITCH: cut (engine.within_grammar: a chain of drafts cut before its first token the grammar refuses) or forced
+(JsonConstraint.forced: the tokens of the bytes the grammar forces, a free draft beside the lookup's);
 FORMAT: json_object, or a JSON Schema file; METHODS: comma-separated (default dflash+ngram,dflash); prompts:
 docs/data/session56/json_prompts.jsonl; float32 SmolLM2-135M-Instruct, greedy, 128 new tokens. Each repeat runs
 every prompt and method in both modes, the mode order alternating between repeats.
@@ -14,24 +15,28 @@ from pathlib import Path
 import dflash.engine as engine
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.loading import build_proposer, load_target_cached, settle_heap
+from dflash.structured import JsonConstraint
 
 PROMPTS = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56" / "json_prompts.jsonl"
 
 
-def unfiltered(seq, draft):
-    return draft
+def switch(name: str):
+    """set(on): the switch's function, or the one that does without it."""
+    owner, attribute, without = {"cut": (engine, "within_grammar", lambda seq, draft: draft),
+                                 "forced": (JsonConstraint, "forced", lambda self, output: [])}[name]
+    default = getattr(owner, attribute)
+    return lambda on: setattr(owner, attribute, default if on else without)
 
 
 def main() -> None:
-    fmt = sys.argv[1]
-    methods = (sys.argv[2] if len(sys.argv) > 2 else "dflash+ngram,dflash").split(",")
-    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    turn, fmt = switch(sys.argv[1]), sys.argv[2]
+    methods = (sys.argv[3] if len(sys.argv) > 3 else "dflash+ngram,dflash").split(",")
+    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     output = dict(response_format=fmt) if fmt == "json_object" else dict(
         response_format="json_schema", json_schema=json.loads(Path(fmt).read_text()))
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     target = load_target_cached("smollm2-135m", release_plain=True)
     decoders = {m: SpeculativeDecoder(target, build_proposer(m, target)[0]) for m in methods}
-    filtered = engine.within_grammar
     settle_heap()
     totals = {(m, mode): [0, 0.0, 0] for m in methods for mode in ("off", "on")}  # tokens, seconds, rounds
     for repeat in range(repeats):
@@ -40,7 +45,7 @@ def main() -> None:
             for method in methods:
                 tokens = {}
                 for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
-                    engine.within_grammar = filtered if mode == "on" else unfiltered
+                    turn(mode == "on")
                     result = decoders[method].generate(ids, GenerationConfig(128, **output))
                     tokens[mode] = result.tokens
                     total = totals[(method, mode)]
@@ -48,7 +53,7 @@ def main() -> None:
                     total[1] += result.stats.total_s
                     total[2] += result.stats.num_rounds
                 assert tokens["on"] == tokens["off"], (method, prompt)
-    engine.within_grammar = filtered
+    turn(True)
     for method in methods:
         off, on = totals[(method, "off")], totals[(method, "on")]
         print(f"{fmt} {method}: off {off[0] / off[1]:.1f} tok/s tau {off[0] / off[2]:.2f} | on {on[0] / on[1]:.1f} "

@@ -393,6 +393,39 @@ def test_drafts_the_grammar_refuses_are_never_verified(byte_targets):
     assert sum(result.stats.accept_lengths) == len(expected) - 1  # all but the first token, from the prompt pass
 
 
+LONG_KEYS = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"},
+                                              "another_long_property_name": {"enum": ["yes", "no"]}},
+             "required": ["a_rather_long_property_name", "another_long_property_name"]}
+
+
+def test_forced_bytes_are_drafted_as_the_longest_tokens_inside_them():
+    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
+    grammar = compile_schema({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    forced = vocabulary.forced(grammar, grammar.feed_bytes(START_STATE, b'{ "'))
+    assert b"".join(vocabulary.pieces[t] for t in forced) == b'name"' and len(forced) == 2  # "name, then "
+    assert vocabulary.forced(grammar, START_STATE) == [vocabulary.by_bytes[b"{"]]  # nothing may come before it
+    assert vocabulary.forced(JSON_OBJECT, JSON_OBJECT.feed_bytes(START_STATE, b"{")) == []  # a space, a quote or }
+
+
+def test_forced_drafts_are_verified_where_they_pay_and_change_nothing(byte_targets, monkeypatch):
+    from test_control import FakeClock
+
+    target = byte_targets["gemma3"]
+    prompt_ids = target.encode_prompt(PROMPT)
+    sampling = SamplingConfig(logit_bias=structure_bias(target))
+    expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=60, grammar=compile_schema(LONG_KEYS))
+    config = GenerationConfig(60, sampling=sampling, response_format="json_schema", json_schema=LONG_KEYS)
+    proposer = RandomProposer(target.vocab_size, 7)
+    clock = FakeClock()
+    with monkeypatch.context() as patched:
+        clock.install(patched, target, proposer)
+        decoder = SpeculativeDecoder(target, proposer, timer=clock)
+        results = [decoder.generate(prompt_ids, config) for _ in range(2)]  # the second knows the costs
+    assert all(result.tokens == expected for result in results)
+    assert results[1].stats.lookup_rounds >= 2  # the two keys' names: the proposer has no lookup of its own
+    assert results[1].stats.num_rounds < len(expected) - 8
+
+
 def test_a_batch_mixes_json_and_text_rows(byte_targets):
     """Rows with and without the grammar in one continuous batch each give what they give alone."""
     target = byte_targets["qwen3"]

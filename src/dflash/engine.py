@@ -26,7 +26,7 @@ import torch
 from .control import Calibration, CostModel, DraftController, TreeCalibration, batch_width, expected_accepted
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
-from .methods.base import TABLE_LABEL, Draft, Proposer
+from .methods.base import GRAMMAR_LABEL, TABLE_LABEL, Draft, Proposer
 from .prefixes import PrefixCache
 from . import trees
 from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
@@ -441,13 +441,14 @@ class Engine:
 
     @staticmethod
     def _lookup(seq: Sequence, shared: bool = False) -> Plan:
-        """The round's plan with the free lookup's drafts (verified = 0 where there is no lookup or none pays).
-        `shared`: the batch decides how many to verify; `verified` is every draft, `value` their expected accepted
-        count."""
-        lookup = seq.proposer.lookup
-        if lookup is None or seq.controller.whole_blocks:
-            return Plan(Draft([]), 0)
-        draft = within_grammar(seq, lookup.propose(seq.sequence, limit=seq.proposer.max_draft))
+        """The round's plan with free drafts (verified = 0 where there are none or none pays): the lookup's, or the
+        bytes the sequence's grammar forces, whichever is worth more. `shared`: the batch decides how many to
+        verify; `verified` is every draft, `value` their expected accepted count."""
+        plans = [Engine._lookup_plan(seq, draft, shared) for draft in free_drafts(seq)]
+        return max(plans, key=lambda plan: plan.value, default=Plan(Draft([]), 0))
+
+    @staticmethod
+    def _lookup_plan(seq: Sequence, draft: Draft, shared: bool) -> Plan:
         if shared:
             chances = seq.controller.acceptance(len(draft.tokens), None, draft.label, lookup=True)
             return Plan(draft, len(chances), lookup=True, value=expected_accepted(chances)[-1], chances=chances)
@@ -823,6 +824,21 @@ def plain_greedy(seq: Sequence) -> bool:
 def screenable(seq: Sequence) -> bool:
     """Greedy without penalties: the screen's argmax (with a grammar, checked against its mask: _grammar_checked)."""
     return seq.config.sampling.greedy and not seq.config.sampling.penalized
+
+
+def free_drafts(seq: Sequence) -> list[Draft]:
+    """Drafts that cost no drafter pass: the proposer's lookup's (prompt lookup beside a drafter), and those the
+    sequence's grammar forces (a key's name once its quote is open); none in whole-block mode."""
+    if seq.controller.whole_blocks or seq.proposer.max_draft == 0:
+        return []
+    drafts = []
+    if seq.proposer.lookup is not None:
+        drafts.append(within_grammar(seq, seq.proposer.lookup.propose(seq.sequence, limit=seq.proposer.max_draft)))
+    if seq.grammar is not None:
+        forced = seq.grammar.forced(seq.output)[: seq.proposer.max_draft]
+        if forced:
+            drafts.append(Draft(forced, label=GRAMMAR_LABEL))
+    return drafts
 
 
 def within_grammar(seq: Sequence, draft: Draft) -> Draft:

@@ -31,6 +31,8 @@ from .grammar import DONE, JSON_OBJECT, START_STATE, STRING, JsonGrammar, compil
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
+FORCED_BYTES = 64  # the longest run of forced bytes drafted at once
+FORCED_STATES = 4096  # forced runs kept per vocabulary
 
 
 # ---- the vocabulary as bytes ---------------------------------------------------------------------------------------
@@ -102,6 +104,11 @@ class JsonVocabulary:
         self.special_ids = [i for p, i in everything if i not in plain_set]
         self.masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.max_masks = max(16, MASK_CACHE_BYTES // max(1, self.size))
+        self.by_bytes: dict[bytes, int] = {}
+        for piece, token in zip(self.all_keys, self.all_ids):
+            self.by_bytes.setdefault(piece, token)
+        self.longest = max(map(len, self.all_keys), default=0)
+        self.forced_runs: dict[tuple, list[int]] = {}
 
     def advance(self, grammar: JsonGrammar, state: tuple | None, token: int) -> tuple | None:
         if state is None or token >= self.size or self.pieces[token] is None:
@@ -126,6 +133,36 @@ class JsonVocabulary:
         if len(self.masks) > self.max_masks:
             self.masks.popitem(last=False)
         return mask
+
+    def forced(self, grammar: JsonGrammar, state: tuple) -> list[int]:
+        """Tokens for the bytes the grammar forces after `state` (each the only byte it allows: a key's name once its
+        quote is open, where the schema leaves one), cut greedily into the longest tokens inside them; [] where the
+        next byte is free."""
+        key = (grammar.key, state)
+        tokens = self.forced_runs.get(key)
+        if tokens is not None:
+            return tokens
+        run = bytearray()
+        while len(run) < FORCED_BYTES:
+            only = _only_byte(grammar, state)
+            if only is None:
+                break
+            run.append(only[0])
+            state = only[1]
+        tokens, at = [], 0
+        while at < len(run):
+            for length in range(min(self.longest, len(run) - at), 0, -1):
+                token = self.by_bytes.get(bytes(run[at: at + length]))
+                if token is not None:
+                    tokens.append(token)
+                    at += length
+                    break
+            else:
+                break
+        if len(self.forced_runs) >= FORCED_STATES:
+            self.forced_runs.clear()
+        self.forced_runs[key] = tokens
+        return tokens
 
     @staticmethod
     def _walk(grammar: JsonGrammar, state: tuple, keys: list[bytes], ids: list[int]) -> list[int]:
@@ -152,6 +189,18 @@ class JsonVocabulary:
             allowed.append(ids[i])
             i += 1
         return allowed
+
+
+def _only_byte(grammar: JsonGrammar, state: tuple) -> tuple[int, tuple] | None:
+    """(the byte, the state after it) where the grammar allows one byte only after `state`, else None."""
+    only = None
+    for byte in range(256):
+        following = grammar.feed(state, byte)
+        if following is not None:
+            if only is not None:
+                return None
+            only = (byte, following)
+    return only
 
 
 @functools.lru_cache(maxsize=4)
@@ -195,6 +244,11 @@ class JsonConstraint:
             if state is None:
                 return count
         return len(draft)
+
+    def forced(self, output: list[int]) -> list[int]:
+        """Tokens of the bytes the grammar forces after the committed `output` (JsonVocabulary.forced)."""
+        self.commit(output)
+        return [] if self.state[0] == DONE else self.vocabulary.forced(self.grammar, self.state)
 
     def mask(self, output: list[int], past: list[int]) -> torch.Tensor:
         """Bool [vocab] of the tokens allowed after the committed `output` and then `past` (a block's drafts before

@@ -27,6 +27,8 @@ SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 # the label of drafts from a target's continuation table (methods/continuations.py): a match of no prompt tokens,
 # calibrated apart from prompt lookup's (labelled by their match's length), and counted apart in the stats
 TABLE_LABEL = 0
+# the label of drafts a grammar forces (structured.py: a key's name once its quote is open), calibrated apart too
+GRAMMAR_LABEL = -1
 
 
 @dataclass
