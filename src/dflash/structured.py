@@ -28,6 +28,7 @@ import torch
 
 from .errors import UserError
 from .grammar import DONE, JSON_OBJECT, START_STATE, STRING, JsonGrammar, compile_schema
+from .logprobs import BYTE_TOKEN, byte_level_alphabet
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
@@ -36,14 +37,6 @@ FORCED_STATES = 4096  # forced runs kept per vocabulary
 
 
 # ---- the vocabulary as bytes ---------------------------------------------------------------------------------------
-
-def byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte -> the byte (GPT-2's scheme: printable bytes stand for
-    themselves, the others are shifted past 255 in order)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    shifted = iter(range(256, 512))
-    return {chr(b if b in printable else next(shifted)): b for b in range(256)}
-
 
 def token_pieces(tokenizer, size: int) -> list[bytes | None]:
     """Each token id's bytes, None for special tokens and ids past the tokenizer; raises UserError for a tokenizer
@@ -64,8 +57,8 @@ def token_pieces(tokenizer, size: int) -> list[bytes | None]:
             pieces[index] = None if added[index].special else added[index].content.encode()
         elif alphabet is not None:
             pieces[index] = bytes(alphabet[c] for c in token) if all(c in alphabet for c in token) else None
-        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-            pieces[index] = bytes([int(token[3:5], 16)])
+        elif match := BYTE_TOKEN.fullmatch(token):
+            pieces[index] = bytes([int(match.group(1), 16)])
         else:
             pieces[index] = token.replace("\u2581", " ").encode()
     return [piece or None for piece in pieces]

@@ -47,7 +47,7 @@ def tiny_byte_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from .structured import byte_level_alphabet
+    from .logprobs import byte_level_alphabet
 
     alphabet = sorted(byte_level_alphabet(), key=byte_level_alphabet().get)
     merged = ["".join(pair) for pair in BYTE_MERGES]
