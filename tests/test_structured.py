@@ -164,7 +164,8 @@ def test_a_schema_grammar_takes_valid_documents_in_the_schemas_order_and_refuses
     pet = '{"name": "Tom", "age": 3, "color": "red", "weight": 4.5, "vaccinated": true%s}'
     good = ['{"pets": [%s], "rating": 12}' % (pet % ""),
             '{"pets": [%s, %s], "rating": 123, "friend": null}' % (pet % ', "nickname": null', pet % ', "tags": []'),
-            '{"pets": [%s], "rating": 1, "friend": {"pets": [%s], "rating": 12}}' % (pet % "", pet % ', "tags": ["bb"]')]
+            '{"pets": [%s], "rating": 1, "friend": {"pets": [%s], "rating": 12}}'
+            % (pet % "", pet % ', "tags": ["bb"]')]
     bad = ['{"pets": [], "rating": 12}',  # minItems 1
            '{"pets": [%s], "rating": 2}' % (pet % ""),  # not in the enum
            '{"pets": [%s], "rating": 1.0}' % (pet % ""),
@@ -557,7 +558,8 @@ def test_bench_constrains_every_method_alike(tmp_path, capsys, monkeypatch):
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (PROMPT, "A JSON list of dogs, please.")))
     out = tmp_path / "out"
     argv = ["bench", "--target", "tiny-llama-bytes", "--device", "cpu", "--dataset", str(data), "--max-new-tokens",
-            "24", "--out", str(out), "--no-progress", "--methods", "ar,ngram,dflash", "--json-schema", json.dumps(SCHEMA)]
+            "24", "--out", str(out), "--no-progress", "--methods", "ar,ngram,dflash",
+            "--json-schema", json.dumps(SCHEMA)]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["greedy_mismatches"] == 0 and results["response_format"] == "json_schema"
@@ -571,3 +573,28 @@ def test_bench_constrains_every_method_alike(tmp_path, capsys, monkeypatch):
     for bad, fragment in ((["--methods", "ar,hf"], "hf cannot constrain"), (["--ignore-eos"], "--ignore-eos cannot")):
         assert main(argv[:-4] + ["--methods", "ar", "--json-schema", json.dumps(SCHEMA)] + bad) == 2
         assert fragment in capsys.readouterr().err
+
+
+def test_batch_rows_carry_their_own_response_format(tmp_path, capsys):
+    from dflash.cli import main
+
+    target = tiny_target("qwen2", vocab_size=VOCAB, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
+    rows = [{"id": "free", "prompt": PROMPT},
+            {"id": "object", "prompt": PROMPT, "response_format": {"type": "json_object"}},
+            {"id": "schema", "prompt": PROMPT, "response_format": {"type": "json_schema",
+                                                                    "json_schema": {"name": "s", "schema": SCHEMA}}}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["batch", str(source), "--output", str(tmp_path / "out.jsonl"), "--target", "tiny-qwen2-bytes",
+            "--max-new-tokens", "24", "--max-batch", "3", "--no-progress"]
+    assert main(argv) == 0
+    texts = {row["id"]: row["text"] for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    ids = target.encode_messages([{"role": "user", "content": PROMPT}])
+    for rid, grammar in (("object", JSON_OBJECT), ("schema", compile_schema(SCHEMA))):
+        expected = plain_constrained_loop(target, ids, SamplingConfig(), max_new=24, grammar=grammar)
+        assert texts[rid] == target.tokenizer.decode(expected, skip_special_tokens=True), rid
+    assert texts["free"] == SpeculativeDecoder(target).generate(ids, GenerationConfig(24)).text
+    source.write_text(json.dumps({"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}}}}) + "\n")
+    assert main(argv[:3] + [str(tmp_path / "other.jsonl")] + argv[4:]) == 2
+    assert "in.jsonl:1: #/properties/a: format cannot be enforced" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .errors import UserError
@@ -23,15 +24,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
     add_method_arguments(p)
     add_sampling_arguments(p)
-    p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line")
+    p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
+                   "a row's `response_format` (OpenAI's) constrains its answer alone")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
     p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
     p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def read_requests(path: Path) -> list[tuple[str, list[dict]]]:
-    """(id, conversation) for every row; UserError naming the line for a row without a prompt or a repeated id"""
+def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None]]:
+    """(id, conversation, its own output format or None) for every row; UserError naming the line for a row without a
+    prompt, a repeated id or a format that cannot be enforced"""
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
     requests, seen = [], set()
@@ -43,10 +46,31 @@ def read_requests(path: Path) -> list[tuple[str, list[dict]]]:
         if rid in seen:
             raise UserError(f"{path}:{line_no} repeats the id {rid!r}: ids must be unique to resume a run")
         seen.add(rid)
-        requests.append((rid, messages))
+        requests.append((rid, messages, row_format(row, f"{path}:{line_no}")))
     if not requests:
         raise UserError(f"{path} holds no prompts")
     return requests
+
+
+def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
+    """A row's own structured output, OpenAI's `response_format`: {"type": "json_object"}, {"type": "json_schema",
+    "json_schema": {"schema": {...}}} or {"type": "text"}, as (response_format, json_schema); None: the command
+    line's. Checked (the schema compiled) before the target loads."""
+    from .structured import output_grammar
+
+    given = row.get("response_format")
+    if given is None:
+        return None
+    if not isinstance(given, dict) or not isinstance(given.get("json_schema", {}), dict):
+        raise UserError(f"{where}: response_format must be an object such as {{\"type\": \"json_object\"}}")
+    kind = given.get("type")
+    schema = given.get("json_schema", {}).get("schema") if kind == "json_schema" else None
+    chosen = (None if kind == "text" else kind, schema)
+    try:
+        output_grammar(*chosen)
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    return chosen
 
 
 def answered_ids(output: Path) -> set[str]:
@@ -85,7 +109,7 @@ def run(args) -> int:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     requests, output = read_requests(Path(args.input)), Path(args.output)
     done = answered_ids(output)
-    todo = [(rid, messages) for rid, messages in requests if rid not in done]
+    todo = [request for request in requests if request[0] not in done]
     if done:
         print(f"[dflash] {len(requests) - len(todo)} of {len(requests)} answers already in {output}; "
               f"{len(todo)} to go", file=sys.stderr)
@@ -95,7 +119,9 @@ def run(args) -> int:
     target, proposer = load_method(args, config)
     engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
     settle_heap()
-    ids = {rid: encode(target, messages, not args.no_chat) for rid, messages in todo}
+    ids = {rid: encode(target, messages, not args.no_chat) for rid, messages, _ in todo}
+    configs = {rid: config if own is None else replace(config, response_format=own[0], json_schema=own[1])
+               for rid, _, own in todo}
     for rid, prompt in ids.items():
         try:
             engine.budget(prompt)
@@ -105,7 +131,7 @@ def run(args) -> int:
     written, tokens, start = 0, 0, time.perf_counter()
     with kill_stops_like_ctrl_c(), output.open("a", encoding="utf-8") as out, \
             tqdm(total=len(todo), unit="prompt", disable=args.no_progress, file=sys.stderr) as bar:
-        owner = {id(engine.submit(prompt, config)): rid for rid, prompt in ids.items()}
+        owner = {id(engine.submit(prompt, configs[rid])): rid for rid, prompt in ids.items()}
         try:
             with target.weights_held():
                 while engine.busy:
