@@ -583,7 +583,7 @@ class Engine:
             n += [n[0]] * (width - len(n))
         starts = [len(seq.sequence) - 1 for seq in rows]
         cache, started = self._before_pass(starts, width)
-        screened = self.target.screens and all(plain_greedy(seq) for seq in rows)
+        screened = self.target.screens and all(screenable(seq) for seq in rows)
         device = self.target.device
         out = self.target.forward(torch.tensor(nodes, device=device), cache, rows[0].proposer.feature_layers,
                                   logits_at="hidden" if screened or self.target.defers_logits else "all",
@@ -605,10 +605,13 @@ class Engine:
                 walked.append(trees.walk(parents[i], nodes[i], lambda path, i=i: greedy[i][path[-1]]))
                 continue
 
-            def pick(path, i=i, seq=seq):  # sampled given the path (the nodes it visits only), seeded by position
-                history = seq.sequence + [nodes[i][k] for k in path[1:]]
+            def pick(path, i=i, seq=seq):  # given the path (the nodes it visits only); a sample seeded by position
+                past = [nodes[i][k] for k in path[1:]]
+                if screened:  # greedy under a grammar: the screen's token where the grammar allows it
+                    hidden = out.hidden[i, path[-1]: path[-1] + 1]
+                    return self._grammar_checked(seq, [greedy[i][path[-1]]], hidden, past, len(past))[0]
                 at = logits_at(i, slice(path[-1], path[-1] + 1))[None]
-                return self._choose(at, [seq], [1], drafts=[[]], history=history)[0][0]
+                return self._choose(at, [seq], [1], drafts=[[]], history=seq.sequence + past)[0][0]
             walked.append(trees.walk(parents[i], nodes[i], pick))
         verify_seconds = self._after_pass(started, planned, starts, width, catching_up)
         for i, (seq, (path, bonus)) in enumerate(zip(rows, walked)):
