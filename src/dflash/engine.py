@@ -92,7 +92,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus included)
     draft_lengths: list[int] = field(default_factory=list)  # drafts verified per round (the controller's choice)
     skipped_drafting: int = 0  # rounds the controller ran without drafting (drafting did not pay)
-    lookup_rounds: int = 0  # rounds that verified a free lookup's drafts (dflash+ngram) instead of the drafter's
+    lookup_rounds: int = 0  # rounds that verified free drafts (a lookup's, a grammar's forced bytes), not the drafter's
     table_rounds: int = 0  # rounds that verified drafts of the target's continuation table (ngram's or a lookup's)
     ttft_s: float = 0.0
     total_s: float = 0.0
