@@ -12,7 +12,8 @@ import torch
 from conftest import ARCHS, OracleProposer, OracleTree, RandomProposer
 from dflash.engine import Engine, GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
-from dflash.methods.base import Draft, Proposer
+from dflash.loading import build_proposer
+from dflash.methods.base import Draft, MethodOptions, Proposer
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
@@ -272,6 +273,8 @@ def proposers(target, reference, prompt_len):
         "ar": Proposer(), "ngram": NgramProposer(max_draft=7), "random": RandomProposer(target.vocab_size, 15),
         "oracle": OracleProposer(reference, prompt_len, 15), "dflash": DFlashProposer(make_drafter(target, 8), target),
         "tree": OracleTree(reference, prompt_len, 12, target.vocab_size),
+        "eagle3": build_proposer("eagle3", target, MethodOptions(block_size=8))[0],
+        "dflash+ngram": build_proposer("dflash+ngram", target, MethodOptions(block_size=8))[0],
     }
 
 
