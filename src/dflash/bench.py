@@ -571,6 +571,7 @@ def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
 def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool, runners: dict) -> dict:
     ar = totals["ar"]
     summaries = {m: totals[m].summary(m, ar) for m in methods}
+    response_format, json_schema = output_format(args)
     results = {
         "target": args.target,
         "device": str(target.device),
@@ -599,8 +600,8 @@ def collect_results(args, target, prompts, path, methods, totals, mismatches, gr
         # greedy rounds' tokens through a screen of the LM head (models/screening.py), or the whole head (None)
         "greedy_screen": target.screen_kind if target.screens else None,
         "ignore_eos": args.ignore_eos,
-        "response_format": output_format(args)[0] or "text",
-        "json_schema": output_format(args)[1],
+        "response_format": response_format or "text",
+        "json_schema": json_schema,
         "dataset_file": str(path),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args),

@@ -649,10 +649,13 @@ class Engine:
                 before = (history or seq.sequence) + drafts[i][:offset]
                 row_logits = penalized_logits(row_logits, cfg, before, len(seq.prompt_ids), block)
             first, picked = len(history or seq.sequence) + offset, []
+            if seq.grammar is not None:  # the tokens past the committed output before this block's first position
+                row_drafts = drafts[i] if drafts is not None else []
+                past = (history or seq.sequence)[len(seq.prompt_ids) + len(seq.output):] + row_drafts[:offset]
             for j in range(w):
                 at = row_logits[j: j + 1]
                 if seq.grammar is not None:
-                    at = grammar_masked(at, seq, (history or seq.sequence) + (drafts[i] if drafts else [])[:offset + j])
+                    at = grammar_masked(at, seq, past + row_drafts[offset: offset + j])
                 picked += pick_tokens(at, cfg, first + j).tolist()
                 if block is not None and (j >= len(block) or picked[-1] != block[j]):
                     break
@@ -856,10 +859,9 @@ def within_grammar(seq: Sequence, draft: Draft) -> Draft:
     return Draft(draft.tokens[:keep], confidence, draft.label)
 
 
-def grammar_masked(logits: torch.Tensor, seq: Sequence, before: list[int]) -> torch.Tensor:
-    """`logits` of the position after `before` (the prompt, the committed output, then drafts), with the tokens the
-    sequence's grammar refuses there at -inf."""
-    past = before[len(seq.prompt_ids) + len(seq.output):]
+def grammar_masked(logits: torch.Tensor, seq: Sequence, past: list[int]) -> torch.Tensor:
+    """`logits` of the position after the committed output and `past` (drafts), with the tokens the sequence's
+    grammar refuses there at -inf."""
     return logits.masked_fill(~seq.grammar.mask(seq.output, past).to(logits.device), float("-inf"))
 
 

@@ -77,7 +77,7 @@ class Node:
 
 ANY, ANY_OBJECT, ANY_ARRAY = 0, 1, 2
 BUILTIN_NODES = [Node("any"), Node("object", free=ANY), Node("array", items=ANY)]
-LITERALS = Node("choice", choices=(b"true", b"false", b"null"))
+LITERALS = (b"true", b"false", b"null")
 
 
 def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
@@ -220,7 +220,7 @@ class JsonGrammar:
             if ord("0") <= byte <= ord("9"):
                 return (ZERO if byte == ord("0") else INTEGER, integer, 0, stack)
         if generic or node.kind in ("boolean", "null"):
-            literals = LITERALS.choices if generic else (b"true", b"false") if node.kind == "boolean" else (b"null",)
+            literals = LITERALS if generic else (b"true", b"false") if node.kind == "boolean" else (b"null",)
             return self._choice(literals, 0, False, stack, byte)
         return None
 

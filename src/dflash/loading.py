@@ -33,9 +33,9 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
             raise UserError(f"unknown tiny target {spec!r}; use {', '.join('tiny-' + a for a in TINY_ARCHS)}")
         if dtype not in TARGET_DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")
-        bytes_ = spec.endswith("-bytes")
-        target = tiny_target(arch, vocab_size=320 if bytes_ else 64, logit_scale=4.0,
-                             tokenizer="bytes" if bytes_ else "words")
+        byte_level = spec.endswith("-bytes")
+        target = tiny_target(arch, vocab_size=320 if byte_level else 64, logit_scale=4.0,
+                             tokenizer="bytes" if byte_level else "words")
         target.measure, target.release_plain = False, release_plain
         target.model.to(TARGET_DTYPES[dtype])
         if dtype == "int8":

@@ -1,0 +1,57 @@
+"""What structured output costs to set up and per grammar state: the vocabulary read as bytes (once per tokenizer),
+then each state's mask (once per grammar and state), timed on the states a document's prefixes pass through.
+
+Usage: .venv/bin/python scripts/grammar_masks.py [NAME ...]   (registry targets; default: smollm2-135m gemma3-270m,
+those fetched here). Prints, per target: the vocabulary's size, the seconds to read it, and the median and largest
+milliseconds of a new state's mask under JSON mode and under docs/data/session56/items_schema.json.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from dflash.grammar import JSON_OBJECT, START_STATE, compile_schema
+from dflash.hub import converted_dir
+from dflash.structured import JsonVocabulary, token_pieces
+
+SCHEMA = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56" / "items_schema.json"
+DOCUMENT = ('{"title": "Breakfast", "items": [{"name": "Oats", "details": "with milk, \\u00e9t\\u00e9", "amount": '
+            '1.5e2}, {"name": "Tea", "details": "green"}], "confidence": "high"}')
+
+
+def mask_times(vocabulary: JsonVocabulary, grammar) -> list[float]:
+    """Milliseconds of each distinct state's first mask along DOCUMENT's prefixes."""
+    times, state = [], START_STATE
+    for byte in DOCUMENT.encode():
+        if (grammar.key, state) not in vocabulary.masks:
+            started = time.perf_counter()
+            vocabulary.allowed(grammar, state)
+            times.append(1000 * (time.perf_counter() - started))
+        state = grammar.feed(state, byte)
+    return times
+
+
+def main() -> None:
+    for name in sys.argv[1:] or ["smollm2-135m", "gemma3-270m"]:
+        folder = converted_dir(name)
+        if not folder.exists():
+            print(f"{name}: not fetched here (dflash fetch {name})")
+            continue
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        started = time.perf_counter()
+        vocabulary = JsonVocabulary(token_pieces(tokenizer, len(tokenizer)))
+        read = time.perf_counter() - started
+        line = f"{name}: {vocabulary.size} tokens read as bytes in {read:.2f} s"
+        for label, grammar in (("JSON mode", JSON_OBJECT), ("schema", compile_schema(json.loads(SCHEMA.read_text())))):
+            times = mask_times(vocabulary, grammar)
+            line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
+                     f"{max(times):.1f} ms at most")
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
