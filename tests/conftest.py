@@ -43,6 +43,14 @@ def tiny_targets():
     return {arch: tiny_target(arch, logit_scale=4.0) for arch in ARCHS}
 
 
+@pytest.fixture(scope="session")
+def byte_targets():
+    """Tiny targets with a byte-level tokenizer of 320 tokens, which can write JSON (structured output, tools)."""
+    from dflash.testing import tiny_target
+
+    return {arch: tiny_target(arch, vocab_size=320, logit_scale=4.0, tokenizer="bytes") for arch in ARCHS}
+
+
 class OracleProposer(Proposer):
     """Proposes the target's own (known) continuation: every draft is accepted."""
 

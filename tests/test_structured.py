@@ -17,7 +17,7 @@ from dflash.methods.base import Draft, MethodOptions, Proposer
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
-from dflash.grammar import DONE, JSON_OBJECT, MAX_SPACES, START_STATE, compile_schema, complete
+from dflash.grammar import DONE, JSON_OBJECT, MAX_SPACES, START_STATE, TEXT, compile_schema, complete
 from dflash.structured import JsonVocabulary, json_vocabulary, token_pieces
 from dflash.testing import tiny_byte_tokenizer, tiny_target
 from test_engine import make_drafter
@@ -38,11 +38,6 @@ def strict_object(text: str) -> bool:
         return isinstance(json.loads(text, parse_constant=refuse), dict)
     except ValueError:
         return False
-
-
-@pytest.fixture(scope="module")
-def byte_targets():
-    return {arch: tiny_target(arch, vocab_size=VOCAB, logit_scale=4.0, tokenizer="bytes") for arch in ARCHS}
 
 
 def structure_bias(target, strong: bool = True) -> dict[int, float]:
@@ -184,7 +179,8 @@ def test_a_schema_grammar_takes_valid_documents_in_the_schemas_order_and_refuses
 
 @pytest.mark.parametrize("schema, fragment", [
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "pattern cannot be enforced"),
-    ({"type": "array", "items": {"type": "integer"}}, "an object at its root"),
+    ({"type": "string"}, "or an array at its root"),
+    ({"anyOf": [{"type": "object"}, {"type": "integer"}]}, "or an array at its root"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}, "start alike"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "points at nothing"),
     ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only local $refs"),
@@ -248,7 +244,8 @@ def test_masks_are_every_token_fed_byte_by_byte():
 def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new=MAX_NEW,
                            grammar=JSON_OBJECT) -> list[int]:
     """One transformers forward per token over the whole sequence; the allowed tokens found by feeding each token's
-    bytes after the text so far; end-of-sequence only once the object is whole."""
+    bytes after the text so far; end-of-sequence only once the object is whole (or, for a grammar with free text
+    otherwise, where the output is text); any token in free text."""
     pieces = token_pieces(target.tokenizer, target.vocab_size)
     eos = set(target.eos_token_ids)
     sequence = list(prompt_ids)
@@ -257,9 +254,10 @@ def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new
             logits = target.model(torch.tensor([sequence])).logits[0, -1:].float()
         for token, bias in sampling.logit_bias.items():
             logits[0, token] += bias
-        state = grammar.feed_bytes(START_STATE, b"".join(pieces[t] for t in sequence[len(prompt_ids):]))
-        allowed = [t in eos if complete(state) else pieces[t] is not None
-                   and grammar.feed_bytes(state, pieces[t]) is not None for t in range(target.vocab_size)]
+        state = grammar.feed_bytes(START_STATE, b"".join(pieces[t] or b"" for t in sequence[len(prompt_ids):]))
+        allowed = [state[0] == TEXT or (t in eos and grammar.may_end(state)) or not complete(state)
+                   and pieces[t] is not None and grammar.feed_bytes(state, pieces[t]) is not None
+                   for t in range(target.vocab_size)]
         logits[0, ~torch.tensor(allowed)] = float("-inf")
         token = int(pick_tokens(logits, sampling, len(sequence))[0])
         sequence.append(token)
@@ -456,7 +454,7 @@ def test_bad_settings_are_refused(byte_targets):
 
 
 # ---- the CLI and the server ----------------------------------------------------------------------------------------
-def test_the_server_answers_in_json_mode_and_by_schema_and_refuses_tools(byte_targets):
+def test_the_server_answers_in_json_mode_and_by_schema(byte_targets):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from dflash.serving import BackgroundServer, create_app
@@ -491,9 +489,6 @@ def test_the_server_answers_in_json_mode_and_by_schema_and_refuses_tools(byte_ta
                 "type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}}})
         with pytest.raises(openai.BadRequestError, match="needs its json_schema"):
             ask(response_format={"type": "json_schema"})
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        with pytest.raises(openai.BadRequestError, match="tools"):
-            ask(tools=[tool])
 
 
 def test_the_server_says_when_the_tokenizer_cannot_do_json(tiny_targets):

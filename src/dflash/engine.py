@@ -61,7 +61,8 @@ class GenerationConfig:
     # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens after its first
-    # "json_object": the output is always (a prefix of) a JSON object; "json_schema": one that `json_schema` allows
+    # "json_object": the output is always (a prefix of) a JSON object; "json_schema": one that `json_schema` allows;
+    # "json_schema_or_text": free text, or such a document where the output starts like one (tool calls: tools.py)
     response_format: str | None = None
     json_schema: dict | None = None
 
@@ -153,6 +154,7 @@ class GenerationResult:
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when the config asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked
+    tool_calls: list[dict] | None = None  # a chat reply that called tools (LLM.chat with tools; tools.py)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .errors import UserError
 MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
 
 (START, OBJECT_OPEN, KEY_NEXT, COLON, VALUE, ARRAY_OPEN, AFTER_VALUE, STRING, ESCAPE, UNICODE, UTF8, MINUS, ZERO,
- INTEGER, POINT, FRACTION, EXP_MARK, EXP_SIGN, EXPONENT, CHOICE, DONE) = range(21)
+ INTEGER, POINT, FRACTION, EXP_MARK, EXP_SIGN, EXPONENT, CHOICE, DONE, TEXT) = range(22)
 WHITESPACE = frozenset(b" \t\n\r")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
@@ -50,7 +50,8 @@ START_STATE = (START, 0, 0, ())
 
 @dataclass(frozen=True)
 class Node:
-    """One schema node. kind: any, object, array, string, number, integer, boolean, null, choice or union."""
+    """One schema node. kind: any, object, array, string, number, integer, boolean, null, choice, union or tagged
+    (objects told apart by their first property, a constant: the value read there picks the object's node)."""
 
     kind: str
     keys: tuple[bytes, ...] = ()  # object: its properties' names as JSON writes them, quotes included, in order
@@ -60,11 +61,12 @@ class Node:
     items: int = -1  # array: the node of its items
     min_items: int = 0
     max_items: int | None = None
-    choices: tuple[bytes, ...] = ()  # choice: the values as JSON writes them
+    choices: tuple[bytes, ...] = ()  # choice, tagged: the values as JSON writes them
+    branches: tuple[int, ...] = ()  # tagged: the object node each of `choices` picks
 
     def first_bytes(self, nodes: list[Node], within: frozenset = frozenset()) -> frozenset[int]:
         """The bytes a value of this node can start with (unions need their alternatives' to be apart)."""
-        starts = {"any": b'{["-0123456789tfn', "object": b"{", "array": b"[", "string": b'"', "boolean": b"tf",
+        starts = {"any": b'{["-0123456789tfn', "object": b"{", "tagged": b"{", "array": b"[", "string": b'"', "boolean": b"tf",
                   "number": b"-0123456789", "integer": b"-0123456789", "null": b"n"}
         if self.kind == "choice":
             return frozenset(c[0] for c in self.choices)
@@ -93,11 +95,16 @@ def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
 
 
 class JsonGrammar:
-    """The automaton of one grammar: `nodes` (BUILTIN_NODES first) and the root object's node. `key` names the
-    grammar in mask caches."""
+    """The automaton of one grammar: `nodes` (BUILTIN_NODES first) and the root's node (an object or an array).
+    `key` names the grammar in mask caches. `text_otherwise`: an output whose first byte cannot start the document
+    is free text instead (TEXT takes any byte; a reply that may call tools or answer in words)."""
 
-    def __init__(self, nodes: list[Node], root: int, key: str):
-        self.nodes, self.root, self.key = nodes, root, key
+    def __init__(self, nodes: list[Node], root: int, key: str, text_otherwise: bool = False):
+        self.nodes, self.root, self.key, self.text_otherwise = nodes, root, key, text_otherwise
+
+    def may_end(self, state: tuple) -> bool:
+        """Whether the output may end after `state`: the document is whole, or the output is free text."""
+        return state[0] in (DONE, TEXT) or state[0] == START and self.text_otherwise
 
     def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
         for byte in data:
@@ -109,6 +116,8 @@ class JsonGrammar:
     def feed(self, state: tuple, byte: int) -> tuple | None:
         """The state after one more byte, or None where no valid document continues that way."""
         mode, aux, spaces, stack = state
+        if mode == TEXT:
+            return state
         if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value
             if byte == QUOTE:
                 if aux:
@@ -154,7 +163,8 @@ class JsonGrammar:
     def _structural(self, mode: int, aux, stack: tuple, byte: int) -> tuple | None:
         """A byte other than whitespace where the grammar expects punctuation or a value."""
         if mode == START:
-            return (OBJECT_OPEN, 0, 0, (("o", self.root, -1),)) if byte == ord("{") else None
+            opened = self._value_start(self.root, (), byte)
+            return (TEXT, 0, 0, ()) if opened is None and self.text_otherwise else opened
         if mode == COLON:  # aux: the value's node
             return (VALUE, aux, 0, stack) if byte == ord(":") else None
         if mode == VALUE:
@@ -207,7 +217,7 @@ class JsonGrammar:
         if node.kind == "choice":
             return self._choice(node.choices, 0, False, stack, byte)
         generic = node.kind == "any"
-        if byte == ord("{") and (generic or node.kind == "object"):
+        if byte == ord("{") and (generic or node.kind in ("object", "tagged")):
             return (OBJECT_OPEN, 0, 0, stack + (("o", ANY_OBJECT if generic else at, -1),))
         if byte == ord("[") and (generic or node.kind == "array"):
             return (ARRAY_OPEN, 0, 0, stack + (("a", ANY_ARRAY if generic else at, 0),))
@@ -243,10 +253,12 @@ class JsonGrammar:
         return (CHOICE, (going, at + 1, key), 0, stack)
 
     def _after_choice(self, chosen: bytes, key: bool, stack: tuple) -> tuple:
-        if not key:
-            return (AFTER_VALUE, 0, 0, stack)
         _, at, _ = stack[-1]
         node = self.nodes[at]
+        if not key:
+            if node.kind == "tagged":  # the first property's value: the object goes on as the node it picks
+                return (AFTER_VALUE, 0, 0, stack[:-1] + (("o", node.branches[node.choices.index(chosen)], 0),))
+            return (AFTER_VALUE, 0, 0, stack)
         index = node.keys.index(chosen)
         return (COLON, node.values[index], 0, stack[:-1] + (("o", at, index),))
 
@@ -265,33 +277,34 @@ JSON_OBJECT = JsonGrammar(BUILTIN_NODES, ANY_OBJECT, "json_object")
 
 # ---- JSON Schema -> nodes ------------------------------------------------------------------------------------------
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
-               "writeOnly", "$defs", "definitions", "strict"}
+               "writeOnly", "$defs", "definitions", "strict", "discriminator"}
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
             "anyOf", "oneOf", "$ref"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(text: str) -> JsonGrammar:
+def _compiled(text: str, text_otherwise: bool) -> JsonGrammar:
     schema = json.loads(text)
     compiler = _SchemaCompiler(schema)
     root = compiler.node(schema, "#")
     compiler.check_unions()
-    if compiler.nodes[root].kind != "object":
-        raise UserError("a JSON schema for structured output must describe an object at its root (as OpenAI's "
-                        "json_schema asks)")
-    return JsonGrammar(compiler.nodes, root, "schema:" + text)
+    if not compiler.nodes[root].first_bytes(compiler.nodes) <= {ord("{"), ord("[")}:
+        raise UserError("a JSON schema for structured output must describe an object (as OpenAI's json_schema asks) "
+                        "or an array at its root")
+    return JsonGrammar(compiler.nodes, root, f"schema{'-or-text' if text_otherwise else ''}:{text}", text_otherwise)
 
 
-def compile_schema(schema) -> JsonGrammar:
-    """The grammar of the objects `schema` (a JSON Schema, as a dict) allows; UserError for what it cannot enforce."""
+def compile_schema(schema, text_otherwise: bool = False) -> JsonGrammar:
+    """The grammar of the documents `schema` (a JSON Schema, as a dict) allows; UserError for what it cannot enforce.
+    `text_otherwise`: free text too, where the output's first byte cannot start a document (JsonGrammar)."""
     if not isinstance(schema, dict):
         raise UserError(f"a JSON schema must be an object, got {type(schema).__name__}")
     try:
         text = json.dumps(schema)  # its properties in order: they are written in that order
     except (TypeError, ValueError) as error:
         raise UserError(f"the JSON schema is not JSON: {error}") from None
-    return _compiled(text)
+    return _compiled(text, text_otherwise)
 
 
 class _SchemaCompiler:
@@ -299,7 +312,7 @@ class _SchemaCompiler:
         self.document = document
         self.nodes: list[Node | None] = list(BUILTIN_NODES)
         self.refs: dict[str, int] = {}
-        self.unions: list[tuple[int, str]] = []
+        self.unions: dict[int, str] = {}  # union nodes (a $ref's copy of one too) -> their paths
 
     def add(self, node: Node) -> int:
         self.nodes.append(node)
@@ -373,20 +386,49 @@ class _SchemaCompiler:
     def union(self, options: list[int], path: str) -> int:
         if len(options) == 1:
             return options[0]
-        self.unions.append((len(self.nodes), path))  # checked once every node is built (a $ref may be pending)
+        self.unions[len(self.nodes)] = path  # checked once every node is built (a $ref may be pending)
         return self.add(Node("union", values=tuple(options)))
 
     def check_unions(self) -> None:
         """Each union's alternatives must start with different bytes: the first byte then picks one, and the
-        automaton stays deterministic."""
-        for at, path in self.unions:
+        automaton stays deterministic. Objects whose first property is a required constant that differs (a tagged
+        union: a tool call's name, pydantic's discriminated unions) become one node that the constant resolves."""
+        for at, path in self.unions.items():
+            options = self.tagged(self.nodes[at].values)
             seen: set[int] = set()
-            for option in self.nodes[at].values:
+            for option in options:
                 starts = self.nodes[option].first_bytes(self.nodes)
                 if starts & seen:
-                    raise UserError(f"{path}: alternatives that can start alike (two objects, two strings, ...) are "
-                                    "not supported; give them different types")
+                    raise UserError(f"{path}: alternatives that can start alike (two strings, two objects without a "
+                                    "first property that tells them apart, ...) are not supported; give them different "
+                                    "types, or make each object's first property a required const of its own")
                 seen |= starts
+            self.nodes[at] = Node("union", values=tuple(options)) if len(options) > 1 else self.nodes[options[0]]
+
+    def tagged(self, options: tuple[int, ...]) -> tuple[int, ...]:
+        """A union's alternatives with its objects as one tagged node, where their first properties tell them apart
+        (the same name, required, a constant of each object's own); unchanged otherwise."""
+        objects = [o for o in options if self.nodes[o].kind == "object"]
+        if len(objects) < 2:
+            return options
+        firsts = {self.nodes[o].keys[:1] for o in objects}
+        tags = [self.tag_values(self.nodes[o]) for o in objects]
+        if len(firsts) != 1 or not all(tags):
+            return options
+        pairs = [(value, o) for o, values in zip(objects, tags) for value in values]
+        if len({value for value, _ in pairs}) < len(pairs):
+            return options
+        values = tuple(value for value, _ in pairs)
+        tag = self.add(Node("choice", choices=values))
+        node = self.add(Node("tagged", keys=firsts.pop(), values=(tag,), required=(True,), choices=values,
+                             branches=tuple(o for _, o in pairs)))
+        return (node,) + tuple(o for o in options if o not in objects)
+
+    def tag_values(self, node: Node) -> tuple[bytes, ...]:
+        """The values an object's first property may take where it is a required constant (or enum), else ()."""
+        if not node.keys or not node.required[0] or self.nodes[node.values[0]].kind != "choice":
+            return ()
+        return self.nodes[node.values[0]].choices
 
     def reference(self, ref, path: str) -> int:
         if ref in self.refs:  # perhaps still being built: a recursive schema
@@ -405,6 +447,8 @@ class _SchemaCompiler:
         if self.nodes[built] is None:
             raise UserError(f"{path}: $ref {ref} refers to itself with nothing between")
         self.nodes[at] = self.nodes[built]
+        if built in self.unions:  # the copy is a union too: checked (and tagged) as its original
+            self.unions[at] = ref
         return at
 
 

@@ -17,6 +17,7 @@ from .errors import UserError
 from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .sampling import SamplingConfig
+from .tools import conversation, tool_request
 
 
 class LLM:
@@ -60,12 +61,22 @@ class LLM:
 
     def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
-             response_format: str | None = None, json_schema: dict | None = None) -> GenerationResult:
+             response_format: str | None = None, json_schema: dict | None = None, tools: list | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> GenerationResult:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
-        the system message)."""
+        the system message; assistant turns with `tool_calls` and `tool` turns with their results too). `tools`,
+        `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls` (OpenAI's
+        layout, arguments as JSON text) beside its text (tools.py)."""
+        request = tool_request(tools, tool_choice, parallel_tool_calls)
+        if request is not None:
+            if response_format not in (None, "text") or json_schema is not None:
+                raise UserError("a reply either may call tools or follows a response format: give one of them")
+            response_format, json_schema = request.output_format()
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
-        return self._run([self.target.encode_messages(messages)], config)[0]
+        result = self._run([self.target.encode_messages(conversation(messages, request))], config)[0]
+        result.tool_calls = request.calls(result.text) if request is not None else None
+        return result
 
     def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop, response_format,
                 json_schema) -> GenerationConfig:

@@ -1,5 +1,6 @@
 """Structured output: every generated text a JSON object (OpenAI's `response_format` `json_object`), or one that a
-JSON Schema allows (`json_schema`).
+JSON Schema allows (`json_schema`), or either free text or such a document where the text starts like one
+(`json_schema_or_text`: a reply that may call tools, tools.py).
 
 At every position the target picks its token among those that keep the output a prefix of a valid document
 (grammar.py), and may end only once the document is whole. The mask is applied to the target's logits where
@@ -28,10 +29,10 @@ from collections import OrderedDict
 import torch
 
 from .errors import UserError
-from .grammar import DONE, JSON_OBJECT, START_STATE, STRING, JsonGrammar, compile_schema
+from .grammar import DONE, JSON_OBJECT, START_STATE, STRING, TEXT, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
 FORCED_BYTES = 64  # the longest run of forced bytes drafted at once
 FORCED_STATES = 4096  # forced runs kept per vocabulary
@@ -105,6 +106,8 @@ class JsonVocabulary:
         self.forced_runs: dict[tuple, list[int]] = {}
 
     def advance(self, grammar: JsonGrammar, state: tuple | None, token: int) -> tuple | None:
+        if state is not None and state[0] == TEXT:  # free text takes any token, special ones too
+            return state
         if state is None or token >= self.size or self.pieces[token] is None:
             return None
         return grammar.feed_bytes(state, self.pieces[token])
@@ -217,6 +220,8 @@ class JsonConstraint:
         self.chain, self.chain_tokens = [self.state], []
         self.done_mask = torch.zeros(vocabulary.size, dtype=torch.bool)
         self.done_mask[sorted(self.stop_ids)] = True
+        self.free_mask = torch.ones(vocabulary.size, dtype=torch.bool)  # free text (grammar.TEXT): any token
+        self.start_mask = None  # a grammar that may end at its start: its mask there, with the stop tokens
 
     def commit(self, output: list[int]) -> None:
         """Fold newly committed output tokens into the state (a stop token ends the output and changes nothing)."""
@@ -252,8 +257,12 @@ class JsonConstraint:
         self.commit(output)
         state = self.state
         for count, token in enumerate(draft):
+            if state[0] == TEXT:
+                return len(draft)
+            if self.grammar.may_end(state) and token in self.stop_ids:
+                return count + 1
             if state[0] == DONE:
-                return count + (token in self.stop_ids)
+                return count
             state = self.vocabulary.advance(self.grammar, state, token)
             if state is None:
                 return count
@@ -262,7 +271,7 @@ class JsonConstraint:
     def forced(self, output: list[int]) -> list[int]:
         """Tokens of the bytes the grammar forces after the committed `output` (JsonVocabulary.forced)."""
         self.commit(output)
-        return [] if self.state[0] == DONE else self.vocabulary.forced(self.grammar, self.state)
+        return [] if self.grammar.may_end(self.state) else self.vocabulary.forced(self.grammar, self.state)
 
     def mask(self, output: list[int], past: list[int]) -> torch.Tensor:
         """Bool [vocab] of the tokens allowed after the committed `output` and then `past` (a block's drafts before
@@ -271,15 +280,24 @@ class JsonConstraint:
         state = self._state_after(past)
         if state is None:  # a refused draft before this position: nothing here is ever read
             return self.done_mask
-        return self.done_mask if state[0] == DONE else self.vocabulary.allowed(self.grammar, state)
+        if state[0] in (DONE, TEXT):
+            return self.done_mask if state[0] == DONE else self.free_mask
+        if state == START_STATE and self.grammar.may_end(state):  # an empty reply is free text too
+            if self.start_mask is None:
+                self.start_mask = self.vocabulary.allowed(self.grammar, state) | self.done_mask
+            return self.start_mask
+        return self.vocabulary.allowed(self.grammar, state)
 
 
 def output_grammar(response_format: str | None, json_schema: dict | None) -> JsonGrammar | None:
     """The grammar of a GenerationConfig's response format (None: free text); UserError for a bad pairing."""
     if response_format is not None and response_format not in RESPONSE_FORMATS:
         raise UserError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}")
-    if (response_format == "json_schema") != (json_schema is not None):
-        raise UserError("a JSON schema goes with response_format json_schema, and json_schema needs a schema")
+    if (response_format in ("json_schema", "json_schema_or_text")) != (json_schema is not None):
+        raise UserError(f"a JSON schema goes with response_format json_schema (or json_schema_or_text), and "
+                        f"{response_format} needs a schema")
     if response_format == "json_object":
         return JSON_OBJECT
-    return compile_schema(json_schema) if json_schema is not None else None
+    if json_schema is None:
+        return None
+    return compile_schema(json_schema, text_otherwise=response_format == "json_schema_or_text")

@@ -36,7 +36,8 @@ from .schemas import (
     schemas,
     sse,
 )
-from .streaming import TextDeltas
+from ..tools import conversation, tool_request
+from .streaming import HeldCalls, TextDeltas
 from .worker import (
     DISCONNECT_POLL_S,
     END_OF_STREAM,
@@ -49,6 +50,8 @@ from .worker import (
 
 if TYPE_CHECKING:
     from fastapi import FastAPI, Request
+
+    from ..tools import ToolRequest
 
 log = logging.getLogger("dflash.server")
 
@@ -80,11 +83,13 @@ class Service:
         if requested is not None and requested != self.model_name:
             raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.model_name!r}")
 
-    async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool):
-        configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size)
+    async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool,
+                       tools: "ToolRequest | None" = None):
+        configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
         check_fits(prompt_ids, self.worker.engine)
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
-                            echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body))
+                            echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body),
+                            tools=tools)
         stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
             return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
@@ -120,6 +125,8 @@ class Service:
                 for index in range(len(jobs)):
                     yield exchange.chunk(None, delta={"role": "assistant", "content": ""}, index=index)
             results, streaming = [None] * len(jobs), len(jobs)
+            tools = exchange.tools
+            held = [HeldCalls(tools.choice != "auto") for _ in jobs] if tools is not None else None
             while streaming:
                 if (item := await next_piece(pieces, request)) is None:
                     return  # the client went away; `finally` cancels the jobs
@@ -127,6 +134,9 @@ class Service:
                 if piece is not END_OF_STREAM:
                     if piece.prompt:
                         yield exchange.echo_chunk(index, piece.logprobs)
+                    elif held is not None:
+                        if (taken := held[index].take(piece.text, piece.logprobs)) is not None:
+                            yield exchange.chunk(taken[0], index=index, logprobs=taken[1])
                     elif not exchange.scores_only:
                         yield exchange.chunk(piece.text, index=index, logprobs=piece.logprobs)
                     continue
@@ -139,7 +149,17 @@ class Service:
                     yield sse({"error": {"message": str(exc), "type": kind}})
                     return
                 streaming -= 1
-                yield exchange.chunk(None, "length" if exchange.scores_only else result.finish_reason, index=index,
+                finish = "length" if exchange.scores_only else result.finish_reason
+                if held is not None and held[index].holding:
+                    text, logprobs = held[index].release()
+                    calls = tools.calls(result.text)
+                    if calls is None:  # cut short: what was held goes out as text
+                        yield exchange.chunk(text, index=index, logprobs=logprobs)
+                    else:
+                        finish = "tool_calls"
+                        yield exchange.chunk(None, index=index, logprobs=logprobs, delta={"tool_calls": [
+                            {"index": k, **call} for k, call in enumerate(calls)]})
+                yield exchange.chunk(None, finish, index=index,
                                      dflash=exchange.extension(jobs[index].queue_s, [result]))
             if include_usage:
                 yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": exchange.usage(results)})
@@ -218,8 +238,9 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     @app.post("/v1/chat/completions")
     async def chat_completions(body: body_types.ChatRequest, request: Request):
         service.check_model(body.model)
-        prompt_ids = target.encode_messages([m.as_dict() for m in body.messages])
-        return await service.complete(request, body, prompt_ids, chat=True)
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        prompt_ids = target.encode_messages(conversation([m.as_dict() for m in body.messages], tools))
+        return await service.complete(request, body, prompt_ids, chat=True, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(body: body_types.CompletionRequest, request: Request):
@@ -233,7 +254,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         if (body.prompt is None) == (body.messages is None):
             raise UserError("send either prompt or messages")
         ids = (target.encode_prompt(body.prompt, chat=False) if body.prompt is not None
-               else target.encode_messages([m.as_dict() for m in body.messages]))
+               else target.encode_messages(conversation([m.as_dict() for m in body.messages],
+                                                        tool_request(body.tools, body.tool_choice))))
         return {"tokens": ids, "count": len(ids), "max_model_len": target.max_context}
 
     @app.post("/detokenize")

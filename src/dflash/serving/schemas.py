@@ -20,6 +20,7 @@ from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
 if TYPE_CHECKING:
     from ..engine import GenerationConfig, GenerationResult, GenerationStats
     from ..logprobs import TokenLogprob
+    from ..tools import ToolRequest
 
 
 @functools.cache
@@ -35,12 +36,18 @@ def schemas() -> SimpleNamespace:
         text: str
 
     class ChatMessage(BaseModel):
-        role: Literal["system", "developer", "user", "assistant"]
-        content: str | list[TextPart]
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
+        tool_calls: list[dict] | None = None  # an assistant turn's calls (tools.py shows them to the target)
+        tool_call_id: str | None = None  # a tool turn: the call it answers
 
         def as_dict(self) -> dict:
-            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-            return {"role": openai_role(self.role), "content": text}  # `developer`: the system message
+            if self.content is None and not (self.role == "assistant" and self.tool_calls):
+                raise UserError(f"a {self.role} message needs its content")
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+            message = {"role": openai_role(self.role), "content": text}  # `developer`: the system message
+            extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
+            return {**message, **{k: v for k, v in extra.items() if v is not None}}
 
     class StreamOptions(BaseModel):
         include_usage: bool = False
@@ -75,7 +82,9 @@ def schemas() -> SimpleNamespace:
         logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
         user: str | None = None
         response_format: ResponseFormat | None = None
-        tools: list | None = None  # refused when not empty: no tool calls
+        tools: list | None = None  # chat's functions (tools.py); a completion's are refused
+        tool_choice: str | dict | None = None
+        parallel_tool_calls: bool = True
 
     class ChatRequest(OpenAIFields):
         messages: list[ChatMessage] = Field(min_length=1)
@@ -94,6 +103,8 @@ def schemas() -> SimpleNamespace:
         model: str | None = None
         prompt: str | None = None
         messages: list[ChatMessage] | None = None
+        tools: list | None = None  # described in the system message, as a chat request's are
+        tool_choice: str | dict | None = None
 
     class DetokenizeRequest(BaseModel):
         model_config = ConfigDict(extra="ignore")
@@ -104,12 +115,13 @@ def schemas() -> SimpleNamespace:
                            TokenizeRequest=TokenizeRequest, DetokenizeRequest=DetokenizeRequest)
 
 
-def choice_configs(body, default_max_tokens: int, max_choices: int, vocab_size: int) -> "list[GenerationConfig]":
+def choice_configs(body, default_max_tokens: int, max_choices: int, vocab_size: int,
+                   tools: "ToolRequest | None" = None) -> "list[GenerationConfig]":
     """The engine's config for each of the request's `n` choices. Seeded choices sample with seed, seed + 1, ...
     (as vLLM seeds them), so each is reproducible and they differ; greedy ones are all the same."""
     if not 1 <= body.n <= max_choices:
         raise UserError(f"n must be in [1, {max_choices}] (the server's queue), got {body.n}")
-    config = generation_config(body, default_max_tokens, vocab_size)
+    config = generation_config(body, default_max_tokens, vocab_size, tools)
     configs = [config]
     for i in range(1, body.n):
         configs.append(copy.deepcopy(config))
@@ -141,8 +153,10 @@ def logit_bias(body, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def generation_config(body, default_max_tokens: int, vocab_size: int) -> "GenerationConfig":
-    """Check the OpenAI fields (errors name them as OpenAI does) and build the engine's config."""
+def generation_config(body, default_max_tokens: int, vocab_size: int,
+                      tools: "ToolRequest | None" = None) -> "GenerationConfig":
+    """Check the OpenAI fields (errors name them as OpenAI does) and build the engine's config; `tools`: the
+    request's (tools.tool_request), whose calls the reply's grammar holds."""
     from ..engine import GenerationConfig
     from ..sampling import SamplingConfig
 
@@ -158,7 +172,9 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
         (body.response_format is None or (body.response_format.type == "json_schema")
          == (body.response_format.json_schema is not None),
          "response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}"),
-        (not body.tools, "tools (function calling) are not supported"),
+        (hasattr(body, "messages") or not body.tools, "tools are for chat completions (/v1/chat/completions)"),
+        (tools is None or body.response_format is None or body.response_format.type == "text",
+         "a reply either may call tools or follows response_format: send one of them (or tool_choice \"none\")"),
     ]
     for ok, message in checks:
         if not ok:
@@ -167,6 +183,7 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
                               body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size))
     top = requested_logprobs(body)
+    response_format, json_schema = tools.output_format() if tools is not None else response_format_of(body)
     stop_ids = tuple(body.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise UserError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {list(stop_ids)}")
@@ -175,12 +192,18 @@ def generation_config(body, default_max_tokens: int, vocab_size: int) -> "Genera
         max_new_tokens=max(1, default_max_tokens if max_tokens is None else max_tokens), sampling=sampling,
         stop_strings=tuple(stop), stop_token_ids=stop_ids,
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
-        response_format=body.response_format.type if body.response_format is not None else None,
-        json_schema=body.response_format.json_schema.schema_ if body.response_format is not None
-        and body.response_format.json_schema is not None else None,
+        response_format=response_format, json_schema=json_schema,
     )
     config.validate()
     return config
+
+
+def response_format_of(body) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) for GenerationConfig from OpenAI's `response_format`."""
+    given = body.response_format
+    if given is None:
+        return None, None
+    return given.type, given.json_schema.schema_ if given.json_schema is not None else None
 
 
 def completion_prompt_ids(target, prompt) -> list[int]:
@@ -232,6 +255,7 @@ class Exchange:
     tokenizer: Any = None
     echo: tuple[str, list[int]] | None = None
     scores_only: bool = False  # echo with max_tokens 0: the prompt and its log-probabilities, nothing generated
+    tools: "ToolRequest | None" = None  # a chat reply that may call tools: its calls are read from its text
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -314,8 +338,13 @@ class Exchange:
                 "dflash": self.extension(queue_s, results)}
 
     def whole_choice(self, index: int, result: "GenerationResult", stop_ids: set[int]) -> dict:
-        """A choice of a whole response; with `echo`, the prompt's text and tokens come before the choice's."""
+        """A choice of a whole response; with `echo`, the prompt's text and tokens come before the choice's; a reply
+        of tool calls is a message of `tool_calls`."""
         choice = self.choice(result.text, result.finish_reason, chunk=False, index=index)
+        calls = self.tools.calls(result.text) if self.tools is not None else None
+        if calls is not None:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
         entries = shown_logprobs(result.logprobs, stop_ids)
         if self.scores_only:
             choice["text"], choice["finish_reason"] = "", "length"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..tools import CALL_OPENERS
+
 
 class TextDeltas:
     """Turns a growing list of generated tokens into text pieces that are safe to send.
@@ -46,3 +48,29 @@ class TextDeltas:
         return piece
 
 
+
+
+class HeldCalls:
+    """A streamed chat reply that may be tool calls (tools.py): from the first piece that opens it with `[` (from the
+    start where calls are required; `{` opens one call too), its text and log-probabilities are held back, to go out as one `tool_calls`
+    delta once the reply is whole, or as text where it was cut short. A reply in words streams as it comes."""
+
+    def __init__(self, calls_only: bool):
+        self.decided, self.holding = calls_only, calls_only
+        self.text, self.logprobs = "", None
+
+    def take(self, text: str, logprobs: list | None) -> tuple[str, list | None] | None:
+        """What of a piece goes out now (with what was held before it): (text, logprobs), or None while held."""
+        self.text += text
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        if not self.decided:
+            if not self.text:
+                return None
+            self.decided, self.holding = True, self.text.startswith(CALL_OPENERS)
+        return None if self.holding else self.release()
+
+    def release(self) -> tuple[str, list | None]:
+        held = (self.text, self.logprobs)
+        self.text, self.logprobs = "", None
+        return held

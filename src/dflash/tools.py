@@ -1,0 +1,200 @@
+"""Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`): the functions a chat offers, described to
+the target in its system message, and the calls read back from its reply.
+
+Every target writes calls the same way, as JSON: a reply that calls functions is an array and nothing else,
+`[{"name": "get_weather", "arguments": {"city": "Paris"}}]` (a single call may also come as the object alone, as
+models trained on other formats write it). The grammar (grammar.py) holds the reply to it, so a
+call always parses and its arguments always follow the function's `parameters` schema (what structured output can
+enforce; a schema with more is refused in one line naming the tool):
+- "required": one call or more (one with `parallel_tool_calls: false`);
+- a named function: exactly one call, of it (the bytes up to its arguments are forced, so they are drafted free);
+- "auto" (the default): free text, unless the reply opens with `[` (or `{`, one call as an object), where it must
+  be calls;
+- "none": the tools are left out of the prompt and the reply is free text.
+Chat templates' own tool formats (and their tags) are not used: one format for every target, which the grammar can
+hold. A conversation's earlier calls are shown to the target in the same format, and the tools' results as a user
+turn (`NAME returned: ...`), which any chat template renders.
+
+Speculative decoding stays lossless under the grammar (structured.py): greedy calls are the ones constrained decoding
+of the target alone writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .errors import UserError
+from .grammar import compile_schema
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+CHOICES = ("none", "auto", "required")
+CALL_OPENERS = ("[", "{")  # a reply that opens so is calls (an array of them, or one as an object)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools a request offers and how the reply may use them: `choice` is "auto", "required" or a function's
+    name ("none" never makes one: tool_request returns None)."""
+
+    tools: tuple[Tool, ...]
+    choice: str
+    parallel: bool = True
+
+    def output_format(self) -> tuple[str, dict]:
+        """(response_format, json_schema) for GenerationConfig: the reply's grammar."""
+        offered = [t for t in self.tools if self.choice in ("auto", "required") or t.name == self.choice]
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in offered]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        array = {"type": "array", "items": call, "minItems": 1}
+        if not self.parallel or self.choice not in ("auto", "required"):
+            array["maxItems"] = 1
+        # one call may also come as a bare object, as models trained on other formats write it
+        return ("json_schema_or_text" if self.choice == "auto" else "json_schema"), {"anyOf": [array, call]}
+
+    def instructions(self) -> str:
+        """What the system message tells the target about its tools."""
+        lines = ["You can call functions. Each is listed with the JSON Schema of its arguments:"]
+        for tool in self.tools:
+            about = f" {tool.description.strip()}" if tool.description.strip() else ""
+            lines.append(f"- {tool.name}:{about} Arguments: {json.dumps(tool.parameters, ensure_ascii=False)}")
+        first = self.tools[0].name if self.choice in ("auto", "required") else self.choice
+        example = f'[{{"name": "{first}", "arguments": {{...}}}}]'
+        if self.choice == "auto":
+            lines.append(f"To call functions, reply with only a JSON array of the calls, such as {example}; "
+                         "otherwise answer in words.")
+        elif self.choice == "required":
+            count = "one or more calls" if self.parallel else "one call"
+            lines.append(f"Reply with only a JSON array of {count}, such as {example}.")
+        else:
+            lines.append(f"Call {self.choice}: reply with only a JSON array of one call, {example}.")
+        return "\n".join(lines)
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The reply's calls in OpenAI's layout (each with an id, its arguments as a JSON string), or None where
+        the reply is not calls (free text, or cut short by max_tokens or a stop string)."""
+        if not text.startswith(CALL_OPENERS):
+            return None
+        try:
+            written = json.loads(text)
+        except ValueError:
+            return None
+        written = [written] if isinstance(written, dict) else written
+        names = {t.name for t in self.tools}
+        if not isinstance(written, list) or not written or not all(
+                isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments"), dict)
+                for c in written):
+            return None
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                for c in written]
+
+
+def tool_request(tools: list | None, tool_choice=None, parallel_tool_calls: bool = True) -> ToolRequest | None:
+    """Check OpenAI's `tools` and `tool_choice` (UserError naming what is wrong); None where the reply is free
+    text (no tools, or tool_choice "none")."""
+    if not tools:
+        if tool_choice is not None and tool_choice != "none":
+            raise UserError("tool_choice needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise UserError("tools must be a list of {\"type\": \"function\", \"function\": {...}}")
+    parsed = tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools))
+    names = [t.name for t in parsed]
+    if len(set(names)) < len(names):
+        raise UserError(f"tools name a function twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    choice = _choice(tool_choice, names)
+    return None if choice == "none" else ToolRequest(parsed, choice, bool(parallel_tool_calls))
+
+
+def _tool(tool, where: str) -> Tool:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise UserError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} (functions are "
+                        "the only tools)")
+    function = tool["function"]
+    name, description = function.get("name"), function.get("description") or ""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise UserError(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {name!r}")
+    if not isinstance(description, str):
+        raise UserError(f"{where}.function.description must be a string")
+    parameters = function.get("parameters")
+    parameters = NO_PARAMETERS if parameters is None else parameters
+    try:
+        grammar = compile_schema(parameters)
+    except UserError as error:
+        raise UserError(f"{where}.function.parameters ({name}): {error}") from None
+    if grammar.nodes[grammar.root].kind not in ("object", "tagged"):
+        raise UserError(f"{where}.function.parameters ({name}) must describe an object")
+    return Tool(name, description, parameters)
+
+
+def _choice(tool_choice, names: list[str]) -> str:
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in CHOICES:
+            raise UserError(f"tool_choice must be one of {', '.join(CHOICES)} or {{\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+        return tool_choice
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if name not in names:
+        raise UserError(f"tool_choice must name one of the tools ({', '.join(names)}), got {tool_choice!r}")
+    return name
+
+
+# ---- the conversation as the chat template sees it -----------------------------------------------------------------
+def conversation(messages: list[dict], request: ToolRequest | None) -> list[dict]:
+    """`messages` (OpenAI's: an assistant turn may hold `tool_calls`, a `tool` turn a call's result) as plain
+    role/content turns: earlier calls in the reply format, results as one user turn, and the tools' description
+    in the system message (a system message of its own where the conversation has none)."""
+    names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn holds
+    turns: list[dict] = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "tool":
+            name = names.get(message.get("tool_call_id"), "a function")
+            result = f"{name} returned: {content}"
+            if turns and turns[-1].get("tool_results"):
+                turns[-1]["content"] += "\n" + result
+            else:
+                turns.append({"role": "user", "content": result, "tool_results": True})
+            continue
+        calls = message.get("tool_calls") or []
+        if calls:
+            written = [_written_call(call, f"messages[{i}].tool_calls[{k}]", names) for k, call in enumerate(calls)]
+            content = (content + "\n" if content else "") + json.dumps(written, ensure_ascii=False)
+        turns.append({"role": role, "content": content})
+    turns = [{"role": t["role"], "content": t["content"]} for t in turns]
+    if request is not None:
+        if turns and turns[0]["role"] == "system":
+            turns[0] = {"role": "system", "content": f"{turns[0]['content']}\n\n{request.instructions()}"}
+        else:
+            turns.insert(0, {"role": "system", "content": request.instructions()})
+    return turns
+
+
+def _written_call(call, where: str, names: dict[str, str]) -> dict:
+    """An earlier call as the target writes one; its id remembered for the result that answers it."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise UserError(f"{where} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
+                        "\"arguments\": \"{...}\"}}}}")
+    arguments = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        raise UserError(f"{where}.function.arguments is not JSON: {arguments!r}") from None
+    names[call.get("id")] = function["name"]
+    return {"name": function["name"], "arguments": arguments}

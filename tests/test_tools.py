@@ -1,0 +1,310 @@
+"""Tool calling: tagged unions and free-text-or-document grammars, the checks of OpenAI's tools and tool_choice, the
+conversation the chat template sees, constrained decoding of calls against a plain constrained loop for every
+proposer, and the server's tool_calls (whole and streamed)."""
+
+import json
+import random
+import re
+
+import pytest
+
+from conftest import ARCHS
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.errors import UserError
+from dflash.grammar import DONE, START_STATE, TEXT, compile_schema, complete
+from dflash.methods.base import Proposer
+from dflash.methods.ngram import NgramProposer
+from dflash.sampling import SamplingConfig
+from dflash.tools import conversation, tool_request
+from test_structured import plain_constrained_loop, proposers, random_document
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: {} only
+TOOLS = [WEATHER, CLOCK]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# the server's: a short conversation and short tools, which leave room for a reply in a tiny target's context of 512
+SHORT_TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "clock"}}]
+HI = [{"role": "user", "content": "Hi?"}]
+PROMPT = "Call a tool."  # the engine's tests: a prompt that leaves room in a tiny target's context of 512
+
+
+def discriminated_home():
+    """A pydantic model with a discriminated union (its tag the first field of each alternative) in a list, and a
+    plain union of the same models."""
+    from typing import Annotated, Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog", "puppy"]
+        good: bool
+
+    class Home(BaseModel):
+        pets: list[Annotated[Union[Cat, Dog], Field(discriminator="kind")]]
+        best: Union[Cat, Dog]
+
+    return Home
+
+
+# ---- the grammar ---------------------------------------------------------------------------------------------------
+def test_objects_told_apart_by_their_first_property_are_one_tagged_union():
+    home = discriminated_home()
+    grammar = compile_schema(home.model_json_schema())
+    good = ['{"pets": [{"kind": "cat", "lives": 9}, {"kind": "puppy", "good": true}], "best": {"kind": "dog", '
+            '"good": false}}', '{"pets": [], "best": {"kind": "cat", "lives": 1}}']
+    bad = ['{"pets": [{"kind": "cat", "good": true}], "best": {"kind": "cat", "lives": 1}}',  # the dog's field
+           '{"pets": [], "best": {"lives": 1}}',  # the tag is required and comes first
+           '{"pets": [], "best": {"kind": "cow", "lives": 1}}', '{"pets": [], "best": {}}']
+    for document in good:
+        assert complete(grammar.feed_bytes(START_STATE, document.encode())), document
+        home.model_validate_json(document, strict=True)
+    for document in bad:
+        assert not complete(grammar.feed_bytes(START_STATE, document.encode())), document
+    rng = random.Random(3)
+    for _ in range(200):  # whatever it lets through validates
+        home.model_validate_json(random_document(grammar, rng), strict=True)
+
+
+@pytest.mark.parametrize("options", [
+    [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "object", "properties": {"b": {}}}],
+    [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+     {"type": "object", "properties": {"k": {"const": 1}, "b": {}}, "required": ["k"]}],  # the same tag twice
+    [{"type": "object", "properties": {"k": {"const": 1}}},  # an optional tag may be left out
+     {"type": "object", "properties": {"k": {"const": 2}}, "required": ["k"]}],
+])
+def test_objects_that_nothing_tells_apart_are_still_refused(options):
+    with pytest.raises(UserError, match="start alike"):
+        compile_schema({"type": "object", "properties": {"x": {"anyOf": options}}})
+
+
+def test_a_grammar_with_free_text_otherwise_takes_text_or_a_whole_document():
+    _, schema = tool_request(TOOLS).output_format()
+    grammar = compile_schema(schema, text_otherwise=True)
+    assert grammar.may_end(START_STATE)  # an empty reply
+    for text in ["Hello [not a call", " [1]", "Sure! {"]:
+        state = grammar.feed_bytes(START_STATE, text.encode())
+        assert state[0] == TEXT and grammar.may_end(state), text
+    for call in ['[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+                 '{"name": "get_time", "arguments": {}}']:
+        data = call.encode()
+        assert all(not grammar.may_end(grammar.feed_bytes(START_STATE, data[:n])) for n in range(1, len(data)))
+        assert grammar.feed_bytes(START_STATE, data)[0] == DONE
+    for wrong in ['[{"name": "get_time", "arguments": {"city": "x"}}]', '[]', '[{"name": "other"', '{"city": 1}',
+                  '[{"name": "get_weather", "arguments": {"days": 2}}]']:  # city is required
+        assert not complete(grammar.feed_bytes(START_STATE, wrong.encode())), wrong
+
+
+# ---- tools and tool_choice -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tools, choice, fragment", [
+    ([{"type": "retrieval"}], None, "functions are the only tools"),
+    ([{"type": "function", "function": {"name": "a b"}}], None, "letters, digits"),
+    ([CLOCK, CLOCK], None, "name a function twice: get_time"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "e": {"type": "string", "format": "email"}}}}}], None, "tools[0].function.parameters (f): #/properties/e: format"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "must describe an object"),
+    (TOOLS, "sometimes", "tool_choice must be one of none, auto, required"),
+    (TOOLS, {"type": "function", "function": {"name": "get_date"}}, "must name one of the tools (get_weather, get_time)"),
+    (None, "required", "tool_choice needs tools"),
+])
+def test_bad_tools_and_choices_are_refused_in_one_line(tools, choice, fragment):
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        tool_request(tools, choice)
+
+
+def test_the_reply_grammar_follows_the_choice():
+    assert tool_request(None) is None and tool_request(TOOLS, "none") is None
+    calls = '[{"name": "get_weather", "arguments": {"city": "P"}}, {"name": "get_time", "arguments": {}}]'
+    one_clock = '[{"name": "get_time", "arguments": {}}]'
+    expectations = {  # choice, parallel -> (the two calls, one call of get_time, words)
+        ("required", True): (True, True, False), ("required", False): (False, True, False),
+        ("auto", True): (True, True, True), ("get_time", True): (False, True, False),
+    }
+    for (choice, parallel), allowed in expectations.items():
+        named = {"type": "function", "function": {"name": choice}} if choice == "get_time" else choice
+        request = tool_request(TOOLS, named, parallel)
+        fmt, schema = request.output_format()
+        grammar = compile_schema(schema, text_otherwise=fmt == "json_schema_or_text")
+        for text, ok in zip((calls, one_clock, "It is sunny."), allowed):
+            state = grammar.feed_bytes(START_STATE, text.encode())
+            assert (state is not None and grammar.may_end(state)) == ok, (choice, parallel, text)
+        assert request.calls("It is sunny.") is None and request.calls(calls[:-5]) is None
+        read = request.calls(calls)
+        assert [c["function"]["name"] for c in read] == ["get_weather", "get_time"]
+        assert json.loads(read[0]["function"]["arguments"]) == {"city": "P"} and read[0]["id"] != read[1]["id"]
+    instructions = tool_request(TOOLS).instructions()
+    assert "get_weather: The weather in a city." in instructions and '"required": ["city"]' in instructions
+
+
+def test_the_conversation_shows_calls_and_results_in_the_reply_format():
+    request = tool_request(TOOLS)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    clock = {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [{"role": "system", "content": "Be brief."}, *QUESTION,
+                {"role": "assistant", "content": None, "tool_calls": [call, clock]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "noon"}]
+    turns = conversation(messages, request)
+    assert turns[0] == {"role": "system", "content": "Be brief.\n\n" + request.instructions()}
+    assert turns[1:] == [QUESTION[0], {"role": "assistant", "content": '[{"name": "get_weather", "arguments": '
+                                       '{"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'},
+                         {"role": "user", "content": "get_weather returned: 18C\nget_time returned: noon"}]
+    assert conversation(QUESTION, request)[0] == {"role": "system", "content": request.instructions()}
+    assert conversation(QUESTION, None) == QUESTION
+    with pytest.raises(UserError, match="arguments is not JSON"):
+        conversation([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}], None)
+
+
+# ---- generation ----------------------------------------------------------------------------------------------------
+def call_bias(target, opening: str | None) -> dict[int, float]:
+    """Pushes a random model to finish its calls quickly (quotes, commas, closing brackets, no whitespace);
+    `opening`: a push towards a reply that opens so."""
+    ids = target.tokenizer.convert_tokens_to_ids
+    bias = {ids('"'): 5.0, ids("}"): 3.0, ids('"}'): 4.0, ids("]"): 4.0, ids(","): 3.0, ids(":"): 3.0,
+            **{ids(space): -5.0 for space in ("\u010a", "\u0109", "\u010d", "\u0120")}}
+    if opening is not None:
+        bias[ids(opening)] = 8.0
+    return bias
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_calls_under_every_choice_are_the_plain_loops_for_every_proposer(byte_targets, arch):
+    target = byte_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPT)
+    cases = [("auto", "["), ("auto", None), ("required", None), ({"type": "function", "function": {
+        "name": "get_weather"}}, "{")]
+    for choice, opening in cases:
+        request = tool_request(TOOLS, choice)
+        fmt, schema = request.output_format()
+        grammar = compile_schema(schema, text_otherwise=fmt == "json_schema_or_text")
+        sampling = SamplingConfig(logit_bias=call_bias(target, opening))
+        expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=60, grammar=grammar)
+        config = GenerationConfig(60, sampling=sampling, response_format=fmt, json_schema=schema)
+        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+            result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
+            assert result.tokens == expected, (choice, opening, name)
+        is_call = result.text.startswith(("[", "{"))
+        assert is_call == (opening is not None or choice != "auto"), (choice, result.text)
+        if result.finish_reason == "stop":  # a whole call reads as one; words do not
+            assert (request.calls(result.text) is not None) == is_call, (choice, result.text)
+
+
+def test_auto_may_end_at_once_and_required_may_not(byte_targets):
+    target = byte_targets["llama"]
+    eos = target.eos_token_ids[0]
+    prompt_ids = target.encode_prompt(PROMPT)
+    sampling = SamplingConfig(logit_bias={eos: 30.0})  # the end, wherever it is allowed
+    for choice in ("auto", "required"):
+        fmt, schema = tool_request(TOOLS, choice).output_format()
+        config = GenerationConfig(8, sampling=sampling, response_format=fmt, json_schema=schema)
+        for proposer in (Proposer(), NgramProposer(max_draft=4)):
+            result = SpeculativeDecoder(target, proposer).generate(prompt_ids, config)
+            if choice == "auto":  # an empty reply is free text
+                assert result.tokens == [eos] and result.text == "" and result.finish_reason == "stop"
+            else:
+                assert result.text[:1] in ("[", "{") and eos not in result.tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS[:1])
+def test_seeded_samples_under_auto_are_the_plain_loops(byte_targets, arch):
+    target = byte_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPT)
+    fmt, schema = tool_request(TOOLS).output_format()
+    grammar = compile_schema(schema, text_otherwise=True)
+    for seed in range(3):
+        sampling = SamplingConfig(temperature=0.9, seed=seed, logit_bias=call_bias(target, "["))
+        expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=40, grammar=grammar)
+        config = GenerationConfig(40, sampling=sampling, response_format=fmt, json_schema=schema)
+        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+            result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
+            assert result.tokens == expected, (seed, name)
+
+
+# ---- the server and LLM --------------------------------------------------------------------------------------------
+def test_the_server_answers_with_tool_calls_whole_and_streamed(byte_targets):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dflash.serving import BackgroundServer, create_app
+
+    target = byte_targets["llama"]
+    with BackgroundServer(create_app(target, NgramProposer(max_draft=7), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(opening=None, max_tokens=60, **kwargs):
+            bias = {str(k): v for k, v in call_bias(target, opening).items()}
+            return client.chat.completions.create(model="tiny", messages=HI, max_tokens=max_tokens, temperature=0,
+                                                  logit_bias=bias, tools=SHORT_TOOLS, **kwargs)
+
+        def streamed(**kwargs):
+            chunks = [c.choices[0] for c in ask(stream=True, **kwargs) if c.choices]
+            calls = [call for c in chunks for call in c.delta.tool_calls or []]
+            return "".join(c.delta.content or "" for c in chunks), calls, chunks[-1].finish_reason
+
+        for kwargs in ({"opening": "[", "parallel_tool_calls": False},
+                       {"tool_choice": "required", "parallel_tool_calls": False}, {"tool_choice": {"type": "function", "function": {"name": "clock"}}}):
+            answer = ask(**kwargs).choices[0]
+            assert answer.finish_reason == "tool_calls" and answer.message.content is None, kwargs
+            calls = answer.message.tool_calls
+            assert calls and all(c.type == "function" and c.id.startswith("call_") for c in calls)
+            for call in calls:
+                arguments = json.loads(call.function.arguments)
+                assert call.function.name != "clock" or arguments == {}
+                assert call.function.name != "weather" or isinstance(arguments["city"], str)
+            text, chunk_calls, finish = streamed(**kwargs)
+            assert text == "" and finish == "tool_calls"
+            assert [(c.index, c.function.name, c.function.arguments) for c in chunk_calls] == \
+                [(k, c.function.name, c.function.arguments) for k, c in enumerate(calls)]
+        words = ask()  # auto, nothing pushing a call: a reply in words
+        assert words.choices[0].message.tool_calls is None and words.choices[0].message.content
+        assert streamed() == (words.choices[0].message.content, [], words.choices[0].finish_reason)
+        cut = ask(tool_choice="required", max_tokens=3).choices[0]  # cut short: the text so far, no calls
+        assert cut.finish_reason == "length" and cut.message.tool_calls is None and cut.message.content
+        assert streamed(tool_choice="required", max_tokens=3) == (cut.message.content, [], "length")
+        none = ask(tool_choice="none").choices[0].message.content
+        plain = client.chat.completions.create(model="tiny", messages=HI, max_tokens=60, temperature=0,
+                                               logit_bias={str(k): v for k, v in call_bias(target, None).items()})
+        assert none == plain.choices[0].message.content  # no tools in the prompt, no grammar
+        history = HI + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+        assert client.chat.completions.create(model="tiny", messages=history, max_tokens=4, tools=SHORT_TOOLS).choices
+        for bad, fragment in [({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "must name one"),
+                              ({"response_format": {"type": "json_object"}}, "either may call tools")]:
+            with pytest.raises(openai.BadRequestError, match=fragment):
+                ask(**bad)
+        import httpx
+
+        tokenized = httpx.post(f"{url}/tokenize", json={"messages": HI, "tools": SHORT_TOOLS}).json()
+        assert tokenized["tokens"] == target.encode_messages(conversation(HI, tool_request(SHORT_TOOLS)))
+        with pytest.raises(openai.BadRequestError, match="for chat completions"):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=4, extra_body={"tools": SHORT_TOOLS})
+        with pytest.raises(openai.BadRequestError, match="needs its content"):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user"}], max_tokens=4)
+
+
+def test_llm_chat_reads_the_calls(monkeypatch):
+    from dflash import LLM
+
+    llm = LLM("tiny-llama-bytes", method="ngram")
+    configured = llm._config
+
+    def biased(*args):  # a random model, pushed to finish its call
+        config = configured(*args)
+        config.sampling.logit_bias = call_bias(llm.target, None)
+        return config
+    monkeypatch.setattr(llm, "_config", biased)
+    result = llm.chat(HI, tools=SHORT_TOOLS, tool_choice={"type": "function", "function": {"name": "clock"}},
+                      max_new_tokens=40)
+    assert result.finish_reason == "stop"
+    assert [c["function"] for c in result.tool_calls] == [{"name": "clock", "arguments": "{}"}]
+    assert llm.chat(HI, tools=SHORT_TOOLS, tool_choice="none", max_new_tokens=4).tool_calls is None
+    with pytest.raises(UserError, match="either may call tools"):
+        llm.chat(HI, tools=SHORT_TOOLS, response_format="json_object")
