@@ -3,9 +3,10 @@
 Usage: .venv/bin/python scripts/grammar_drafts_ab.py SWITCH FORMAT [METHODS] [REPEATS]
 SWITCH: cut (engine.within_grammar: a chain of drafts cut before its first token the grammar refuses) or forced
 (JsonConstraint.forced: the tokens of the bytes the grammar forces, a free draft beside the lookup's);
-FORMAT: json_object, or a JSON Schema file; METHODS: comma-separated (default dflash+ngram,dflash); prompts:
-docs/data/session56/json_prompts.jsonl; float32 SmolLM2-135M-Instruct, greedy, 128 new tokens. Each repeat runs
-every prompt and method in both modes, the mode order alternating between repeats.
+FORMAT: json_object, a JSON Schema file (prompts: docs/data/session56/json_prompts.jsonl), or tools:CHOICE (the
+functions and questions of scripts/tool_calls_bench.py, tool_choice CHOICE: required or auto); METHODS:
+comma-separated (default dflash+ngram,dflash); float32 SmolLM2-135M-Instruct, greedy, 128 new tokens. Each repeat
+runs every prompt and method in both modes, the mode order alternating between repeats.
 """
 
 import json
@@ -16,6 +17,7 @@ import dflash.engine as engine
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.loading import build_proposer, load_target_cached, settle_heap
 from dflash.structured import JsonConstraint
+from dflash.tools import conversation, tool_request
 
 PROMPTS = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56" / "json_prompts.jsonl"
 
@@ -32,16 +34,24 @@ def main() -> None:
     turn, fmt = switch(sys.argv[1]), sys.argv[2]
     methods = (sys.argv[3] if len(sys.argv) > 3 else "dflash+ngram,dflash").split(",")
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-    output = dict(response_format=fmt) if fmt == "json_object" else dict(
-        response_format="json_schema", json_schema=json.loads(Path(fmt).read_text()))
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     target = load_target_cached("smollm2-135m", release_plain=True)
+    if fmt.startswith("tools:"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from tool_calls_bench import QUESTIONS, TOOLS
+
+        request = tool_request(TOOLS, fmt.removeprefix("tools:"))
+        output = dict(zip(("response_format", "json_schema"), request.output_format()))
+        prompts = [target.encode_messages(conversation([{"role": "user", "content": q}], request))
+                   for q in QUESTIONS]
+    else:
+        output = dict(response_format=fmt) if fmt == "json_object" else dict(
+            response_format="json_schema", json_schema=json.loads(Path(fmt).read_text()))
+        prompts = [target.encode_prompt(json.loads(line)["prompt"]) for line in PROMPTS.read_text().splitlines()]
     decoders = {m: SpeculativeDecoder(target, build_proposer(m, target)[0]) for m in methods}
     settle_heap()
     totals = {(m, mode): [0, 0.0, 0] for m in methods for mode in ("off", "on")}  # tokens, seconds, rounds
     for repeat in range(repeats):
-        for prompt in prompts:
-            ids = target.encode_prompt(prompt)
+        for ids in prompts:
             for method in methods:
                 tokens = {}
                 for mode in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
@@ -52,7 +62,7 @@ def main() -> None:
                     total[0] += len(result.tokens)
                     total[1] += result.stats.total_s
                     total[2] += result.stats.num_rounds
-                assert tokens["on"] == tokens["off"], (method, prompt)
+                assert tokens["on"] == tokens["off"], (method, target.decode(ids))
     turn(True)
     for method in methods:
         off, on = totals[(method, "off")], totals[(method, "on")]

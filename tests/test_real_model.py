@@ -206,3 +206,42 @@ def test_structured_output_on_the_real_tokenizer(target):
         fed = torch.tensor([vocabulary.advance(grammar, state, t) is not None for t in range(vocabulary.size)])
         assert torch.equal(vocabulary.allowed(grammar, state), fed)
         state = vocabulary.advance(grammar, state, token)
+
+
+def test_tool_calls_on_the_real_model(target):
+    """SmolLM2 offered two functions: a required call and a named one parse and fit the functions' schemas, the
+    same tokens for the shipped drafter with prompt lookup as for `ar`; `auto` may answer in words (the mask of
+    its first position takes every token but the calls' broken openings)."""
+    import json
+
+    from dflash.tools import conversation, tool_request
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"]}}}
+    clock = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "zone": {"type": "string"}}, "required": ["zone"]}}}
+    question = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    fast_proposer = build_proposer("dflash+ngram", target)[0]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}, "auto"):
+        request = tool_request([weather, clock], choice)
+        fmt, schema = request.output_format()
+        ids = target.encode_messages(conversation(question, request))
+        config = GenerationConfig(max_new_tokens=96, response_format=fmt, json_schema=schema)
+        plain = SpeculativeDecoder(target).generate(ids, config)
+        fast = SpeculativeDecoder(target, fast_proposer).generate(ids, config)
+        assert fast.tokens == plain.tokens, choice
+        calls = request.calls(plain.text)
+        if choice == "auto":
+            continue  # words or calls: the model's choice
+        assert plain.finish_reason == "stop" and calls, (choice, plain.text)
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "get_weather":
+                assert list(arguments) == ["city", "unit"] and arguments["unit"] in ("celsius", "fahrenheit")
+            else:
+                assert list(arguments) == ["zone"] and isinstance(arguments["zone"], str)
+        assert choice == "required" or [c["function"]["name"] for c in calls] == ["get_time"]

@@ -1,0 +1,105 @@
+"""Tool calls on SmolLM2-135M-Instruct: speed and acceptance of each method against `ar`, side by side in one process,
+outputs checked identical, and how many replies were calls that parse.
+
+Usage: .venv/bin/python scripts/tool_calls_bench.py [--methods ar,ngram,dflash,dflash+ngram] [--choices required,auto]
+       [--repeats 2] [--max-new-tokens 96] [--out FILE.json]
+Four functions (tools.py describes them in the system message), ten questions that one of them answers; float32,
+greedy; each method keeps a prefix cache, as `dflash serve` does, so the system message that describes the tools is
+read once. An untimed pass first computes the grammar's masks, as a server that has met these tools keeps them. Each
+repeat runs every question with every method in turn, the order of the methods reversed on odd repeats.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from dflash.engine import GenerationConfig, SpeculativeDecoder
+from dflash.loading import build_proposer, load_target_cached, settle_heap
+from dflash.tools import conversation, tool_request
+
+
+def function(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+TOOLS = [
+    function("get_weather", "Get the current weather in a city.",
+             {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, ["city", "unit"]),
+    function("get_time", "Get the current time in a time zone.", {"zone": {"type": "string"}}, ["zone"]),
+    function("search_web", "Search the web and return the top results.",
+             {"query": {"type": "string"}, "results": {"type": "integer"}}, ["query"]),
+    function("send_email", "Send an email.", {"to": {"type": "string"}, "subject": {"type": "string"},
+                                               "body": {"type": "string"}}, ["to", "subject", "body"]),
+]
+QUESTIONS = [
+    "What is the weather like in Paris today?",
+    "Is it raining in Tokyo right now? Give me the temperature in fahrenheit.",
+    "What time is it in New York?",
+    "Tell me the current time in Europe/Berlin.",
+    "Search the web for the best pasta recipes.",
+    "Find me the latest news about the James Webb telescope, five results please.",
+    "Email alice@example.com to tell her the meeting moved to 3pm.",
+    "Send an email to bob@example.com with the subject 'Lunch' asking if he is free on Friday.",
+    "How cold is it in Oslo?",
+    "Look up who won the last football world cup.",
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", default="ar,ngram,dflash,dflash+ngram")
+    p.add_argument("--choices", default="required,auto")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    methods, choices = args.methods.split(","), args.choices.split(",")
+    target = load_target_cached("smollm2-135m", release_plain=True)
+    # a prefix cache per method, as `dflash serve` keeps one: every request opens with the same system message
+    decoders = {m: SpeculativeDecoder(target, build_proposer(m, target)[0], prefix_cache_bytes=256 << 20)
+                for m in methods}
+    settle_heap()
+    rows = []
+    for choice in choices:
+        request = tool_request(TOOLS, choice)
+        fmt, schema = request.output_format()
+        config = GenerationConfig(args.max_new_tokens, response_format=fmt, json_schema=schema)
+        prompts = [target.encode_messages(conversation([{"role": "user", "content": q}], request)) for q in QUESTIONS]
+        reference = [decoders[methods[0]].generate(ids, config) for ids in prompts]  # untimed: the masks
+        for method in methods[1:]:  # untimed: each method's prefix cache holds the system message
+            decoders[method].generate(prompts[0], config)
+        totals = {m: {"tokens": 0, "seconds": 0.0, "rounds": 0} for m in methods}
+        for repeat in range(args.repeats):
+            for ids, expected in zip(prompts, reference):
+                for method in methods if repeat % 2 == 0 else methods[::-1]:
+                    start = time.perf_counter()
+                    result = decoders[method].generate(ids, config)
+                    elapsed = time.perf_counter() - start
+                    assert result.tokens == expected.tokens, (choice, method)
+                    total = totals[method]
+                    total["tokens"] += len(result.tokens)
+                    total["seconds"] += elapsed
+                    total["rounds"] += result.stats.num_rounds
+        called = sum(request.calls(r.text) is not None for r in reference)
+        base = totals[methods[0]]
+        for method in methods:
+            total = totals[method]
+            rows.append({"tool_choice": choice, "method": method, "tok_s": total["tokens"] / total["seconds"],
+                         "tau": total["tokens"] / total["rounds"],
+                         "speedup": (base["seconds"] / base["tokens"]) / (total["seconds"] / total["tokens"]),
+                         "replies_that_call": called, "questions": len(QUESTIONS), "tokens": total["tokens"]})
+    print(f"| tool_choice | method | tok/s | tau | vs {methods[0]} | replies that call |")
+    print("|---|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['tool_choice']} | {row['method']} | {row['tok_s']:.1f} | {row['tau']:.2f} | "
+              f"{row['speedup']:.2f}x | {row['replies_that_call']}/{row['questions']} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"command": " ".join(["scripts/tool_calls_bench.py", *[
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"]]), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
