@@ -182,16 +182,19 @@ def test_an_int8_target_decodes_its_own_greedy_text_with_every_method():
 
 
 def test_structured_output_on_the_real_tokenizer(target):
-    """SmolLM2's 49,152 byte-level tokens: every mask met equals feeding each token's bytes, and a schema's output
-    parses, fits the schema and is the same tokens for the shipped drafter with prompt lookup as for `ar`."""
+    """SmolLM2's 49,152 byte-level tokens: every mask met equals feeding each token's bytes (bounded strings and
+    numbers among them), and a schema's output parses, fits the schema and is the same tokens for the shipped
+    drafter with prompt lookup as for `ar`."""
     import json
 
     from dflash.grammar import START_STATE, compile_schema
     from dflash.structured import json_vocabulary
 
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "species": {"enum": ["cat", "dog"]},
-                                               "age": {"type": "integer"}, "toys": {"type": "array", "maxItems": 3,
-                                                                                   "items": {"type": "string"}}},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "species": {"enum": ["cat", "dog"]},
+                                               "age": {"type": "integer", "minimum": 1, "maximum": 30},
+                                               "toys": {"type": "array", "maxItems": 3,
+                                                        "items": {"type": "string", "minLength": 3}}},
               "required": ["name", "species", "age", "toys"]}
     ids = target.encode_prompt("Describe a pet.")
     config = GenerationConfig(max_new_tokens=96, response_format="json_schema", json_schema=schema)
@@ -200,6 +203,7 @@ def test_structured_output_on_the_real_tokenizer(target):
     assert fast.tokens == plain.tokens and plain.finish_reason == "stop"
     document = json.loads(plain.text)
     assert list(document) == ["name", "species", "age", "toys"] and document["species"] in ("cat", "dog")
+    assert len(document["name"]) <= 12 and 1 <= document["age"] <= 30 and all(len(t) >= 3 for t in document["toys"])
     grammar, vocabulary = compile_schema(schema), json_vocabulary(target.tokenizer, target.vocab_size)
     state = START_STATE
     for token in plain.tokens[:-1]:  # the states the generation met, the end-of-sequence token left out

@@ -193,6 +193,74 @@ def test_what_a_grammar_cannot_enforce_is_refused_in_one_line(schema, fragment):
         compile_schema(schema)
 
 
+def bounded_review():
+    """A pydantic model with the bounds pydantic's Field writes: ge/le, gt/lt (numbers, integers, negative ranges)
+    and min_length/max_length."""
+    from typing import Optional
+
+    from pydantic import BaseModel, Field
+
+    class Review(BaseModel):
+        stars: int = Field(ge=1, le=5)
+        score: float = Field(gt=0, lt=1)
+        title: str = Field(min_length=2, max_length=5)
+        year: int = Field(gt=1900, le=2026)
+        delta: int = Field(ge=-12, le=-3)
+        temperature: float = Field(ge=-40.5, le=60)
+        code: Optional[str] = Field(default=None, max_length=3)
+        count: int = Field(ge=100)
+
+    return Review
+
+
+def test_bounds_and_lengths_hold_whatever_the_grammar_lets_through():
+    review = bounded_review()
+    grammar = compile_schema(review.model_json_schema())
+    rng = random.Random(1)
+    for _ in range(300):
+        review.model_validate_json(random_document(grammar, rng, budget=80), strict=True)
+    whole = {"stars": 5, "score": 0.5, "title": '"ab"', "year": 2026, "delta": -3, "temperature": -40.5,
+             "count": 100}
+
+    def accepts(**changed) -> bool:
+        fields = {**whole, **changed}
+        text = "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
+        return complete(grammar.feed_bytes(START_STATE, text.encode()))
+
+    assert accepts() and accepts(title='"ééééé"', year=1901, delta=-12, temperature=60,
+                                 count=99999, score="0.999", stars=1)
+    for changed in [{"stars": 6}, {"stars": 0}, {"score": 1}, {"score": 0}, {"score": "0.5e-1"}, {"title": '"a"'},
+                    {"title": '"abcdef"'}, {"year": 1900},
+                    {"year": 2027}, {"delta": -2}, {"delta": -13}, {"temperature": "-40.51"},
+                    {"temperature": "60.01"}, {"count": 99}, {"stars": "5.0"}]:
+        assert not accepts(**changed), changed
+    assert accepts(title='"\\u00e9\\"\\n"')  # escapes count as one character each
+    assert not accepts(title='"\\ud83d\\ude00"')  # so surrogate pairs (two escapes, one character) are refused
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"type": "integer", "minimum": 0.2, "maximum": 0.8}, "no integer lies between"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number lies between"),
+    ({"type": "number", "minimum": "0"}, "minimum must be a number"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "minLength <= maxLength"),
+])
+def test_impossible_bounds_are_refused_in_one_line(schema, fragment):
+    with pytest.raises(UserError, match=fragment):
+        compile_schema({"type": "object", "properties": {"x": schema}})
+
+
+def test_masks_in_bounded_numbers_and_sized_strings_are_every_token_fed_byte_by_byte():
+    grammar = compile_schema(bounded_review().model_json_schema())
+    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
+    text = ('{"stars": 3, "score": 0.25, "title": "\u00e9a\\"b", "year": 1999, "delta": -7, "temperature": -40.25, '
+            '"code": "xy", "count": 1234}').encode()
+    states = {grammar.feed_bytes(START_STATE, text[:n]) for n in range(len(text))}
+    assert None not in states and len(states) > 60
+    for state in states:
+        fed = torch.tensor([vocabulary.advance(grammar, state, token) is not None for token in range(VOCAB)])
+        assert torch.equal(vocabulary.allowed(grammar, state), fed), state
+
+
 def test_free_form_objects_and_closed_empty_ones():
     counts = compile_schema({"type": "object", "additionalProperties": {"type": "integer"}})
     assert complete(counts.feed_bytes(START_STATE, b'{"x": 1, "y": -20}'))

@@ -9,17 +9,22 @@ so far). States are hashable, so masks are kept per state.
 
 A schema compiles into nodes (`compile_schema`): objects write their properties in the schema's order (optional
 ones may be skipped, required ones may not; no others, as OpenAI's strict mode asks), arrays their items between
-minItems and maxItems, strings any text, `enum` and `const` exactly one of their values, `anyOf` / `oneOf` / a list
-of types one alternative, chosen by its first byte. Keywords the grammar cannot enforce (pattern, minimum, ...) are
-refused in one line rather than silently ignored: whatever the grammar lets through validates against the schema.
-Strings hold valid UTF-8 only, so the text always decodes.
+minItems and maxItems, strings any text between minLength and maxLength characters, numbers a value in their range
+(minimum, maximum, exclusiveMinimum, exclusiveMaximum: each digit only where the range can still be met, written
+without an exponent), `enum` and `const` exactly one of their values, `anyOf` / `oneOf` / a list of types one
+alternative, chosen by its first byte, or by a first property that is a constant of each (a tagged union).
+Keywords the grammar cannot enforce (pattern, format, multipleOf, ...) are refused in one line rather than silently
+ignored: whatever the grammar lets through validates against the schema. Strings hold valid UTF-8 only, so the
+text always decodes.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .errors import UserError
 
@@ -49,6 +54,68 @@ START_STATE = (START, 0, 0, ())
 
 
 @dataclass(frozen=True)
+class Bounds:
+    """A number's range (minimum, maximum, exclusiveMinimum, exclusiveMaximum): each end None where unbounded, and
+    open where exclusive. Values compare exactly (as fractions of the decimal text), so the grammar never lets
+    through a number a validator comparing floats would refuse."""
+
+    low: Fraction | None = None
+    high: Fraction | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: Fraction) -> bool:
+        return ((self.low is None or value > self.low or value == self.low and not self.low_open)
+                and (self.high is None or value < self.high or value == self.high and not self.high_open))
+
+    def reachable(self, text: str, integer: bool) -> bool:
+        """Whether a number that starts with `text` (no exponent) can still end within the range."""
+        negative = text.startswith("-")
+        cap = (None if self.low is None else -self.low) if negative else self.high  # the largest magnitude allowed
+        for low, high, high_open in _magnitudes(text.removeprefix("-"), integer):
+            if cap is not None and low > cap:  # this one and every later one lie beyond the range
+                return False
+            values = (None if high is None else -high, high_open, -low, False) if negative else \
+                (low, False, high, high_open)
+            if self._meets(*values, integer):
+                return True
+        return False
+
+    def _meets(self, low, low_open, high, high_open, integer: bool) -> bool:
+        """Whether [low, high] (None: unbounded; open ends excluded) holds a value (an integer) within the range."""
+        if self.low is not None and (low is None or self.low > low or self.low == low and self.low_open):
+            low, low_open = self.low, self.low_open
+        if self.high is not None and (high is None or self.high < high or self.high == high and self.high_open):
+            high, high_open = self.high, self.high_open
+        if integer and low is not None:
+            least = math.ceil(low) + (1 if low_open and low == math.ceil(low) else 0)
+            low, low_open = Fraction(least), False
+        if low is None or high is None:
+            return True
+        return low < high or low == high and not (low_open or high_open)
+
+
+def _magnitudes(body: str, integer: bool):
+    """The magnitudes a number that starts with `body` (its sign taken off) can reach, as intervals (low, high,
+    high_open), high None where unbounded: a whole part's further digits make it 10, 100, ... times larger, each
+    scale an interval of its own; a fraction's digits keep it within its last digit's step."""
+    whole, point, fraction = body.partition(".")
+    if not whole:
+        yield Fraction(0), None, False
+    elif point:
+        step = Fraction(1, 10 ** len(fraction))
+        start = Fraction(int(whole + fraction)) * step
+        yield start, start + step, True
+    elif whole == "0":
+        yield Fraction(0), Fraction(0 if integer else 1), not integer
+    else:
+        value, scale = int(whole), 1
+        while True:
+            yield Fraction(value * scale), Fraction((value + 1) * scale - integer), not integer
+            scale *= 10
+
+
+@dataclass(frozen=True)
 class Node:
     """One schema node. kind: any, object, array, string, number, integer, boolean, null, choice, union or tagged
     (objects told apart by their first property, a constant: the value read there picks the object's node)."""
@@ -63,6 +130,13 @@ class Node:
     max_items: int | None = None
     choices: tuple[bytes, ...] = ()  # choice, tagged: the values as JSON writes them
     branches: tuple[int, ...] = ()  # tagged: the object node each of `choices` picks
+    bounds: Bounds | None = None  # number, integer: their range (no exponent then)
+    min_length: int = 0  # string: characters (code points) at least and at most
+    max_length: int | None = None
+
+    @property
+    def sized(self) -> bool:
+        return self.kind == "string" and (self.min_length > 0 or self.max_length is not None)
 
     def first_bytes(self, nodes: list[Node], within: frozenset = frozenset()) -> frozenset[int]:
         """The bytes a value of this node can start with (unions need their alternatives' to be apart)."""
@@ -118,24 +192,27 @@ class JsonGrammar:
         mode, aux, spaces, stack = state
         if mode == TEXT:
             return state
-        if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value
+        if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value, (node, characters) in a sized one
             if byte == QUOTE:
-                if aux:
+                if aux == 1:
                     return (COLON, self.nodes[stack[-1][1]].free, 0, stack)
-                return (AFTER_VALUE, 0, 0, stack)
+                return (AFTER_VALUE, 0, 0, stack) if aux == 0 or aux[1] >= self.nodes[aux[0]].min_length else None
+            if byte < 0x20:  # raw control characters are not allowed in a string
+                return None
+            if aux not in (0, 1):  # a sized string counts each character at its first byte
+                aux = self._one_more(aux)
+                if aux is None:
+                    return None
             if byte == BACKSLASH:
                 return (ESCAPE, aux, 0, stack)
             if byte < 0x80:
-                return state if byte >= 0x20 else None  # raw control characters are not allowed in a string
+                return (STRING, aux, 0, stack)
             lead = _utf8_lead(byte)
             return None if lead is None else (UTF8, (aux, *lead), 0, stack)
         if mode in (ESCAPE, UNICODE, UTF8):
             return self._escaped_or_multibyte(mode, aux, stack, byte)
-        if mode in NUMBER_MOVES:  # aux: 1 for an integer
-            following = NUMBER_MOVES[mode].get(BYTE_CLASS.get(byte, ""))
-            if following is not None and not (aux and following in (POINT, EXP_MARK)):
-                return (following, aux, 0, stack)
-            return self.feed((AFTER_VALUE, 0, 0, stack), byte) if mode in NUMBER_ENDS else None
+        if mode in NUMBER_MOVES:  # aux: 1 for an integer, 0 for a number, (node, text so far) for a bounded one
+            return self._number_byte(mode, aux, stack, byte)
         if mode == CHOICE:
             return self._choice_byte(aux, stack, byte)
         if mode == DONE:
@@ -144,21 +221,49 @@ class JsonGrammar:
             return (mode, aux, spaces + 1, stack) if spaces < MAX_SPACES else None
         return self._structural(mode, aux, stack, byte)
 
+    def _one_more(self, aux: tuple) -> tuple | None:
+        """A sized string's (node, characters) after one more character; None past its maxLength. Without a
+        maxLength the count stops at minLength: longer strings are all alike."""
+        at, count = aux
+        high = self.nodes[at].max_length
+        if high is None:
+            return (at, min(count + 1, self.nodes[at].min_length))
+        return (at, count + 1) if count < high else None
+
     @staticmethod
     def _escaped_or_multibyte(mode: int, aux, stack: tuple, byte: int) -> tuple | None:
-        if mode == ESCAPE:  # aux: the string's is-key flag
+        if mode == ESCAPE:  # aux: the string's
             if byte in SIMPLE_ESCAPES:
                 return (STRING, aux, 0, stack)
-            return (UNICODE, aux * 8 + 4, 0, stack) if byte == ord("u") else None
-        if mode == UNICODE:  # aux: is-key * 8 + hex digits to come
-            if byte not in HEX:
+            return (UNICODE, (aux, 4), 0, stack) if byte == ord("u") else None
+        if mode == UNICODE:  # aux: (the string's, hex digits to come)
+            inner, left = aux
+            # a sized string counts an escape as one character: a surrogate pair (two escapes, one character) could
+            # pass a minLength it does not reach, so \uD... is refused there (the character itself is not)
+            if byte not in HEX or left == 4 and inner not in (0, 1) and byte in b"dD":
                 return None
-            is_key, left = divmod(aux, 8)
-            return (STRING, is_key, 0, stack) if left == 1 else (UNICODE, aux - 1, 0, stack)
-        is_key, left, low, high = aux  # UTF8: inside a multi-byte character, the next byte's range
+            return (STRING, inner, 0, stack) if left == 1 else (UNICODE, (inner, left - 1), 0, stack)
+        inner, left, low, high = aux  # UTF8: inside a multi-byte character, the next byte's range
         if not low <= byte <= high:
             return None
-        return (STRING, is_key, 0, stack) if left == 1 else (UTF8, (is_key, left - 1, 0x80, 0xBF), 0, stack)
+        return (STRING, inner, 0, stack) if left == 1 else (UTF8, (inner, left - 1, 0x80, 0xBF), 0, stack)
+
+    def _number_byte(self, mode: int, aux, stack: tuple, byte: int) -> tuple | None:
+        """A byte inside a number: it goes on (a bounded one only where its range can still be met) or the number
+        ends (a bounded one only within its range) and the byte comes after it."""
+        bounded = not isinstance(aux, int)
+        integer = self.nodes[aux[0]].kind == "integer" if bounded else aux
+        following = NUMBER_MOVES[mode].get(BYTE_CLASS.get(byte, ""))
+        if following is not None and not ((integer or bounded) and following == EXP_MARK) \
+                and not (integer and following == POINT):
+            if not bounded:
+                return (following, aux, 0, stack)
+            text = aux[1] + chr(byte)
+            return (following, (aux[0], text), 0, stack) if self.nodes[aux[0]].bounds.reachable(text, integer) \
+                else None
+        if mode not in NUMBER_ENDS or bounded and not self.nodes[aux[0]].bounds.holds(Fraction(aux[1])):
+            return None
+        return self.feed((AFTER_VALUE, 0, 0, stack), byte)
 
     def _structural(self, mode: int, aux, stack: tuple, byte: int) -> tuple | None:
         """A byte other than whitespace where the grammar expects punctuation or a value."""
@@ -222,13 +327,15 @@ class JsonGrammar:
         if byte == ord("[") and (generic or node.kind == "array"):
             return (ARRAY_OPEN, 0, 0, stack + (("a", ANY_ARRAY if generic else at, 0),))
         if byte == QUOTE and (generic or node.kind == "string"):
-            return (STRING, 0, 0, stack)
-        if generic or node.kind in ("number", "integer"):
+            return (STRING, (at, 0) if node.sized else 0, 0, stack)
+        mode = MINUS if byte == ord("-") else ZERO if byte == ord("0") else \
+            INTEGER if ord("1") <= byte <= ord("9") else None
+        if mode is not None and (generic or node.kind in ("number", "integer")):
             integer = int(node.kind == "integer")
-            if byte == ord("-"):
-                return (MINUS, integer, 0, stack)
-            if ord("0") <= byte <= ord("9"):
-                return (ZERO if byte == ord("0") else INTEGER, integer, 0, stack)
+            if node.bounds is None:
+                return (mode, integer, 0, stack)
+            text = chr(byte)
+            return (mode, (at, text), 0, stack) if node.bounds.reachable(text, bool(integer)) else None
         if generic or node.kind in ("boolean", "null"):
             literals = LITERALS if generic else (b"true", b"false") if node.kind == "boolean" else (b"null",)
             return self._choice(literals, 0, False, stack, byte)
@@ -279,7 +386,8 @@ JSON_OBJECT = JsonGrammar(BUILTIN_NODES, ANY_OBJECT, "json_object")
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
                "writeOnly", "$defs", "definitions", "strict", "discriminator"}
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
-            "anyOf", "oneOf", "$ref"}
+            "anyOf", "oneOf", "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
+            "maxLength"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -354,6 +462,13 @@ class _SchemaCompiler:
             return self.object(schema, path)
         if kind == "array":
             return self.array(schema, path)
+        if kind in ("number", "integer"):
+            return self.add(Node(kind, bounds=_bounds(schema, path, kind == "integer")))
+        if kind == "string":
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            if not _whole(low) or high is not None and (not _whole(high) or high < low):
+                raise UserError(f"{path}: minLength and maxLength must be whole numbers, minLength <= maxLength")
+            return self.add(Node(kind, min_length=low, max_length=high))
         return self.add(Node(kind))
 
     def object(self, schema: dict, path: str) -> int:
@@ -450,6 +565,40 @@ class _SchemaCompiler:
         if built in self.unions:  # the copy is a union too: checked (and tagged) as its original
             self.unions[at] = ref
         return at
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bounds(schema: dict, path: str, integer: bool) -> Bounds | None:
+    """A number's range from minimum / maximum and exclusiveMinimum / exclusiveMaximum (numbers, or the older
+    booleans that make minimum / maximum exclusive); None where it has none."""
+    ends = {}
+    for word in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        value = schema.get(word)
+        if value is None or word.startswith("exclusive") and isinstance(value, bool):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{path}: {word} must be a number, got {value!r}")
+        ends[word] = Fraction(str(value))  # the decimal as written: 0.1 is 1/10, as a float compares to it
+    if not ends:
+        return None
+    low, low_open = _tighter(ends.get("minimum"), schema.get("exclusiveMinimum") is True,
+                             ends.get("exclusiveMinimum"), max)
+    high, high_open = _tighter(ends.get("maximum"), schema.get("exclusiveMaximum") is True,
+                               ends.get("exclusiveMaximum"), min)
+    bounds = Bounds(low, high, low_open, high_open)
+    if not bounds._meets(None, False, None, False, integer):
+        raise UserError(f"{path}: no {'integer' if integer else 'number'} lies between its minimum and maximum")
+    return bounds
+
+
+def _tighter(inclusive, inclusive_open: bool, exclusive, pick) -> tuple[Fraction | None, bool]:
+    """One end of a range from an inclusive bound (made exclusive by the older boolean form) and an exclusive one."""
+    if exclusive is None or inclusive is not None and pick(inclusive, exclusive) == inclusive != exclusive:
+        return inclusive, inclusive_open
+    return exclusive, True
 
 
 def _encoded(value) -> bytes:

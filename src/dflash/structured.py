@@ -92,6 +92,8 @@ class JsonVocabulary:
         plain = [i for i, p in enumerate(pieces) if p is not None and _plain_text(p)]
         self.plain_in_string = torch.zeros(self.size, dtype=torch.bool)
         self.plain_in_string[plain] = True
+        self.plain_characters = torch.zeros(self.size, dtype=torch.int32)  # a plain token's characters (maxLength)
+        self.plain_characters[plain] = torch.tensor([len(pieces[i].decode()) for i in plain], dtype=torch.int32)
         everything = sorted((p, i) for i, p in enumerate(pieces) if p is not None)
         self.all_keys, self.all_ids = [p for p, _ in everything], [i for _, i in everything]
         plain_set = set(plain)
@@ -122,6 +124,10 @@ class JsonVocabulary:
             return mask
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
+            if state[1] not in (0, 1):  # a string of bounded length: the plain tokens that fit what is left
+                at, count = state[1]
+                if grammar.nodes[at].max_length is not None:
+                    mask &= self.plain_characters <= grammar.nodes[at].max_length - count
             mask[self._walk(grammar, state, self.special_keys, self.special_ids)] = True
         else:
             mask = torch.zeros(self.size, dtype=torch.bool)
