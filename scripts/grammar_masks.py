@@ -3,7 +3,8 @@ then each state's mask (once per grammar and state), timed on the states a docum
 
 Usage: .venv/bin/python scripts/grammar_masks.py [NAME ...]   (registry targets; default: smollm2-135m gemma3-270m,
 those fetched here). Prints, per target: the vocabulary's size, the seconds to read it, and the median and largest
-milliseconds of a new state's mask under JSON mode and under docs/data/session56/items_schema.json.
+milliseconds of a new state's mask under JSON mode, under docs/data/session56/items_schema.json, and under a schema
+of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT).
 """
 
 import json
@@ -22,11 +23,19 @@ SCHEMA = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56" 
 DOCUMENT = ('{"title": "Breakfast", "items": [{"name": "Oats", "details": "with milk, \\u00e9t\\u00e9", "amount": '
             '1.5e2}, {"name": "Tea", "details": "green"}], "confidence": "high"}')
 
+BOUNDED = {"type": "object", "properties": {
+    "title": {"type": "string", "minLength": 3, "maxLength": 40}, "stars": {"type": "integer", "minimum": 1,
+                                                                        "maximum": 5},
+    "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 10000}, "year": {"type": "integer", "minimum": 1900,
+                                                                                  "maximum": 2100}},
+    "required": ["title", "stars", "price", "year"]}
+BOUNDED_DOCUMENT = '{"title": "A quiet place to read, \u00e9t\u00e9", "stars": 4, "price": 129.95, "year": 2024}'
 
-def mask_times(vocabulary: JsonVocabulary, grammar) -> list[float]:
-    """Milliseconds of each distinct state's first mask along DOCUMENT's prefixes."""
+
+def mask_times(vocabulary: JsonVocabulary, grammar, document: str = DOCUMENT) -> list[float]:
+    """Milliseconds of each distinct state's first mask along `document`'s prefixes."""
     times, state = [], START_STATE
-    for byte in DOCUMENT.encode():
+    for byte in document.encode():
         if (grammar.key, state) not in vocabulary.masks:
             started = time.perf_counter()
             vocabulary.allowed(grammar, state)
@@ -46,8 +55,10 @@ def main() -> None:
         vocabulary = JsonVocabulary(token_pieces(tokenizer, len(tokenizer)))
         read = time.perf_counter() - started
         line = f"{name}: {vocabulary.size} tokens read as bytes in {read:.2f} s"
-        for label, grammar in (("JSON mode", JSON_OBJECT), ("schema", compile_schema(json.loads(SCHEMA.read_text())))):
-            times = mask_times(vocabulary, grammar)
+        for label, grammar, document in (("JSON mode", JSON_OBJECT, DOCUMENT),
+                                         ("schema", compile_schema(json.loads(SCHEMA.read_text())), DOCUMENT),
+                                         ("bounded", compile_schema(BOUNDED), BOUNDED_DOCUMENT)):
+            times = mask_times(vocabulary, grammar, document)
             line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
                      f"{max(times):.1f} ms at most")
         print(line)
