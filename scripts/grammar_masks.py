@@ -4,7 +4,8 @@ then each state's mask (once per grammar and state), timed on the states a docum
 Usage: .venv/bin/python scripts/grammar_masks.py [NAME ...]   (registry targets; default: smollm2-135m gemma3-270m,
 those fetched here). Prints, per target: the vocabulary's size, the seconds to read it, and the median and largest
 milliseconds of a new state's mask under JSON mode, under docs/data/session56/items_schema.json, and under a schema
-of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT).
+of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), and one of formats and patterns
+(FORMATTED, FORMATTED_DOCUMENT).
 """
 
 import json
@@ -29,6 +30,12 @@ BOUNDED = {"type": "object", "properties": {
     "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 10000}, "year": {"type": "integer", "minimum": 1900,
                                                                                   "maximum": 2100}},
     "required": ["title", "stars", "price", "year"]}
+FORMATTED = {"type": "object", "properties": {
+    "id": {"type": "string", "format": "uuid"}, "day": {"type": "string", "format": "date"},
+    "starts": {"type": "string", "format": "date-time"}, "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+    "tag": {"type": "string", "pattern": "x", "maxLength": 4}}, "required": ["id", "day", "starts", "code", "tag"]}
+FORMATTED_DOCUMENT = ('{"id": "123e4567-e89b-12d3-a456-426614174000", "day": "2024-02-28", "starts": '
+                      '"2024-01-05T10:20:30Z", "code": "AB-123", "tag": "abxy"}')
 BOUNDED_DOCUMENT = '{"title": "A quiet place to read, \u00e9t\u00e9", "stars": 4, "price": 129.95, "year": 2024}'
 
 
@@ -57,7 +64,8 @@ def main() -> None:
         line = f"{name}: {vocabulary.size} tokens read as bytes in {read:.2f} s"
         for label, grammar, document in (("JSON mode", JSON_OBJECT, DOCUMENT),
                                          ("schema", compile_schema(json.loads(SCHEMA.read_text())), DOCUMENT),
-                                         ("bounded", compile_schema(BOUNDED), BOUNDED_DOCUMENT)):
+                                         ("bounded", compile_schema(BOUNDED), BOUNDED_DOCUMENT),
+                                         ("formats", compile_schema(FORMATTED), FORMATTED_DOCUMENT)):
             times = mask_times(vocabulary, grammar, document)
             line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
                      f"{max(times):.1f} ms at most")

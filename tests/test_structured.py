@@ -18,6 +18,7 @@ from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
 from dflash.grammar import DONE, JSON_OBJECT, MAX_SPACES, START_STATE, TEXT, compile_schema, complete
+from dflash.patterns import compile_pattern, format_pattern
 from dflash.structured import JsonVocabulary, json_vocabulary, token_pieces
 from dflash.testing import tiny_byte_tokenizer, tiny_target
 from test_engine import make_drafter
@@ -132,7 +133,7 @@ def random_document(grammar, rng: random.Random, budget: int = 60) -> bytes:
         allowed = [b for b in WALK_BYTES if grammar.feed(state, b) is not None]
         assert allowed, f"a dead end after {bytes(out)!r}"  # every state the grammar lets through can be finished
         if len(out) > budget:
-            for preferred in (b'"}]', b",:", b"n", b"tf", b"0123456789"):
+            for preferred in (b'"}]', b",:", b"n", b"tf", b"Z", b"0123456789"):  # Z: a time's offset ends it
                 closing = [b for b in allowed if b in preferred]
                 if closing:
                     allowed = closing
@@ -178,7 +179,9 @@ def test_a_schema_grammar_takes_valid_documents_in_the_schemas_order_and_refuses
 
 
 @pytest.mark.parametrize("schema, fragment", [
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "pattern cannot be enforced"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x(?=y)"}}}, "a lookaround"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "hostname"}}}, "format 'hostname' cannot"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "multipleOf cannot be enforced"),
     ({"type": "string"}, "or an array at its root"),
     ({"anyOf": [{"type": "object"}, {"type": "integer"}]}, "or an array at its root"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}, "start alike"),
@@ -238,14 +241,95 @@ def test_bounds_and_lengths_hold_whatever_the_grammar_lets_through():
     assert not accepts(title='"\\ud83d\\ude00"')  # so surrogate pairs (two escapes, one character) are refused
 
 
+def pattern_matches(pattern, text: str) -> bool:
+    states = pattern.start
+    for character in text:
+        states = pattern.step(states, ord(character))
+        if not states:
+            return False
+    return pattern.accepts(states)
+
+
+@pytest.mark.parametrize("source", ["^[a-z]+$", "abc", "^a(b|cd)*e?$", "^\\d{3}-\\d{2,4}$", "^(?:[A-Z][a-z]*\\s?)+$",
+                                    "x+y", '^[^"\\\\]{0,3}$', "^.{2,}$", "^(ab|a)(c|bcd)$", "^[\\w.-]+$", "^\\u00e9+$",
+                                    "^[\\D]{2}\\S*?$", "^a{2,}b{0,1}$"])
+def test_a_pattern_matches_what_pythons_re_finds(source):
+    """Search semantics unless anchored; ECMA's `$` (the very end) and ASCII classes, as Python's re reads them with
+    re.ASCII and \\Z (negated escapes take ASCII characters only, which both readings agree on)."""
+    pattern, rng = compile_pattern(source), random.Random(source)
+    python = re.compile(source[:-1] + "\\Z" if source.endswith("$") else source, re.ASCII)
+    alphabet = 'abcdexyzAB019-_. "\\\n' + ("" if re.search(r"\\[DSW]", source) else "\u00e9")
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 7)))
+        assert pattern_matches(pattern, text) == (python.search(text) is not None), text
+
+
+def test_formats_hold_their_shapes():
+    cases = {"date": (["2024-02-28", "1999-12-31", "2024-04-30"], ["2024-02-29", "2024-04-31", "2024-13-01", "24-01-01"]),
+             "date-time": (["2024-01-05T10:20:30Z", "2024-01-05T10:20:30.5+02:00"],
+                           ["2024-01-05T24:00:00Z", "2024-01-05 10:20:30Z", "2024-01-05T10:20:30"]),
+             "time": (["23:59:59Z", "00:00:00.123-05:30"], ["12:00", "12:00:00+2"]),
+             "uuid": (["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
+             "email": (["a.b+c@mail.example.com"], ["a..b@example.com", ".a@example.com", "a@-x.com", "a@b.c"]),
+             "ipv4": (["192.168.0.255", "8.8.8.8"], ["256.1.1.1", "1.2.3", "01.2.3.4"])}
+    for name, (good, bad) in cases.items():
+        pattern = format_pattern(name, "#")
+        assert all(pattern_matches(pattern, text) for text in good), name
+        assert not any(pattern_matches(pattern, text) for text in bad), name
+
+
+def formatted_event():
+    """A pydantic model with fields whose schemas carry formats and patterns."""
+    import datetime
+    import uuid
+
+    from pydantic import BaseModel, Field
+
+    class Event(BaseModel):
+        id: uuid.UUID
+        day: datetime.date
+        starts: datetime.datetime
+        code: str = Field(pattern="^[A-Z]{2}-\\d{3}$")
+        tag: str = Field(pattern="x", max_length=4)
+
+    return Event
+
+
+def test_patterns_and_formats_hold_whatever_the_grammar_lets_through():
+    event = formatted_event()
+    grammar = compile_schema(event.model_json_schema())
+    rng = random.Random(2)
+    for _ in range(200):
+        event.model_validate_json(random_document(grammar, rng, budget=120), strict=True)
+    document = ('{"id": "123e4567-e89b-12d3-a456-426614174000", "day": "2024-02-28", "starts": "2024-01-05T10:20:30Z", '
+                '"code": "AB-123", "tag": "%s"}')
+    assert complete(grammar.feed_bytes(START_STATE, (document % "\\u0078yz").encode()))  # an escaped x
+    for tag in ("abcd", "abcdx", "\\ud83dx"):  # no x; too long for the x; a surrogate escape
+        assert not complete(grammar.feed_bytes(START_STATE, (document % tag).encode())), tag
+    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
+    text = (document % "\u00e9\\nx").encode()
+    states = {grammar.feed_bytes(START_STATE, text[:n]) for n in range(len(text))}
+    assert None not in states
+    for state in states:
+        fed = torch.tensor([vocabulary.advance(grammar, state, token) is not None for token in range(VOCAB)])
+        assert torch.equal(vocabulary.allowed(grammar, state), fed), state
+
+
 @pytest.mark.parametrize("schema, fragment", [
+    ({"type": "string", "pattern": "a\\1"}, "the escape \\1"),
+    ({"type": "string", "pattern": "a^b"}, "the anchor '^' inside"),
+    ({"type": "string", "pattern": "(a"}, "an unclosed group"),
+    ({"type": "string", "pattern": "a{3,2}"}, "the repetition {3,2}"),
+    ({"type": "string", "pattern": "(abcdefghij){1000}"}, "too large to enforce"),
+    ({"type": "string", "pattern": "x", "format": "date"}, "both a pattern and a format"),
+    ({"type": "string", "pattern": "x", "minLength": 2}, "minLength beside a pattern"),
     ({"type": "integer", "minimum": 0.2, "maximum": 0.8}, "no integer lies between"),
     ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number lies between"),
     ({"type": "number", "minimum": "0"}, "minimum must be a number"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "minLength <= maxLength"),
 ])
-def test_impossible_bounds_are_refused_in_one_line(schema, fragment):
-    with pytest.raises(UserError, match=fragment):
+def test_impossible_bounds_and_patterns_are_refused_in_one_line(schema, fragment):
+    with pytest.raises(UserError, match=re.escape(fragment)):
         compile_schema({"type": "object", "properties": {"x": schema}})
 
 
@@ -552,9 +636,9 @@ def test_the_server_answers_in_json_mode_and_by_schema(byte_targets):
         structured = ask(response_format={"type": "json_schema",
                                           "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
         assert structured.choices[0].message.content == schema_reference.text
-        with pytest.raises(openai.BadRequestError, match="pattern cannot be enforced"):
+        with pytest.raises(openai.BadRequestError, match="multipleOf cannot be enforced"):
             ask(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}}})
+                "type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}}}})
         with pytest.raises(openai.BadRequestError, match="needs its json_schema"):
             ask(response_format={"type": "json_schema"})
 
@@ -661,6 +745,6 @@ def test_batch_rows_carry_their_own_response_format(tmp_path, capsys):
         assert texts[rid] == target.tokenizer.decode(expected, skip_special_tokens=True), rid
     assert texts["free"] == SpeculativeDecoder(target).generate(ids, GenerationConfig(24)).text
     source.write_text(json.dumps({"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}}}}) + "\n")
+        "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "hostname"}}}}}}) + "\n")
     assert main(argv[:3] + [str(tmp_path / "other.jsonl")] + argv[4:]) == 2
-    assert "in.jsonl:1: #/properties/a: format cannot be enforced" in capsys.readouterr().err
+    assert "in.jsonl:1: #/properties/a: format 'hostname' cannot be enforced" in capsys.readouterr().err

@@ -109,7 +109,8 @@ def test_a_grammar_with_free_text_otherwise_takes_text_or_a_whole_document():
     ([{"type": "function", "function": {"name": "a b"}}], None, "letters, digits"),
     ([CLOCK, CLOCK], None, "name a function twice: get_time"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "e": {"type": "string", "format": "email"}}}}}], None, "tools[0].function.parameters (f): #/properties/e: format"),
+        "e": {"type": "string", "format": "hostname"}}}}}], None,
+     "tools[0].function.parameters (f): #/properties/e: format 'hostname'"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "must describe an object"),
     (TOOLS, "sometimes", "tool_choice must be one of none, auto, required"),
     (TOOLS, {"type": "function", "function": {"name": "get_date"}}, "must name one of the tools (get_weather, get_time)"),

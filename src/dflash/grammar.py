@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .errors import UserError
+from .patterns import INFINITE, Pattern, compile_pattern, format_pattern
 
 MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
 
@@ -35,6 +36,8 @@ MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
 WHITESPACE = frozenset(b" \t\n\r")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
+ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
+           ord("r"): 0x0D, ord("t"): 0x09}  # a simple escape's character
 QUOTE, BACKSLASH = ord('"'), ord("\\")
 # a number's modes: byte class -> next mode; the modes where a number may end (the byte then read after the value)
 NUMBER_MOVES = {
@@ -133,10 +136,11 @@ class Node:
     bounds: Bounds | None = None  # number, integer: their range (no exponent then)
     min_length: int = 0  # string: characters (code points) at least and at most
     max_length: int | None = None
+    pattern: Pattern | None = None  # string: a pattern (or format) it matches (patterns.py)
 
     @property
-    def sized(self) -> bool:
-        return self.kind == "string" and (self.min_length > 0 or self.max_length is not None)
+    def checked(self) -> bool:
+        return self.kind == "string" and (self.min_length > 0 or self.max_length is not None or bool(self.pattern))
 
     def first_bytes(self, nodes: list[Node], within: frozenset = frozenset()) -> frozenset[int]:
         """The bytes a value of this node can start with (unions need their alternatives' to be apart)."""
@@ -192,23 +196,38 @@ class JsonGrammar:
         mode, aux, spaces, stack = state
         if mode == TEXT:
             return state
-        if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value, (node, characters) in a sized one
+        if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value, (node, characters, pattern
+            # states) in a checked one (a length or a pattern)
             if byte == QUOTE:
                 if aux == 1:
                     return (COLON, self.nodes[stack[-1][1]].free, 0, stack)
-                return (AFTER_VALUE, 0, 0, stack) if aux == 0 or aux[1] >= self.nodes[aux[0]].min_length else None
+                return (AFTER_VALUE, 0, 0, stack) if aux == 0 or self._string_done(aux) else None
             if byte < 0x20:  # raw control characters are not allowed in a string
                 return None
-            if aux not in (0, 1):  # a sized string counts each character at its first byte
+            checked = aux not in (0, 1)
+            if checked:  # a checked string counts each character at its first byte
                 aux = self._one_more(aux)
                 if aux is None:
                     return None
-            if byte == BACKSLASH:
+            patterned = checked and aux[2] is not None
+            if byte == BACKSLASH:  # in a pattern: an escape can write any character of the first plane but surrogates
+                if patterned and not (self._may_take(aux, 0, 0xD7FF) or self._may_take(aux, 0xE000, 0xFFFF)):
+                    return None
                 return (ESCAPE, aux, 0, stack)
             if byte < 0x80:
-                return (STRING, aux, 0, stack)
+                aux = self._matched(aux, byte) if patterned else aux
+                return None if aux is None else (STRING, aux, 0, stack)
             lead = _utf8_lead(byte)
-            return None if lead is None else (UTF8, (aux, *lead), 0, stack)
+            if lead is None:
+                return None
+            if not patterned:
+                return (UTF8, (aux, *lead), 0, stack)
+            left, low, high = lead
+            bits = byte & (0x7F >> (left + 1))
+            shift = 6 * (left - 1)
+            if not self._may_take(aux, (bits << 6 | low & 0x3F) << shift, ((bits << 6 | high & 0x3F) + 1 << shift) - 1):
+                return None
+            return (UTF8, (aux, *lead, bits), 0, stack)
         if mode in (ESCAPE, UNICODE, UTF8):
             return self._escaped_or_multibyte(mode, aux, stack, byte)
         if mode in NUMBER_MOVES:  # aux: 1 for an integer, 0 for a number, (node, text so far) for a bounded one
@@ -222,31 +241,71 @@ class JsonGrammar:
         return self._structural(mode, aux, stack, byte)
 
     def _one_more(self, aux: tuple) -> tuple | None:
-        """A sized string's (node, characters) after one more character; None past its maxLength. Without a
-        maxLength the count stops at minLength: longer strings are all alike."""
-        at, count = aux
+        """A checked string's (node, characters, pattern states) after one more character begins; None past its
+        maxLength. Without a maxLength the count stops at minLength: longer strings are all alike."""
+        at, count, states = aux
         high = self.nodes[at].max_length
         if high is None:
-            return (at, min(count + 1, self.nodes[at].min_length))
-        return (at, count + 1) if count < high else None
+            return (at, min(count + 1, self.nodes[at].min_length), states)
+        return (at, count + 1, states) if count < high else None
 
-    @staticmethod
-    def _escaped_or_multibyte(mode: int, aux, stack: tuple, byte: int) -> tuple | None:
+    def _matched(self, aux: tuple, code: int) -> tuple | None:
+        """A patterned string's aux after the character `code`: None where no match goes on that way, or where
+        the characters a match still needs pass the maxLength."""
+        at, count, states = aux
+        node = self.nodes[at]
+        following = node.pattern.step(states, code)
+        if not following or node.max_length is not None and count + node.pattern.shortest(following) > node.max_length:
+            return None
+        return (at, count, following)
+
+    def _may_take(self, aux: tuple, low: int, high: int) -> bool:
+        """Whether a patterned string may take some character in [low, high] (one still being read)."""
+        at, count, states = aux
+        high_length = self.nodes[at].max_length
+        return self.nodes[at].pattern.can_take(states, low, high, INFINITE if high_length is None
+                                               else high_length - count)
+
+    def _string_done(self, aux: tuple) -> bool:
+        at, count, states = aux
+        return count >= self.nodes[at].min_length and (states is None or self.nodes[at].pattern.accepts(states))
+
+    def _escaped_or_multibyte(self, mode: int, aux, stack: tuple, byte: int) -> tuple | None:
+        """Escapes and multi-byte characters; in a patterned string they carry the character's code so far, which
+        the pattern reads once it is whole."""
         if mode == ESCAPE:  # aux: the string's
+            patterned = aux not in (0, 1) and aux[2] is not None
             if byte in SIMPLE_ESCAPES:
-                return (STRING, aux, 0, stack)
-            return (UNICODE, (aux, 4), 0, stack) if byte == ord("u") else None
-        if mode == UNICODE:  # aux: (the string's, hex digits to come)
-            inner, left = aux
-            # a sized string counts an escape as one character: a surrogate pair (two escapes, one character) could
+                aux = self._matched(aux, ESCAPED[byte]) if patterned else aux
+                return None if aux is None else (STRING, aux, 0, stack)
+            return (UNICODE, (aux, 4, 0) if patterned else (aux, 4), 0, stack) if byte == ord("u") else None
+        if mode == UNICODE:  # aux: (the string's, hex digits to come[, the code so far])
+            inner, left = aux[:2]
+            # a checked string counts an escape as one character: a surrogate pair (two escapes, one character) could
             # pass a minLength it does not reach, so \uD... is refused there (the character itself is not)
             if byte not in HEX or left == 4 and inner not in (0, 1) and byte in b"dD":
                 return None
-            return (STRING, inner, 0, stack) if left == 1 else (UNICODE, (inner, left - 1), 0, stack)
-        inner, left, low, high = aux  # UTF8: inside a multi-byte character, the next byte's range
+            if len(aux) == 2:
+                return (STRING, inner, 0, stack) if left == 1 else (UNICODE, (inner, left - 1), 0, stack)
+            code = aux[2] * 16 + int(chr(byte), 16)
+            if left > 1:
+                shift = 4 * (left - 1)
+                return (UNICODE, (inner, left - 1, code), 0, stack) \
+                    if self._may_take(inner, code << shift, (code + 1 << shift) - 1) else None
+            inner = self._matched(inner, code)
+            return None if inner is None else (STRING, inner, 0, stack)
+        inner, left, low, high = aux[:4]  # UTF8: inside a multi-byte character, the next byte's range[, code so far]
         if not low <= byte <= high:
             return None
-        return (STRING, inner, 0, stack) if left == 1 else (UTF8, (inner, left - 1, 0x80, 0xBF), 0, stack)
+        if len(aux) == 4:
+            return (STRING, inner, 0, stack) if left == 1 else (UTF8, (inner, left - 1, 0x80, 0xBF), 0, stack)
+        code = aux[4] << 6 | byte & 0x3F
+        if left > 1:
+            shift = 6 * (left - 1)
+            return (UTF8, (inner, left - 1, 0x80, 0xBF, code), 0, stack) \
+                if self._may_take(inner, code << shift, (code + 1 << shift) - 1) else None
+        inner = self._matched(inner, code)
+        return None if inner is None else (STRING, inner, 0, stack)
 
     def _number_byte(self, mode: int, aux, stack: tuple, byte: int) -> tuple | None:
         """A byte inside a number: it goes on (a bounded one only where its range can still be met) or the number
@@ -327,7 +386,7 @@ class JsonGrammar:
         if byte == ord("[") and (generic or node.kind == "array"):
             return (ARRAY_OPEN, 0, 0, stack + (("a", ANY_ARRAY if generic else at, 0),))
         if byte == QUOTE and (generic or node.kind == "string"):
-            return (STRING, (at, 0) if node.sized else 0, 0, stack)
+            return (STRING, (at, 0, node.pattern and node.pattern.start) if node.checked else 0, 0, stack)
         mode = MINUS if byte == ord("-") else ZERO if byte == ord("0") else \
             INTEGER if ord("1") <= byte <= ord("9") else None
         if mode is not None and (generic or node.kind in ("number", "integer")):
@@ -387,7 +446,7 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
                "writeOnly", "$defs", "definitions", "strict", "discriminator"}
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
             "anyOf", "oneOf", "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
-            "maxLength"}
+            "maxLength", "pattern", "format"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -465,11 +524,24 @@ class _SchemaCompiler:
         if kind in ("number", "integer"):
             return self.add(Node(kind, bounds=_bounds(schema, path, kind == "integer")))
         if kind == "string":
-            low, high = schema.get("minLength", 0), schema.get("maxLength")
-            if not _whole(low) or high is not None and (not _whole(high) or high < low):
-                raise UserError(f"{path}: minLength and maxLength must be whole numbers, minLength <= maxLength")
-            return self.add(Node(kind, min_length=low, max_length=high))
+            return self.add(self.string(schema, path))
         return self.add(Node(kind))
+
+    @staticmethod
+    def string(schema: dict, path: str) -> Node:
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if not _whole(low) or high is not None and (not _whole(high) or high < low):
+            raise UserError(f"{path}: minLength and maxLength must be whole numbers, minLength <= maxLength")
+        source, form = schema.get("pattern"), schema.get("format")
+        if source is not None and form is not None:
+            raise UserError(f"{path}: a string with both a pattern and a format cannot be enforced; give one")
+        if (source is not None or form is not None) and low > 0:
+            raise UserError(f"{path}: minLength beside a {'pattern' if source is not None else 'format'} cannot be "
+                            "enforced; say the length in the pattern ({n,})")
+        if source is not None and not isinstance(source, str):
+            raise UserError(f"{path}: pattern must be a string, got {source!r}")
+        pattern = compile_pattern(source) if source is not None else format_pattern(form, path) if form else None
+        return Node("string", min_length=low, max_length=high, pattern=pattern)
 
     def object(self, schema: dict, path: str) -> int:
         properties = schema.get("properties") or {}

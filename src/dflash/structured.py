@@ -124,14 +124,21 @@ class JsonVocabulary:
             return mask
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
-            if state[1] not in (0, 1):  # a string of bounded length: the plain tokens that fit what is left
-                at, count = state[1]
-                if grammar.nodes[at].max_length is not None:
+            if state[1] not in (0, 1):  # a checked string
+                at, count, states = state[1]
+                if states is not None:  # a pattern: every token walked
+                    mask[:] = False
+                    mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
+                    return self._kept(key, mask)
+                if grammar.nodes[at].max_length is not None:  # the plain tokens that fit what is left
                     mask &= self.plain_characters <= grammar.nodes[at].max_length - count
             mask[self._walk(grammar, state, self.special_keys, self.special_ids)] = True
         else:
             mask = torch.zeros(self.size, dtype=torch.bool)
             mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
+        return self._kept(key, mask)
+
+    def _kept(self, key: tuple, mask: torch.Tensor) -> torch.Tensor:
         self.masks[key] = mask
         if len(self.masks) > self.max_masks:
             self.masks.popitem(last=False)
