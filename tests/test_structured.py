@@ -146,13 +146,32 @@ def random_document(grammar, rng: random.Random, budget: int = 60) -> bytes:
     return bytes(out)
 
 
+def assert_walks_validate(model, seed: int, walks: int, budget: int = 60) -> list[bytes]:
+    """Random walks through the grammar of a pydantic model's schema, each validated by the model (strict)."""
+    grammar, rng = compile_schema(model.model_json_schema()), random.Random(seed)
+    documents = [random_document(grammar, rng, budget) for _ in range(walks)]
+    for document in documents:
+        model.model_validate_json(document, strict=True)  # raises where the grammar let an invalid document through
+    return documents
+
+
+def assert_masks_are_fed(grammar, texts: list[bytes]) -> int:
+    """Every state along the texts' prefixes: its mask over the tiny byte-level vocabulary is each token fed byte
+    by byte, and no state is a dead end. Returns how many states."""
+    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
+    states = {grammar.feed_bytes(START_STATE, text[:n]) for text in texts for n in range(len(text))}
+    assert None not in states
+    for state in states:
+        mask = vocabulary.allowed(grammar, state)
+        fed = torch.tensor([vocabulary.advance(grammar, state, token) is not None for token in range(VOCAB)])
+        assert torch.equal(mask, fed), state
+        assert state[0] == DONE or mask.any()
+    return len(states)
+
+
 def test_whatever_a_schema_grammar_lets_through_validates():
     owner = pet_models()
-    grammar = compile_schema(owner.model_json_schema())
-    rng = random.Random(0)
-    for _ in range(300):
-        document = random_document(grammar, rng)
-        owner.model_validate_json(document, strict=True)  # raises where the grammar let an invalid document through
+    for document in assert_walks_validate(owner, seed=0, walks=300):
         assert list(json.loads(document)) == [k for k in owner.model_fields if k in json.loads(document)]
 
 
@@ -219,9 +238,7 @@ def bounded_review():
 def test_bounds_and_lengths_hold_whatever_the_grammar_lets_through():
     review = bounded_review()
     grammar = compile_schema(review.model_json_schema())
-    rng = random.Random(1)
-    for _ in range(300):
-        review.model_validate_json(random_document(grammar, rng, budget=80), strict=True)
+    assert_walks_validate(review, seed=1, walks=300, budget=80)
     whole = {"stars": 5, "score": 0.5, "title": '"ab"', "year": 2026, "delta": -3, "temperature": -40.5,
              "count": 100}
 
@@ -298,21 +315,13 @@ def formatted_event():
 def test_patterns_and_formats_hold_whatever_the_grammar_lets_through():
     event = formatted_event()
     grammar = compile_schema(event.model_json_schema())
-    rng = random.Random(2)
-    for _ in range(200):
-        event.model_validate_json(random_document(grammar, rng, budget=120), strict=True)
+    assert_walks_validate(event, seed=2, walks=200, budget=120)
     document = ('{"id": "123e4567-e89b-12d3-a456-426614174000", "day": "2024-02-28", "starts": "2024-01-05T10:20:30Z", '
                 '"code": "AB-123", "tag": "%s"}')
     assert complete(grammar.feed_bytes(START_STATE, (document % "\\u0078yz").encode()))  # an escaped x
     for tag in ("abcd", "abcdx", "\\ud83dx"):  # no x; too long for the x; a surrogate escape
         assert not complete(grammar.feed_bytes(START_STATE, (document % tag).encode())), tag
-    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
-    text = (document % "\u00e9\\nx").encode()
-    states = {grammar.feed_bytes(START_STATE, text[:n]) for n in range(len(text))}
-    assert None not in states
-    for state in states:
-        fed = torch.tensor([vocabulary.advance(grammar, state, token) is not None for token in range(VOCAB)])
-        assert torch.equal(vocabulary.allowed(grammar, state), fed), state
+    assert_masks_are_fed(grammar, [(document % "\u00e9\\nx").encode()])
 
 
 @pytest.mark.parametrize("schema, fragment", [
@@ -334,15 +343,9 @@ def test_impossible_bounds_and_patterns_are_refused_in_one_line(schema, fragment
 
 
 def test_masks_in_bounded_numbers_and_sized_strings_are_every_token_fed_byte_by_byte():
-    grammar = compile_schema(bounded_review().model_json_schema())
-    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
     text = ('{"stars": 3, "score": 0.25, "title": "\u00e9a\\"b", "year": 1999, "delta": -7, "temperature": -40.25, '
             '"code": "xy", "count": 1234}').encode()
-    states = {grammar.feed_bytes(START_STATE, text[:n]) for n in range(len(text))}
-    assert None not in states and len(states) > 60
-    for state in states:
-        fed = torch.tensor([vocabulary.advance(grammar, state, token) is not None for token in range(VOCAB)])
-        assert torch.equal(vocabulary.allowed(grammar, state), fed), state
+    assert assert_masks_are_fed(compile_schema(bounded_review().model_json_schema()), [text]) > 60
 
 
 def test_free_form_objects_and_closed_empty_ones():
@@ -382,14 +385,7 @@ def test_a_tokenizer_without_known_bytes_is_refused_in_one_line():
 
 
 def test_masks_are_every_token_fed_byte_by_byte():
-    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
-    states = {JSON_OBJECT.feed_bytes(START_STATE, d.encode()[:n]) for d in DOCUMENTS for n in range(len(d.encode()))}
-    assert len(states) > 40
-    for state in states:
-        mask = vocabulary.allowed(JSON_OBJECT, state)
-        fed = torch.tensor([vocabulary.advance(JSON_OBJECT, state, token) is not None for token in range(VOCAB)])
-        assert torch.equal(mask, fed), state
-        assert state[0] == DONE or mask.any()
+    assert assert_masks_are_fed(JSON_OBJECT, [d.encode() for d in DOCUMENTS]) > 40
 
 
 # ---- generation ----------------------------------------------------------------------------------------------------
