@@ -309,3 +309,39 @@ def test_llm_chat_reads_the_calls(monkeypatch):
     assert llm.chat(HI, tools=SHORT_TOOLS, tool_choice="none", max_new_tokens=4).tool_calls is None
     with pytest.raises(UserError, match="either may call tools"):
         llm.chat(HI, tools=SHORT_TOOLS, response_format="json_object")
+
+
+def test_batch_rows_carry_their_own_tools(tmp_path, capsys, monkeypatch):
+    import dflash.batch as batch
+    from dflash.cli import main
+    from dflash.testing import tiny_target
+
+    target = tiny_target("qwen2", vocab_size=320, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
+    configured = batch.config_from_args
+
+    def biased(args):  # a random model, pushed to finish its call
+        config = configured(args)
+        config.sampling.logit_bias = call_bias(target, None)
+        return config
+    monkeypatch.setattr(batch, "config_from_args", biased)
+    clock = {"type": "function", "function": {"name": "clock"}}
+    rows = [{"id": "words", "messages": HI}, {"id": "call", "messages": HI, "tools": SHORT_TOOLS, "tool_choice": clock},
+            {"id": "none", "messages": HI, "tools": SHORT_TOOLS, "tool_choice": "none"}]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["batch", str(source), "--output", str(out), "--target", "tiny-qwen2-bytes", "--method", "ngram",
+            "--max-new-tokens", "60", "--max-batch", "3", "--no-progress"]
+    assert main(argv) == 0
+    answers = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    request = tool_request(SHORT_TOOLS, clock)
+    fmt, schema = request.output_format()
+    expected = SpeculativeDecoder(target).generate(
+        target.encode_messages(conversation(HI, request)),
+        GenerationConfig(60, sampling=SamplingConfig(logit_bias=call_bias(target, None)), response_format=fmt,
+                         json_schema=schema))
+    assert answers["call"]["text"] == expected.text and answers["call"]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in answers["call"]["tool_calls"]] == [{"name": "clock", "arguments": "{}"}]
+    assert "tool_calls" not in answers["none"] and answers["none"]["text"] == answers["words"]["text"]
+    source.write_text(json.dumps({"messages": HI, "tools": SHORT_TOOLS, "tool_choice": "always"}) + "\n")
+    assert main(argv[:3] + [str(tmp_path / "other.jsonl")] + argv[4:]) == 2
+    assert "in.jsonl:1: tool_choice must be one of none, auto, required" in capsys.readouterr().err

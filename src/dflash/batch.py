@@ -3,7 +3,9 @@ batch, each answer appended to the output as it finishes, with its row's id. An 
 the answers under way, and the same command resumes it: rows whose id the output already holds are skipped.
 
 Rows come in any layout `dflash bench` reads; a chat (`messages`, `conversations`) is answered after its last user
-turn, its earlier assistant turns included (jsonl.conversation_of). Greedy answers are the target's own, token for token."""
+turn, its earlier assistant turns included (jsonl.conversation_of). A row's own `response_format`, or `tools` and
+`tool_choice` (OpenAI's; its answer then holds `tool_calls` where it called them, tools.py), hold its answer alone.
+Greedy answers are the target's own, token for token."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from .errors import UserError
 from .generate import config_from_args, load_method
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
 from .options import add_method_arguments, add_sampling_arguments, add_target_arguments, kill_stops_like_ctrl_c
+from .tools import ToolRequest, conversation, tool_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,16 +28,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_method_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
-                   "a row's `response_format` (OpenAI's) constrains its answer alone")
+                   "a row's `response_format`, or `tools` and `tool_choice` (OpenAI's), hold its answer alone")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
     p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
     p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None]]:
-    """(id, conversation, its own output format or None) for every row; UserError naming the line for a row without a
-    prompt, a repeated id or a format that cannot be enforced"""
+def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None, ToolRequest | None]]:
+    """(id, conversation, its own output format or None, its tools or None) for every row; UserError naming the line
+    for a row without a prompt, a repeated id, a format that cannot be enforced or bad tools"""
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
     requests, seen = [], set()
@@ -46,7 +49,11 @@ def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None]]:
         if rid in seen:
             raise UserError(f"{path}:{line_no} repeats the id {rid!r}: ids must be unique to resume a run")
         seen.add(rid)
-        requests.append((rid, messages, row_format(row, f"{path}:{line_no}")))
+        where = f"{path}:{line_no}"
+        own, tools = row_format(row, where), row_tools(row, where)
+        if own is not None and own[0] is not None and tools is not None:
+            raise UserError(f"{where}: a row either may call tools or follows its response_format: give one of them")
+        requests.append((rid, messages, own, tools))
     if not requests:
         raise UserError(f"{path} holds no prompts")
     return requests
@@ -71,6 +78,14 @@ def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
     return chosen
+
+
+def row_tools(row: dict, where: str) -> ToolRequest | None:
+    """A row's own `tools`, `tool_choice` and `parallel_tool_calls` (OpenAI's), checked before the target loads."""
+    try:
+        return tool_request(row.get("tools"), row.get("tool_choice"), row.get("parallel_tool_calls", True))
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
 
 
 def answered_ids(output: Path) -> set[str]:
@@ -119,9 +134,12 @@ def run(args) -> int:
     target, proposer = load_method(args, config)
     engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
     settle_heap()
-    ids = {rid: encode(target, messages, not args.no_chat) for rid, messages, _ in todo}
+    ids = {rid: encode(target, conversation(messages, tools), not args.no_chat) for rid, messages, _, tools in todo}
+    tools_of = {rid: tools for rid, _, _, tools in todo}
     configs = {rid: config if own is None else replace(config, response_format=own[0], json_schema=own[1])
-               for rid, _, own in todo}
+               for rid, _, own, _ in todo}
+    configs.update({rid: replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
+                    for rid, tools in tools_of.items() if tools is not None})
     for rid, prompt in ids.items():
         try:
             engine.budget(prompt)
@@ -137,7 +155,8 @@ def run(args) -> int:
                 while engine.busy:
                     for seq in engine.step():
                         result = seq.result
-                        out.write(json.dumps(answer_row(owner[id(seq)], result)) + "\n")
+                        rid = owner[id(seq)]
+                        out.write(json.dumps(answer_row(rid, result, tools_of[rid])) + "\n")
                         out.flush()  # on disk as it finishes: a kill loses only the answers under way
                         written, tokens = written + 1, tokens + len(result.tokens)
                         bar.update(1)
@@ -152,8 +171,11 @@ def run(args) -> int:
     return 0
 
 
-def answer_row(rid: str, result) -> dict:
+def answer_row(rid: str, result, tools: ToolRequest | None = None) -> dict:
+    """A row's answer; one that called its tools has their calls (OpenAI's layout) and finish_reason tool_calls."""
     stats = result.stats
-    return {"id": rid, "text": result.text, "finish_reason": result.finish_reason,
-            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
-            "tau": stats.tau if stats.num_rounds else None}
+    calls = tools.calls(result.text) if tools is not None else None
+    row = {"id": rid, "text": result.text, "finish_reason": "tool_calls" if calls else result.finish_reason,
+           "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+           "tau": stats.tau if stats.num_rounds else None}
+    return {**row, "tool_calls": calls} if calls else row
