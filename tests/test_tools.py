@@ -263,6 +263,14 @@ def test_the_server_answers_with_tool_calls_whole_and_streamed(byte_targets):
             assert text == "" and finish == "tool_calls"
             assert [(c.index, c.function.name, c.function.arguments) for c in chunk_calls] == \
                 [(k, c.function.name, c.function.arguments) for k, c in enumerate(calls)]
+        two = ask(tool_choice="required", parallel_tool_calls=False, n=2).choices  # each choice its own calls
+        assert [len(c.message.tool_calls) for c in two] == [1, 1]
+        assert two[0].message.tool_calls[0].function == two[1].message.tool_calls[0].function  # greedy: alike
+        assert two[0].message.tool_calls[0].id != two[1].message.tool_calls[0].id
+        chunks = [c.choices[0] for c in ask(tool_choice="required", parallel_tool_calls=False, n=2, stream=True)
+                  if c.choices]
+        assert sorted(c.index for c in chunks if c.delta.tool_calls) == [0, 1]
+        assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"] * 2
         words = ask()  # auto, nothing pushing a call: a reply in words
         assert words.choices[0].message.tool_calls is None and words.choices[0].message.content
         assert streamed() == (words.choices[0].message.content, [], words.choices[0].finish_reason)
