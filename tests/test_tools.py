@@ -353,3 +353,30 @@ def test_batch_rows_carry_their_own_tools(tmp_path, capsys, monkeypatch):
     source.write_text(json.dumps({"messages": HI, "tools": SHORT_TOOLS, "tool_choice": "always"}) + "\n")
     assert main(argv[:3] + [str(tmp_path / "other.jsonl")] + argv[4:]) == 2
     assert "in.jsonl:1: tool_choice must be one of none, auto, required" in capsys.readouterr().err
+
+
+def test_generate_takes_tools(capsys, monkeypatch, tmp_path):
+    import dflash.generate as generate
+    from dflash.cli import main
+    from dflash.testing import tiny_target
+
+    target = tiny_target("qwen2", vocab_size=320, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
+    configured = generate.config_from_args
+
+    def biased(args, **more):  # a random model, pushed to finish its call
+        config = configured(args, **more)
+        config.sampling.logit_bias = call_bias(target, None)
+        return config
+    monkeypatch.setattr(generate, "config_from_args", biased)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(SHORT_TOOLS))
+    argv = ["generate", "--target", "tiny-qwen2-bytes", "--method", "ngram", "--max-new-tokens", "60", "--json",
+            "--tools", str(tools), "--tool-choice", "clock", "Hi?"]
+    assert main(argv) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert [c["function"] for c in payload["tool_calls"]] == [{"name": "clock", "arguments": "{}"}]
+    for bad, message in [(["--tool-choice", "nope"], "must name one of the tools (weather, clock), got 'nope'"),
+                         (["--no-chat"], "--tools needs the chat template"),
+                         (["--tools", "[{"], "--tools takes a file holding OpenAI's tools list")]:
+        assert main(argv[:-1] + bad + ["Hi?"]) == 2
+        assert message in capsys.readouterr().err

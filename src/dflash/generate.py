@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import UserError
 from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, check_drafter_folders,
                       method_options)
+from .tools import ToolRequest, conversation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-new-tokens tokens, past end-of-sequence (for timing fixed lengths, "
                         "as in bench; the server's ignore_eos)")
+    p.add_argument("--tools", default=None, metavar="FILE|JSON",
+                   help="functions the reply may call: OpenAI's `tools` list (a file, or the list itself); the calls "
+                        "are printed as the reply's JSON, and with --json as `tool_calls`")
+    p.add_argument("--tool-choice", default=None, metavar="auto|required|none|NAME",
+                   help="with --tools: auto (default; the reply may answer in words), required, none, or a function's "
+                        "name (one call of it)")
     p.add_argument("prompt", help="the prompt text, or - to read it from standard input (e.g. a file: - < FILE)")
 
 
@@ -45,8 +52,12 @@ def run(args) -> int:
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    tools = tools_from_args(args)
+    if tools is not None:
+        config = replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
     target, proposer = load_method(args, config)
-    prompt_ids = target.encode_prompt(args.prompt, chat=not args.no_chat)
+    prompt_ids = target.encode_messages(conversation([{"role": "user", "content": args.prompt}], tools)) \
+        if tools is not None else target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
     warm_up = replace(config, max_new_tokens=WARM_UP_TOKENS, logprobs=None, ignore_eos=False)
@@ -71,6 +82,8 @@ def run(args) -> int:
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
         }
+        if tools is not None:
+            payload["tool_calls"] = tools.calls(result.text)
         if result.logprobs is not None:
             payload["logprobs"] = [logprob_json(target, entry) for entry in result.logprobs]
         if ar_result is not None:
@@ -105,17 +118,40 @@ def config_from_args(args, **more):
 
 def json_schema_from(given: str | None) -> dict | None:
     """--json-schema: a file holding the schema, or the schema itself."""
+    schema = _json_option(given, "--json-schema", "a JSON Schema file or the schema as JSON", "{")
+    if schema is not None and not isinstance(schema, dict):
+        raise UserError("--json-schema must be a JSON object")
+    return schema
+
+
+def tools_from_args(args) -> ToolRequest | None:
+    """--tools (a file holding OpenAI's list, or the list itself) and --tool-choice, checked before the target loads."""
+    from .tools import tool_request
+
+    if args.tools is None:
+        if args.tool_choice is not None:
+            raise UserError("--tool-choice goes with --tools")
+        return None
+    if args.no_chat or args.response_format != "text" or args.json_schema is not None:
+        raise UserError("--tools needs the chat template, and holds the reply itself: no --no-chat, "
+                        "--response-format or --json-schema beside it")
+    tools = _json_option(args.tools, "--tools", "a file holding OpenAI's tools list or the list as JSON", "[")
+    choice = args.tool_choice
+    if choice is not None and choice not in ("auto", "required", "none"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return tool_request(tools, choice)
+
+
+def _json_option(given: str | None, flag: str, wanted: str, opening: str):
+    """A JSON option's value: a file holding it, or the JSON itself (text that opens with `opening`)."""
     if given is None:
         return None
     path = Path(given)
-    text = path.read_text() if not given.lstrip().startswith("{") and path.is_file() else given
+    text = path.read_text() if not given.lstrip().startswith(opening) and path.is_file() else given
     try:
-        schema = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as error:
-        raise UserError(f"--json-schema takes a JSON Schema file or the schema as JSON: {error}") from None
-    if not isinstance(schema, dict):
-        raise UserError("--json-schema must be a JSON object")
-    return schema
+        raise UserError(f"{flag} takes {wanted}: {error}") from None
 
 
 def sampling_from_args(args):

@@ -150,7 +150,8 @@ def _choice(tool_choice, names: list[str]) -> str:
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if name not in names:
-        raise UserError(f"tool_choice must name one of the tools ({', '.join(names)}), got {tool_choice!r}")
+        given = repr(name) if isinstance(name, str) else repr(tool_choice)
+        raise UserError(f"tool_choice must name one of the tools ({', '.join(names)}), got {given}")
     return name
 
 
