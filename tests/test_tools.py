@@ -16,7 +16,7 @@ from dflash.methods.base import Proposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig
 from dflash.tools import conversation, tool_request
-from test_structured import plain_constrained_loop, proposers, random_document
+from test_structured import assert_masks_are_fed, plain_constrained_loop, proposers, random_document
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -101,6 +101,17 @@ def test_a_grammar_with_free_text_otherwise_takes_text_or_a_whole_document():
     for wrong in ['[{"name": "get_time", "arguments": {"city": "x"}}]', '[]', '[{"name": "other"', '{"city": 1}',
                   '[{"name": "get_weather", "arguments": {"days": 2}}]']:  # city is required
         assert not complete(grammar.feed_bytes(START_STATE, wrong.encode())), wrong
+
+
+def test_masks_of_calls_and_of_free_text_first_are_every_token_fed():
+    """The first mask under `auto` (every token but the broken openings of a call, found apart) and those along
+    calls, against feeding each token's bytes."""
+    _, schema = tool_request(TOOLS).output_format()
+    calls = [b'[{"name": "get_time", "arguments": {}}]', b'{"name": "get_weather", "arguments": {"city": "P"}}']
+    assert assert_masks_are_fed(compile_schema(schema, text_otherwise=True), calls) > 40
+    assert assert_masks_are_fed(compile_schema(schema), calls) > 40
+    strings = compile_schema({"type": "array", "items": {"type": "string"}}, text_otherwise=True)
+    assert assert_masks_are_fed(strings, [b'["a", "b"]']) > 5  # `[{` opens no array of strings: refused first
 
 
 # ---- tools and tool_choice -----------------------------------------------------------------------------------------

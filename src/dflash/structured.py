@@ -122,6 +122,8 @@ class JsonVocabulary:
         if mask is not None:
             self.masks.move_to_end(key)
             return mask
+        if state == START_STATE and grammar.text_otherwise:  # free text unless a token opens the document
+            return self._kept(key, self._text_or_document(grammar))
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
@@ -137,6 +139,18 @@ class JsonVocabulary:
             mask = torch.zeros(self.size, dtype=torch.bool)
             mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
         return self._kept(key, mask)
+
+    def _text_or_document(self, grammar: JsonGrammar) -> torch.Tensor:
+        """The first mask of a grammar with free text otherwise: every token, but of those whose first byte could open
+        the document (each byte's tokens a run of the sorted vocabulary) only the ones the document takes."""
+        mask = torch.zeros(self.size, dtype=torch.bool)
+        mask[self.all_ids] = True
+        for opener in sorted(grammar.nodes[grammar.root].first_bytes(grammar.nodes)):
+            low = bisect.bisect_left(self.all_keys, bytes([opener]))
+            high = bisect.bisect_left(self.all_keys, bytes([opener + 1]))
+            mask[self.all_ids[low:high]] = False
+            mask[self._walk(grammar, START_STATE, self.all_keys[low:high], self.all_ids[low:high])] = True
+        return mask
 
     def _kept(self, key: tuple, mask: torch.Tensor) -> torch.Tensor:
         self.masks[key] = mask
