@@ -332,6 +332,7 @@ def test_patterns_and_formats_hold_whatever_the_grammar_lets_through():
     ({"type": "string", "pattern": "(abcdefghij){1000}"}, "too large to enforce"),
     ({"type": "string", "pattern": "x", "format": "date"}, "both a pattern and a format"),
     ({"type": "string", "pattern": "x", "minLength": 2}, "minLength beside a pattern"),
+    ({"type": "string", "pattern": "(" * 3000 + "a" + ")" * 3000}, "nested too deeply"),
     ({"type": "integer", "minimum": 0.2, "maximum": 0.8}, "no integer lies between"),
     ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number lies between"),
     ({"type": "number", "minimum": "0"}, "minimum must be a number"),

@@ -469,9 +469,11 @@ def compile_schema(schema, text_otherwise: bool = False) -> JsonGrammar:
         raise UserError(f"a JSON schema must be an object, got {type(schema).__name__}")
     try:
         text = json.dumps(schema)  # its properties in order: they are written in that order
+        return _compiled(text, text_otherwise)
     except (TypeError, ValueError) as error:
         raise UserError(f"the JSON schema is not JSON: {error}") from None
-    return _compiled(text, text_otherwise)
+    except RecursionError:  # a schema (or a pattern in it) nested thousands deep
+        raise UserError("the JSON schema is nested too deeply to compile") from None
 
 
 class _SchemaCompiler:
