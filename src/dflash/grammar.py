@@ -467,13 +467,17 @@ def compile_schema(schema, text_otherwise: bool = False) -> JsonGrammar:
     `text_otherwise`: free text too, where the output's first byte cannot start a document (JsonGrammar)."""
     if not isinstance(schema, dict):
         raise UserError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    too_deep = "the JSON schema (or a pattern in it) is nested too deeply to compile"
     try:
         text = json.dumps(schema)  # its properties in order: they are written in that order
-        return _compiled(text, text_otherwise)
     except (TypeError, ValueError) as error:
         raise UserError(f"the JSON schema is not JSON: {error}") from None
-    except RecursionError:  # a schema (or a pattern in it) nested thousands deep
-        raise UserError("the JSON schema is nested too deeply to compile") from None
+    except RecursionError:
+        raise UserError(too_deep) from None
+    try:
+        return _compiled(text, text_otherwise)
+    except RecursionError:
+        raise UserError(too_deep) from None
 
 
 class _SchemaCompiler:
