@@ -20,7 +20,7 @@ from .errors import UserError
 from .generate import config_from_args, load_method
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
 from .options import add_method_arguments, add_sampling_arguments, add_target_arguments, kill_stops_like_ctrl_c
-from .tools import ToolRequest, conversation, tool_request
+from .tools import ToolRequest, conversation, reply_format, tool_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,8 +51,10 @@ def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None, ToolR
         seen.add(rid)
         where = f"{path}:{line_no}"
         own, tools = row_format(row, where), row_tools(row, where)
-        if own is not None and own[0] is not None and tools is not None:
-            raise UserError(f"{where}: a row either may call tools or follows its response_format: give one of them")
+        try:
+            reply_format(tools, *(own or (None, None)))
+        except UserError as error:
+            raise UserError(f"{where}: {error}") from None
         requests.append((rid, messages, own, tools))
     if not requests:
         raise UserError(f"{path} holds no prompts")
@@ -86,6 +88,12 @@ def row_tools(row: dict, where: str) -> ToolRequest | None:
         return tool_request(row.get("tools"), row.get("tool_choice"), row.get("parallel_tool_calls", True))
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
+
+
+def row_config(config, own: tuple | None, tools: ToolRequest | None):
+    """The command line's config with a row's own output format, or its tools' calls."""
+    response_format, json_schema = reply_format(tools, *(own or (config.response_format, config.json_schema)))
+    return replace(config, response_format=response_format, json_schema=json_schema)
 
 
 def answered_ids(output: Path) -> set[str]:
@@ -136,10 +144,7 @@ def run(args) -> int:
     settle_heap()
     ids = {rid: encode(target, conversation(messages, tools), not args.no_chat) for rid, messages, _, tools in todo}
     tools_of = {rid: tools for rid, _, _, tools in todo}
-    configs = {rid: config if own is None else replace(config, response_format=own[0], json_schema=own[1])
-               for rid, _, own, _ in todo}
-    configs.update({rid: replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
-                    for rid, tools in tools_of.items() if tools is not None})
+    configs = {rid: row_config(config, own, tools) for rid, _, own, tools in todo}
     for rid, prompt in ids.items():
         try:
             engine.budget(prompt)

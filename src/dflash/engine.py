@@ -864,7 +864,10 @@ def within_grammar(seq: Sequence, draft: Draft) -> Draft:
 def grammar_masked(logits: torch.Tensor, seq: Sequence, past: list[int]) -> torch.Tensor:
     """`logits` of the position after the committed output and `past` (drafts), with the tokens the sequence's
     grammar refuses there at -inf."""
-    return logits.masked_fill(~seq.grammar.mask(seq.output, past).to(logits.device), float("-inf"))
+    allowed = seq.grammar.mask(seq.output, past)
+    if allowed is seq.grammar.free_mask:  # free text (a reply that called no tool): nothing to mask
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _has_stop_string(text: str, stop_strings) -> bool:

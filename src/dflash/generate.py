@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import UserError
 from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, check_drafter_folders,
                       method_options)
-from .tools import ToolRequest, conversation
+from .tools import ToolRequest, conversation, reply_format, tool_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,8 +53,8 @@ def run(args) -> int:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     tools = tools_from_args(args)
-    if tools is not None:
-        config = replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
+    response_format, json_schema = reply_format(tools, config.response_format, config.json_schema)
+    config = replace(config, response_format=response_format, json_schema=json_schema)
     target, proposer = load_method(args, config)
     prompt_ids = target.encode_messages(conversation([{"role": "user", "content": args.prompt}], tools)) \
         if tools is not None else target.encode_prompt(args.prompt, chat=not args.no_chat)
@@ -126,15 +126,13 @@ def json_schema_from(given: str | None) -> dict | None:
 
 def tools_from_args(args) -> ToolRequest | None:
     """--tools (a file holding OpenAI's list, or the list itself) and --tool-choice, checked before the target loads."""
-    from .tools import tool_request
-
     if args.tools is None:
         if args.tool_choice is not None:
             raise UserError("--tool-choice goes with --tools")
         return None
-    if args.no_chat or args.response_format != "text" or args.json_schema is not None:
-        raise UserError("--tools needs the chat template, and holds the reply itself: no --no-chat, "
-                        "--response-format or --json-schema beside it")
+    if args.no_chat:
+        raise UserError("--tools needs the chat template (no --no-chat): the tools are described in its system "
+                        "message")
     tools = _json_option(args.tools, "--tools", "a file holding OpenAI's tools list or the list as JSON", "[")
     choice = args.tool_choice
     if choice is not None and choice not in ("auto", "required", "none"):

@@ -17,7 +17,7 @@ from .errors import UserError
 from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .sampling import SamplingConfig
-from .tools import conversation, tool_request
+from .tools import conversation, reply_format, tool_request
 
 
 class LLM:
@@ -68,10 +68,7 @@ class LLM:
         `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls` (OpenAI's
         layout, arguments as JSON text) beside its text (tools.py)."""
         request = tool_request(tools, tool_choice, parallel_tool_calls)
-        if request is not None:
-            if response_format not in (None, "text") or json_schema is not None:
-                raise UserError("a reply either may call tools or follows a response format: give one of them")
-            response_format, json_schema = request.output_format()
+        response_format, json_schema = reply_format(request, response_format, json_schema)
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
         result = self._run([self.target.encode_messages(conversation(messages, request))], config)[0]

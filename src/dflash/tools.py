@@ -101,6 +101,18 @@ class ToolRequest:
                 for c in written]
 
 
+def reply_format(request: ToolRequest | None, response_format: str | None,
+                 json_schema: dict | None) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) of a reply: the calls' grammar where it may call tools, else the format given;
+    UserError where both are given."""
+    if request is None:
+        return response_format, json_schema
+    if response_format not in (None, "text") or json_schema is not None:
+        raise UserError("a reply either may call tools or follows a response format: give one of them "
+                        "(or tool_choice \"none\")")
+    return request.output_format()
+
+
 def tool_request(tools: list | None, tool_choice=None, parallel_tool_calls: bool = True) -> ToolRequest | None:
     """Check OpenAI's `tools` and `tool_choice` (UserError naming what is wrong); None where the reply is free
     text (no tools, or tool_choice "none")."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 from ..jsonl import openai_role
 from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
+from ..tools import reply_format
 
 if TYPE_CHECKING:
     from ..engine import GenerationConfig, GenerationResult, GenerationStats
@@ -173,8 +174,6 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
          == (body.response_format.json_schema is not None),
          "response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}"),
         (hasattr(body, "messages") or not body.tools, "tools are for chat completions (/v1/chat/completions)"),
-        (tools is None or body.response_format is None or body.response_format.type == "text",
-         "a reply either may call tools or follows response_format: send one of them (or tool_choice \"none\")"),
     ]
     for ok, message in checks:
         if not ok:
@@ -183,7 +182,7 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
                               body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size))
     top = requested_logprobs(body)
-    response_format, json_schema = tools.output_format() if tools is not None else response_format_of(body)
+    response_format, json_schema = reply_format(tools, *response_format_of(body))
     stop_ids = tuple(body.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise UserError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {list(stop_ids)}")

@@ -48,12 +48,11 @@ class TextDeltas:
         return piece
 
 
-
-
 class HeldCalls:
-    """A streamed chat reply that may be tool calls (tools.py): from the first piece that opens it with `[` (from the
-    start where calls are required; `{` opens one call too), its text and log-probabilities are held back, to go out as one `tool_calls`
-    delta once the reply is whole, or as text where it was cut short. A reply in words streams as it comes."""
+    """A streamed chat reply that may be tool calls (tools.py): from the first piece that opens it with `[` or `{`
+    (from the start where calls are required), its text and log-probabilities are held back, to go out as one
+    `tool_calls` delta once the reply is whole, or as text where it was cut short. A reply in words streams as it
+    comes."""
 
     def __init__(self, calls_only: bool):
         self.decided, self.holding = calls_only, calls_only
