@@ -17,7 +17,7 @@ from dflash.methods.base import Draft, MethodOptions, Proposer
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
-from dflash.grammar import DONE, JSON_OBJECT, MAX_SPACES, START_STATE, TEXT, compile_schema, complete
+from dflash.grammar import JSON_OBJECT, MAX_SPACES, PROSE, START_STATE, TEXT, compile_schema, complete
 from dflash.patterns import compile_pattern, format_pattern
 from dflash.structured import JsonVocabulary, json_vocabulary, token_pieces
 from dflash.testing import tiny_byte_tokenizer, tiny_target
@@ -155,18 +155,29 @@ def assert_walks_validate(model, seed: int, walks: int, budget: int = 60) -> lis
     return documents
 
 
-def assert_masks_are_fed(grammar, texts: list[bytes]) -> int:
-    """Every state along the texts' prefixes: its mask over the tiny byte-level vocabulary is each token fed byte
-    by byte, and no state is a dead end. Returns how many states."""
-    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(VOCAB), VOCAB))
+def assert_masks_are_fed(grammar, texts: list[bytes], tokenizer=None) -> int:
+    """Every state along the texts' prefixes: its mask over a tiny byte-level vocabulary (`tokenizer`'s, else
+    tiny_byte_tokenizer's) is each token fed, and no state is a dead end. Returns how many states."""
+    vocabulary = JsonVocabulary(token_pieces(tokenizer or tiny_byte_tokenizer(VOCAB), VOCAB))
     states = {grammar.feed_bytes(START_STATE, text[:n]) for text in texts for n in range(len(text))}
     assert None not in states
     for state in states:
         mask = vocabulary.allowed(grammar, state)
-        fed = torch.tensor([vocabulary.advance(grammar, state, token) is not None for token in range(VOCAB)])
+        fed = torch.tensor([fed_token(grammar, state, vocabulary.pieces[token]) is not None
+                            for token in range(VOCAB)])
         assert torch.equal(mask, fed), state
-        assert state[0] == DONE or mask.any()
+        assert grammar.finished(state) or mask.any()
     return len(states)
+
+
+def fed_token(grammar, state, piece: bytes | None):
+    """The state after a token of bytes `piece` (None: a special token, text only in free text), or None."""
+    if state[0] == TEXT:
+        return state
+    if piece is None:
+        prose = grammar.frame is not None and grammar.frame.prose and state[0] in (START_STATE[0], PROSE)
+        return (PROSE, 0, 0, ()) if prose else None
+    return grammar.feed_bytes(state, piece)
 
 
 def test_whatever_a_schema_grammar_lets_through_validates():
@@ -398,21 +409,20 @@ def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new
     otherwise, where the output is text); any token in free text."""
     pieces = token_pieces(target.tokenizer, target.vocab_size)
     eos = set(target.eos_token_ids)
-    sequence = list(prompt_ids)
+    sequence, state = list(prompt_ids), START_STATE
     for position in range(max_new):
         with torch.no_grad():
             logits = target.model(torch.tensor([sequence])).logits[0, -1:].float()
         for token, bias in sampling.logit_bias.items():
             logits[0, token] += bias
-        state = grammar.feed_bytes(START_STATE, b"".join(pieces[t] or b"" for t in sequence[len(prompt_ids):]))
-        allowed = [state[0] == TEXT or (t in eos and grammar.may_end(state)) or not complete(state)
-                   and pieces[t] is not None and grammar.feed_bytes(state, pieces[t]) is not None
-                   for t in range(target.vocab_size)]
+        allowed = [(t in eos and grammar.may_end(state)) or t not in eos and fed_token(grammar, state, pieces[t])
+                   is not None for t in range(target.vocab_size)]
         logits[0, ~torch.tensor(allowed)] = float("-inf")
         token = int(pick_tokens(logits, sampling, len(sequence))[0])
         sequence.append(token)
         if token in eos:
             break
+        state = fed_token(grammar, state, pieces[token])
     return sequence[len(prompt_ids):]
 
 

@@ -15,7 +15,9 @@ from dflash.grammar import DONE, START_STATE, TEXT, compile_schema, complete
 from dflash.methods.base import Proposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig
-from dflash.tools import conversation, tool_request
+from dflash.loading import load_target_cached
+from dflash.structured import output_grammar
+from dflash.tools import conversation, encode_chat, tool_request, tool_style
 from test_structured import assert_masks_are_fed, plain_constrained_loop, proposers, random_document
 
 WEATHER = {"type": "function", "function": {
@@ -330,19 +332,24 @@ def test_llm_chat_reads_the_calls(monkeypatch):
         llm.chat(HI, tools=SHORT_TOOLS, response_format="json_object")
 
 
+def push_calls(monkeypatch, module, target) -> None:
+    """A command module's configs biased by call_bias: a random model, pushed to finish its call."""
+    configured = module.config_from_args
+
+    def biased(args, **more):
+        config = configured(args, **more)
+        config.sampling.logit_bias = call_bias(target, None)
+        return config
+    monkeypatch.setattr(module, "config_from_args", biased)
+
+
 def test_batch_rows_carry_their_own_tools(tmp_path, capsys, monkeypatch):
     import dflash.batch as batch
     from dflash.cli import main
     from dflash.testing import tiny_target
 
     target = tiny_target("qwen2", vocab_size=320, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
-    configured = batch.config_from_args
-
-    def biased(args):  # a random model, pushed to finish its call
-        config = configured(args)
-        config.sampling.logit_bias = call_bias(target, None)
-        return config
-    monkeypatch.setattr(batch, "config_from_args", biased)
+    push_calls(monkeypatch, batch, target)
     clock = {"type": "function", "function": {"name": "clock"}}
     rows = [{"id": "words", "messages": HI}, {"id": "call", "messages": HI, "tools": SHORT_TOOLS, "tool_choice": clock},
             {"id": "none", "messages": HI, "tools": SHORT_TOOLS, "tool_choice": "none"}]
@@ -372,13 +379,7 @@ def test_generate_takes_tools(capsys, monkeypatch, tmp_path):
     from dflash.testing import tiny_target
 
     target = tiny_target("qwen2", vocab_size=320, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
-    configured = generate.config_from_args
-
-    def biased(args, **more):  # a random model, pushed to finish its call
-        config = configured(args, **more)
-        config.sampling.logit_bias = call_bias(target, None)
-        return config
-    monkeypatch.setattr(generate, "config_from_args", biased)
+    push_calls(monkeypatch, generate, target)
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(SHORT_TOOLS))
     argv = ["generate", "--target", "tiny-qwen2-bytes", "--method", "ngram", "--max-new-tokens", "60", "--json",
@@ -391,3 +392,195 @@ def test_generate_takes_tools(capsys, monkeypatch, tmp_path):
                          (["--tools", "[{"], "--tools takes a file holding OpenAI's tools list")]:
         assert main(argv[:-1] + bad + ["Hi?"]) == 2
         assert message in capsys.readouterr().err
+
+
+# ---- the hermes format: a template's own <tool_call> tags ----------------------------------------------------------
+CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+WEATHER_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes_targets():
+    from dflash.testing import tiny_target
+
+    return {arch: tiny_target(arch, vocab_size=320, logit_scale=4.0, tokenizer="hermes") for arch in ARCHS[:2]}
+
+
+def hermes_grammar(choice="auto", parallel=True):
+    return output_grammar(*tool_request(TOOLS, choice, parallel, style="hermes").output_format())
+
+
+def test_the_template_picks_the_format(hermes_targets, byte_targets):
+    hermes, plain = hermes_targets["llama"].tokenizer, byte_targets["llama"].tokenizer
+    assert tool_style(hermes) == "hermes" and tool_style(plain) == "json"
+    assert tool_style(hermes, "json") == "json"
+    with pytest.raises(UserError, match="needs a chat template that writes <tool_call> tags"):
+        tool_style(plain, "hermes")
+    with pytest.raises(UserError, match="must be one of auto, json, hermes"):
+        tool_style(plain, "xml")
+
+
+def test_a_framed_grammar_takes_words_then_calls_in_tags_and_nothing_after():
+    auto, one = hermes_grammar(), hermes_grammar(parallel=False)
+    required, named = hermes_grammar("required"), hermes_grammar({"type": "function", "function": {"name": "get_time"}})
+    words = "Let me see: <b>bold</b> <tool_call"  # a near miss of the tag is text
+    cases = {  # text -> whether auto, auto with one call, required, named get_time may end after it
+        "": (True, True, False, False), words: (True, True, False, False),
+        CALL_TEXT: (True, True, True, True), "Sure.\n" + CALL_TEXT: (True, True, False, False),
+        "<<tool_call>" + CALL_TEXT[11:]: (True, True, False, False),  # the tag after a stray `<`
+        CALL_TEXT + "\n" + WEATHER_TEXT: (True, False, True, False),
+        WEATHER_TEXT: (True, True, True, False),
+    }
+    for text, expected in cases.items():
+        for grammar, ok in zip((auto, one, required, named), expected):
+            state = grammar.feed_bytes(START_STATE, text.encode())
+            assert (state is not None and grammar.may_end(state)) == ok, (text, grammar.frame)
+    for wrong in [CALL_TEXT + " Done.", "<tool_call> {", "<tool_call>\n[", CALL_TEXT[:-1] + "x",
+                  '<tool_call>\n{"name": "get_weather", "arguments": {}}']:  # city is required
+        assert auto.feed_bytes(START_STATE, wrong.encode()) is None, wrong
+    assert auto.feed_bytes(START_STATE, CALL_TEXT[:-3].encode()) is not None  # a call under way may not end
+    assert not auto.may_end(auto.feed_bytes(START_STATE, CALL_TEXT[:-3].encode()))
+    assert auto.feed_bytes(START_STATE, (CALL_TEXT + "\n<tool_call>").encode()) is not None
+    assert required.feed_bytes(START_STATE, b"Sure") is None
+
+
+def test_masks_in_words_and_in_tags_are_every_token_fed():
+    from dflash.testing import tiny_hermes_tokenizer
+
+    tokenizer = tiny_hermes_tokenizer(320)  # and tokens that end the tag, some with what may follow it, some not
+    tokenizer.add_tokens(["_call>\n{", "_call> ", "call>", "l>\n", ">!", "a>"])
+    texts = [("Hi <tool_c <<tool_call>" + CALL_TEXT[11:] + "\n" + WEATHER_TEXT).encode(), b"a>b<tool_call>\n{"]
+    assert assert_masks_are_fed(hermes_grammar(), texts, tokenizer) > 100
+    assert assert_masks_are_fed(hermes_grammar("required", False), [CALL_TEXT.encode()], tokenizer) > 40
+
+
+def test_hermes_calls_are_read_from_the_tags():
+    request = tool_request(TOOLS, style="hermes")
+    for text in [CALL_TEXT, "Let me check.\n" + CALL_TEXT, CALL_TEXT + "\n" + WEATHER_TEXT + "\n",
+                 '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>']:  # whitespace is free when read
+        calls = request.calls(text)
+        assert calls and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}, text
+    assert len(request.calls(CALL_TEXT + "\n" + WEATHER_TEXT)) == 2
+    assert request.content("Let me check.\n" + CALL_TEXT) == "Let me check." and request.content(CALL_TEXT) is None
+    for text in ["No calls.", CALL_TEXT[:-3], CALL_TEXT + " and more", CALL_TEXT.replace("get_time", "other"),
+                 '<tool_call>\n{"name": "get_time", "arguments": {}} x\n</tool_call>',
+                 '<tool_call>\n{"name": "get_time"']:
+        assert request.calls(text) is None, text
+    assert [request.opening(t, at_start=False) for t in ("Hi", "Hi <tool", "Hi <tool_call>", "a < b")] == \
+        ["text", "maybe", "calls", "text"]
+
+
+def test_a_hermes_template_renders_the_tools_the_calls_and_the_results(hermes_targets):
+    target = hermes_targets["llama"]
+    request = tool_request(TOOLS, style="hermes")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    turns = conversation(messages, request)
+    assert turns[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert turns[2] == {"role": "tool", "content": "18C", "tool_call_id": "call_1", "name": "get_weather"}
+    text = target.tokenizer.decode(encode_chat(target, messages, request))
+    assert text.startswith("<user> tools: get_weather get_time ")  # the template describes the tools itself
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>18C</tool_response>" in text and "You can call functions" not in text
+    json_text = target.tokenizer.decode(encode_chat(target, messages, tool_request(TOOLS)))
+    assert "You can call functions" in json_text and "<tool_call>" not in json_text
+
+
+def hermes_bias(target, tag: float) -> dict[int, float]:
+    """call_bias, and a push towards the tag: strong, a call at once; weaker, under sampling, words first."""
+    tags = target.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    return {**call_bias(target, None), tags[0]: tag, tags[1]: 3.0}
+
+
+@pytest.mark.parametrize("arch", ARCHS[:2])
+def test_hermes_calls_under_every_choice_are_the_plain_loops_for_every_proposer(hermes_targets, arch):
+    target = hermes_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPT)
+    called = []
+    for choice, tag, seed in [("auto", 6.0, None), ("required", 3.0, None), ("auto", 3.0, 1), ("auto", 3.0, 3),
+                              ({"type": "function", "function": {"name": "get_weather"}}, 3.0, None)]:
+        request = tool_request(TOOLS, choice, style="hermes")
+        fmt, schema = request.output_format()
+        sampling = SamplingConfig(temperature=0.0 if seed is None else 0.7, seed=seed,
+                                  logit_bias=hermes_bias(target, tag))
+        expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=60,
+                                          grammar=output_grammar(fmt, schema))
+        config = GenerationConfig(60, sampling=sampling, response_format=fmt, json_schema=schema)
+        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+            result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
+            assert result.tokens == expected, (choice, seed, name)
+        calls = request.calls(result.text)
+        assert (calls is not None) == (result.finish_reason == "stop" and "<tool_call>" in result.text), result.text
+        if calls is not None:
+            called.append(request.content(result.text) is not None)
+        if choice != "auto":
+            assert result.text.startswith("<tool_call>\n{"), result.text
+    assert len(called) >= 3 and (arch != "qwen3" or any(called))  # qwen3's samples write words, then a call
+
+
+def test_the_server_streams_words_then_hermes_calls():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dflash.serving import BackgroundServer, create_app
+    from dflash.testing import tiny_target
+
+    target = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
+    with BackgroundServer(create_app(target, NgramProposer(max_draft=7), "tiny")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        outcomes = set()
+        for tag, seed in [(6.0, None), (3.0, 1), (3.0, 2), (3.0, 3)]:
+            bias = {str(k): v for k, v in hermes_bias(target, tag).items()}
+            ask = dict(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=60, logit_bias=bias,
+                       temperature=0.0 if seed is None else 0.7, seed=seed, tools=TOOLS)
+            whole = client.chat.completions.create(**ask).choices[0]
+            chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **ask) if c.choices]
+            text = "".join(c.delta.content or "" for c in chunks)
+            calls = [call for c in chunks for call in c.delta.tool_calls or []]
+            assert chunks[-1].finish_reason == whole.finish_reason
+            if whole.finish_reason == "tool_calls":
+                assert [(c.function.name, c.function.arguments) for c in calls] == \
+                    [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+                assert (whole.message.content or "") == text.rstrip()  # words before the calls, streamed as text
+                assert "<tool_call>" not in text
+                outcomes.add("words and calls" if text else "calls")
+            else:
+                assert not calls and text == whole.message.content
+                outcomes.add(whole.finish_reason)
+        assert {"words and calls", "calls"} <= outcomes
+        tokenized = __import__("httpx").post(f"{url}/tokenize", json={"messages": HI, "tools": SHORT_TOOLS}).json()
+        assert tokenized["tokens"] == encode_chat(target, HI, tool_request(SHORT_TOOLS, style="hermes"))
+    with BackgroundServer(create_app(target, NgramProposer(max_draft=7), "tiny", tool_format="json")) as url:
+        tokenized = __import__("httpx").post(f"{url}/tokenize", json={"messages": HI, "tools": SHORT_TOOLS}).json()
+        assert tokenized["tokens"] == target.encode_messages(conversation(HI, tool_request(SHORT_TOOLS)))
+
+
+def test_generate_and_batch_write_calls_in_the_templates_format(capsys, monkeypatch, tmp_path):
+    import dflash.batch as batch
+    import dflash.generate as generate
+    from dflash.cli import main
+
+    for module in (generate, batch):
+        push_calls(monkeypatch, module, load_target_cached("tiny-qwen2-hermes"))
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(SHORT_TOOLS))
+    argv = ["generate", "--target", "tiny-qwen2-hermes", "--method", "ngram", "--max-new-tokens", "60", "--json",
+            "--tools", str(tools), "--tool-choice", "clock", "Hi?"]
+    texts = {}
+    for tool_format in ("auto", "json"):
+        assert main(argv[:-1] + ["--tool-format", tool_format, "Hi?"]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        assert [c["function"] for c in payload["tool_calls"]] == [{"name": "clock", "arguments": "{}"}]
+        texts[tool_format] = payload["text"]
+    assert texts["auto"].startswith("<tool_call>\n{") and texts["json"].startswith(("[", "{"))
+    bytes_argv = [a.replace("hermes", "bytes") for a in argv]
+    assert main(bytes_argv[:-1] + ["--tool-format", "hermes", "Hi?"]) == 2
+    assert "needs a chat template that writes <tool_call> tags" in capsys.readouterr().err
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"id": "a", "messages": HI, "tools": SHORT_TOOLS, "tool_choice": "required"}) + "\n")
+    assert main(["batch", str(source), "--output", str(out), "--target", "tiny-qwen2-hermes", "--method", "ngram",
+                 "--max-new-tokens", "60", "--no-progress"]) == 0
+    answer = json.loads(out.read_text())
+    assert answer["text"].startswith("<tool_call>\n{") and answer["finish_reason"] == "tool_calls"
+    assert answer["tool_calls"][0]["function"]["name"] in ("weather", "clock")

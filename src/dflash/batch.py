@@ -19,14 +19,16 @@ from pathlib import Path
 from .errors import UserError
 from .generate import config_from_args, load_method
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
-from .options import add_method_arguments, add_sampling_arguments, add_target_arguments, kill_stops_like_ctrl_c
-from .tools import ToolRequest, conversation, reply_format, tool_request
+from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, add_tool_format_argument,
+                      kill_stops_like_ctrl_c)
+from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_target_arguments(p)
     add_method_arguments(p)
     add_sampling_arguments(p)
+    add_tool_format_argument(p)
     p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
                    "a row's `response_format`, or `tools` and `tool_choice` (OpenAI's), hold its answer alone")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
@@ -114,9 +116,11 @@ def answered_ids(output: Path) -> set[str]:
     return done
 
 
-def encode(target, messages: list[dict], chat: bool) -> list[int]:
+def encode(target, messages: list[dict], chat: bool, tools: ToolRequest | None = None) -> list[int]:
     if chat:
-        return target.encode_messages(messages)
+        return encode_chat(target, messages, tools)
+    if tools is not None:
+        raise UserError("--no-chat sends one prompt as it is: a row with tools needs the chat template")
     if len(messages) > 1:
         raise UserError("--no-chat sends one prompt as it is: a chat or a system message needs the chat template")
     return target.encode_prompt(messages[0]["content"], chat=False)
@@ -142,9 +146,9 @@ def run(args) -> int:
     target, proposer = load_method(args, config)
     engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
     settle_heap()
-    ids = {rid: encode(target, conversation(messages, tools), not args.no_chat) for rid, messages, _, tools in todo}
-    tools_of = {rid: tools for rid, _, _, tools in todo}
-    configs = {rid: row_config(config, own, tools) for rid, _, own, tools in todo}
+    tools_of = {rid: for_target(tools, target.tokenizer, args.tool_format) for rid, _, _, tools in todo}
+    ids = {rid: encode(target, messages, not args.no_chat, tools_of[rid]) for rid, messages, _, _ in todo}
+    configs = {rid: row_config(config, own, tools_of[rid]) for rid, _, own, _ in todo}
     for rid, prompt in ids.items():
         try:
             engine.budget(prompt)

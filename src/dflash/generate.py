@@ -11,9 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .errors import UserError
-from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, check_drafter_folders,
-                      method_options)
-from .tools import ToolRequest, conversation, reply_format, tool_request
+from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, add_tool_format_argument,
+                      check_drafter_folders, method_options)
+from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-choice", default=None, metavar="auto|required|none|NAME",
                    help="with --tools: auto (default; the reply may answer in words), required, none, or a function's "
                         "name (one call of it)")
+    add_tool_format_argument(p)
     p.add_argument("prompt", help="the prompt text, or - to read it from standard input (e.g. a file: - < FILE)")
 
 
@@ -56,7 +57,10 @@ def run(args) -> int:
     response_format, json_schema = reply_format(tools, config.response_format, config.json_schema)
     config = replace(config, response_format=response_format, json_schema=json_schema)
     target, proposer = load_method(args, config)
-    prompt_ids = target.encode_messages(conversation([{"role": "user", "content": args.prompt}], tools)) \
+    if tools is not None:  # in the target's call format, known now that it has loaded
+        tools = for_target(tools, target.tokenizer, args.tool_format)
+        config = replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
+    prompt_ids = encode_chat(target, [{"role": "user", "content": args.prompt}], tools) \
         if tools is not None else target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()

@@ -32,7 +32,9 @@ from .patterns import INFINITE, Pattern, compile_pattern, format_pattern
 MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
 
 (START, OBJECT_OPEN, KEY_NEXT, COLON, VALUE, ARRAY_OPEN, AFTER_VALUE, STRING, ESCAPE, UNICODE, UTF8, MINUS, ZERO,
- INTEGER, POINT, FRACTION, EXP_MARK, EXP_SIGN, EXPONENT, CHOICE, DONE, TEXT) = range(22)
+ INTEGER, POINT, FRACTION, EXP_MARK, EXP_SIGN, EXPONENT, CHOICE, DONE, TEXT, PROSE, LITERAL, DOCUMENT,
+ BETWEEN) = range(26)
+OPEN, CLOSE, NEXT = range(3)  # a framed grammar's literals (Frame): the opener, the closer, a separator and opener
 WHITESPACE = frozenset(b" \t\n\r")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
@@ -119,6 +121,34 @@ def _magnitudes(body: str, integer: bool):
 
 
 @dataclass(frozen=True)
+class Frame:
+    """Documents written between tags, as chat templates' tool formats write calls: `tag` + `after_tag` opens each
+    document, `closer` follows it, `separator` comes between a closer and the next opener. `prose`: free text may
+    come first, and the tag, wherever it is written in it, opens a document; `repeat`: documents may follow one
+    another (else the output ends after the first). Nothing but these bytes around the documents."""
+
+    tag: bytes
+    after_tag: bytes
+    closer: bytes
+    separator: bytes
+    prose: bool
+    repeat: bool
+
+    def literal(self, which: int) -> bytes:
+        opener = self.tag + self.after_tag
+        return (opener, self.closer, self.separator + opener)[which]
+
+    def fallback(self, matched: int, byte: int) -> int:
+        """In prose, the bytes of the tag matched after `matched` of them and then `byte`: the longest end of what was
+        read that begins the tag (a tag may start inside a near miss)."""
+        read = self.tag[:matched] + bytes([byte])
+        for start in range(len(read)):
+            if self.tag.startswith(read[start:]):
+                return len(read) - start
+        return 0
+
+
+@dataclass(frozen=True)
 class Node:
     """One schema node. kind: any, object, array, string, number, integer, boolean, null, choice, union or tagged
     (objects told apart by their first property, a constant: the value read there picks the object's node)."""
@@ -175,14 +205,29 @@ def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
 class JsonGrammar:
     """The automaton of one grammar: `nodes` (BUILTIN_NODES first) and the root's node (an object or an array).
     `key` names the grammar in mask caches. `text_otherwise`: an output whose first byte cannot start the document
-    is free text instead (TEXT takes any byte; a reply that may call tools or answer in words)."""
+    is free text instead (TEXT takes any byte; a reply that may call tools or answer in words). `frame`: documents
+    between tags instead (Frame; a chat template's tool calls), the modes PROSE (aux: the tag's bytes matched so far),
+    LITERAL (aux: (OPEN, CLOSE or NEXT, its bytes matched)), DOCUMENT (a document's first byte), DONE (aux 0: a
+    document whole, its closer to come; 1: the output whole) and BETWEEN (a closer written, another document may
+    follow)."""
 
-    def __init__(self, nodes: list[Node], root: int, key: str, text_otherwise: bool = False):
-        self.nodes, self.root, self.key, self.text_otherwise = nodes, root, key, text_otherwise
+    def __init__(self, nodes: list[Node], root: int, key: str, text_otherwise: bool = False,
+                 frame: Frame | None = None):
+        self.nodes, self.root, self.key, self.text_otherwise, self.frame = nodes, root, key, text_otherwise, frame
 
     def may_end(self, state: tuple) -> bool:
         """Whether the output may end after `state`: the document is whole, or the output is free text."""
+        if self.frame is not None:
+            return state[0] in (PROSE, BETWEEN) or state[0] == START and self.frame.prose or self.finished(state)
         return state[0] in (DONE, TEXT) or state[0] == START and self.text_otherwise
+
+    def in_prose(self, state: tuple) -> bool:
+        """Whether `state` is in a framed grammar's free text (where any special token is text too)."""
+        return self.frame is not None and self.frame.prose and (state[0] == PROSE or state[0] == START)
+
+    def finished(self, state: tuple) -> bool:
+        """Whether nothing but the output's end may come after `state`."""
+        return state[0] == DONE and (self.frame is None or state[1] == 1)
 
     def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
         for byte in data:
@@ -196,6 +241,8 @@ class JsonGrammar:
         mode, aux, spaces, stack = state
         if mode == TEXT:
             return state
+        if self.frame is not None and (mode in (PROSE, LITERAL, DOCUMENT, BETWEEN, DONE) or mode == START):
+            return self._framed(mode, aux, byte)
         if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value, (node, characters, pattern
             # states) in a checked one (a length or a pattern)
             if byte == QUOTE:
@@ -239,6 +286,31 @@ class JsonGrammar:
         if byte in WHITESPACE and mode != START:  # the object comes first, as OpenAI's JSON mode writes it
             return (mode, aux, spaces + 1, stack) if spaces < MAX_SPACES else None
         return self._structural(mode, aux, stack, byte)
+
+    def _framed(self, mode: int, aux, byte: int) -> tuple | None:
+        """A byte outside the documents of a framed grammar (or a document's first)."""
+        frame = self.frame
+        if mode == START:
+            return self._framed(PROSE, 0, byte) if frame.prose else self._framed(LITERAL, (OPEN, 0), byte)
+        if mode == PROSE:
+            matched = aux + 1 if frame.tag[aux] == byte else frame.fallback(aux, byte)
+            return self._literal(OPEN, matched) if matched == len(frame.tag) else (PROSE, matched, 0, ())
+        if mode == DOCUMENT:
+            return self._value_start(self.root, (), byte)
+        if mode == DONE:
+            return None if aux else self._framed(LITERAL, (CLOSE, 0), byte)
+        if mode == BETWEEN:
+            return self._framed(LITERAL, (NEXT, 0), byte) if frame.repeat else None
+        which, matched = aux
+        return self._literal(which, matched + 1) if frame.literal(which)[matched] == byte else None
+
+    def _literal(self, which: int, matched: int) -> tuple:
+        """The state once `matched` bytes of a frame's literal are read: what follows it once it is whole."""
+        if matched < len(self.frame.literal(which)):
+            return (LITERAL, (which, matched), 0, ())
+        if which != CLOSE:
+            return (DOCUMENT, 0, 0, ())
+        return (BETWEEN, 0, 0, ()) if self.frame.repeat else (DONE, 1, 0, ())
 
     def _one_more(self, aux: tuple) -> tuple | None:
         """A checked string's (node, characters, pattern states) after one more character begins; None past its
@@ -451,7 +523,7 @@ TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(text: str, text_otherwise: bool) -> JsonGrammar:
+def _compiled(text: str, text_otherwise: bool, frame: Frame | None) -> JsonGrammar:
     schema = json.loads(text)
     compiler = _SchemaCompiler(schema)
     root = compiler.node(schema, "#")
@@ -459,12 +531,14 @@ def _compiled(text: str, text_otherwise: bool) -> JsonGrammar:
     if not compiler.nodes[root].first_bytes(compiler.nodes) <= {ord("{"), ord("[")}:
         raise UserError("a JSON schema for structured output must describe an object (as OpenAI's json_schema asks) "
                         "or an array at its root")
-    return JsonGrammar(compiler.nodes, root, f"schema{'-or-text' if text_otherwise else ''}:{text}", text_otherwise)
+    kind = f"framed{frame}" if frame else "schema-or-text" if text_otherwise else "schema"
+    return JsonGrammar(compiler.nodes, root, f"{kind}:{text}", text_otherwise, frame)
 
 
-def compile_schema(schema, text_otherwise: bool = False) -> JsonGrammar:
+def compile_schema(schema, text_otherwise: bool = False, frame: Frame | None = None) -> JsonGrammar:
     """The grammar of the documents `schema` (a JSON Schema, as a dict) allows; UserError for what it cannot enforce.
-    `text_otherwise`: free text too, where the output's first byte cannot start a document (JsonGrammar)."""
+    `text_otherwise`: free text too, where the output's first byte cannot start a document; `frame`: documents
+    between tags (JsonGrammar)."""
     if not isinstance(schema, dict):
         raise UserError(f"a JSON schema must be an object, got {type(schema).__name__}")
     too_deep = "the JSON schema (or a pattern in it) is nested too deeply to compile"
@@ -475,7 +549,7 @@ def compile_schema(schema, text_otherwise: bool = False) -> JsonGrammar:
     except RecursionError:
         raise UserError(too_deep) from None
     try:
-        return _compiled(text, text_otherwise)
+        return _compiled(text, text_otherwise, frame)
     except RecursionError:
         raise UserError(too_deep) from None
 

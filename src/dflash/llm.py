@@ -17,18 +17,19 @@ from .errors import UserError
 from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .sampling import SamplingConfig
-from .tools import conversation, reply_format, tool_request
+from .tools import encode_chat, reply_format, tool_request, tool_style
 
 
 class LLM:
     """`target`: a registry name, a Hugging Face folder, a .gguf file or a hub id; `method`: ar, ngram, dflash,
     eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the target);
     `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
-    keys and values for prompts that start alike (a chat's next turn)."""
+    keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes tool
+    calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes"."""
 
     def __init__(self, target: str = "smollm2-135m", method: str = "dflash+ngram", *, dtype: str = "float32",
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
-                 adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256):
+                 adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto"):
         import torch
 
         from .loading import build_proposer, load_target_cached, settle_heap
@@ -36,6 +37,7 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         options = MethodOptions(drafter=drafter, block_size=block_size)
         self.target = load_target_cached(target, dtype, device, release_plain=True)
+        self.tool_style = tool_style(self.target.tokenizer, tool_format)
         self.proposer, self.note = build_proposer(method, self.target, options)  # note: an untrained drafter
         self.method = method
         self.engine = Engine(self.target, self.proposer, max_batch=max_batch, adaptive=adaptive,
@@ -67,11 +69,11 @@ class LLM:
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too). `tools`,
         `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls` (OpenAI's
         layout, arguments as JSON text) beside its text (tools.py)."""
-        request = tool_request(tools, tool_choice, parallel_tool_calls)
+        request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, response_format, json_schema)
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
-        result = self._run([self.target.encode_messages(conversation(messages, request))], config)[0]
+        result = self._run([encode_chat(self.target, messages, request)], config)[0]
         result.tool_calls = request.calls(result.text) if request is not None else None
         return result
 

@@ -22,20 +22,19 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
                        compile: bool = False, cuda_graphs: bool | None = None,
                        release_plain: bool = False) -> TargetModel:
     """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (our native kernels where
-    they build, nothing measured; `tiny-ARCH-bytes`: with a byte-level tokenizer, which can write JSON); anything
+    they build, nothing measured; `tiny-ARCH-bytes`: with a byte-level tokenizer, which can write JSON;
+    `tiny-ARCH-hermes`: that, and a chat template that writes tool calls in <tool_call> tags); anything
     else goes to load_target. `cuda_graphs` None: on where they can run
     (graphs_by_default)."""
     if spec.startswith("tiny-"):
         from .testing import tiny_target
 
-        arch = spec.removeprefix("tiny-").removesuffix("-bytes")
-        if arch not in TINY_ARCHS:
+        arch, _, kind = spec.removeprefix("tiny-").partition("-")
+        if arch not in TINY_ARCHS or kind not in ("", "bytes", "hermes"):
             raise UserError(f"unknown tiny target {spec!r}; use {', '.join('tiny-' + a for a in TINY_ARCHS)}")
         if dtype not in TARGET_DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")
-        byte_level = spec.endswith("-bytes")
-        target = tiny_target(arch, vocab_size=320 if byte_level else 64, logit_scale=4.0,
-                             tokenizer="bytes" if byte_level else "words")
+        target = tiny_target(arch, vocab_size=320 if kind else 64, logit_scale=4.0, tokenizer=kind or "words")
         target.measure, target.release_plain = False, release_plain
         target.model.to(TARGET_DTYPES[dtype])
         if dtype == "int8":

@@ -48,6 +48,13 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                             "(default: auto)")
 
 
+def add_tool_format_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tool-format", default="auto", choices=["auto", "json", "hermes"],
+                   help="how the target writes tool calls: auto = hermes (<tool_call> tags, its template describing "
+                        "the tools) where its chat template writes those tags, else json (dflash's own: a JSON array "
+                        "of calls, the tools described in the system message) (default: auto)")
+
+
 def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> None:
     """--method (or --methods for bench) and how the methods draft."""
     from .methods import registry

@@ -29,10 +29,12 @@ from collections import OrderedDict
 import torch
 
 from .errors import UserError
-from .grammar import DONE, JSON_OBJECT, START_STATE, STRING, TEXT, JsonGrammar, compile_schema
+from .grammar import JSON_OBJECT, PROSE, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
 
-RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text")
+# "json_schema_framed": documents between tags (a chat template's tool calls, tools.py), its json_schema
+# {"schema": ..., "frame": Frame's fields as text}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
 FORCED_BYTES = 64  # the longest run of forced bytes drafted at once
 FORCED_STATES = 4096  # forced runs kept per vocabulary
@@ -106,10 +108,13 @@ class JsonVocabulary:
             self.by_bytes.setdefault(piece, token)
         self.longest = max(map(len, self.all_keys), default=0)
         self.forced_runs: dict[tuple, list[int]] = {}
+        self.holding: dict[int, list[int]] = {}  # a byte -> the sorted positions of the tokens that hold it
 
     def advance(self, grammar: JsonGrammar, state: tuple | None, token: int) -> tuple | None:
         if state is not None and state[0] == TEXT:  # free text takes any token, special ones too
             return state
+        if state is not None and grammar.in_prose(state) and (token >= self.size or self.pieces[token] is None):
+            return (PROSE, 0, 0, ())  # a special token in prose: text, and no part of a tag
         if state is None or token >= self.size or self.pieces[token] is None:
             return None
         return grammar.feed_bytes(state, self.pieces[token])
@@ -124,6 +129,8 @@ class JsonVocabulary:
             return mask
         if state == START_STATE and grammar.text_otherwise:  # free text unless a token opens the document
             return self._kept(key, self._text_or_document(grammar))
+        if grammar.in_prose(state):
+            return self._kept(key, self._prose(grammar, state))
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
@@ -150,6 +157,19 @@ class JsonVocabulary:
             high = bisect.bisect_left(self.all_keys, bytes([opener + 1]))
             mask[self.all_ids[low:high]] = False
             mask[self._walk(grammar, START_STATE, self.all_keys[low:high], self.all_ids[low:high])] = True
+        return mask
+
+    def _prose(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+        """The mask of free text before a framed document (Frame.prose): every token, but of those that could complete
+        the tag (the ones holding its last byte) only the ones whose bytes after it the frame takes."""
+        last = grammar.frame.tag[-1]
+        if last not in self.holding:
+            self.holding[last] = [k for k, piece in enumerate(self.all_keys) if last in piece]
+        mask = torch.ones(self.size, dtype=torch.bool)
+        keys = [self.all_keys[k] for k in self.holding[last]]
+        ids = [self.all_ids[k] for k in self.holding[last]]
+        mask[ids] = False
+        mask[self._walk(grammar, state, keys, ids)] = True
         return mask
 
     def _kept(self, key: tuple, mask: torch.Tensor) -> torch.Tensor:
@@ -248,7 +268,7 @@ class JsonConstraint:
         self.done_mask = torch.zeros(vocabulary.size, dtype=torch.bool)
         self.done_mask[sorted(self.stop_ids)] = True
         self.free_mask = torch.ones(vocabulary.size, dtype=torch.bool)  # free text (grammar.TEXT): any token
-        self.start_mask = None  # a grammar that may end at its start: its mask there, with the stop tokens
+        self.ending: dict[tuple, torch.Tensor] = {}  # the masks of states where the output may also end
 
     def commit(self, output: list[int]) -> None:
         """Fold newly committed output tokens into the state (a stop token ends the output and changes nothing)."""
@@ -288,7 +308,7 @@ class JsonConstraint:
                 return len(draft)
             if self.grammar.may_end(state) and token in self.stop_ids:
                 return count + 1
-            if state[0] == DONE:
+            if self.grammar.finished(state):
                 return count
             state = self.vocabulary.advance(self.grammar, state, token)
             if state is None:
@@ -307,12 +327,12 @@ class JsonConstraint:
         state = self._state_after(past)
         if state is None:  # a refused draft before this position: nothing here is ever read
             return self.done_mask
-        if state[0] in (DONE, TEXT):
-            return self.done_mask if state[0] == DONE else self.free_mask
-        if state == START_STATE and self.grammar.may_end(state):  # an empty reply is free text too
-            if self.start_mask is None:
-                self.start_mask = self.vocabulary.allowed(self.grammar, state) | self.done_mask
-            return self.start_mask
+        if self.grammar.finished(state) or state[0] == TEXT:
+            return self.done_mask if state[0] != TEXT else self.free_mask
+        if self.grammar.may_end(state):  # free text (an empty reply too), or between framed documents
+            if state not in self.ending:
+                self.ending[state] = self.vocabulary.allowed(self.grammar, state) | self.done_mask
+            return self.ending[state]
         return self.vocabulary.allowed(self.grammar, state)
 
 
@@ -320,11 +340,15 @@ def output_grammar(response_format: str | None, json_schema: dict | None) -> Jso
     """The grammar of a GenerationConfig's response format (None: free text); UserError for a bad pairing."""
     if response_format is not None and response_format not in RESPONSE_FORMATS:
         raise UserError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}")
-    if (response_format in ("json_schema", "json_schema_or_text")) != (json_schema is not None):
+    if (response_format in RESPONSE_FORMATS[2:]) != (json_schema is not None):
         raise UserError(f"a JSON schema goes with response_format json_schema (or json_schema_or_text), and "
                         f"{response_format} needs a schema")
     if response_format == "json_object":
         return JSON_OBJECT
     if json_schema is None:
         return None
+    if response_format == "json_schema_framed":
+        frame = json_schema["frame"]
+        return compile_schema(json_schema["schema"], frame=Frame(
+            **{k: v.encode() if isinstance(v, str) else v for k, v in frame.items()}))
     return compile_schema(json_schema, text_otherwise=response_format == "json_schema_or_text")

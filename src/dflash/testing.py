@@ -65,6 +65,26 @@ def tiny_byte_tokenizer(vocab_size: int):
     return tok
 
 
+# a chat template that writes tool calls as Qwen's do (`<tool_call>` tags around each call's JSON, tools.py's
+# "hermes" format), describes the tools itself and shows results as a user turn
+HERMES_TEMPLATE = (
+    "{% if tools %}<user> tools:{% for t in tools %} {{ t.function.name }}{% endfor %} {% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<assistant> {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}\n</tool_call>{% endfor %} {% elif m.role == 'tool' %}<user> <tool_response>{{ m.content }}"
+    "</tool_response> {% else %}<user> {{ m.content }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def tiny_hermes_tokenizer(vocab_size: int):
+    """tiny_byte_tokenizer with `<tool_call>` and `</tool_call>` as tokens of their own and HERMES_TEMPLATE."""
+    tok = tiny_byte_tokenizer(vocab_size - 2)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = HERMES_TEMPLATE
+    return tok
+
+
 def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_size: int = 64):
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -88,8 +108,8 @@ def tiny_config(arch: str, vocab_size: int = 64, num_layers: int = 4, hidden_siz
 def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, seed: int = 0,
                 logit_scale: float = 1.0, hidden_size: int = 64, tokenizer: str = "words") -> TargetModel:
     """A random target (4 heads of hidden_size / 4). `logit_scale` sharpens the output distribution (random models
-    are near uniform). `tokenizer`: "words" ("w0", "w1", ...) or "bytes" (tiny_byte_tokenizer: JSON can be
-    written; vocab_size >= 289)."""
+    are near uniform). `tokenizer`: "words" ("w0", "w1", ...), "bytes" (tiny_byte_tokenizer: JSON can be
+    written; vocab_size >= 289) or "hermes" (bytes, and a template that writes tool calls in tags)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -106,6 +126,6 @@ def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, 
     # nothing timed: a test's costs come from its injected clock, never from this machine's speed. Our own kernels
     # (the one-token layer step and products, native.py) where this machine builds them, so every test runs
     # through them as a real model does; torch's F.linear where it does not.
-    words = tiny_byte_tokenizer(vocab_size) if tokenizer == "bytes" else tiny_tokenizer(vocab_size)
+    words = {"bytes": tiny_byte_tokenizer, "hermes": tiny_hermes_tokenizer}.get(tokenizer, tiny_tokenizer)(vocab_size)
     return TargetModel(model=model, tokenizer=words, name=f"tiny-{arch}", measure=False,
                        kernel_plan=NATIVE)

@@ -1,7 +1,14 @@
 """Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`): the functions a chat offers, described to
-the target in its system message, and the calls read back from its reply.
+the target, and the calls read back from its reply. Two formats ("styles"), the target's chat template picks:
 
-Every target writes calls the same way, as JSON: a reply that calls functions is an array and nothing else,
+- "hermes", where the template writes calls in `<tool_call>` tags (Qwen2.5, Qwen3, Hermes and the many templates
+  that copy them; vLLM's and SGLang's `hermes` parser): the template itself describes the tools and renders earlier
+  calls and their results, and a reply writes each call as `<tool_call>\n{"name": ..., "arguments": {...}}\n
+  </tool_call>`, after words of its own where the choice is "auto" (they come back as the message's content). The
+  grammar (grammar.Frame) holds the tags and the calls between them, and nothing but further calls after them.
+- "json", dflash's own for every other template (SmolLM2's has no tools): described below.
+
+In the "json" format a reply that calls functions is an array and nothing else,
 `[{"name": "get_weather", "arguments": {"city": "Paris"}}]` (a single call may also come as the object alone, as
 models trained on other formats write it). The grammar (grammar.py) holds the reply to it, so a
 call always parses and its arguments always follow the function's `parameters` schema (what structured output can
@@ -11,9 +18,9 @@ enforce; a schema with more is refused in one line naming the tool):
 - "auto" (the default): free text, unless the reply opens with `[` (or `{`, one call as an object), where it must
   be calls;
 - "none": the tools are left out of the prompt and the reply is free text.
-Chat templates' own tool formats (and their tags) are not used: one format for every target, which the grammar can
-hold. A conversation's earlier calls are shown to the target in the same format, and the tools' results as a user
-turn (`NAME returned: ...`), which any chat template renders.
+A conversation's earlier calls are shown to the target in the same format, and the tools' results as a user
+turn (`NAME returned: ...`), which any chat template renders. `--tool-format json` (LLM's tool_format) picks this
+format for a template that has tags too.
 
 Speculative decoding stays lossless under the grammar (structured.py): greedy calls are the ones constrained decoding
 of the target alone writes.
@@ -24,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import UserError
 from .grammar import compile_schema
@@ -32,6 +39,9 @@ from .grammar import compile_schema
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
 CALL_OPENERS = ("[", "{")  # a reply that opens so is calls (an array of them, or one as an object)
+STYLES = ("auto", "json", "hermes")
+# the hermes format's bytes around each call, as Qwen's templates write an assistant turn's calls
+HERMES = {"tag": "<tool_call>", "after_tag": "\n", "closer": "\n</tool_call>", "separator": "\n"}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
 
 
@@ -50,6 +60,12 @@ class ToolRequest:
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool = True
+    style: str = "json"  # how calls are written: "json" or "hermes" (the module's docstring)
+
+    @property
+    def several(self) -> bool:
+        """Whether a reply may hold more than one call."""
+        return self.parallel and self.choice in ("auto", "required")
 
     def output_format(self) -> tuple[str, dict]:
         """(response_format, json_schema) for GenerationConfig: the reply's grammar."""
@@ -57,8 +73,11 @@ class ToolRequest:
         calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in offered]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if self.style == "hermes":
+            frame = {**HERMES, "prose": self.choice == "auto", "repeat": self.several}
+            return "json_schema_framed", {"schema": call, "frame": frame}
         array = {"type": "array", "items": call, "minItems": 1}
-        if not self.parallel or self.choice not in ("auto", "required"):
+        if not self.several:
             array["maxItems"] = 1
         # one call may also come as a bare object, as models trained on other formats write it
         return ("json_schema_or_text" if self.choice == "auto" else "json_schema"), {"anyOf": [array, call]}
@@ -84,13 +103,7 @@ class ToolRequest:
     def calls(self, text: str) -> list[dict] | None:
         """The reply's calls in OpenAI's layout (each with an id, its arguments as a JSON string), or None where
         the reply is not calls (free text, or cut short by max_tokens or a stop string)."""
-        if not text.startswith(CALL_OPENERS):
-            return None
-        try:
-            written = json.loads(text)
-        except ValueError:
-            return None
-        written = [written] if isinstance(written, dict) else written
+        written = self._written(text)
         names = {t.name for t in self.tools}
         if not isinstance(written, list) or not written or not all(
                 isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments"), dict)
@@ -99,6 +112,60 @@ class ToolRequest:
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                 for c in written]
+
+    def _written(self, text: str):
+        """The calls as the reply writes them (decoded JSON), or None where it writes none whole."""
+        if self.style == "hermes":
+            return _tagged_calls(text, text.find(HERMES["tag"]))
+        if not text.startswith(CALL_OPENERS):
+            return None
+        try:
+            written = json.loads(text)
+        except ValueError:
+            return None
+        return [written] if isinstance(written, dict) else written
+
+    def content(self, text: str) -> str | None:
+        """The words a reply of calls writes before them (hermes), or None where it writes none."""
+        if self.style != "hermes":
+            return None
+        words = text[: max(text.find(HERMES["tag"]), 0)].rstrip()
+        return words if words.strip() else None
+
+    def opening(self, text: str, at_start: bool) -> str:
+        """Whether a reply's text not yet sent (`at_start`: nothing sent before it) opens calls: "calls" where it
+        does, "maybe" where more text must decide (a tag's first bytes at its end), "text" where it is words."""
+        if self.choice != "auto":
+            return "calls"
+        if self.style != "hermes":
+            return "maybe" if at_start and not text else "calls" if at_start and text.startswith(CALL_OPENERS) \
+                else "text"
+        tag = HERMES["tag"]
+        if tag in text:
+            return "calls"
+        return "maybe" if any(text.endswith(tag[:k]) for k in range(1, len(tag))) else "text"
+
+
+def _tagged_calls(text: str, at: int) -> list | None:
+    """The JSON documents of a reply's `<tool_call>` blocks from `at` on (whitespace around each document and
+    between blocks; nothing else after the first tag), or None where they are not that."""
+    tag, closer, decoder, calls = HERMES["tag"], HERMES["closer"].strip(), json.JSONDecoder(), []
+    end = len(text.rstrip())
+    while at >= 0 and at < end:
+        if not text.startswith(tag, at):
+            return None
+        start = at + len(tag)
+        try:
+            document, at = decoder.raw_decode(text, start + len(text[start:]) - len(text[start:].lstrip()))
+        except ValueError:
+            return None
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if not text.startswith(closer, at):
+            return None
+        calls.append(document)
+        at += len(closer)
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return calls or None
 
 
 def reply_format(request: ToolRequest | None, response_format: str | None,
@@ -113,9 +180,29 @@ def reply_format(request: ToolRequest | None, response_format: str | None,
     return request.output_format()
 
 
-def tool_request(tools: list | None, tool_choice=None, parallel_tool_calls: bool = True) -> ToolRequest | None:
+def tool_style(tokenizer, requested: str = "auto") -> str:
+    """The call format for a target's tokenizer: "hermes" where its chat template writes `<tool_call>` tags, else
+    "json"; `requested` (one of STYLES) "json" or "hermes" picks one (hermes only where the template has the tags)."""
+    if requested not in STYLES:
+        raise UserError(f"the tool format must be one of {', '.join(STYLES)}, got {requested!r}")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    tagged = any(HERMES["tag"] in text for text in (template.values() if isinstance(template, dict) else [template]))
+    if requested == "hermes" and not tagged:
+        raise UserError("tool format hermes needs a chat template that writes <tool_call> tags, and this target's "
+                        "does not (use json)")
+    return requested if requested != "auto" else "hermes" if tagged else "json"
+
+
+def for_target(request: ToolRequest | None, tokenizer, requested: str = "auto") -> ToolRequest | None:
+    """`request` (checked before the target loaded) in the call format of the target's tokenizer (tool_style)."""
+    style = tool_style(tokenizer, requested)
+    return None if request is None else replace(request, style=style)
+
+
+def tool_request(tools: list | None, tool_choice=None, parallel_tool_calls: bool = True,
+                 style: str = "json") -> ToolRequest | None:
     """Check OpenAI's `tools` and `tool_choice` (UserError naming what is wrong); None where the reply is free
-    text (no tools, or tool_choice "none")."""
+    text (no tools, or tool_choice "none"). `style`: how the target writes calls (tool_style)."""
     if not tools:
         if tool_choice is not None and tool_choice != "none":
             raise UserError("tool_choice needs tools")
@@ -127,7 +214,7 @@ def tool_request(tools: list | None, tool_choice=None, parallel_tool_calls: bool
     if len(set(names)) < len(names):
         raise UserError(f"tools name a function twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
     choice = _choice(tool_choice, names)
-    return None if choice == "none" else ToolRequest(parsed, choice, bool(parallel_tool_calls))
+    return None if choice == "none" else ToolRequest(parsed, choice, bool(parallel_tool_calls), style)
 
 
 def _tool(tool, where: str) -> Tool:
@@ -168,11 +255,24 @@ def _choice(tool_choice, names: list[str]) -> str:
 
 
 # ---- the conversation as the chat template sees it -----------------------------------------------------------------
+def encode_chat(target, messages: list[dict], request: ToolRequest | None) -> list[int]:
+    """The prompt's token ids for OpenAI-style `messages`: a hermes template gets the tools and the calls itself."""
+    turns = conversation(messages, request)
+    if request is not None and request.style == "hermes":
+        return target.encode_messages(turns, tools=[
+            {"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in request.tools])
+    return target.encode_messages(turns)
+
+
 def conversation(messages: list[dict], request: ToolRequest | None) -> list[dict]:
-    """`messages` (OpenAI's: an assistant turn may hold `tool_calls`, a `tool` turn a call's result) as plain
+    """`messages` (OpenAI's: an assistant turn may hold `tool_calls`, a `tool` turn a call's result) as the chat
+    template takes them. For a hermes template the turns as they are, each call's arguments decoded. Else plain
     role/content turns: earlier calls in the reply format, results as one user turn, and the tools' description
     in the system message (a system message of its own where the conversation has none)."""
     names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn holds
+    if request is not None and request.style == "hermes":
+        return [_template_turn(message, f"messages[{i}]", names) for i, message in enumerate(messages)]
     turns: list[dict] = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content") or ""
@@ -196,6 +296,21 @@ def conversation(messages: list[dict], request: ToolRequest | None) -> list[dict
         else:
             turns.insert(0, {"role": "system", "content": request.instructions()})
     return turns
+
+
+def _template_turn(message: dict, where: str, names: dict[str, str]) -> dict:
+    """A turn for a template that renders calls and results itself (hermes): calls as {"type": "function",
+    "function": {"name", "arguments": {...}}} (templates write the arguments with tojson), a result with its
+    function's name beside its call id."""
+    turn = {"role": message.get("role"), "content": message.get("content") or ""}
+    calls = message.get("tool_calls") or []
+    if calls:
+        turn["tool_calls"] = [{"type": "function", "function": _written_call(call, f"{where}.tool_calls[{k}]", names)}
+                              for k, call in enumerate(calls)]
+    if turn["role"] == "tool":
+        turn["tool_call_id"] = message.get("tool_call_id")
+        turn["name"] = names.get(message.get("tool_call_id"), "")
+    return turn
 
 
 def _written_call(call, where: str, names: dict[str, str]) -> dict:

@@ -319,10 +319,13 @@ class TargetModel:
             return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids for chat `messages` through the chat template; `tools` (OpenAI's function tools) go to a
+        template that describes them itself (tools.encode_chat)."""
         if not getattr(self.tokenizer, "chat_template", None):
             return self.encode_prompt("\n".join(m["content"] for m in messages), chat=False)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def decode(self, ids: list[int]) -> str:

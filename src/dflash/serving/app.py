@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from ..options import add_method_arguments, add_target_arguments, check_drafter_folders, method_options
+from ..options import (add_method_arguments, add_target_arguments, add_tool_format_argument, check_drafter_folders,
+                       method_options)
 from .metrics import Metrics, MetricsMiddleware
 from .schemas import (
     Exchange,
@@ -36,7 +37,7 @@ from .schemas import (
     schemas,
     sse,
 )
-from ..tools import conversation, tool_request
+from ..tools import encode_chat, tool_request, tool_style
 from .streaming import HeldCalls, TextDeltas
 from .worker import (
     DISCONNECT_POLL_S,
@@ -126,7 +127,7 @@ class Service:
                     yield exchange.chunk(None, delta={"role": "assistant", "content": ""}, index=index)
             results, streaming = [None] * len(jobs), len(jobs)
             tools = exchange.tools
-            held = [HeldCalls(tools.choice != "auto") for _ in jobs] if tools is not None else None
+            held = [HeldCalls(tools) for _ in jobs] if tools is not None else None
             while streaming:
                 if (item := await next_piece(pieces, request)) is None:
                     return  # the client went away; `finally` cancels the jobs
@@ -157,6 +158,8 @@ class Service:
                         yield exchange.chunk(text, index=index, logprobs=logprobs)
                     else:
                         finish = "tool_calls"
+                        if (words := tools.content(text)) is not None:  # held words before the calls (hermes)
+                            yield exchange.chunk(words, index=index)
                         yield exchange.chunk(None, index=index, logprobs=logprobs, delta={"tool_calls": [
                             {"index": k, **call} for k, call in enumerate(calls)]})
                 yield exchange.chunk(None, finish, index=index,
@@ -200,10 +203,12 @@ class ApiKeyMiddleware:
 
 def create_app(target, proposer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
-               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None) -> "FastAPI":
+               prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None,
+               tool_format: str = "auto") -> "FastAPI":
     """The ASGI app serving `target` with `proposer` under the name `model_name`: up to `max_batch_size` requests
     decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
-    keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py)."""
+    keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py); tool calls in
+    `tool_format` (tools.tool_style)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -221,6 +226,7 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
                       running=lambda: holder["worker"].running)
     worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
     service = Service(target, worker, metrics, model_name, default_max_tokens)
+    call_style = tool_style(target.tokenizer, tool_format)
     body_types = schemas()
 
     @asynccontextmanager
@@ -238,8 +244,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     @app.post("/v1/chat/completions")
     async def chat_completions(body: body_types.ChatRequest, request: Request):
         service.check_model(body.model)
-        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-        prompt_ids = target.encode_messages(conversation([m.as_dict() for m in body.messages], tools))
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, call_style)
+        prompt_ids = encode_chat(target, [m.as_dict() for m in body.messages], tools)
         return await service.complete(request, body, prompt_ids, chat=True, tools=tools)
 
     @app.post("/v1/completions")
@@ -254,8 +260,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         if (body.prompt is None) == (body.messages is None):
             raise UserError("send either prompt or messages")
         ids = (target.encode_prompt(body.prompt, chat=False) if body.prompt is not None
-               else target.encode_messages(conversation([m.as_dict() for m in body.messages],
-                                                        tool_request(body.tools, body.tool_choice))))
+               else encode_chat(target, [m.as_dict() for m in body.messages],
+                                tool_request(body.tools, body.tool_choice, style=call_style)))
         return {"tokens": ids, "count": len(ids), "max_model_len": target.max_context}
 
     @app.post("/detokenize")
@@ -390,6 +396,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
                         "(default: $DFLASH_API_KEY; unset = open)")
+    add_tool_format_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -419,7 +426,7 @@ def run(args) -> int:
     name = args.served_model_name or args.target
     app = create_app(target, proposer, name, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
-                     prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key)
+                     prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key, tool_format=args.tool_format)
     port = sock.getsockname()[1]
     print(f"[dflash] serving {name!r} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
     uvicorn_server(app, args.log_level).run(sockets=[sock])

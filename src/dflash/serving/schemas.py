@@ -342,7 +342,7 @@ class Exchange:
         choice = self.choice(result.text, result.finish_reason, chunk=False, index=index)
         calls = self.tools.calls(result.text) if self.tools is not None else None
         if calls is not None:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["message"] = {"role": "assistant", "content": self.tools.content(result.text), "tool_calls": calls}
             choice["finish_reason"] = "tool_calls"
         entries = shown_logprobs(result.logprobs, stop_ids)
         if self.scores_only:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from ..tools import CALL_OPENERS
+if TYPE_CHECKING:
+    from ..tools import ToolRequest
 
 
 class TextDeltas:
@@ -49,25 +50,34 @@ class TextDeltas:
 
 
 class HeldCalls:
-    """A streamed chat reply that may be tool calls (tools.py): from the first piece that opens it with `[` or `{`
-    (from the start where calls are required), its text and log-probabilities are held back, to go out as one
-    `tool_calls` delta once the reply is whole, or as text where it was cut short. A reply in words streams as it
-    comes."""
+    """A streamed chat reply that may hold tool calls (tools.py): from the piece where they may begin (the reply's
+    first, opening with `[` or `{`, in the json format; one that holds `<tool_call>` or ends with its first bytes in
+    the hermes format; the first where calls are required), its text and log-probabilities are held back, to go out
+    as one `tool_calls` delta once the reply is whole (after the held words before them), or as text where it was
+    cut short. Words stream as they come."""
 
-    def __init__(self, calls_only: bool):
-        self.decided, self.holding = calls_only, calls_only
-        self.text, self.logprobs = "", None
+    def __init__(self, request: "ToolRequest"):
+        self.request = request
+        self.text, self.logprobs = "", None  # held, not sent
+        self.calls, self.sent = False, False  # whether the calls have begun; whether any text went out
+
+    @property
+    def holding(self) -> bool:
+        return self.calls or bool(self.text)
 
     def take(self, text: str, logprobs: list | None) -> tuple[str, list | None] | None:
         """What of a piece goes out now (with what was held before it): (text, logprobs), or None while held."""
         self.text += text
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
-        if not self.decided:
-            if not self.text:
-                return None
-            self.decided, self.holding = True, self.text.startswith(CALL_OPENERS)
-        return None if self.holding else self.release()
+        if self.calls:
+            return None
+        opening = self.request.opening(self.text, at_start=not self.sent)
+        self.calls = opening == "calls"
+        if opening != "text":
+            return None
+        self.sent = True
+        return self.release()
 
     def release(self) -> tuple[str, list | None]:
         held = (self.text, self.logprobs)
