@@ -293,7 +293,8 @@ def test_a_pattern_matches_what_pythons_re_finds(source):
 
 
 def test_formats_hold_their_shapes():
-    cases = {"date": (["2024-02-28", "1999-12-31", "2024-04-30"], ["2024-02-29", "2024-04-31", "2024-13-01", "24-01-01"]),
+    cases = {"date": (["2024-02-28", "1999-12-31", "2024-04-30", "2024-02-29"], ["2024-04-31", "2024-13-01",
+                                                                                "24-01-01", "2023-02-29"]),
              "date-time": (["2024-01-05T10:20:30Z", "2024-01-05T10:20:30.5+02:00"],
                            ["2024-01-05T24:00:00Z", "2024-01-05 10:20:30Z", "2024-01-05T10:20:30"]),
              "time": (["23:59:59Z", "00:00:00.123-05:30"], ["12:00", "12:00:00+2"]),
@@ -304,6 +305,21 @@ def test_formats_hold_their_shapes():
         pattern = format_pattern(name, "#")
         assert all(pattern_matches(pattern, text) for text in good), name
         assert not any(pattern_matches(pattern, text) for text in bad), name
+
+
+def test_the_date_format_takes_exactly_the_dates_python_reads():
+    import datetime
+
+    pattern = format_pattern("date", "#")
+    for year in (0, 1, 4, 100, 400, 1900, 1996, 2000, 2023, 2024, 2100, 2400, 9996, 9999):
+        for month in range(14):
+            for day in range(33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    valid = datetime.date.fromisoformat(text) is not None
+                except ValueError:
+                    valid = False
+                assert pattern_matches(pattern, text) == valid, text
 
 
 def formatted_event():

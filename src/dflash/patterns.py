@@ -12,8 +12,8 @@ states that cannot reach a match any more are dropped, so a string is refused at
 continues, and the fewest characters still needed to match are known (a maxLength beside a pattern is then never a
 dead end).
 
-A few `format`s are patterns written out: date (days up to each month's last; February 29 is refused, leap years
-are not checked), time and date-time (RFC 3339 with seconds and an offset, as JSON Schema's formats are), uuid,
+A few `format`s are patterns written out: date (days up to each month's last, February 29 in leap years; years
+0001-9999, as Python's dates), time and date-time (RFC 3339 with seconds and an offset, as JSON Schema's formats are), uuid,
 email (a conservative shape that email validators accept) and ipv4.
 """
 
@@ -52,8 +52,12 @@ CLASS_ESCAPES = {"d": (DIGITS, False), "D": (_ascii_outside(DIGITS), False), "w"
 CONTROL_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
 
 _BYTE = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-_DATE = ("[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
-         "|02-(0[1-9]|1[0-9]|2[0-8]))")
+# years 0001-9999 (Python's dates, which pydantic reads them as, have no year 0); February 29 in leap years only:
+# those divisible by 4 but not by 100 (the last two digits a multiple of 4 but 00), and those divisible by 400
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
 _TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _LABEL = "[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
 FORMATS = {
