@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import UserError
 from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, add_tool_format_argument,
                       check_drafter_folders, method_options)
+from .models.target import TemplateOptions
 from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
 
 
@@ -37,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tools: auto (default; the reply may answer in words), required, none, or a function's "
                         "name (one call of it)")
     add_tool_format_argument(p)
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's own variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
     p.add_argument("prompt", help="the prompt text, or - to read it from standard input (e.g. a file: - < FILE)")
 
 
@@ -54,14 +57,19 @@ def run(args) -> int:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     tools = tools_from_args(args)
+    template = TemplateOptions(_json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
+                               or {})
+    if template.kwargs and args.no_chat:
+        raise UserError("--chat-template-kwargs goes to the chat template: drop --no-chat")
+    template.check([])
     response_format, json_schema = reply_format(tools, config.response_format, config.json_schema)
     config = replace(config, response_format=response_format, json_schema=json_schema)
     target, proposer = load_method(args, config)
     if tools is not None:  # in the target's call format, known now that it has loaded
         tools = for_target(tools, target.tokenizer, args.tool_format)
         config = replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
-    prompt_ids = encode_chat(target, [{"role": "user", "content": args.prompt}], tools) \
-        if tools is not None else target.encode_prompt(args.prompt, chat=not args.no_chat)
+    prompt_ids = encode_chat(target, [{"role": "user", "content": args.prompt}], tools, template) \
+        if tools is not None or template.kwargs else target.encode_prompt(args.prompt, chat=not args.no_chat)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
     warm_up = replace(config, max_new_tokens=WARM_UP_TOKENS, logprobs=None, ignore_eos=False)

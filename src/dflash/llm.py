@@ -16,6 +16,7 @@ from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
 from .jsonl import openai_role
 from .methods.base import MethodOptions
+from .models.target import TemplateOptions
 from .sampling import SamplingConfig
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
@@ -64,16 +65,20 @@ class LLM:
     def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
              response_format: str | None = None, json_schema: dict | None = None, tools: list | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> GenerationResult:
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> GenerationResult:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too). `tools`,
         `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls` (OpenAI's
-        layout, arguments as JSON text) beside its text (tools.py)."""
+        layout, arguments as JSON text) beside its text (tools.py). `chat_template_kwargs`: the template's own
+        variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
+        turn (the reply's start, written for the target) instead of opening a new one."""
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, response_format, json_schema)
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
-        result = self._run([encode_chat(self.target, messages, request)], config)[0]
+        options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
+        result = self._run([encode_chat(self.target, messages, request, options)], config)[0]
         result.tool_calls = request.calls(result.text) if request is not None else None
         return result
 

@@ -255,14 +255,15 @@ def _choice(tool_choice, names: list[str]) -> str:
 
 
 # ---- the conversation as the chat template sees it -----------------------------------------------------------------
-def encode_chat(target, messages: list[dict], request: ToolRequest | None) -> list[int]:
-    """The prompt's token ids for OpenAI-style `messages`: a hermes template gets the tools and the calls itself."""
+def encode_chat(target, messages: list[dict], request: ToolRequest | None, options=None) -> list[int]:
+    """The prompt's token ids for OpenAI-style `messages`: a hermes template gets the tools and the calls itself;
+    `options` (models.target.TemplateOptions): the template's own arguments."""
     turns = conversation(messages, request)
+    tools = None
     if request is not None and request.style == "hermes":
-        return target.encode_messages(turns, tools=[
-            {"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.parameters}} for t in request.tools])
-    return target.encode_messages(turns)
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                   "parameters": t.parameters}} for t in request.tools]
+    return target.encode_messages(turns, tools=tools, options=options)
 
 
 def conversation(messages: list[dict], request: ToolRequest | None) -> list[dict]:

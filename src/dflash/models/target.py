@@ -36,6 +36,35 @@ PROMPT_LENGTHS = (64, 384)  # the prompt lengths at which the C stack is timed a
 LONG_PROMPT = 1024
 
 
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+@dataclass
+class TemplateOptions:
+    """How a conversation goes through the chat template, as vLLM's and SGLang's chat requests say it: `kwargs`
+    the template's own variables (Qwen3's enable_thinking), `continue_final_message` to go on with the last
+    assistant turn instead of opening a new one (a reply's start written for the target)."""
+
+    kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self, messages: list[dict]) -> None:
+        if not isinstance(self.kwargs, dict):
+            raise UserError("chat_template_kwargs must be an object")
+        taken = sorted(set(self.kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise UserError(f"chat_template_kwargs may not set {', '.join(taken)} (fields of their own)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UserError("continue_final_message goes on with the last assistant turn: send it with "
+                            "add_generation_prompt false")
+        if self.continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+            raise UserError("continue_final_message needs an assistant message last")
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor | None  # [batch, positions, vocab], float32
@@ -319,13 +348,23 @@ class TargetModel:
             return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None,
+                        options: "TemplateOptions | None" = None) -> list[int]:
         """Token ids for chat `messages` through the chat template; `tools` (OpenAI's function tools) go to a
-        template that describes them itself (tools.encode_chat)."""
+        template that describes them itself (tools.encode_chat); `options`: the template's own arguments."""
         if not getattr(self.tokenizer, "chat_template", None):
             return self.encode_prompt("\n".join(m["content"] for m in messages), chat=False)
+        from jinja2 import TemplateError  # what apply_chat_template renders with
+
+        options = options or TemplateOptions()
+        options.check(messages)
         extra = {"tools": tools} if tools else {}
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **extra, **options.kwargs)
+        except (TemplateError, ValueError) as error:  # the template's raise_exception, a message it cannot place
+            raise UserError(f"the chat template refused these messages: {error}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def decode(self, ids: list[int]) -> str:

@@ -245,7 +245,7 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     async def chat_completions(body: body_types.ChatRequest, request: Request):
         service.check_model(body.model)
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, call_style)
-        prompt_ids = encode_chat(target, [m.as_dict() for m in body.messages], tools)
+        prompt_ids = encode_chat(target, [m.as_dict() for m in body.messages], tools, body.template_options())
         return await service.complete(request, body, prompt_ids, chat=True, tools=tools)
 
     @app.post("/v1/completions")
@@ -261,7 +261,7 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
             raise UserError("send either prompt or messages")
         ids = (target.encode_prompt(body.prompt, chat=False) if body.prompt is not None
                else encode_chat(target, [m.as_dict() for m in body.messages],
-                                tool_request(body.tools, body.tool_choice, style=call_style)))
+                                tool_request(body.tools, body.tool_choice, style=call_style), body.template_options()))
         return {"tokens": ids, "count": len(ids), "max_model_len": target.max_context}
 
     @app.post("/detokenize")

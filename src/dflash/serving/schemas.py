@@ -87,7 +87,18 @@ def schemas() -> SimpleNamespace:
         tool_choice: str | dict | None = None
         parallel_tool_calls: bool = True
 
-    class ChatRequest(OpenAIFields):
+    class TemplateFields(BaseModel):  # extensions (as in vLLM and SGLang): how the messages go through the template
+        chat_template_kwargs: dict | None = None  # the template's own variables, e.g. {"enable_thinking": false}
+        add_generation_prompt: bool = True
+        continue_final_message: bool = False  # go on with the last assistant turn (a reply's start given)
+
+        def template_options(self):
+            from ..models.target import TemplateOptions
+
+            return TemplateOptions(self.chat_template_kwargs or {}, self.add_generation_prompt,
+                                   self.continue_final_message)
+
+    class ChatRequest(OpenAIFields, TemplateFields):
         messages: list[ChatMessage] = Field(min_length=1)
         max_completion_tokens: int | None = None  # the newer name of max_tokens
         logprobs: bool = False
@@ -99,7 +110,7 @@ def schemas() -> SimpleNamespace:
         suffix: str | None = None
         logprobs: int | None = None  # the legacy API's: how many most likely tokens beside the chosen one
 
-    class TokenizeRequest(BaseModel):  # vLLM's /tokenize: a prompt, or chat messages through the template
+    class TokenizeRequest(TemplateFields):  # vLLM's /tokenize: a prompt, or chat messages through the template
         model_config = ConfigDict(extra="ignore")
         model: str | None = None
         prompt: str | None = None
