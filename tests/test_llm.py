@@ -34,7 +34,7 @@ def test_chat_answers_the_messages_as_the_template_lays_them_out():
     assert llm.chat(messages, max_new_tokens=9).tokens == expected.tokens
     sent = []
     encode = llm.target.encode_messages
-    llm.target.encode_messages = lambda ms: sent.append(ms) or encode(ms)
+    llm.target.encode_messages = lambda ms, **kwargs: sent.append(ms) or encode(ms, **kwargs)
     developer = [{"role": "developer", "content": "w3"}, *messages[1:]]
     assert llm.chat(developer, max_new_tokens=9).tokens == expected.tokens and sent == [messages]
 

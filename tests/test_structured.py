@@ -17,7 +17,8 @@ from dflash.methods.base import Draft, MethodOptions, Proposer
 from dflash.methods.dflash.proposer import DFlashProposer
 from dflash.methods.ngram import NgramProposer
 from dflash.sampling import SamplingConfig, pick_tokens
-from dflash.grammar import JSON_OBJECT, MAX_SPACES, PROSE, START_STATE, TEXT, compile_schema, complete
+from dflash.grammar import (JSON_OBJECT, MAX_SPACES, PROSE, START_STATE, TEXT, THINK_OPEN, THINKING, THOUGHT,
+                            compile_schema, complete)
 from dflash.patterns import compile_pattern, format_pattern
 from dflash.structured import JsonVocabulary, json_vocabulary, token_pieces
 from dflash.testing import tiny_byte_tokenizer, tiny_target
@@ -159,7 +160,7 @@ def assert_masks_are_fed(grammar, texts: list[bytes], tokenizer=None) -> int:
     """Every state along the texts' prefixes: its mask over a tiny byte-level vocabulary (`tokenizer`'s, else
     tiny_byte_tokenizer's) is each token fed, and no state is a dead end. Returns how many states."""
     vocabulary = JsonVocabulary(token_pieces(tokenizer or tiny_byte_tokenizer(VOCAB), VOCAB))
-    states = {grammar.feed_bytes(START_STATE, text[:n]) for text in texts for n in range(len(text))}
+    states = {grammar.feed_bytes(grammar.initial, text[:n]) for text in texts for n in range(len(text))}
     assert None not in states
     for state in states:
         mask = vocabulary.allowed(grammar, state)
@@ -174,7 +175,11 @@ def fed_token(grammar, state, piece: bytes | None):
     """The state after a token of bytes `piece` (None: a special token, text only in free text), or None."""
     if state[0] == TEXT:
         return state
-    if piece is None:
+    if piece is None:  # text in free text: a framed grammar's words, thinking, where the output may open either
+        if state[0] == THINKING:
+            return state[:1] + (0, 0, ())
+        if state[0] == THOUGHT or state[0] == THINK_OPEN and state[1] == 0:
+            state = START_STATE
         prose = grammar.frame is not None and grammar.frame.prose and state[0] in (START_STATE[0], PROSE)
         return (PROSE, 0, 0, ()) if prose else None
     return grammar.feed_bytes(state, piece)
@@ -425,7 +430,7 @@ def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new
     otherwise, where the output is text); any token in free text."""
     pieces = token_pieces(target.tokenizer, target.vocab_size)
     eos = set(target.eos_token_ids)
-    sequence, state = list(prompt_ids), START_STATE
+    sequence, state = list(prompt_ids), grammar.initial
     for position in range(max_new):
         with torch.no_grad():
             logits = target.model(torch.tensor([sequence])).logits[0, -1:].float()

@@ -65,6 +65,9 @@ class GenerationConfig:
     # "json_schema_or_text": free text, or such a document where the output starts like one (tool calls: tools.py)
     response_format: str | None = None
     json_schema: dict | None = None
+    # a reasoning model's output thinks first (reasoning.py): the response format holds what follows `</think>`;
+    # "open": the prompt opened the thinking, "optional": the output may open it
+    thinking: str | None = None
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The token ids that end a generation: its own stop ids, and the target's EOS ids unless ignore_eos."""
@@ -81,7 +84,7 @@ class GenerationConfig:
 
     def grammar(self) -> JsonGrammar | None:
         """The grammar of the response format (structured.py), None for free text."""
-        return output_grammar(self.response_format, self.json_schema)
+        return output_grammar(self.response_format, self.json_schema, self.thinking)
 
 
 @dataclass
@@ -155,6 +158,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when the config asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked
     tool_calls: list[dict] | None = None  # a chat reply that called tools (LLM.chat with tools; tools.py)
+    reasoning: str | None = None  # a chat reply's thinking, apart from its answer (LLM's reasoning_parser)
+    content: str | None = None  # ... and the answer after it (LLM.chat fills both; text holds them as written)
 
 
 @dataclass

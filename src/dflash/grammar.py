@@ -33,7 +33,8 @@ MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
 
 (START, OBJECT_OPEN, KEY_NEXT, COLON, VALUE, ARRAY_OPEN, AFTER_VALUE, STRING, ESCAPE, UNICODE, UTF8, MINUS, ZERO,
  INTEGER, POINT, FRACTION, EXP_MARK, EXP_SIGN, EXPONENT, CHOICE, DONE, TEXT, PROSE, LITERAL, DOCUMENT,
- BETWEEN) = range(26)
+ BETWEEN, THINK_OPEN, THINKING, THOUGHT) = range(29)
+THINK_TAGS = (b"<think>", b"</think>")  # a reasoning model's thinking, before its answer (reasoning.py)
 OPEN, CLOSE, NEXT = range(3)  # a framed grammar's literals (Frame): the opener, the closer, a separator and opener
 WHITESPACE = frozenset(b" \t\n\r")
 HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -138,14 +139,16 @@ class Frame:
         opener = self.tag + self.after_tag
         return (opener, self.closer, self.separator + opener)[which]
 
-    def fallback(self, matched: int, byte: int) -> int:
-        """In prose, the bytes of the tag matched after `matched` of them and then `byte`: the longest end of what was
-        read that begins the tag (a tag may start inside a near miss)."""
-        read = self.tag[:matched] + bytes([byte])
-        for start in range(len(read)):
-            if self.tag.startswith(read[start:]):
-                return len(read) - start
-        return 0
+
+
+def tag_matched(tag: bytes, matched: int, byte: int) -> int:
+    """In free text, the bytes of `tag` matched after `matched` of them and then `byte`: the longest end of what was
+    read that begins the tag (a tag may start inside a near miss)."""
+    read = tag[:matched] + bytes([byte])
+    for start in range(len(read)):
+        if tag.startswith(read[start:]):
+            return len(read) - start
+    return 0
 
 
 @dataclass(frozen=True)
@@ -209,21 +212,55 @@ class JsonGrammar:
     between tags instead (Frame; a chat template's tool calls), the modes PROSE (aux: the tag's bytes matched so far),
     LITERAL (aux: (OPEN, CLOSE or NEXT, its bytes matched)), DOCUMENT (a document's first byte), DONE (aux 0: a
     document whole, its closer to come; 1: the output whole) and BETWEEN (a closer written, another document may
-    follow)."""
+    follow). `thinking`: the output thinks first, free text up to `</think>`, and the grammar holds what follows it
+    (after whitespace): "open" where the prompt opened the thinking, "optional" where the output may open it with
+    `<think>` (THINK_OPEN, aux: the tag's bytes matched; THINKING, aux: `</think>`'s; THOUGHT: whitespace after
+    it)."""
 
     def __init__(self, nodes: list[Node], root: int, key: str, text_otherwise: bool = False,
-                 frame: Frame | None = None):
+                 frame: Frame | None = None, thinking: str | None = None):
         self.nodes, self.root, self.key, self.text_otherwise, self.frame = nodes, root, key, text_otherwise, frame
+        self.thinking = thinking
+        self.initial = {"open": (THINKING, 0, 0, ()), "optional": (THINK_OPEN, 0, 0, ())}.get(thinking, START_STATE)
+
+    def thinking_first(self, thinking: str | None) -> "JsonGrammar":
+        """This grammar after a reasoning model's thinking (`thinking` "open" or "optional"; None: itself)."""
+        if thinking is None:
+            return self
+        if thinking not in ("open", "optional"):
+            raise ValueError(f"thinking must be open or optional, got {thinking!r}")
+        return _thinking_first(self, thinking)
 
     def may_end(self, state: tuple) -> bool:
         """Whether the output may end after `state`: the document is whole, or the output is free text."""
+        if state[0] in (THINK_OPEN, THOUGHT):  # as the grammar may at its start (THINK_OPEN: after the tag's bytes)
+            after = START_STATE if state[0] == THOUGHT else self.feed_bytes(START_STATE, THINK_TAGS[0][:state[1]])
+            return after is not None and self.may_end(after)
+        if state[0] == THINKING:
+            return False
         if self.frame is not None:
             return state[0] in (PROSE, BETWEEN) or state[0] == START and self.frame.prose or self.finished(state)
         return state[0] in (DONE, TEXT) or state[0] == START and self.text_otherwise
 
-    def in_prose(self, state: tuple) -> bool:
-        """Whether `state` is in a framed grammar's free text (where any special token is text too)."""
-        return self.frame is not None and self.frame.prose and (state[0] == PROSE or state[0] == START)
+    def free_text_tag(self, state: tuple) -> bytes | None:
+        """The tag that ends free text where `state` is in it (a framed grammar's words before its calls, a
+        reasoning model's thinking), else None."""
+        if state[0] == THINKING:
+            return THINK_TAGS[1]
+        if self.frame is not None and self.frame.prose and state[0] in (PROSE, START):
+            return self.frame.tag
+        return None
+
+    def after_special(self, state: tuple) -> tuple | None:
+        """The state after a special token (one without bytes of its own): text in free text, where it breaks any
+        tag begun; refused elsewhere."""
+        if state[0] == TEXT:
+            return state
+        if state[0] == THOUGHT or state[0] == THINK_OPEN and state[1] == 0:  # as at the grammar's start
+            return self.after_special(START_STATE)
+        if self.free_text_tag(state) is None:
+            return None
+        return (THINKING, 0, 0, ()) if state[0] == THINKING else (PROSE, 0, 0, ())
 
     def finished(self, state: tuple) -> bool:
         """Whether nothing but the output's end may come after `state`."""
@@ -241,6 +278,8 @@ class JsonGrammar:
         mode, aux, spaces, stack = state
         if mode == TEXT:
             return state
+        if mode in (THINK_OPEN, THINKING, THOUGHT):
+            return self._thinking(mode, aux, spaces, byte)
         if self.frame is not None and (mode in (PROSE, LITERAL, DOCUMENT, BETWEEN, DONE) or mode == START):
             return self._framed(mode, aux, byte)
         if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value, (node, characters, pattern
@@ -293,7 +332,7 @@ class JsonGrammar:
         if mode == START:
             return self._framed(PROSE, 0, byte) if frame.prose else self._framed(LITERAL, (OPEN, 0), byte)
         if mode == PROSE:
-            matched = aux + 1 if frame.tag[aux] == byte else frame.fallback(aux, byte)
+            matched = tag_matched(frame.tag, aux, byte)
             return self._literal(OPEN, matched) if matched == len(frame.tag) else (PROSE, matched, 0, ())
         if mode == DOCUMENT:
             return self._value_start(self.root, (), byte)
@@ -303,6 +342,19 @@ class JsonGrammar:
             return self._framed(LITERAL, (NEXT, 0), byte) if frame.repeat else None
         which, matched = aux
         return self._literal(which, matched + 1) if frame.literal(which)[matched] == byte else None
+
+    def _thinking(self, mode: int, aux: int, spaces: int, byte: int) -> tuple | None:
+        """A byte of a reasoning model's thinking, or the whitespace after it: the grammar starts after that."""
+        if mode == THINK_OPEN:  # the output may open its thinking; bytes that turn out not to are the grammar's
+            if THINK_TAGS[0][aux] == byte:
+                return (THINKING, 0, 0, ()) if aux + 1 == len(THINK_TAGS[0]) else (THINK_OPEN, aux + 1, 0, ())
+            return self.feed_bytes(START_STATE, THINK_TAGS[0][:aux] + bytes([byte]))
+        if mode == THINKING:
+            matched = tag_matched(THINK_TAGS[1], aux, byte)
+            return (THOUGHT, 0, 0, ()) if matched == len(THINK_TAGS[1]) else (THINKING, matched, 0, ())
+        if byte in WHITESPACE:
+            return (THOUGHT, 0, spaces + 1, ()) if spaces < MAX_SPACES else None
+        return self.feed(START_STATE, byte)
 
     def _literal(self, which: int, matched: int) -> tuple:
         """The state once `matched` bytes of a frame's literal are read: what follows it once it is whole."""
@@ -504,6 +556,12 @@ class JsonGrammar:
 def _closed(stack: tuple) -> tuple:
     """The state once the innermost container closes: the document is whole when it was the outermost."""
     return (DONE, 0, 0, ()) if len(stack) == 1 else (AFTER_VALUE, 0, 0, stack[:-1])
+
+
+@functools.lru_cache(maxsize=32)
+def _thinking_first(grammar: JsonGrammar, thinking: str) -> JsonGrammar:
+    return JsonGrammar(grammar.nodes, grammar.root, f"{grammar.key}|thinking-{thinking}", grammar.text_otherwise,
+                       grammar.frame, thinking)
 
 
 def complete(state: tuple | None) -> bool:

@@ -12,11 +12,14 @@ distribution), with the acceptance and speed figures in `result.stats`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
 from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
+from .reasoning import check_parser, split, thinking_state
 from .sampling import SamplingConfig
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
@@ -26,11 +29,14 @@ class LLM:
     eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the target);
     `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
     keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes tool
-    calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes"."""
+    calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes";
+    `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
+    `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it."""
 
     def __init__(self, target: str = "smollm2-135m", method: str = "dflash+ngram", *, dtype: str = "float32",
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
-                 adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto"):
+                 adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
+                 reasoning_parser: str | None = None):
         import torch
 
         from .loading import build_proposer, load_target_cached, settle_heap
@@ -39,6 +45,7 @@ class LLM:
         options = MethodOptions(drafter=drafter, block_size=block_size)
         self.target = load_target_cached(target, dtype, device, release_plain=True)
         self.tool_style = tool_style(self.target.tokenizer, tool_format)
+        self.reasoning_parser = check_parser(reasoning_parser)
         self.proposer, self.note = build_proposer(method, self.target, options)  # note: an untrained drafter
         self.method = method
         self.engine = Engine(self.target, self.proposer, max_batch=max_batch, adaptive=adaptive,
@@ -78,8 +85,11 @@ class LLM:
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
-        result = self._run([encode_chat(self.target, messages, request, options)], config)[0]
-        result.tool_calls = request.calls(result.text) if request is not None else None
+        prompt_ids = encode_chat(self.target, messages, request, options)
+        thinking = thinking_state(self.target.decode(prompt_ids)) if self.reasoning_parser else None
+        result = self._run([prompt_ids], replace(config, thinking=thinking))[0]
+        result.reasoning, result.content = split(result.text, thinking)
+        result.tool_calls = request.calls(result.content) if request is not None else None
         return result
 
     def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop, response_format,

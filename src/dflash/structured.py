@@ -29,7 +29,7 @@ from collections import OrderedDict
 import torch
 
 from .errors import UserError
-from .grammar import JSON_OBJECT, PROSE, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
+from .grammar import JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
 
 # "json_schema_framed": documents between tags (a chat template's tool calls, tools.py), its json_schema
@@ -109,14 +109,15 @@ class JsonVocabulary:
         self.longest = max(map(len, self.all_keys), default=0)
         self.forced_runs: dict[tuple, list[int]] = {}
         self.holding: dict[int, list[int]] = {}  # a byte -> the sorted positions of the tokens that hold it
+        self.bytes_unknown = [i for i, piece in enumerate(pieces) if piece is None]  # special tokens
 
     def advance(self, grammar: JsonGrammar, state: tuple | None, token: int) -> tuple | None:
-        if state is not None and state[0] == TEXT:  # free text takes any token, special ones too
-            return state
-        if state is not None and grammar.in_prose(state) and (token >= self.size or self.pieces[token] is None):
-            return (PROSE, 0, 0, ())  # a special token in prose: text, and no part of a tag
-        if state is None or token >= self.size or self.pieces[token] is None:
+        if state is None:
             return None
+        if state[0] == TEXT:  # free text takes any token, special ones too
+            return state
+        if token >= self.size or self.pieces[token] is None:  # a special token: text in free text only
+            return grammar.after_special(state)
         return grammar.feed_bytes(state, self.pieces[token])
 
     def allowed(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
@@ -129,8 +130,8 @@ class JsonVocabulary:
             return mask
         if state == START_STATE and grammar.text_otherwise:  # free text unless a token opens the document
             return self._kept(key, self._text_or_document(grammar))
-        if grammar.in_prose(state):
-            return self._kept(key, self._prose(grammar, state))
+        if grammar.free_text_tag(state) is not None:
+            return self._kept(key, self._free_text(grammar, state))
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
@@ -145,6 +146,8 @@ class JsonVocabulary:
         else:
             mask = torch.zeros(self.size, dtype=torch.bool)
             mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
+            if grammar.after_special(state) is not None:  # where the output may still open its thinking
+                mask[self.bytes_unknown] = True
         return self._kept(key, mask)
 
     def _text_or_document(self, grammar: JsonGrammar) -> torch.Tensor:
@@ -159,10 +162,11 @@ class JsonVocabulary:
             mask[self._walk(grammar, START_STATE, self.all_keys[low:high], self.all_ids[low:high])] = True
         return mask
 
-    def _prose(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
-        """The mask of free text before a framed document (Frame.prose): every token, but of those that could complete
-        the tag (the ones holding its last byte) only the ones whose bytes after it the frame takes."""
-        last = grammar.frame.tag[-1]
+    def _free_text(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+        """The mask of free text that a tag ends (a framed grammar's words, a reasoning model's thinking): every token,
+        but of those that could complete the tag (the ones holding its last byte) only the ones whose bytes after it
+        the grammar takes."""
+        last = grammar.free_text_tag(state)[-1]
         if last not in self.holding:
             self.holding[last] = [k for k, piece in enumerate(self.all_keys) if last in piece]
         mask = torch.ones(self.size, dtype=torch.bool)
@@ -261,14 +265,14 @@ class JsonConstraint:
             raise UserError("JSON output needs an end-of-sequence token to end on (it cannot run with ignore_eos)")
         self.vocabulary, self.grammar = vocabulary, grammar
         self.stop_ids = {i for i in stop_ids if i < vocabulary.size}
-        self.state, self.seen = START_STATE, 0
+        self.state, self.seen = grammar.initial, 0
         # the states along the tokens past the committed output last asked about (a block's positions come in
         # order, each one token further): chain[k] is the state after the first k of `chain_tokens`
         self.chain, self.chain_tokens = [self.state], []
         self.done_mask = torch.zeros(vocabulary.size, dtype=torch.bool)
         self.done_mask[sorted(self.stop_ids)] = True
         self.free_mask = torch.ones(vocabulary.size, dtype=torch.bool)  # free text (grammar.TEXT): any token
-        self.ending: dict[tuple, torch.Tensor] = {}  # the masks of states where the output may also end
+        self.ending: dict[tuple, torch.Tensor] = {}  # masks of states where the output may end, or may not in text
 
     def commit(self, output: list[int]) -> None:
         """Fold newly committed output tokens into the state (a stop token ends the output and changes nothing)."""
@@ -306,8 +310,8 @@ class JsonConstraint:
         for count, token in enumerate(draft):
             if state[0] == TEXT:
                 return len(draft)
-            if self.grammar.may_end(state) and token in self.stop_ids:
-                return count + 1
+            if token in self.stop_ids:
+                return count + 1 if self.grammar.may_end(state) else count
             if self.grammar.finished(state):
                 return count
             state = self.vocabulary.advance(self.grammar, state, token)
@@ -329,15 +333,24 @@ class JsonConstraint:
             return self.done_mask
         if self.grammar.finished(state) or state[0] == TEXT:
             return self.done_mask if state[0] != TEXT else self.free_mask
-        if self.grammar.may_end(state):  # free text (an empty reply too), or between framed documents
-            if state not in self.ending:
-                self.ending[state] = self.vocabulary.allowed(self.grammar, state) | self.done_mask
-            return self.ending[state]
-        return self.vocabulary.allowed(self.grammar, state)
+        ending, text = self.grammar.may_end(state), self.grammar.after_special(state) is not None
+        if not ending and not text:
+            return self.vocabulary.allowed(self.grammar, state)
+        if state not in self.ending:  # the stop tokens (special tokens, text where any is) as the output may end
+            allowed = self.vocabulary.allowed(self.grammar, state)
+            self.ending[state] = allowed | self.done_mask if ending else allowed & ~self.done_mask
+        return self.ending[state]
 
 
-def output_grammar(response_format: str | None, json_schema: dict | None) -> JsonGrammar | None:
-    """The grammar of a GenerationConfig's response format (None: free text); UserError for a bad pairing."""
+def output_grammar(response_format: str | None, json_schema: dict | None,
+                   thinking: str | None = None) -> JsonGrammar | None:
+    """The grammar of a GenerationConfig's response format (None: free text); UserError for a bad pairing.
+    `thinking`: the output thinks first (JsonGrammar.thinking_first)."""
+    grammar = _format_grammar(response_format, json_schema)
+    return None if grammar is None else grammar.thinking_first(thinking)
+
+
+def _format_grammar(response_format: str | None, json_schema: dict | None) -> JsonGrammar | None:
     if response_format is not None and response_format not in RESPONSE_FORMATS:
         raise UserError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}")
     if (response_format in RESPONSE_FORMATS[2:]) != (json_schema is not None):

@@ -66,21 +66,25 @@ def tiny_byte_tokenizer(vocab_size: int):
 
 
 # a chat template that writes tool calls as Qwen's do (`<tool_call>` tags around each call's JSON, tools.py's
-# "hermes" format), describes the tools itself and shows results as a user turn
+# "hermes" format), describes the tools itself and shows results as a user turn; and thinks as Qwen3's does
+# (reasoning.py): the reply may open <think> itself, `enable_thinking: false` closes it in the prompt, and
+# `think_open: true` opens it there (as DeepSeek-R1's template does)
 HERMES_TEMPLATE = (
     "{% if tools %}<user> tools:{% for t in tools %} {{ t.function.name }}{% endfor %} {% endif %}"
     "{% for m in messages %}{% if m.role == 'assistant' %}<assistant> {{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
     " | tojson }}\n</tool_call>{% endfor %} {% elif m.role == 'tool' %}<user> <tool_response>{{ m.content }}"
     "</tool_response> {% else %}<user> {{ m.content }} {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant> {% endif %}"
+    "{% if add_generation_prompt %}<assistant> {% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% elif think_open %}<think>\n{% endif %}{% endif %}"
 )
 
 
 def tiny_hermes_tokenizer(vocab_size: int):
-    """tiny_byte_tokenizer with `<tool_call>` and `</tool_call>` as tokens of their own and HERMES_TEMPLATE."""
-    tok = tiny_byte_tokenizer(vocab_size - 2)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    """tiny_byte_tokenizer with `<tool_call>`, `</tool_call>`, `<think>` and `</think>` as tokens of their own (as
+    Qwen3's are) and HERMES_TEMPLATE."""
+    tok = tiny_byte_tokenizer(vocab_size - 4)
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
     tok.chat_template = HERMES_TEMPLATE
     return tok
 

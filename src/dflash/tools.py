@@ -289,8 +289,8 @@ def conversation(messages: list[dict], request: ToolRequest | None) -> list[dict
         if calls:
             written = [_written_call(call, f"messages[{i}].tool_calls[{k}]", names) for k, call in enumerate(calls)]
             content = (content + "\n" if content else "") + json.dumps(written, ensure_ascii=False)
-        turns.append({"role": role, "content": content})
-    turns = [{"role": t["role"], "content": t["content"]} for t in turns]
+        turns.append({"role": role, "content": content, **_thought(message)})
+    turns = [{k: v for k, v in t.items() if k != "tool_results"} for t in turns]
     if request is not None:
         if turns and turns[0]["role"] == "system":
             turns[0] = {"role": "system", "content": f"{turns[0]['content']}\n\n{request.instructions()}"}
@@ -303,7 +303,7 @@ def _template_turn(message: dict, where: str, names: dict[str, str]) -> dict:
     """A turn for a template that renders calls and results itself (hermes): calls as {"type": "function",
     "function": {"name", "arguments": {...}}} (templates write the arguments with tojson), a result with its
     function's name beside its call id."""
-    turn = {"role": message.get("role"), "content": message.get("content") or ""}
+    turn = {"role": message.get("role"), "content": message.get("content") or "", **_thought(message)}
     calls = message.get("tool_calls") or []
     if calls:
         turn["tool_calls"] = [{"type": "function", "function": _written_call(call, f"{where}.tool_calls[{k}]", names)}
@@ -312,6 +312,12 @@ def _template_turn(message: dict, where: str, names: dict[str, str]) -> dict:
         turn["tool_call_id"] = message.get("tool_call_id")
         turn["name"] = names.get(message.get("tool_call_id"), "")
     return turn
+
+
+def _thought(message: dict) -> dict:
+    """An earlier assistant turn's thinking, for a template that shows it (Qwen3's reads `reasoning_content`)."""
+    thought = message.get("reasoning_content") or message.get("reasoning")
+    return {"reasoning_content": thought} if isinstance(thought, str) and thought else {}
 
 
 def _written_call(call, where: str, names: dict[str, str]) -> dict:

@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
@@ -37,8 +37,9 @@ from .schemas import (
     schemas,
     sse,
 )
+from ..reasoning import PARSERS, check_parser, thinking_state
 from ..tools import encode_chat, tool_request, tool_style
-from .streaming import HeldCalls, TextDeltas
+from .streaming import ChatChoiceStream, TextDeltas
 from .worker import (
     DISCONNECT_POLL_S,
     END_OF_STREAM,
@@ -75,6 +76,7 @@ class Service:
     metrics: Metrics
     model_name: str
     default_max_tokens: int
+    reasoning_parser: str | None = None  # a chat reply's thinking comes back apart (reasoning.py)
 
     @property
     def proposer(self):
@@ -88,9 +90,12 @@ class Service:
                        tools: "ToolRequest | None" = None):
         configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
         check_fits(prompt_ids, self.worker.engine)
+        reasoning = chat and self.reasoning_parser is not None
+        thinking = thinking_state(self.target.decode(prompt_ids)) if reasoning else None
+        configs = [replace(config, thinking=thinking) for config in configs]  # a grammar holds the answer after it
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
                             echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body),
-                            tools=tools)
+                            tools=tools, reasoning=reasoning, thinking=thinking)
         stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
             return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
@@ -126,8 +131,7 @@ class Service:
                 for index in range(len(jobs)):
                     yield exchange.chunk(None, delta={"role": "assistant", "content": ""}, index=index)
             results, streaming = [None] * len(jobs), len(jobs)
-            tools = exchange.tools
-            held = [HeldCalls(tools) for _ in jobs] if tools is not None else None
+            choices = [ChatChoiceStream(exchange, index) for index in range(len(jobs))] if exchange.chat else None
             while streaming:
                 if (item := await next_piece(pieces, request)) is None:
                     return  # the client went away; `finally` cancels the jobs
@@ -135,9 +139,9 @@ class Service:
                 if piece is not END_OF_STREAM:
                     if piece.prompt:
                         yield exchange.echo_chunk(index, piece.logprobs)
-                    elif held is not None:
-                        if (taken := held[index].take(piece.text, piece.logprobs)) is not None:
-                            yield exchange.chunk(taken[0], index=index, logprobs=taken[1])
+                    elif choices is not None:
+                        for chunk in choices[index].piece(piece.text, piece.logprobs):
+                            yield chunk
                     elif not exchange.scores_only:
                         yield exchange.chunk(piece.text, index=index, logprobs=piece.logprobs)
                     continue
@@ -151,17 +155,10 @@ class Service:
                     return
                 streaming -= 1
                 finish = "length" if exchange.scores_only else result.finish_reason
-                if held is not None and held[index].holding:
-                    text, logprobs = held[index].release()
-                    calls = tools.calls(result.text)
-                    if calls is None:  # cut short: what was held goes out as text
-                        yield exchange.chunk(text, index=index, logprobs=logprobs)
-                    else:
-                        finish = "tool_calls"
-                        if (words := tools.content(text)) is not None:  # held words before the calls (hermes)
-                            yield exchange.chunk(words, index=index)
-                        yield exchange.chunk(None, index=index, logprobs=logprobs, delta={"tool_calls": [
-                            {"index": k, **call} for k, call in enumerate(calls)]})
+                if choices is not None:
+                    for chunk in choices[index].finish(result):
+                        yield chunk
+                    finish = choices[index].finish_reason
                 yield exchange.chunk(None, finish, index=index,
                                      dflash=exchange.extension(jobs[index].queue_s, [result]))
             if include_usage:
@@ -204,11 +201,12 @@ class ApiKeyMiddleware:
 def create_app(target, proposer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
                prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None,
-               tool_format: str = "auto") -> "FastAPI":
+               tool_format: str = "auto", reasoning_parser: str | None = None) -> "FastAPI":
     """The ASGI app serving `target` with `proposer` under the name `model_name`: up to `max_batch_size` requests
     decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
     keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py); tool calls in
-    `tool_format` (tools.tool_style)."""
+    `tool_format` (tools.tool_style); `reasoning_parser` "think" (or vLLM's names for it): chat replies' thinking
+    apart from their answers (reasoning.py)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -225,7 +223,7 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     metrics = Metrics(proposer.max_draft + 1, queued=lambda: holder["worker"].queued,
                       running=lambda: holder["worker"].running)
     worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
-    service = Service(target, worker, metrics, model_name, default_max_tokens)
+    service = Service(target, worker, metrics, model_name, default_max_tokens, check_parser(reasoning_parser))
     call_style = tool_style(target.tokenizer, tool_format)
     body_types = schemas()
 
@@ -397,6 +395,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
                         "(default: $DFLASH_API_KEY; unset = open)")
     add_tool_format_argument(p)
+    p.add_argument("--reasoning-parser", default=None, choices=["none", *PARSERS],
+                   help="return a reasoning model's <think>...</think> as the message's `reasoning` (and "
+                        "`reasoning_content`) beside its `content`; structured output and tool calls then hold "
+                        "the answer after the thinking (qwen3 and deepseek_r1 are vLLM's names for the same format)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -426,7 +428,8 @@ def run(args) -> int:
     name = args.served_model_name or args.target
     app = create_app(target, proposer, name, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
-                     prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key, tool_format=args.tool_format)
+                     prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key, tool_format=args.tool_format,
+                     reasoning_parser=args.reasoning_parser)
     port = sock.getsockname()[1]
     print(f"[dflash] serving {name!r} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
     uvicorn_server(app, args.log_level).run(sockets=[sock])

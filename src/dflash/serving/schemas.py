@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 from ..jsonl import openai_role
 from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
+from ..reasoning import split
 from ..tools import reply_format
 
 if TYPE_CHECKING:
@@ -41,13 +42,16 @@ def schemas() -> SimpleNamespace:
         content: str | list[TextPart] | None = None  # None: an assistant turn that only called tools
         tool_calls: list[dict] | None = None  # an assistant turn's calls (tools.py shows them to the target)
         tool_call_id: str | None = None  # a tool turn: the call it answers
+        reasoning: str | None = None  # an assistant turn's thinking (vLLM's name; reasoning_content DeepSeek's)
+        reasoning_content: str | None = None
 
         def as_dict(self) -> dict:
             if self.content is None and not (self.role == "assistant" and self.tool_calls):
                 raise UserError(f"a {self.role} message needs its content")
             text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
             message = {"role": openai_role(self.role), "content": text}  # `developer`: the system message
-            extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
+            extra = {"tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+                     "reasoning_content": self.reasoning_content or self.reasoning}
             return {**message, **{k: v for k, v in extra.items() if v is not None}}
 
     class StreamOptions(BaseModel):
@@ -266,6 +270,8 @@ class Exchange:
     echo: tuple[str, list[int]] | None = None
     scores_only: bool = False  # echo with max_tokens 0: the prompt and its log-probabilities, nothing generated
     tools: "ToolRequest | None" = None  # a chat reply that may call tools: its calls are read from its text
+    reasoning: bool = False  # a chat reply's thinking comes back apart (reasoning.py)
+    thinking: str | None = None  # where the reply's thinking stands as the prompt leaves it (reasoning.thinking_state)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offsets: dict[int, int] = field(default_factory=dict)
@@ -288,6 +294,15 @@ class Exchange:
         else:
             message = ("message", {"role": "assistant", "content": text or ""})
         return {"index": index, message[0]: message[1], "logprobs": shown, "finish_reason": finish_reason}
+
+    def thought_and_answer(self, text: str) -> tuple[str | None, str]:
+        """A chat reply's thinking (None without the reasoning parser, or where it thought nothing) and its answer."""
+        return split(text, self.thinking) if self.reasoning else (None, text)
+
+    @staticmethod
+    def thought(text: str) -> dict:
+        """A message's (or delta's) thinking, under both names clients read: vLLM's and DeepSeek's."""
+        return {"reasoning": text, "reasoning_content": text}
 
     def logprobs(self, entries: "list[TokenLogprob]", index: int, unscored: int | None = None) -> dict:
         """OpenAI's logprobs object: chat's list of tokens with their top alternatives, or the completions API's
@@ -350,11 +365,14 @@ class Exchange:
     def whole_choice(self, index: int, result: "GenerationResult", stop_ids: set[int]) -> dict:
         """A choice of a whole response; with `echo`, the prompt's text and tokens come before the choice's; a reply
         of tool calls is a message of `tool_calls`."""
-        choice = self.choice(result.text, result.finish_reason, chunk=False, index=index)
-        calls = self.tools.calls(result.text) if self.tools is not None else None
+        thought, answer = self.thought_and_answer(result.text)
+        choice = self.choice(answer, result.finish_reason, chunk=False, index=index)
+        calls = self.tools.calls(answer) if self.tools is not None else None
         if calls is not None:
-            choice["message"] = {"role": "assistant", "content": self.tools.content(result.text), "tool_calls": calls}
+            choice["message"] = {"role": "assistant", "content": self.tools.content(answer), "tool_calls": calls}
             choice["finish_reason"] = "tool_calls"
+        if thought is not None:
+            choice["message"].update(content=choice["message"]["content"] or None, **self.thought(thought))
         entries = shown_logprobs(result.logprobs, stop_ids)
         if self.scores_only:
             choice["text"], choice["finish_reason"] = "", "length"

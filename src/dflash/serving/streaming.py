@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from ..reasoning import ThinkingDeltas
 
 if TYPE_CHECKING:
     from ..tools import ToolRequest
+    from .schemas import Exchange
 
 
 class TextDeltas:
@@ -83,3 +86,61 @@ class HeldCalls:
         held = (self.text, self.logprobs)
         self.text, self.logprobs = "", None
         return held
+
+
+class ChatChoiceStream:
+    """The chunks of one streamed chat choice: its thinking as `reasoning` deltas apart from its answer (with the
+    reasoning parser), its tool calls held until they are whole (HeldCalls). Each piece's log-probabilities go out
+    once, with the first chunk that carries text after them."""
+
+    def __init__(self, exchange: "Exchange", index: int):
+        self.exchange, self.index = exchange, index
+        self.thinking = ThinkingDeltas(exchange.thinking) if exchange.reasoning else None
+        self.held = HeldCalls(exchange.tools) if exchange.tools is not None else None
+        self.logprobs: list | None = None  # of text not sent yet
+
+    def piece(self, text: str, logprobs: list | None) -> Iterator[str]:
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
+        thought, answer = self.thinking.push(text) if self.thinking is not None else ("", text)
+        yield from self._send(thought, answer)
+
+    def finish(self, result) -> Iterator[str]:
+        """The held chunks once the choice is whole; its finish reason is `self.finish_reason` after."""
+        yield from self._send(*(self.thinking.finish() if self.thinking is not None else ("", "")))
+        self.finish_reason = result.finish_reason
+        yield from self._held_calls(result)
+        if self.logprobs:  # of tokens whose text never showed (a character cut short)
+            yield self.exchange.chunk("", index=self.index, logprobs=self._taken())
+
+    def _held_calls(self, result) -> Iterator[str]:
+        if self.held is None or not self.held.holding:
+            return
+        text, logprobs = self.held.release()
+        tools = self.exchange.tools
+        calls = tools.calls(self.exchange.thought_and_answer(result.text)[1])
+        if calls is None:  # cut short: what was held goes out as text
+            yield self.exchange.chunk(text, index=self.index, logprobs=logprobs)
+            return
+        self.finish_reason = "tool_calls"
+        if (words := tools.content(text)) is not None:  # held words before the calls (hermes)
+            yield self.exchange.chunk(words, index=self.index)
+        yield self.exchange.chunk(None, index=self.index, logprobs=logprobs, delta={"tool_calls": [
+            {"index": k, **call} for k, call in enumerate(calls)]})
+
+    def _send(self, thought: str, answer: str) -> Iterator[str]:
+        if thought:
+            yield self.exchange.chunk(None, index=self.index, logprobs=self._taken(),
+                                      delta=self.exchange.thought(thought))
+        if not answer:
+            return
+        if self.held is not None:
+            answer, logprobs = self.held.take(answer, self._taken()) or ("", None)
+            if answer or logprobs:
+                yield self.exchange.chunk(answer, index=self.index, logprobs=logprobs)
+        else:
+            yield self.exchange.chunk(answer, index=self.index, logprobs=self._taken())
+
+    def _taken(self) -> list | None:
+        taken, self.logprobs = self.logprobs, None
+        return taken
