@@ -81,7 +81,8 @@ def test_masks_while_thinking_and_after_are_every_token_fed(thinker):
     from dflash.testing import tiny_hermes_tokenizer
 
     tokenizer = tiny_hermes_tokenizer(320)
-    tokenizer.add_tokens(["k>", "nk>\n{", "nk> x", "</th"])  # tokens that end the tag, with what may follow or not
+    # tokens that end the tag, with what may follow or not; whitespace, then a call's opening or not
+    tokenizer.add_tokens(["k>", "nk>\n{", "nk> x", "</th", " [{", "\n[x", " {\""])
     for thinking, texts in [("optional", [b'<think>a<</think>\n{"a": [1]}', b'{"b": 2}', b"<th"]),
                             ("open", [b'Hmm </thi</think> \n{"a": 1}'])]:
         assert assert_masks_are_fed(output_grammar("json_object", None, thinking), texts, tokenizer) > 10
@@ -90,6 +91,9 @@ def test_masks_while_thinking_and_after_are_every_token_fed(thinker):
     texts = [b'<think>x</think>\nSure <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
              b'<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', b"<to", b"<thinking"]
     assert assert_masks_are_fed(hermes, texts, tokenizer) > 60
+    calls_or_words = output_grammar(*tool_request(TOOLS).output_format(), "optional")  # the json format's auto
+    texts = [b'<think>x</think>\n [{"name": "get_time", "arguments": {}}]', b"<think></think> Hello", b"Hi"]
+    assert assert_masks_are_fed(calls_or_words, texts, tokenizer) > 40
 
 
 def thinking_bias(target) -> dict[int, float]:

@@ -251,6 +251,14 @@ class JsonGrammar:
             return self.frame.tag
         return None
 
+    def leads_to_start(self, state: tuple) -> bytes | None:
+        """Where `state` goes to the grammar's start on any first byte but a few (THINK_OPEN before any of the tag,
+        THOUGHT): those bytes; None elsewhere. A token that opens with another byte is the start's (structured.py
+        reuses the start's mask)."""
+        if state[0] == THOUGHT:
+            return bytes(sorted(WHITESPACE))
+        return THINK_TAGS[0][:1] if state[0] == THINK_OPEN and state[1] == 0 else None
+
     def after_special(self, state: tuple) -> tuple | None:
         """The state after a special token (one without bytes of its own): text in free text, where it breaks any
         tag begun; refused elsewhere."""
@@ -351,7 +359,10 @@ class JsonGrammar:
             return self.feed_bytes(START_STATE, THINK_TAGS[0][:aux] + bytes([byte]))
         if mode == THINKING:
             matched = tag_matched(THINK_TAGS[1], aux, byte)
-            return (THOUGHT, 0, 0, ()) if matched == len(THINK_TAGS[1]) else (THINKING, matched, 0, ())
+            if matched < len(THINK_TAGS[1]):
+                return (THINKING, matched, 0, ())
+            words = self.frame is not None and self.frame.prose  # words take the whitespace as they come
+            return START_STATE if words else (THOUGHT, 0, 0, ())
         if byte in WHITESPACE:
             return (THOUGHT, 0, spaces + 1, ()) if spaces < MAX_SPACES else None
         return self.feed(START_STATE, byte)
