@@ -4,8 +4,9 @@ then each state's mask (once per grammar and state), timed on the states a docum
 Usage: .venv/bin/python scripts/grammar_masks.py [NAME ...]   (registry targets; default: smollm2-135m gemma3-270m,
 those fetched here). Prints, per target: the vocabulary's size, the seconds to read it, and the median and largest
 milliseconds of a new state's mask under JSON mode, under docs/data/session56/items_schema.json, and under a schema
-of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), and one of formats and patterns
-(FORMATTED, FORMATTED_DOCUMENT).
+of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), one of formats and patterns
+(FORMATTED, FORMATTED_DOCUMENT), tool calls in the hermes format under tool_choice auto (words, then calls in
+<tool_call> tags: HERMES_REPLY), and the same after a reasoning model's thinking (THINKING_REPLY).
 """
 
 import json
@@ -16,9 +17,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from dflash.grammar import JSON_OBJECT, START_STATE, compile_schema
+from dflash.grammar import JSON_OBJECT, compile_schema
 from dflash.hub import converted_dir
-from dflash.structured import JsonVocabulary, token_pieces
+from dflash.structured import JsonVocabulary, output_grammar, token_pieces
+from dflash.tools import tool_request
 
 SCHEMA = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56" / "items_schema.json"
 DOCUMENT = ('{"title": "Breakfast", "items": [{"name": "Oats", "details": "with milk, \\u00e9t\\u00e9", "amount": '
@@ -37,11 +39,18 @@ FORMATTED = {"type": "object", "properties": {
 FORMATTED_DOCUMENT = ('{"id": "123e4567-e89b-12d3-a456-426614174000", "day": "2024-02-28", "starts": '
                       '"2024-01-05T10:20:30Z", "code": "AB-123", "tag": "abxy"}')
 BOUNDED_DOCUMENT = '{"title": "A quiet place to read, \u00e9t\u00e9", "stars": 4, "price": 129.95, "year": 2024}'
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city"]}}}, {"type": "function", "function": {"name": "get_time"}}]
+CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+HERMES_REPLY = "Let me look that up <b>now</b>.\n" + CALLS
+THINKING_REPLY = "<think>\nThe user wants the weather; <tool_call> comes next.\n</think>\n\n" + CALLS
 
 
 def mask_times(vocabulary: JsonVocabulary, grammar, document: str = DOCUMENT) -> list[float]:
     """Milliseconds of each distinct state's first mask along `document`'s prefixes."""
-    times, state = [], START_STATE
+    times, state = [], grammar.initial
     for byte in document.encode():
         if (grammar.key, state) not in vocabulary.masks:
             started = time.perf_counter()
@@ -49,6 +58,11 @@ def mask_times(vocabulary: JsonVocabulary, grammar, document: str = DOCUMENT) ->
             times.append(1000 * (time.perf_counter() - started))
         state = grammar.feed(state, byte)
     return times
+
+
+def hermes_calls(thinking: str | None):
+    """The grammar of a reply that may call WEATHER's functions in <tool_call> tags (tool_choice auto)."""
+    return output_grammar(*tool_request(WEATHER, style="hermes").output_format(), thinking)
 
 
 def main() -> None:
@@ -65,7 +79,9 @@ def main() -> None:
         for label, grammar, document in (("JSON mode", JSON_OBJECT, DOCUMENT),
                                          ("schema", compile_schema(json.loads(SCHEMA.read_text())), DOCUMENT),
                                          ("bounded", compile_schema(BOUNDED), BOUNDED_DOCUMENT),
-                                         ("formats", compile_schema(FORMATTED), FORMATTED_DOCUMENT)):
+                                         ("formats", compile_schema(FORMATTED), FORMATTED_DOCUMENT),
+                                         ("hermes calls", hermes_calls(None), HERMES_REPLY),
+                                         ("thinking, then calls", hermes_calls("optional"), THINKING_REPLY)):
             times = mask_times(vocabulary, grammar, document)
             line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
                      f"{max(times):.1f} ms at most")

@@ -256,6 +256,48 @@ def test_tool_calls_on_the_real_model(target):
         assert choice == "required" or [c["function"]["name"] for c in calls] == ["get_time"]
 
 
+def test_hermes_tool_calls_and_thinking_on_the_real_tokenizer(target):
+    """SmolLM2 under docs/templates/chatml_hermes_tools.jinja (its turns, calls in <tool_call> tags): the template
+    takes the tools, a required call (one, parallel_tool_calls false) parses from its tags, the same tokens for the
+    shipped drafter with prompt lookup as for `ar`; and a JSON answer after a thought, each mask met along it equal
+    to feeding every token."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from dflash.loading import chat_template_given
+    from dflash.structured import json_vocabulary, output_grammar
+    from dflash.tools import encode_chat, tool_request, tool_style
+
+    templated = copy.copy(target)
+    templated.tokenizer = copy.deepcopy(target.tokenizer)
+    templated.tokenizer.chat_template = chat_template_given(
+        str(Path(__file__).resolve().parent.parent / "docs" / "templates" / "chatml_hermes_tools.jinja"))
+    assert tool_style(templated.tokenizer) == "hermes"
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city.",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    request = tool_request([weather], "required", parallel_tool_calls=False, style="hermes")
+    ids = encode_chat(templated, [{"role": "user", "content": "What is the weather in Rome?"}], request)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in templated.decode(ids)
+    fmt, schema = request.output_format()
+    plain = constrained_alike(templated, ids, GenerationConfig(max_new_tokens=48, response_format=fmt,
+                                                               json_schema=schema))
+    assert plain.finish_reason == "stop" and plain.text.startswith("<tool_call>\n{")
+    calls = request.calls(plain.text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert isinstance(json.loads(calls[0]["function"]["arguments"])["city"], str)
+    grammar, vocabulary = output_grammar("json_object", None, "open"), json_vocabulary(target.tokenizer,
+                                                                                     target.vocab_size)
+    state = grammar.initial
+    for piece in ["Let me think. </th", "ink>\n\n", '{"a": 1}']:
+        for token in target.tokenizer(piece)["input_ids"]:
+            fed = torch.tensor([vocabulary.advance(grammar, state, t) is not None for t in range(vocabulary.size)])
+            assert torch.equal(vocabulary.allowed(grammar, state), fed), state
+            state = vocabulary.advance(grammar, state, token)
+    assert grammar.may_end(state)
+
+
 def test_formats_and_patterns_on_the_real_model(target):
     """A date, a uuid and a pattern on SmolLM2's tokens: the output fits them, the same tokens for the shipped
     drafter with prompt lookup as for `ar`."""

@@ -107,3 +107,23 @@ def test_llm_and_generate_pass_the_templates_variables(capsys, monkeypatch, targ
                          (["--chat-template-kwargs", '{"a": 1}', "--no-chat"], "drop --no-chat")]:
         assert main(argv + bad + ["Hi?"]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_chat_template_given_on_the_command_line_replaces_the_targets(capsys, tmp_path):
+    from dflash.cli import main
+    from dflash.loading import load_target_cached
+
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE.replace("{% if mood %}", "{% if true %}").replace("{{ mood }}", "x"))
+    argv = ["generate", "--target", "tiny-llama-bytes", "--method", "ngram", "--max-new-tokens", "4", "--json"]
+    reference = load_target_cached("tiny-llama-bytes")
+    for given in (str(template), template.read_text()):
+        assert main(argv + ["--chat-template", given, "Hi?"]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        reference.tokenizer.chat_template = template.read_text()
+        expected = SpeculativeDecoder(reference).generate(reference.encode_prompt("Hi?"), GenerationConfig(4))
+        assert reference.decode(reference.encode_prompt("Hi?")).endswith("<assistant> (x) ")
+        assert payload["tokens"] == expected.tokens
+    for given, message in [(str(tmp_path / "none.jinja"), "no such file"), ("{% if %}", "does not parse as Jinja")]:
+        assert main(argv + ["--chat-template", given, "Hi?"]) == 2
+        assert message in capsys.readouterr().err

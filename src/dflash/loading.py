@@ -6,6 +6,7 @@ This module sits above every method: it looks methods up in the registry and nev
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import torch
 
@@ -65,8 +66,31 @@ def target_from_args(args, many_rows: bool = False, release_plain: bool = False)
     are kept per row count (padded to powers of two) and width, and how such a load fares is not yet measured.
     `release_plain`: a command that runs no forward of transformers' (TargetModel.release_plain)."""
     graphs = getattr(args, "cuda_graphs", None)
-    return load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile,
-                              False if graphs is None and many_rows else graphs, release_plain)
+    template = chat_template_given(getattr(args, "chat_template", None))  # checked before the target loads
+    target = load_target_cached(args.target, args.dtype, args.device, args.kernels, args.compile,
+                                False if graphs is None and many_rows else graphs, release_plain)
+    if template is not None:
+        target.tokenizer.chat_template = template
+    return target
+
+
+def chat_template_given(given: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja chat template, or the template itself; UserError where it does not
+    parse."""
+    if given is None:
+        return None
+    from jinja2 import Environment, TemplateSyntaxError
+
+    path = Path(given)
+    looks_like_text = "{%" in given or "{{" in given
+    if not looks_like_text and not path.is_file():
+        raise UserError(f"--chat-template: no such file {given!r} (give a Jinja template's file, or the template)")
+    text = given if looks_like_text else path.read_text()
+    try:
+        Environment().parse(text)
+    except TemplateSyntaxError as error:
+        raise UserError(f"--chat-template does not parse as Jinja: {error.message} (line {error.lineno})") from None
+    return text
 
 
 def build_proposer(method: str, target: TargetModel, options: MethodOptions | None = None

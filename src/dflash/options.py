@@ -1,8 +1,8 @@
 """What the commands share: the argument groups (so the same thing has the same flag everywhere), what those
 arguments mean to a method (`method_options`, the --drafter folders), and how `kill` stops long work.
 
-    target options   --target --dtype --device --threads --compile --cuda-graphs --kernels   every command that
-                     loads a target
+    target options   --target --dtype --device --threads --compile --cuda-graphs --chat-template --kernels
+                     every command that loads a target
     method options   --method --drafter --block-size --draft-dtype --continuations --tree --whole-blocks
                      generate and serve (bench: --methods)
     sampling options --max-new-tokens --temperature --top-p --top-k --seed and the penalties
@@ -42,6 +42,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
                             "caches made at 2048 positions or more; default: on for generate and bench with a CUDA "
                             "target through our forward, where an H100 ran ar 13x faster than eagerly; off for "
                             "serve, data and train, whose batches change size; --no-cuda-graphs runs eagerly)")
+    group.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) in place of the target's own, as "
+                            "vLLM's --chat-template (e.g. one that writes tool calls in <tool_call> tags)")
     group.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES),
                        help="CPU matmul kernels: auto = the fastest of packed oneDNN, plain PyTorch and our AVX2 "
                             "kernel per weight shape and row count, measured once per machine and cached "
