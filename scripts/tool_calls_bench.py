@@ -2,8 +2,10 @@
 outputs checked identical, and how many replies were calls that parse.
 
 Usage: .venv/bin/python scripts/tool_calls_bench.py [--methods ar,ngram,dflash,dflash+ngram] [--choices required,auto]
-       [--repeats 2] [--max-new-tokens 96] [--out FILE.json]
-Four functions (tools.py describes them in the system message), ten questions that one of them answers; float32,
+       [--repeats 2] [--max-new-tokens 96] [--chat-template FILE] [--no-parallel] [--out FILE.json]
+Four functions (described in the system message: tools.py's json format, or, with a --chat-template that writes
+<tool_call> tags, such as docs/templates/chatml_hermes_tools.jinja, by the template in the hermes format), ten
+questions that one of them answers; float32,
 greedy; each method keeps a prefix cache, as `dflash serve` does, so the system message that describes the tools is
 read once. An untimed pass first computes the grammar's masks, as a server that has met these tools keeps them. Each
 repeat runs every question with every method in turn, the order of the methods reversed on odd repeats.
@@ -15,8 +17,8 @@ import time
 from pathlib import Path
 
 from dflash.engine import GenerationConfig, SpeculativeDecoder
-from dflash.loading import build_proposer, load_target_cached, settle_heap
-from dflash.tools import conversation, tool_request
+from dflash.loading import build_proposer, chat_template_given, load_target_cached, settle_heap
+from dflash.tools import encode_chat, tool_request, tool_style
 
 
 def function(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -53,20 +55,25 @@ def main() -> None:
     p.add_argument("--choices", default="required,auto")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template in place of SmolLM2's")
+    p.add_argument("--no-parallel", action="store_true", help="parallel_tool_calls false: one call at most")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     methods, choices = args.methods.split(","), args.choices.split(",")
     target = load_target_cached("smollm2-135m", release_plain=True)
+    if args.chat_template:
+        target.tokenizer.chat_template = chat_template_given(args.chat_template)
+    style = tool_style(target.tokenizer)
     # a prefix cache per method, as `dflash serve` keeps one: every request opens with the same system message
     decoders = {m: SpeculativeDecoder(target, build_proposer(m, target)[0], prefix_cache_bytes=256 << 20)
                 for m in methods}
     settle_heap()
     rows = []
     for choice in choices:
-        request = tool_request(TOOLS, choice)
+        request = tool_request(TOOLS, choice, not args.no_parallel, style)
         fmt, schema = request.output_format()
         config = GenerationConfig(args.max_new_tokens, response_format=fmt, json_schema=schema)
-        prompts = [target.encode_messages(conversation([{"role": "user", "content": q}], request)) for q in QUESTIONS]
+        prompts = [encode_chat(target, [{"role": "user", "content": q}], request) for q in QUESTIONS]
         reference = [decoders[methods[0]].generate(ids, config) for ids in prompts]  # untimed: the masks
         for method in methods[1:]:  # untimed: each method's prefix cache holds the system message
             decoders[method].generate(prompts[0], config)
@@ -86,7 +93,7 @@ def main() -> None:
         base = totals[methods[0]]
         for method in methods:
             total = totals[method]
-            rows.append({"tool_choice": choice, "method": method, "tok_s": total["tokens"] / total["seconds"],
+            rows.append({"tool_choice": choice, "format": style, "method": method, "tok_s": total["tokens"] / total["seconds"],
                          "tau": total["tokens"] / total["rounds"],
                          "speedup": (base["seconds"] / base["tokens"]) / (total["seconds"] / total["tokens"]),
                          "replies_that_call": called, "questions": len(QUESTIONS), "tokens": total["tokens"]})
@@ -97,8 +104,10 @@ def main() -> None:
               f"{row['speedup']:.2f}x | {row['replies_that_call']}/{row['questions']} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"command": " ".join(["scripts/tool_calls_bench.py", *[
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"]]), "rows": rows}, indent=1))
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+                 if k != "out" and v not in (None, False)]
+        Path(args.out).write_text(json.dumps({"command": " ".join(["scripts/tool_calls_bench.py", *flags]),
+                                              "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from dflash.sampling import SamplingConfig
 from dflash.structured import output_grammar
 from dflash.tools import tool_request
 from test_structured import assert_masks_are_fed, plain_constrained_loop, proposers
-from test_tools import PROMPT, TOOLS, call_bias
+from test_tools import PROMPT, TOOLS, call_bias, streamed_calls
 
 REPLIES = ["<think>\nHmm, 2+2.\n</think>\n\n4.", "\n<think>a</think>b", "<think>still thinking", "No thought.",
            "<thinking> is a word", "  <think></think>", "<think>x</thi</think>y</think>z", ""]
@@ -163,8 +163,9 @@ def test_the_server_returns_the_thinking_apart_whole_and_streamed():
                     json.loads(message["content"])
                     seen.add("json after thinking")
                 if whole.finish_reason == "tool_calls":
-                    calls = [call for c in chunks for call in c.delta.tool_calls or []]
-                    assert [c.function.name for c in calls] == [c.function.name for c in whole.message.tool_calls]
+                    calls = streamed_calls(chunks)
+                    assert [(c[1], c[3]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                             for c in whole.message.tool_calls]
                     seen.add("calls after thinking" if message.get("reasoning") is not None else "calls")
         assert "json after thinking" in seen and "calls after thinking" in seen
 

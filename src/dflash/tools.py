@@ -101,29 +101,24 @@ class ToolRequest:
         return "\n".join(lines)
 
     def calls(self, text: str) -> list[dict] | None:
-        """The reply's calls in OpenAI's layout (each with an id, its arguments as a JSON string), or None where
-        the reply is not calls (free text, or cut short by max_tokens or a stop string)."""
-        written = self._written(text)
+        """The reply's calls in OpenAI's layout (each with an id, its arguments the JSON text it wrote), or None
+        where the reply is not calls (free text, or cut short by max_tokens or a stop string)."""
+        written, whole = self.written(text)
         names = {t.name for t in self.tools}
-        if not isinstance(written, list) or not written or not all(
-                isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments"), dict)
-                for c in written):
+        if not whole or not written or not all(c.name in names and _object_text(c.arguments) for c in written):
             return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                for c in written]
+        return [call_delta(c.name, c.arguments) for c in written]
 
-    def _written(self, text: str):
-        """The calls as the reply writes them (decoded JSON), or None where it writes none whole."""
+    def written(self, text: str) -> "tuple[list[WrittenCall], bool]":
+        """The calls a reply writes, as far as its text goes (the last one's arguments perhaps cut short), and
+        whether they are all whole and nothing else follows them. A call counts from its name and `"arguments":` on."""
         if self.style == "hermes":
-            return _tagged_calls(text, text.find(HERMES["tag"]))
-        if not text.startswith(CALL_OPENERS):
-            return None
-        try:
-            written = json.loads(text)
-        except ValueError:
-            return None
-        return [written] if isinstance(written, dict) else written
+            at = text.find(HERMES["tag"])
+            return _scan_calls(text, at, HERMES["tag"], HERMES["closer"].strip()) if at >= 0 else ([], False)
+        at = _skipped(text, 0)
+        if text.startswith("[", at):
+            return _scan_calls(text, at + 1, "", ",", last="]")
+        return _scan_calls(text, at, "", "", single=True) if text.startswith("{", at) else ([], False)
 
     def content(self, text: str) -> str | None:
         """The words a reply of calls writes before them (hermes), or None where it writes none."""
@@ -146,26 +141,89 @@ class ToolRequest:
         return "maybe" if any(text.endswith(tag[:k]) for k in range(1, len(tag))) else "text"
 
 
-def _tagged_calls(text: str, at: int) -> list | None:
-    """The JSON documents of a reply's `<tool_call>` blocks from `at` on (whitespace around each document and
-    between blocks; nothing else after the first tag), or None where they are not that."""
-    tag, closer, decoder, calls = HERMES["tag"], HERMES["closer"].strip(), json.JSONDecoder(), []
-    end = len(text.rstrip())
-    while at >= 0 and at < end:
-        if not text.startswith(tag, at):
-            return None
-        start = at + len(tag)
-        try:
-            document, at = decoder.raw_decode(text, start + len(text[start:]) - len(text[start:].lstrip()))
-        except ValueError:
-            return None
-        at += len(text[at:]) - len(text[at:].lstrip())
-        if not text.startswith(closer, at):
-            return None
-        calls.append(document)
-        at += len(closer)
-        at += len(text[at:]) - len(text[at:].lstrip())
-    return calls or None
+@dataclass
+class WrittenCall:
+    name: str
+    arguments: str  # the JSON text written so far
+    whole: bool  # its arguments are closed
+
+
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+
+
+def call_delta(name: str, arguments: str) -> dict:
+    """A call in OpenAI's layout, with an id of its own."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _scan_calls(text: str, at: int, opener: str, separator: str, last: str = "",
+                single: bool = False) -> tuple[list[WrittenCall], bool]:
+    """The calls written from `at` on: each `opener` (a tag, or nothing), a call object `{"name": ..., "arguments":
+    {...}}`, then `separator` before the next (a closing tag, or a comma) or `last` (the array's end); whitespace
+    between them. (calls, whether they are whole and nothing else follows)."""
+    calls: list[WrittenCall] = []
+    while True:
+        at = _skipped(text, at)
+        if opener:
+            if not text.startswith(opener, at):
+                return calls, False
+            at = _skipped(text, at + len(opener))
+        head = CALL_HEAD.match(text, at)
+        if head is None:
+            return calls, False
+        start = head.end()
+        end = _value_end(text, start) if text.startswith("{", start) else None
+        calls.append(WrittenCall(head.group(1), text[start:end], end is not None))
+        if end is None:
+            return calls, False
+        at = _skipped(text, end)
+        if not text.startswith("}", at):
+            return calls, False
+        at = _skipped(text, at + 1)
+        if single or last and text.startswith(last, at):
+            return calls, _skipped(text, at + len(last)) == len(text)
+        if not text.startswith(separator, at):
+            return calls, False
+        at += len(separator)
+        if opener and _skipped(text, at) == len(text):  # the closing tag of the last call
+            return calls, True
+
+
+def _skipped(text: str, at: int) -> int:
+    """`at` moved past whitespace."""
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array at `start` ends (the index after it), None where the text ends first."""
+    depth, at, in_string = 0, start, False
+    while at < len(text):
+        char = text[at]
+        if in_string:
+            if char == "\\":
+                at += 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return at + 1
+        at += 1
+    return None
+
+
+def _object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def reply_format(request: ToolRequest | None, response_format: str | None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..reasoning import ThinkingDeltas
+from ..tools import call_delta
 
 if TYPE_CHECKING:
     from ..tools import ToolRequest
@@ -53,26 +54,23 @@ class TextDeltas:
 
 
 class HeldCalls:
-    """A streamed chat reply that may hold tool calls (tools.py): from the piece where they may begin (the reply's
-    first, opening with `[` or `{`, in the json format; one that holds `<tool_call>` or ends with its first bytes in
-    the hermes format; the first where calls are required), its text and log-probabilities are held back, to go out
-    as one `tool_calls` delta once the reply is whole (after the held words before them), or as text where it was
-    cut short. Words stream as they come."""
+    """The text of a streamed chat reply that may hold tool calls (tools.py), held back from the piece where they
+    may begin (the reply's first, opening with `[` or `{`, in the json format; one that holds `<tool_call>` or ends
+    with its first bytes in the hermes format; the first where calls are required) until they do or do not. Words
+    stream as they come."""
 
     def __init__(self, request: "ToolRequest"):
         self.request = request
-        self.text, self.logprobs = "", None  # held, not sent
+        self.text = ""  # held, not sent
         self.calls, self.sent = False, False  # whether the calls have begun; whether any text went out
 
     @property
     def holding(self) -> bool:
         return self.calls or bool(self.text)
 
-    def take(self, text: str, logprobs: list | None) -> tuple[str, list | None] | None:
-        """What of a piece goes out now (with what was held before it): (text, logprobs), or None while held."""
+    def take(self, text: str) -> str | None:
+        """What of a piece goes out now as words (with what was held before it), or None while held."""
         self.text += text
-        if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + logprobs
         if self.calls:
             return None
         opening = self.request.opening(self.text, at_start=not self.sent)
@@ -82,22 +80,23 @@ class HeldCalls:
         self.sent = True
         return self.release()
 
-    def release(self) -> tuple[str, list | None]:
-        held = (self.text, self.logprobs)
-        self.text, self.logprobs = "", None
+    def release(self) -> str:
+        held, self.text = self.text, ""
         return held
 
 
 class ChatChoiceStream:
     """The chunks of one streamed chat choice: its thinking as `reasoning` deltas apart from its answer (with the
-    reasoning parser), its tool calls held until they are whole (HeldCalls). Each piece's log-probabilities go out
-    once, with the first chunk that carries text after them."""
+    reasoning parser), and its tool calls as OpenAI streams them, each call's id and name once its name is written,
+    then its arguments' text as it grows (HeldCalls holds the text until calls begin). Each piece's
+    log-probabilities go out once, with the first chunk after them."""
 
     def __init__(self, exchange: "Exchange", index: int):
         self.exchange, self.index = exchange, index
         self.thinking = ThinkingDeltas(exchange.thinking) if exchange.reasoning else None
         self.held = HeldCalls(exchange.tools) if exchange.tools is not None else None
         self.logprobs: list | None = None  # of text not sent yet
+        self.streamed: list[int] = []  # per call begun: how much of its arguments went out
 
     def piece(self, text: str, logprobs: list | None) -> Iterator[str]:
         if logprobs is not None:
@@ -109,38 +108,41 @@ class ChatChoiceStream:
         """The held chunks once the choice is whole; its finish reason is `self.finish_reason` after."""
         yield from self._send(*(self.thinking.finish() if self.thinking is not None else ("", "")))
         self.finish_reason = result.finish_reason
-        yield from self._held_calls(result)
-        if self.logprobs:  # of tokens whose text never showed (a character cut short)
-            yield self.exchange.chunk("", index=self.index, logprobs=self._taken())
-
-    def _held_calls(self, result) -> Iterator[str]:
-        if self.held is None or not self.held.holding:
-            return
-        text, logprobs = self.held.release()
-        tools = self.exchange.tools
-        calls = tools.calls(self.exchange.thought_and_answer(result.text)[1])
-        if calls is None:  # cut short: what was held goes out as text
-            yield self.exchange.chunk(text, index=self.index, logprobs=logprobs)
-            return
-        self.finish_reason = "tool_calls"
-        if (words := tools.content(text)) is not None:  # held words before the calls (hermes)
-            yield self.exchange.chunk(words, index=self.index)
-        yield self.exchange.chunk(None, index=self.index, logprobs=logprobs, delta={"tool_calls": [
-            {"index": k, **call} for k, call in enumerate(calls)]})
+        if self.held is not None and self.held.holding:
+            if self.exchange.tools.calls(self.exchange.thought_and_answer(result.text)[1]) is not None:
+                self.finish_reason = "tool_calls"
+            elif not self.streamed:  # cut short before a call showed: what was held goes out as words
+                yield self._chunk(self.held.release())
+        if self.logprobs:  # of tokens whose text never showed (a character cut short, a call's last bytes)
+            yield self._chunk("")
 
     def _send(self, thought: str, answer: str) -> Iterator[str]:
         if thought:
-            yield self.exchange.chunk(None, index=self.index, logprobs=self._taken(),
-                                      delta=self.exchange.thought(thought))
+            yield self._chunk(None, delta=self.exchange.thought(thought))
         if not answer:
             return
-        if self.held is not None:
-            answer, logprobs = self.held.take(answer, self._taken()) or ("", None)
-            if answer or logprobs:
-                yield self.exchange.chunk(answer, index=self.index, logprobs=logprobs)
-        else:
-            yield self.exchange.chunk(answer, index=self.index, logprobs=self._taken())
+        if self.held is None:
+            yield self._chunk(answer)
+        elif (words := self.held.take(answer)) is not None:
+            yield self._chunk(words)
+        elif self.held.calls:
+            yield from self._call_deltas()
 
-    def _taken(self) -> list | None:
+    def _call_deltas(self) -> Iterator[str]:
+        """The calls' news in the held text: a call's id and name once its arguments begin (after the words before
+        the first call, in the hermes format), then each new stretch of its arguments."""
+        tools, text = self.exchange.tools, self.held.text
+        for k, call in enumerate(tools.written(text)[0]):
+            if k == len(self.streamed):
+                if k == 0 and (words := tools.content(text)) is not None:
+                    yield self._chunk(words)
+                yield self._chunk(None, delta={"tool_calls": [{"index": k, **call_delta(call.name, "")}]})
+                self.streamed.append(0)
+            if len(call.arguments) > self.streamed[k]:
+                fragment = call.arguments[self.streamed[k]:]
+                self.streamed[k] = len(call.arguments)
+                yield self._chunk(None, delta={"tool_calls": [{"index": k, "function": {"arguments": fragment}}]})
+
+    def _chunk(self, text: str | None, delta: dict | None = None) -> str:
         taken, self.logprobs = self.logprobs, None
-        return taken
+        return self.exchange.chunk(text, index=self.index, logprobs=taken, delta=delta)
