@@ -93,7 +93,8 @@ def main() -> None:
         base = totals[methods[0]]
         for method in methods:
             total = totals[method]
-            rows.append({"tool_choice": choice, "format": style, "method": method, "tok_s": total["tokens"] / total["seconds"],
+            rows.append({"tool_choice": choice, "format": style, "method": method,
+                         "tok_s": total["tokens"] / total["seconds"],
                          "tau": total["tokens"] / total["rounds"],
                          "speedup": (base["seconds"] / base["tokens"]) / (total["seconds"] / total["tokens"]),
                          "replies_that_call": called, "questions": len(QUESTIONS), "tokens": total["tokens"]})
