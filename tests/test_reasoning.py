@@ -205,3 +205,38 @@ def test_the_output_may_not_end_while_thinking(thinker):
         assert constraint.allowed_prefix(start, [word, eos]) == 1
         assert not constraint.mask(start, [word])[eos] and constraint.mask(start, [word])[word]
         assert constraint.allowed_prefix(start, [word, close, brace, end, eos]) == 5
+
+
+def test_generate_and_batch_return_the_thinking_apart(capsys, monkeypatch, tmp_path):
+    import dflash.batch as batch
+    import dflash.generate as generate
+    from dflash.cli import main
+    from dflash.loading import load_target_cached
+
+    target = load_target_cached("tiny-qwen3-hermes")
+    for module in (generate, batch):
+        configured = module.config_from_args
+
+        def thinking(args, _configured=configured, **more):  # samples that think, then answer
+            config = _configured(args, **more)
+            config.sampling.logit_bias = thinking_bias(target)
+            config.sampling.temperature, config.sampling.seed = 0.8, 1
+            return config
+        monkeypatch.setattr(module, "config_from_args", thinking)
+    common = ["--target", "tiny-qwen3-hermes", "--method", "ngram", "--max-new-tokens", "50",
+              "--reasoning-parser", "qwen3", "--response-format", "json_object"]
+    assert main(["generate", *common, "--json", PROMPT]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert (payload["reasoning"], payload["content"]) == split(payload["text"], "optional")
+    assert payload["reasoning"] is not None and json.loads(payload["content"]) is not None
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "thinks", "prompt": PROMPT},
+            {"id": "closed", "prompt": PROMPT, "chat_template_kwargs": {"enable_thinking": False}}]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["batch", str(source), "--output", str(out), *common, "--no-progress"]) == 0
+    answers = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert answers["thinks"]["text"] == payload["text"] and answers["thinks"]["reasoning"] == payload["reasoning"]
+    assert answers["closed"]["reasoning"] is None and answers["closed"]["content"] == answers["closed"]["text"]
+    source.write_text(json.dumps({"prompt": PROMPT, "chat_template_kwargs": ["x"]}) + "\n")
+    assert main(["batch", str(source), "--output", str(tmp_path / "other.jsonl"), *common]) == 2
+    assert "in.jsonl:1: chat_template_kwargs must be an object" in capsys.readouterr().err

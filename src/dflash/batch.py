@@ -4,8 +4,9 @@ the answers under way, and the same command resumes it: rows whose id the output
 
 Rows come in any layout `dflash bench` reads; a chat (`messages`, `conversations`) is answered after its last user
 turn, its earlier assistant turns included (jsonl.conversation_of). A row's own `response_format`, or `tools` and
-`tool_choice` (OpenAI's; its answer then holds `tool_calls` where it called them, tools.py), hold its answer alone.
-Greedy answers are the target's own, token for token."""
+`tool_choice` (OpenAI's; its answer then holds `tool_calls` where it called them, tools.py), and its
+`chat_template_kwargs` (the command line's otherwise), hold its answer alone. With --reasoning-parser an answer
+holds its `reasoning` and `content` apart (reasoning.py). Greedy answers are the target's own, token for token."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
-from .generate import config_from_args, load_method
+from .generate import config_from_args, json_option, load_method
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
-from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, add_tool_format_argument,
-                      kill_stops_like_ctrl_c)
+from .models.target import TemplateOptions
+from .options import (add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments,
+                      add_tool_format_argument, kill_stops_like_ctrl_c)
+from .reasoning import check_parser, split, thinking_of
 from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
 
 
@@ -29,17 +32,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_method_arguments(p)
     add_sampling_arguments(p)
     add_tool_format_argument(p)
+    add_reasoning_argument(p)
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's own variables for every row without its own `chat_template_kwargs`")
     p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
-                   "a row's `response_format`, or `tools` and `tool_choice` (OpenAI's), hold its answer alone")
+                   "a row's `response_format`, or `tools` and `tool_choice` (OpenAI's), and `chat_template_kwargs` "
+                   "hold its answer alone")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
     p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
     p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None, ToolRequest | None]]:
-    """(id, conversation, its own output format or None, its tools or None) for every row; UserError naming the line
-    for a row without a prompt, a repeated id, a format that cannot be enforced or bad tools"""
+@dataclass
+class BatchRow:
+    rid: str
+    messages: list[dict]
+    own_format: tuple | None  # its response_format as (response_format, json_schema); None: the command line's
+    tools: ToolRequest | None
+    template_kwargs: dict | None  # its chat_template_kwargs; None: the command line's
+
+
+def read_requests(path: Path) -> list[BatchRow]:
+    """Every row; UserError naming the line for a row without a prompt, a repeated id, a format that cannot be
+    enforced, bad tools or template variables that are not an object."""
     if not path.is_file():
         raise UserError(f"input file not found: {path}")
     requests, seen = [], set()
@@ -53,11 +69,13 @@ def read_requests(path: Path) -> list[tuple[str, list[dict], tuple | None, ToolR
         seen.add(rid)
         where = f"{path}:{line_no}"
         own, tools = row_format(row, where), row_tools(row, where)
+        kwargs = row.get("chat_template_kwargs")
         try:
             reply_format(tools, *(own or (None, None)))
+            TemplateOptions(kwargs or {}).check(messages)
         except UserError as error:
             raise UserError(f"{where}: {error}") from None
-        requests.append((rid, messages, own, tools))
+        requests.append(BatchRow(rid, messages, own, tools, kwargs))
     if not requests:
         raise UserError(f"{path} holds no prompts")
     return requests
@@ -116,9 +134,10 @@ def answered_ids(output: Path) -> set[str]:
     return done
 
 
-def encode(target, messages: list[dict], chat: bool, tools: ToolRequest | None = None) -> list[int]:
+def encode(target, messages: list[dict], chat: bool, tools: ToolRequest | None = None,
+           options: TemplateOptions | None = None) -> list[int]:
     if chat:
-        return encode_chat(target, messages, tools)
+        return encode_chat(target, messages, tools, options)
     if tools is not None:
         raise UserError("--no-chat sends one prompt as it is: a row with tools needs the chat template")
     if len(messages) > 1:
@@ -135,8 +154,11 @@ def run(args) -> int:
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     requests, output = read_requests(Path(args.input)), Path(args.output)
+    kwargs = json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
+    TemplateOptions(kwargs or {}).check([])
+    parser = check_parser(args.reasoning_parser)
     done = answered_ids(output)
-    todo = [request for request in requests if request[0] not in done]
+    todo = [request for request in requests if request.rid not in done]
     if done:
         print(f"[dflash] {len(requests) - len(todo)} of {len(requests)} answers already in {output}; "
               f"{len(todo)} to go", file=sys.stderr)
@@ -146,9 +168,11 @@ def run(args) -> int:
     target, proposer = load_method(args, config)
     engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
     settle_heap()
-    tools_of = {rid: for_target(tools, target.tokenizer, args.tool_format) for rid, _, _, tools in todo}
-    ids = {rid: encode(target, messages, not args.no_chat, tools_of[rid]) for rid, messages, _, _ in todo}
-    configs = {rid: row_config(config, own, tools_of[rid]) for rid, _, own, _ in todo}
+    tools_of = {row.rid: for_target(row.tools, target.tokenizer, args.tool_format) for row in todo}
+    ids = {row.rid: encode(target, row.messages, not args.no_chat, tools_of[row.rid],
+                           TemplateOptions(row.template_kwargs or kwargs or {})) for row in todo}
+    configs = {row.rid: replace(row_config(config, row.own_format, tools_of[row.rid]),
+                                thinking=thinking_of(target, ids[row.rid], parser)) for row in todo}
     for rid, prompt in ids.items():
         try:
             engine.budget(prompt)
@@ -165,7 +189,8 @@ def run(args) -> int:
                     for seq in engine.step():
                         result = seq.result
                         rid = owner[id(seq)]
-                        out.write(json.dumps(answer_row(rid, result, tools_of[rid])) + "\n")
+                        out.write(json.dumps(answer_row(rid, result, tools_of[rid], configs[rid].thinking,
+                                                        parser is not None)) + "\n")
                         out.flush()  # on disk as it finishes: a kill loses only the answers under way
                         written, tokens = written + 1, tokens + len(result.tokens)
                         bar.update(1)
@@ -180,11 +205,16 @@ def run(args) -> int:
     return 0
 
 
-def answer_row(rid: str, result, tools: ToolRequest | None = None) -> dict:
-    """A row's answer; one that called its tools has their calls (OpenAI's layout) and finish_reason tool_calls."""
+def answer_row(rid: str, result, tools: ToolRequest | None = None, thinking: str | None = None,
+               reasoning: bool = False) -> dict:
+    """A row's answer; one that called its tools has their calls (OpenAI's layout) and finish_reason tool_calls;
+    with `reasoning` (the parser on), its thinking and its answer apart."""
     stats = result.stats
-    calls = tools.calls(result.text) if tools is not None else None
+    thought, answer = split(result.text, thinking)
+    calls = tools.calls(answer) if tools is not None else None
     row = {"id": rid, "text": result.text, "finish_reason": "tool_calls" if calls else result.finish_reason,
            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
            "tau": stats.tau if stats.num_rounds else None}
+    if reasoning:
+        row.update(reasoning=thought, content=answer)
     return {**row, "tool_calls": calls} if calls else row

@@ -11,8 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .errors import UserError
-from .options import (add_method_arguments, add_sampling_arguments, add_target_arguments, add_tool_format_argument,
-                      check_drafter_folders, method_options)
+from .options import (add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments,
+                      add_tool_format_argument, check_drafter_folders, method_options)
+from .reasoning import check_parser, split, thinking_of
 from .models.target import TemplateOptions
 from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tools: auto (default; the reply may answer in words), required, none, or a function's "
                         "name (one call of it)")
     add_tool_format_argument(p)
+    add_reasoning_argument(p)
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's own variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
     p.add_argument("prompt", help="the prompt text, or - to read it from standard input (e.g. a file: - < FILE)")
@@ -57,7 +59,7 @@ def run(args) -> int:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     tools = tools_from_args(args)
-    template = TemplateOptions(_json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
+    template = TemplateOptions(json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
                                or {})
     if template.kwargs and args.no_chat:
         raise UserError("--chat-template-kwargs goes to the chat template: drop --no-chat")
@@ -70,6 +72,8 @@ def run(args) -> int:
         config = replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
     prompt_ids = encode_chat(target, [{"role": "user", "content": args.prompt}], tools, template) \
         if tools is not None or template.kwargs else target.encode_prompt(args.prompt, chat=not args.no_chat)
+    parser = check_parser(args.reasoning_parser)
+    config = replace(config, thinking=thinking_of(target, prompt_ids, parser))
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
     warm_up = replace(config, max_new_tokens=WARM_UP_TOKENS, logprobs=None, ignore_eos=False)
@@ -94,8 +98,11 @@ def run(args) -> int:
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
         }
+        thought, answer = split(result.text, config.thinking)
+        if parser is not None:
+            payload.update(reasoning=thought, content=answer)
         if tools is not None:
-            payload["tool_calls"] = tools.calls(result.text)
+            payload["tool_calls"] = tools.calls(answer)
         if result.logprobs is not None:
             payload["logprobs"] = [logprob_json(target, entry) for entry in result.logprobs]
         if ar_result is not None:
@@ -130,7 +137,7 @@ def config_from_args(args, **more):
 
 def json_schema_from(given: str | None) -> dict | None:
     """--json-schema: a file holding the schema, or the schema itself."""
-    schema = _json_option(given, "--json-schema", "a JSON Schema file or the schema as JSON", "{")
+    schema = json_option(given, "--json-schema", "a JSON Schema file or the schema as JSON", "{")
     if schema is not None and not isinstance(schema, dict):
         raise UserError("--json-schema must be a JSON object")
     return schema
@@ -145,14 +152,14 @@ def tools_from_args(args) -> ToolRequest | None:
     if args.no_chat:
         raise UserError("--tools needs the chat template (no --no-chat): the tools are described in its system "
                         "message")
-    tools = _json_option(args.tools, "--tools", "a file holding OpenAI's tools list or the list as JSON", "[")
+    tools = json_option(args.tools, "--tools", "a file holding OpenAI's tools list or the list as JSON", "[")
     choice = args.tool_choice
     if choice is not None and choice not in ("auto", "required", "none"):
         choice = {"type": "function", "function": {"name": choice}}
     return tool_request(tools, choice)
 
 
-def _json_option(given: str | None, flag: str, wanted: str, opening: str):
+def json_option(given: str | None, flag: str, wanted: str, opening: str):
     """A JSON option's value: a file holding it, or the JSON itself (text that opens with `opening`)."""
     if given is None:
         return None

@@ -19,7 +19,7 @@ from .errors import UserError
 from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
-from .reasoning import check_parser, split, thinking_state
+from .reasoning import check_parser, split, thinking_of
 from .sampling import SamplingConfig
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
@@ -86,7 +86,7 @@ class LLM:
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
         prompt_ids = encode_chat(self.target, messages, request, options)
-        thinking = thinking_state(self.target.decode(prompt_ids)) if self.reasoning_parser else None
+        thinking = thinking_of(self.target, prompt_ids, self.reasoning_parser)
         result = self._run([prompt_ids], replace(config, thinking=thinking))[0]
         result.reasoning, result.content = split(result.text, thinking)
         result.tool_calls = request.calls(result.content) if request is not None else None

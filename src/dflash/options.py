@@ -58,6 +58,15 @@ def add_tool_format_argument(p: argparse.ArgumentParser) -> None:
                         "of calls, the tools described in the system message) (default: auto)")
 
 
+def add_reasoning_argument(p: argparse.ArgumentParser) -> None:
+    from .reasoning import PARSERS
+
+    p.add_argument("--reasoning-parser", default=None, choices=["none", *PARSERS],
+                   help="return a reasoning model's <think>...</think> apart from its answer (`reasoning` beside "
+                        "`content`); structured output and tool calls then hold the answer after the thinking "
+                        "(qwen3 and deepseek_r1 are vLLM's names for the same format)")
+
+
 def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> None:
     """--method (or --methods for bench) and how the methods draft."""
     from .methods import registry

@@ -23,6 +23,11 @@ def check_parser(name: str | None) -> str | None:
     return None if name in (None, "none") else "think"
 
 
+def thinking_of(target, prompt_ids: list[int], parser: str | None) -> str | None:
+    """Where a reply to `prompt_ids` starts its thinking (thinking_state), None without a parser."""
+    return thinking_state(target.decode(prompt_ids)) if parser is not None else None
+
+
 def thinking_state(prompt_text: str) -> str | None:
     """Where a reply's thinking stands as the prompt leaves it: "open" (the reply starts inside it), None (the
     prompt closed it: no thinking to come), "optional" (the reply may open it)."""

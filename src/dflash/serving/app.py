@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
-from ..options import (add_method_arguments, add_target_arguments, add_tool_format_argument, check_drafter_folders,
-                       method_options)
+from ..options import (add_method_arguments, add_reasoning_argument, add_target_arguments, add_tool_format_argument,
+                       check_drafter_folders, method_options)
 from .metrics import Metrics, MetricsMiddleware
 from .schemas import (
     Exchange,
@@ -37,7 +37,7 @@ from .schemas import (
     schemas,
     sse,
 )
-from ..reasoning import PARSERS, check_parser, thinking_state
+from ..reasoning import check_parser, thinking_of
 from ..tools import encode_chat, tool_request, tool_style
 from .streaming import ChatChoiceStream, TextDeltas
 from .worker import (
@@ -91,7 +91,7 @@ class Service:
         configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
         check_fits(prompt_ids, self.worker.engine)
         reasoning = chat and self.reasoning_parser is not None
-        thinking = thinking_state(self.target.decode(prompt_ids)) if reasoning else None
+        thinking = thinking_of(self.target, prompt_ids, self.reasoning_parser if chat else None)
         configs = [replace(config, thinking=thinking) for config in configs]  # a grammar holds the answer after it
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
                             echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body),
@@ -395,10 +395,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
                         "(default: $DFLASH_API_KEY; unset = open)")
     add_tool_format_argument(p)
-    p.add_argument("--reasoning-parser", default=None, choices=["none", *PARSERS],
-                   help="return a reasoning model's <think>...</think> as the message's `reasoning` (and "
-                        "`reasoning_content`) beside its `content`; structured output and tool calls then hold "
-                        "the answer after the thinking (qwen3 and deepseek_r1 are vLLM's names for the same format)")
+    add_reasoning_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
