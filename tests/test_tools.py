@@ -433,7 +433,7 @@ def test_the_template_picks_the_format(hermes_targets, byte_targets):
     hermes, plain = hermes_targets["llama"].tokenizer, byte_targets["llama"].tokenizer
     assert tool_style(hermes) == "hermes" and tool_style(plain) == "json"
     assert tool_style(hermes, "json") == "json"
-    with pytest.raises(UserError, match="needs a chat template that writes <tool_call> tags"):
+    with pytest.raises(UserError, match="needs a chat template that writes calls so"):
         tool_style(plain, "hermes")
     with pytest.raises(UserError, match="must be one of auto, json, hermes"):
         tool_style(plain, "xml")
@@ -513,6 +513,18 @@ def hermes_bias(target, tag: float) -> dict[int, float]:
     return {**call_bias(target, None), tags[0]: tag, tags[1]: 3.0}
 
 
+def every_proposer_as_the_plain_loop(target, prompt_ids, request, sampling, max_new=60):
+    """Each proposer's output under the request's grammar, checked equal to the plain constrained loop's; the last."""
+    fmt, schema = request.output_format()
+    expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=max_new,
+                                      grammar=output_grammar(fmt, schema))
+    config = GenerationConfig(max_new, sampling=sampling, response_format=fmt, json_schema=schema)
+    for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
+        assert result.tokens == expected, (request.choice, sampling, name)
+    return result
+
+
 @pytest.mark.parametrize("arch", ARCHS[:2])
 def test_hermes_calls_under_every_choice_are_the_plain_loops_for_every_proposer(hermes_targets, arch):
     target = hermes_targets[arch]
@@ -521,15 +533,9 @@ def test_hermes_calls_under_every_choice_are_the_plain_loops_for_every_proposer(
     for choice, tag, seed in [("auto", 6.0, None), ("required", 3.0, None), ("auto", 3.0, 1), ("auto", 3.0, 3),
                               ({"type": "function", "function": {"name": "get_weather"}}, 3.0, None)]:
         request = tool_request(TOOLS, choice, style="hermes")
-        fmt, schema = request.output_format()
         sampling = SamplingConfig(temperature=0.0 if seed is None else 0.7, seed=seed,
                                   logit_bias=hermes_bias(target, tag))
-        expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=60,
-                                          grammar=output_grammar(fmt, schema))
-        config = GenerationConfig(60, sampling=sampling, response_format=fmt, json_schema=schema)
-        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
-            result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
-            assert result.tokens == expected, (choice, seed, name)
+        result = every_proposer_as_the_plain_loop(target, prompt_ids, request, sampling)
         calls = request.calls(result.text)
         assert (calls is not None) == (result.finish_reason == "stop" and "<tool_call>" in result.text), result.text
         if calls is not None:
@@ -596,9 +602,14 @@ def test_generate_and_batch_write_calls_in_the_templates_format(capsys, monkeypa
         assert [c["function"] for c in payload["tool_calls"]] == [{"name": "clock", "arguments": "{}"}]
         texts[tool_format] = payload["text"]
     assert texts["auto"].startswith("<tool_call>\n{") and texts["json"].startswith(("[", "{"))
+    push_calls(monkeypatch, generate, load_target_cached("tiny-qwen2-llama3"))
+    assert main([a.replace("hermes", "llama3") for a in argv]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert json.loads(payload["text"]) == {"name": "clock", "parameters": {}}
+    assert [c["function"]["name"] for c in payload["tool_calls"]] == ["clock"]
     bytes_argv = [a.replace("hermes", "bytes") for a in argv]
     assert main(bytes_argv[:-1] + ["--tool-format", "hermes", "Hi?"]) == 2
-    assert "needs a chat template that writes <tool_call> tags" in capsys.readouterr().err
+    assert "needs a chat template that writes calls so" in capsys.readouterr().err
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text(json.dumps({"id": "a", "messages": HI, "tools": SHORT_TOOLS, "tool_choice": "required"}) + "\n")
     assert main(["batch", str(source), "--output", str(out), "--target", "tiny-qwen2-hermes", "--method", "ngram",
@@ -606,3 +617,52 @@ def test_generate_and_batch_write_calls_in_the_templates_format(capsys, monkeypa
     answer = json.loads(out.read_text())
     assert answer["text"].startswith("<tool_call>\n{") and answer["finish_reason"] == "tool_calls"
     assert answer["tool_calls"][0]["function"]["name"] in ("weather", "clock")
+
+
+# ---- the llama3_json format: Llama 3's {"name", "parameters"} objects ---------------------------------------------
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "P"}}'
+
+
+@pytest.fixture(scope="module")
+def llama3_target():
+    from dflash.testing import tiny_target
+
+    return tiny_target("llama", vocab_size=320, logit_scale=4.0, tokenizer="llama3")
+
+
+def test_llamas_format_is_one_object_with_parameters(llama3_target, hermes_targets):
+    assert tool_style(llama3_target.tokenizer) == "llama3_json"
+    assert tool_style(hermes_targets["llama"].tokenizer, "auto") == "hermes"
+    with pytest.raises(UserError, match="tool format hermes needs a chat template that writes calls so"):
+        tool_style(llama3_target.tokenizer, "hermes")
+    request = tool_request(TOOLS, style="llama3_json")
+    grammar = output_grammar(*request.output_format())
+    for text, ends in [(LLAMA_CALL, True), ("Sunny.", True), ('[{"name": "get_time", "parameters": {}}]', True),
+                       ('{"name": "get_time", "arguments": {}}', False),
+                       ('{"name": "get_time", "parameters": {}}', True)]:
+        state = grammar.feed_bytes(START_STATE, text.encode())
+        assert (state is not None and grammar.may_end(state)) == ends, text
+    assert request.calls(LLAMA_CALL)[0]["function"] == {"name": "get_weather", "arguments": '{"city": "P"}'}
+    assert request.calls("[" + LLAMA_CALL + "]") is None and request.calls("Sunny.") is None  # words, not calls
+    assert not request.several and request.opening("[", at_start=True) == "text"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    history = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    text = llama3_target.tokenizer.decode(encode_chat(llama3_target, history, request))
+    assert "dictionary of argument name" in text and ": get_weather get_time " in text
+    assert '{"name": "get_weather", "parameters": {"city": "Rome"}}' in text and "ipython: 18C" in text
+
+
+def test_llama_calls_under_every_choice_are_the_plain_loops_for_every_proposer(llama3_target):
+    target = llama3_target
+    prompt_ids = target.encode_prompt(PROMPT)
+    called = 0
+    for choice, opening in [("auto", "{"), ("auto", None), ("required", None),
+                            ({"type": "function", "function": {"name": "get_weather"}}, None)]:
+        request = tool_request(TOOLS, choice, style="llama3_json")
+        result = every_proposer_as_the_plain_loop(target, prompt_ids, request,
+                                                  SamplingConfig(logit_bias=call_bias(target, opening)))
+        calls = request.calls(result.text)
+        assert (calls is not None) == (result.finish_reason == "stop" and result.text.startswith("{")), result.text
+        called += calls is not None
+    assert called >= 2

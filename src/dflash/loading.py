@@ -24,14 +24,15 @@ def load_target_cached(spec: str, dtype: str = "float32", device: str = "cpu", k
                        release_plain: bool = False) -> TargetModel:
     """`tiny-llama` / `tiny-qwen3` / `tiny-gemma3` / `tiny-qwen2` give tiny random targets (our native kernels where
     they build, nothing measured; `tiny-ARCH-bytes`: with a byte-level tokenizer, which can write JSON;
-    `tiny-ARCH-hermes`: that, and a chat template that writes tool calls in <tool_call> tags); anything
+    `tiny-ARCH-hermes`: that, and a chat template that writes tool calls in <tool_call> tags; `tiny-ARCH-llama3`: one
+    that asks for Llama 3's calls); anything
     else goes to load_target. `cuda_graphs` None: on where they can run
     (graphs_by_default)."""
     if spec.startswith("tiny-"):
         from .testing import tiny_target
 
         arch, _, kind = spec.removeprefix("tiny-").partition("-")
-        if arch not in TINY_ARCHS or kind not in ("", "bytes", "hermes"):
+        if arch not in TINY_ARCHS or kind not in ("", "bytes", "hermes", "llama3"):
             raise UserError(f"unknown tiny target {spec!r}; use {', '.join('tiny-' + a for a in TINY_ARCHS)}")
         if dtype not in TARGET_DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(TARGET_DTYPES)}")

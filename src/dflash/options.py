@@ -52,10 +52,13 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_tool_format_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tool-format", default="auto", choices=["auto", "json", "hermes"],
-                   help="how the target writes tool calls: auto = hermes (<tool_call> tags, its template describing "
-                        "the tools) where its chat template writes those tags, else json (dflash's own: a JSON array "
-                        "of calls, the tools described in the system message) (default: auto)")
+    from .tools import STYLES
+
+    p.add_argument("--tool-format", default="auto", choices=list(STYLES),
+                   help="how the target writes tool calls: auto = its chat template's own, hermes (<tool_call> tags) "
+                        "or llama3_json (Llama 3's {\"name\", \"parameters\"} objects), where the template writes "
+                        "them, else json (dflash's own: a JSON array of calls, the tools described in the system "
+                        "message) (default: auto)")
 
 
 def add_reasoning_argument(p: argparse.ArgumentParser) -> None:

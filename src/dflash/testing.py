@@ -80,6 +80,25 @@ HERMES_TEMPLATE = (
 )
 
 
+# a chat template that asks for calls as Llama 3's templates do (`{"name": ..., "parameters": {...}}`, tools.py's
+# "llama3_json" format), lists the tools itself and shows a result as an `ipython` turn
+LLAMA3_TEMPLATE = (
+    "{% if tools %}<user> Call a function by answering in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}:{% for t in tools %} {{ t.function.name }}{% endfor %} {% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<assistant> {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}"
+    "{% endfor %} {% elif m.role == 'tool' %}<user> ipython: {{ m.content }} {% else %}<user> {{ m.content }} "
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def tiny_llama3_tokenizer(vocab_size: int):
+    """tiny_byte_tokenizer with LLAMA3_TEMPLATE."""
+    tok = tiny_byte_tokenizer(vocab_size)
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
 def tiny_hermes_tokenizer(vocab_size: int):
     """tiny_byte_tokenizer with `<tool_call>`, `</tool_call>`, `<think>` and `</think>` as tokens of their own (as
     Qwen3's are) and HERMES_TEMPLATE."""
@@ -113,7 +132,8 @@ def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, 
                 logit_scale: float = 1.0, hidden_size: int = 64, tokenizer: str = "words") -> TargetModel:
     """A random target (4 heads of hidden_size / 4). `logit_scale` sharpens the output distribution (random models
     are near uniform). `tokenizer`: "words" ("w0", "w1", ...), "bytes" (tiny_byte_tokenizer: JSON can be
-    written; vocab_size >= 289) or "hermes" (bytes, and a template that writes tool calls in tags)."""
+    written; vocab_size >= 289), "hermes" (bytes, and a template that writes tool calls in tags) or "llama3" (bytes,
+    and a template that asks for calls as Llama 3's do)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -130,6 +150,7 @@ def tiny_target(arch: str = "llama", vocab_size: int = 64, num_layers: int = 4, 
     # nothing timed: a test's costs come from its injected clock, never from this machine's speed. Our own kernels
     # (the one-token layer step and products, native.py) where this machine builds them, so every test runs
     # through them as a real model does; torch's F.linear where it does not.
-    words = {"bytes": tiny_byte_tokenizer, "hermes": tiny_hermes_tokenizer}.get(tokenizer, tiny_tokenizer)(vocab_size)
+    words = {"bytes": tiny_byte_tokenizer, "hermes": tiny_hermes_tokenizer,
+             "llama3": tiny_llama3_tokenizer}.get(tokenizer, tiny_tokenizer)(vocab_size)
     return TargetModel(model=model, tokenizer=words, name=f"tiny-{arch}", measure=False,
                        kernel_plan=NATIVE)

@@ -1,11 +1,14 @@
 """Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`): the functions a chat offers, described to
-the target, and the calls read back from its reply. Two formats ("styles"), the target's chat template picks:
+the target, and the calls read back from its reply. Three formats ("styles"), the target's chat template picks:
 
 - "hermes", where the template writes calls in `<tool_call>` tags (Qwen2.5, Qwen3, Hermes and the many templates
   that copy them; vLLM's and SGLang's `hermes` parser): the template itself describes the tools and renders earlier
   calls and their results, and a reply writes each call as `<tool_call>\n{"name": ..., "arguments": {...}}\n
   </tool_call>`, after words of its own where the choice is "auto" (they come back as the message's content). The
   grammar (grammar.Frame) holds the tags and the calls between them, and nothing but further calls after them.
+- "llama3_json", where the template asks for calls as `{"name": ..., "parameters": {...}}` (Meta's Llama 3.1, 3.2
+  and 3.3; vLLM's `llama3_json` parser): the template describes the tools and renders earlier calls and results,
+  and a reply that calls is one such object (under "auto", one that opens with `{`; words otherwise).
 - "json", dflash's own for every other template (SmolLM2's has no tools): described below.
 
 In the "json" format a reply that calls functions is an array and nothing else,
@@ -28,6 +31,7 @@ of the target alone writes.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -39,7 +43,10 @@ from .grammar import compile_schema
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
 CALL_OPENERS = ("[", "{")  # a reply that opens so is calls (an array of them, or one as an object)
-STYLES = ("auto", "json", "hermes")
+STYLES = ("auto", "json", "hermes", "llama3_json")
+TEMPLATE_STYLES = ("hermes", "llama3_json")  # the template describes the tools and shows earlier calls itself
+# what in a template's text says that it writes calls in a style
+STYLE_MARKS = {"hermes": "<tool_call>", "llama3_json": "dictionary of argument name"}
 # the hermes format's bytes around each call, as Qwen's templates write an assistant turn's calls
 HERMES = {"tag": "<tool_call>", "after_tag": "\n", "closer": "\n</tool_call>", "separator": "\n"}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
@@ -60,22 +67,29 @@ class ToolRequest:
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool = True
-    style: str = "json"  # how calls are written: "json" or "hermes" (the module's docstring)
+    style: str = "json"  # how calls are written: "json", "hermes" or "llama3_json" (the module's docstring)
 
     @property
     def several(self) -> bool:
-        """Whether a reply may hold more than one call."""
-        return self.parallel and self.choice in ("auto", "required")
+        """Whether a reply may hold more than one call (Llama's format writes one)."""
+        return self.parallel and self.choice in ("auto", "required") and self.style != "llama3_json"
+
+    @property
+    def arguments_key(self) -> str:
+        return "parameters" if self.style == "llama3_json" else "arguments"
 
     def output_format(self) -> tuple[str, dict]:
         """(response_format, json_schema) for GenerationConfig: the reply's grammar."""
         offered = [t for t in self.tools if self.choice in ("auto", "required") or t.name == self.choice]
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in offered]
+        key = self.arguments_key
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
+                  "required": ["name", key], "additionalProperties": False} for t in offered]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if self.style == "hermes":
             frame = {**HERMES, "prose": self.choice == "auto", "repeat": self.several}
             return "json_schema_framed", {"schema": call, "frame": frame}
+        if self.style == "llama3_json":
+            return ("json_schema_or_text" if self.choice == "auto" else "json_schema"), call
         array = {"type": "array", "items": call, "minItems": 1}
         if not self.several:
             array["maxItems"] = 1
@@ -112,13 +126,14 @@ class ToolRequest:
     def written(self, text: str) -> "tuple[list[WrittenCall], bool]":
         """The calls a reply writes, as far as its text goes (the last one's arguments perhaps cut short), and
         whether they are all whole and nothing else follows them. A call counts from its name and `"arguments":` on."""
+        head = call_head(self.arguments_key)
         if self.style == "hermes":
             at = text.find(HERMES["tag"])
-            return _scan_calls(text, at, HERMES["tag"], HERMES["closer"].strip()) if at >= 0 else ([], False)
+            return _scan_calls(text, at, head, HERMES["tag"], HERMES["closer"].strip()) if at >= 0 else ([], False)
         at = _skipped(text, 0)
-        if text.startswith("[", at):
-            return _scan_calls(text, at + 1, "", ",", last="]")
-        return _scan_calls(text, at, "", "", single=True) if text.startswith("{", at) else ([], False)
+        if text.startswith("[", at) and self.style == "json":
+            return _scan_calls(text, at + 1, head, "", ",", last="]")
+        return _scan_calls(text, at, head, "", "", single=True) if text.startswith("{", at) else ([], False)
 
     def content(self, text: str) -> str | None:
         """The words a reply of calls writes before them (hermes), or None where it writes none."""
@@ -133,7 +148,8 @@ class ToolRequest:
         if self.choice != "auto":
             return "calls"
         if self.style != "hermes":
-            return "maybe" if at_start and not text else "calls" if at_start and text.startswith(CALL_OPENERS) \
+            openers = CALL_OPENERS if self.style == "json" else ("{",)
+            return "maybe" if at_start and not text else "calls" if at_start and text.startswith(openers) \
                 else "text"
         tag = HERMES["tag"]
         if tag in text:
@@ -148,7 +164,10 @@ class WrittenCall:
     whole: bool  # its arguments are closed
 
 
-CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+@functools.cache
+def call_head(key: str) -> re.Pattern:
+    """A call object's opening, up to its arguments (`key`: "arguments", or Llama's "parameters")."""
+    return re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"' + key + r'"\s*:\s*')
 
 
 def call_delta(name: str, arguments: str) -> dict:
@@ -157,7 +176,7 @@ def call_delta(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _scan_calls(text: str, at: int, opener: str, separator: str, last: str = "",
+def _scan_calls(text: str, at: int, head: re.Pattern, opener: str, separator: str, last: str = "",
                 single: bool = False) -> tuple[list[WrittenCall], bool]:
     """The calls written from `at` on: each `opener` (a tag, or nothing), a call object `{"name": ..., "arguments":
     {...}}`, then `separator` before the next (a closing tag, or a comma) or `last` (the array's end); whitespace
@@ -169,12 +188,12 @@ def _scan_calls(text: str, at: int, opener: str, separator: str, last: str = "",
             if not text.startswith(opener, at):
                 return calls, False
             at = _skipped(text, at + len(opener))
-        head = CALL_HEAD.match(text, at)
-        if head is None:
+        opening = head.match(text, at)
+        if opening is None:
             return calls, False
-        start = head.end()
+        start = opening.end()
         end = _value_end(text, start) if text.startswith("{", start) else None
-        calls.append(WrittenCall(head.group(1), text[start:end], end is not None))
+        calls.append(WrittenCall(opening.group(1), text[start:end], end is not None))
         if end is None:
             return calls, False
         at = _skipped(text, end)
@@ -239,16 +258,18 @@ def reply_format(request: ToolRequest | None, response_format: str | None,
 
 
 def tool_style(tokenizer, requested: str = "auto") -> str:
-    """The call format for a target's tokenizer: "hermes" where its chat template writes `<tool_call>` tags, else
-    "json"; `requested` (one of STYLES) "json" or "hermes" picks one (hermes only where the template has the tags)."""
+    """The call format for a target's tokenizer: the one its chat template writes calls in ("hermes": `<tool_call>`
+    tags; "llama3_json": Llama's objects), else "json"; `requested` (one of STYLES) picks one, a template's own only
+    where the template writes it."""
     if requested not in STYLES:
         raise UserError(f"the tool format must be one of {', '.join(STYLES)}, got {requested!r}")
     template = getattr(tokenizer, "chat_template", None) or ""
-    tagged = any(HERMES["tag"] in text for text in (template.values() if isinstance(template, dict) else [template]))
-    if requested == "hermes" and not tagged:
-        raise UserError("tool format hermes needs a chat template that writes <tool_call> tags, and this target's "
-                        "does not (use json)")
-    return requested if requested != "auto" else "hermes" if tagged else "json"
+    text = "\n".join(template.values()) if isinstance(template, dict) else template
+    written = [style for style in TEMPLATE_STYLES if STYLE_MARKS[style] in text]
+    if requested in TEMPLATE_STYLES and requested not in written:
+        raise UserError(f"tool format {requested} needs a chat template that writes calls so, and this target's "
+                        f"does not (it lacks {STYLE_MARKS[requested]!r}; use json)")
+    return requested if requested != "auto" else written[0] if written else "json"
 
 
 def for_target(request: ToolRequest | None, tokenizer, requested: str = "auto") -> ToolRequest | None:
@@ -318,7 +339,7 @@ def encode_chat(target, messages: list[dict], request: ToolRequest | None, optio
     `options` (models.target.TemplateOptions): the template's own arguments."""
     turns = conversation(messages, request)
     tools = None
-    if request is not None and request.style == "hermes":
+    if request is not None and request.style in TEMPLATE_STYLES:
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                    "parameters": t.parameters}} for t in request.tools]
     return target.encode_messages(turns, tools=tools, options=options)
@@ -330,7 +351,7 @@ def conversation(messages: list[dict], request: ToolRequest | None) -> list[dict
     role/content turns: earlier calls in the reply format, results as one user turn, and the tools' description
     in the system message (a system message of its own where the conversation has none)."""
     names: dict[str, str] = {}  # call id -> function name, to say whose result a tool turn holds
-    if request is not None and request.style == "hermes":
+    if request is not None and request.style in TEMPLATE_STYLES:
         return [_template_turn(message, f"messages[{i}]", names) for i, message in enumerate(messages)]
     turns: list[dict] = []
     for i, message in enumerate(messages):
