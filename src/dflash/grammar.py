@@ -140,7 +140,6 @@ class Frame:
         return (opener, self.closer, self.separator + opener)[which]
 
 
-
 def tag_matched(tag: bytes, matched: int, byte: int) -> int:
     """In free text, the bytes of `tag` matched after `matched` of them and then `byte`: the longest end of what was
     read that begins the tag (a tag may start inside a near miss)."""
