@@ -178,8 +178,12 @@ def fed_token(grammar, state, piece: bytes | None):
     if piece is None:  # text in free text: a framed grammar's words, thinking, where the output may open either
         if state[0] == THINKING:
             return state[:1] + (0, 0, ())
-        if state[0] == THOUGHT or state[0] == THINK_OPEN and state[1] == 0:
+        if state[0] == THOUGHT:
             state = START_STATE
+        elif state[0] == THINK_OPEN:  # the tag's bytes so far are the grammar's, as the reply may not think after all
+            state = grammar.feed_bytes(START_STATE, b"<think>"[:state[1]])
+            if state is None or state[0] == TEXT:
+                return state
         prose = grammar.frame is not None and grammar.frame.prose and state[0] in (START_STATE[0], PROSE)
         return (PROSE, 0, 0, ()) if prose else None
     return grammar.feed_bytes(state, piece)

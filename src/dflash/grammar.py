@@ -232,9 +232,9 @@ class JsonGrammar:
 
     def may_end(self, state: tuple) -> bool:
         """Whether the output may end after `state`: the document is whole, or the output is free text."""
-        if state[0] in (THINK_OPEN, THOUGHT):  # as the grammar may at its start (THINK_OPEN: after the tag's bytes)
-            after = START_STATE if state[0] == THOUGHT else self.feed_bytes(START_STATE, THINK_TAGS[0][:state[1]])
-            return after is not None and self.may_end(after)
+        if state[0] in (THINK_OPEN, THOUGHT):  # as the state it stands for may
+            other = self.delegate(state)[0]
+            return other is not None and self.may_end(other)
         if state[0] == THINKING:
             return False
         if self.frame is not None:
@@ -250,21 +250,25 @@ class JsonGrammar:
             return self.frame.tag
         return None
 
-    def leads_to_start(self, state: tuple) -> bytes | None:
-        """Where `state` goes to the grammar's start on any first byte but a few (THINK_OPEN before any of the tag,
-        THOUGHT): those bytes; None elsewhere. A token that opens with another byte is the start's (structured.py
-        reuses the start's mask)."""
+    def delegate(self, state: tuple) -> tuple[tuple | None, bytes] | None:
+        """Where `state` reads every next byte but a few as another state does: (that state, None where such bytes are
+        refused; the few bytes). THOUGHT reads as the grammar's start but for whitespace; THINK_OPEN, the thinking's
+        tag begun, as the start after the tag's bytes so far but for the tag's next byte. None elsewhere. A token that
+        opens with another byte is the other state's (structured.py reuses its mask)."""
         if state[0] == THOUGHT:
-            return bytes(sorted(WHITESPACE))
-        return THINK_TAGS[0][:1] if state[0] == THINK_OPEN and state[1] == 0 else None
+            return START_STATE, bytes(sorted(WHITESPACE))
+        if state[0] == THINK_OPEN:
+            return self.feed_bytes(START_STATE, THINK_TAGS[0][:state[1]]), THINK_TAGS[0][state[1]:state[1] + 1]
+        return None
 
     def after_special(self, state: tuple) -> tuple | None:
         """The state after a special token (one without bytes of its own): text in free text, where it breaks any
         tag begun; refused elsewhere."""
         if state[0] == TEXT:
             return state
-        if state[0] == THOUGHT or state[0] == THINK_OPEN and state[1] == 0:  # as at the grammar's start
-            return self.after_special(START_STATE)
+        if state[0] in (THOUGHT, THINK_OPEN):  # as the state it stands for
+            other = self.delegate(state)[0]
+            return None if other is None else self.after_special(other)
         if self.free_text_tag(state) is None:
             return None
         return (THINKING, 0, 0, ()) if state[0] == THINKING else (PROSE, 0, 0, ())

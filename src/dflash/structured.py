@@ -132,8 +132,8 @@ class JsonVocabulary:
             return self._kept(key, self._text_or_document(grammar))
         if grammar.free_text_tag(state) is not None:
             return self._kept(key, self._free_text(grammar, state))
-        if grammar.leads_to_start(state) is not None:
-            return self._kept(key, self._to_start(grammar, state))
+        if grammar.delegate(state) is not None:
+            return self._kept(key, self._delegated(grammar, state))
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
@@ -178,11 +178,13 @@ class JsonVocabulary:
         mask[self._walk(grammar, state, keys, ids)] = True
         return mask
 
-    def _to_start(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
-        """The mask of a state that goes to the grammar's start on all first bytes but a few: the start's, but the
-        tokens that open with those bytes (each byte's tokens a run of the sorted vocabulary) walked from the state."""
-        mask = self.allowed(grammar, START_STATE).clone()
-        for byte in grammar.leads_to_start(state):
+    def _delegated(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+        """The mask of a state that reads all first bytes but a few as another state does (JsonGrammar.delegate): the
+        other's, but the tokens that open with those bytes (each byte's tokens a run of the sorted vocabulary) walked
+        from the state."""
+        other, few = grammar.delegate(state)
+        mask = self.allowed(grammar, other).clone() if other is not None else torch.zeros(self.size, dtype=torch.bool)
+        for byte in few:
             low = bisect.bisect_left(self.all_keys, bytes([byte]))
             high = bisect.bisect_left(self.all_keys, bytes([byte + 1]))
             mask[self.all_ids[low:high]] = False
