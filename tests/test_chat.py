@@ -11,6 +11,7 @@ from dflash.chat import Conversation, StopOnInterrupt
 from dflash.cli import main
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
+from dflash.models.target import TemplateOptions
 from dflash.testing import tiny_target
 
 
@@ -99,3 +100,23 @@ def test_a_stopped_reply_is_cut_cleanly_and_kept_in_the_conversation(capsys, mon
     assert "(stopped)" in err
     whole = ar_replies(["w1 w2 w3"], max_new=30)[0]
     assert whole.startswith(out.rstrip("\n")) and len(out.rstrip("\n")) < len(whole)
+
+
+def test_the_templates_own_variables_reach_every_turn(capsys, monkeypatch):
+    """--chat-template-kwargs: a Qwen3-like template that closes the thinking in the prompt when enable_thinking is
+    false; the replies are the target's own to those prompts."""
+    lines = ["Hi", "More"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    argv = ["chat", "--target", "tiny-qwen2-hermes", "--max-new-tokens", "6", "--method", "ngram",
+            "--chat-template-kwargs", '{"enable_thinking": false}']
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    target = tiny_target("qwen2", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
+    ids = target.encode_messages([{"role": "user", "content": "Hi"}],
+                                 options=TemplateOptions({"enable_thinking": False}))
+    assert target.decode(ids).endswith("<assistant> <think>\n\n</think>\n\n")
+    first = SpeculativeDecoder(target).generate(ids, GenerationConfig(max_new_tokens=6)).text
+    assert out.startswith(first) and f"prompt {len(ids)} tokens" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert main(argv[:-1] + ["[1]"]) == 2
+    assert "chat_template_kwargs must be an object" in capsys.readouterr().err

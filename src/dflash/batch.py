@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
-from .generate import config_from_args, json_option, load_method
+from .generate import config_from_args, load_method, template_options_from_args
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
 from .models.target import TemplateOptions
 from .options import (add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments,
@@ -154,8 +154,7 @@ def run(args) -> int:
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     requests, output = read_requests(Path(args.input)), Path(args.output)
-    kwargs = json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
-    TemplateOptions(kwargs or {}).check([])
+    kwargs = template_options_from_args(args).kwargs
     parser = check_parser(args.reasoning_parser)
     done = answered_ids(output)
     todo = [request for request in requests if request.rid not in done]

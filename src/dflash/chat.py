@@ -9,12 +9,14 @@ Commands: /reset (a new conversation), /exit (or end of input). Ctrl-C stops a r
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 from dataclasses import dataclass, field, replace
 
 from .errors import UserError
-from .generate import WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method
+from .generate import (WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method,
+                       template_options_from_args)
 from .options import add_method_arguments, add_sampling_arguments, add_target_arguments
 
 PREFIX_CACHE_MB = 256  # the turns before, kept for the next turn (prefixes.py evicts the least recently used)
@@ -27,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p, max_new_tokens=512)
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
     p.add_argument("--quiet", action="store_true", help="no figures after each reply")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's own variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
 
 
 @dataclass
@@ -92,7 +96,9 @@ def run(args) -> int:
     from .loading import settle_heap
 
     config = config_from_args(args)
+    options = template_options_from_args(args)
     target, proposer = load_method(args, config)
+    encode = functools.partial(target.encode_messages, options=options)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks,
                                  prefix_cache_bytes=PREFIX_CACHE_MB << 20)
     settle_heap()
@@ -103,7 +109,7 @@ def run(args) -> int:
     room = decoder.budget([]) - min(args.max_new_tokens, REPLY_ROOM)  # prompt tokens a turn may take at most
     # the thread chooser's first probes before a reply is timed, on a greeting of its own: warming up on the first
     # turn would leave that turn's prompt in the prefix cache and its figures flattered
-    warm_up = target.encode_messages(Conversation(args.system).messages("Hello"))
+    warm_up = encode(Conversation(args.system).messages("Hello"))
     decoder.generate(warm_up, replace(config, max_new_tokens=WARM_UP_TOKENS))
     while (user := read_turn(interactive)) is not None:
         if user in ("/exit", "/quit"):
@@ -115,7 +121,7 @@ def run(args) -> int:
         if not user:
             continue
         try:
-            prompt_ids, dropped = conversation.fit(target.encode_messages, user, room)
+            prompt_ids, dropped = conversation.fit(encode, user, room)
         except UserError as exc:
             print(f"dflash: {exc}", file=sys.stderr)
             continue

@@ -59,11 +59,9 @@ def run(args) -> int:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     tools = tools_from_args(args)
-    template = TemplateOptions(json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
-                               or {})
+    template = template_options_from_args(args)
     if template.kwargs and args.no_chat:
         raise UserError("--chat-template-kwargs goes to the chat template: drop --no-chat")
-    template.check([])
     response_format, json_schema = reply_format(tools, config.response_format, config.json_schema)
     config = replace(config, response_format=response_format, json_schema=json_schema)
     target, proposer = load_method(args, config)
@@ -157,6 +155,14 @@ def tools_from_args(args) -> ToolRequest | None:
     if choice is not None and choice not in ("auto", "required", "none"):
         choice = {"type": "function", "function": {"name": choice}}
     return tool_request(tools, choice)
+
+
+def template_options_from_args(args) -> TemplateOptions:
+    """--chat-template-kwargs as the chat template's options, checked before the target loads."""
+    kwargs = json_option(args.chat_template_kwargs, "--chat-template-kwargs", "a JSON object", "{")
+    options = TemplateOptions({} if kwargs is None else kwargs)
+    options.check([])
+    return options
 
 
 def json_option(given: str | None, flag: str, wanted: str, opening: str):
