@@ -11,7 +11,7 @@ from conftest import ARCHS
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.models.target import TemplateOptions
-from dflash.reasoning import ThinkingDeltas, check_parser, split, thinking_state
+from dflash.reasoning import ThinkingDeltas, check_parser, split, thinking_of, thinking_state
 from dflash.sampling import SamplingConfig
 from dflash.structured import output_grammar
 from dflash.tools import tool_request
@@ -31,7 +31,10 @@ def thinker():
 
 def test_where_the_thinking_starts_is_read_from_the_prompt(thinker):
     def state(**kwargs):
-        ids = thinker.encode_messages([{"role": "user", "content": "Hi?"}], options=TemplateOptions(kwargs))
+        long = "a long question " * 20  # more tokens than thinking_of decodes
+        ids = thinker.encode_messages([{"role": "user", "content": long}], options=TemplateOptions(kwargs))
+        assert thinking_of(thinker, ids, "think") == thinking_state(thinker.decode(ids))
+        assert thinking_of(thinker, ids, None) is None
         return thinking_state(thinker.decode(ids))
     assert (state(), state(enable_thinking=False), state(think_open=True)) == ("optional", None, "open")
     assert check_parser("qwen3") == check_parser("deepseek_r1") == "think" and check_parser("none") is None

@@ -15,6 +15,7 @@ from .errors import UserError
 
 PARSERS = ("think", "qwen3", "deepseek_r1")  # one format, <think>...</think>, by the names vLLM gives it too
 OPEN, CLOSE = "<think>", "</think>"
+TAIL_TOKENS = 32  # of a prompt, decoded to see where its thinking stands: a tag and whitespace, however tokenized
 
 
 def check_parser(name: str | None) -> str | None:
@@ -24,8 +25,9 @@ def check_parser(name: str | None) -> str | None:
 
 
 def thinking_of(target, prompt_ids: list[int], parser: str | None) -> str | None:
-    """Where a reply to `prompt_ids` starts its thinking (thinking_state), None without a parser."""
-    return thinking_state(target.decode(prompt_ids)) if parser is not None else None
+    """Where a reply to `prompt_ids` starts its thinking (thinking_state), None without a parser. Only the prompt's
+    end is decoded: a long conversation's whole text would be decoded again for every request."""
+    return thinking_state(target.decode(prompt_ids[-TAIL_TOKENS:])) if parser is not None else None
 
 
 def thinking_state(prompt_text: str) -> str | None:
