@@ -2,7 +2,8 @@
 
 Usage: .venv/bin/python scripts/grammar_drafts_ab.py SWITCH FORMAT [METHODS] [REPEATS]
 SWITCH: cut (engine.within_grammar: a chain of drafts cut before its first token the grammar refuses) or forced
-(JsonConstraint.forced: the tokens of the bytes the grammar forces, a free draft beside the lookup's);
+(JsonConstraint.forced: the tokens of the bytes the grammar forces, a free draft beside the lookup's) or steer
+(engine.GRAMMAR_RUNNERS_UP: a drafter's runner-up taking the place of a draft the grammar refuses);
 FORMAT: json_object, a JSON Schema file (prompts: docs/data/session56/json_prompts.jsonl), or tools:CHOICE (the
 functions and questions of scripts/tool_calls_bench.py, tool_choice CHOICE: required or auto); METHODS:
 comma-separated (default dflash+ngram,dflash); float32 SmolLM2-135M-Instruct, greedy, 128 new tokens. Each repeat
@@ -25,7 +26,8 @@ PROMPTS = Path(__file__).resolve().parent.parent / "docs" / "data" / "session56"
 def switch(name: str):
     """set(on): the switch's function, or the one that does without it."""
     owner, attribute, without = {"cut": (engine, "within_grammar", lambda seq, draft: draft),
-                                 "forced": (JsonConstraint, "forced", lambda self, output: [])}[name]
+                                 "forced": (JsonConstraint, "forced", lambda self, output: []),
+                                 "steer": (engine, "GRAMMAR_RUNNERS_UP", 0)}[name]
     default = getattr(owner, attribute)
     return lambda on: setattr(owner, attribute, default if on else without)
 

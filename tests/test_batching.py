@@ -137,9 +137,9 @@ def test_seeded_sampling_in_a_batch_is_reproducible(tiny_targets):
 
 @pytest.mark.parametrize("draft_vocab", [None, list(range(5, 40))], ids=["whole-vocabulary", "draft-vocabulary"])
 def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets, draft_vocab):
-    """propose_batch gives each row the drafts and confidences it gets alone, over rounds in which the rows'
-    contexts grow by different amounts; a row whose `keep_going` says no after the first FIRST_READ positions gets
-    their drafts alone, the others the whole block."""
+    """propose_batch gives each row the drafts, confidences and runners-up (where it asks for them) it gets alone,
+    over rounds in which the rows' contexts grow by different amounts; a row whose `keep_going` says no after the
+    first FIRST_READ positions gets their drafts alone, the others the whole block."""
     import copy
 
     import torch
@@ -160,8 +160,9 @@ def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets, draft_vocab):
     features = [target.forward(torch.tensor([s[:-1]]), None, template.feature_layers).features for s in sequences]
     alone, together, stepped = ([copy.copy(template) for _ in sequences] for _ in range(3))
     for proposers in (alone, together, stepped):
-        for p, s, f in zip(proposers, sequences, features):
+        for p, s, f, runners_up in zip(proposers, sequences, features, (2, 0, 3)):
             p.start(s[:-1], f)
+            p.alternatives = runners_up
     for grow in ((0, 0, 0), (3, 1, 2), (1, 5, 1)):
         for i, n in enumerate(grow):  # commit n more tokens (their features) before the next round
             if n:
@@ -180,6 +181,11 @@ def test_dflash_drafts_a_whole_batch_in_one_pass(tiny_targets, draft_vocab):
             torch.testing.assert_close(torch.tensor(a.confidence), torch.tensor(b.confidence), atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(torch.tensor(a.confidence[:read]), torch.tensor(c.confidence),
                                        atol=1e-5, rtol=1e-4)
+            runners_up = [[t for t, _ in others] for others in a.alternatives] if a.alternatives else None
+            assert runners_up == ([[t for t, _ in o] for o in b.alternatives] if b.alternatives else None)
+            assert (runners_up and runners_up[:read]) == ([[t for t, _ in o] for o in c.alternatives]
+                                                          if c.alternatives else None)
+        assert [len(d.alternatives[0]) if d.alternatives else 0 for d in solo] == [2, 0, 3]
         assert len(set(tuple(d.tokens) for d in solo)) > 1
 
 

@@ -420,9 +420,9 @@ def test_dflash_reads_fewer_drafts_and_chooses_the_same(tiny_targets, monkeypatc
         proposer = DFlashProposer(make_drafter(target, 16), target)
         read_drafts, positions = proposer.read_drafts, []
 
-        def counted(hidden, base=None):
+        def counted(hidden, base=None, runners_up=0):
             positions.append(hidden.shape[0] * hidden.shape[1])
-            return read_drafts(hidden, base)
+            return read_drafts(hidden, base, runners_up)
 
         clock = FakeClock(per_token=0.0005)
         with monkeypatch.context() as m:
@@ -453,9 +453,9 @@ def test_reading_in_steps_stops_where_rows_keep_needing_more(tiny_targets):
     reads = []
     read_drafts = proposer.read_drafts
 
-    def counted(hidden, base=None):
+    def counted(hidden, base=None, runners_up=0):
         reads.append(hidden.shape[1])
-        return read_drafts(hidden, base)
+        return read_drafts(hidden, base, runners_up)
 
     proposer.read_drafts = counted
     hidden = torch.randn(1, proposer.max_draft, target.hidden_size)

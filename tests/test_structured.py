@@ -580,6 +580,73 @@ def test_drafts_the_grammar_refuses_are_never_verified(byte_targets):
     assert sum(result.stats.accept_lengths) == len(expected) - 1  # all but the first token, from the prompt pass
 
 
+class RefusedWithRunnersUp(Proposer):
+    """Seven drafts along a valid continuation (the oracle's) but the fourth, which the grammar refuses; where the
+    engine asks for runners-up, that position's are another refused token, then the right one."""
+
+    name = "runners-up"
+
+    def __init__(self, reference: list[int], prompt_len: int, refused: int, other_refused: int):
+        self.reference, self.prompt_len, self.max_draft = reference, prompt_len, 7
+        self.refused, self.other_refused = refused, other_refused
+
+    def propose(self, sequence, limit=None, keep_going=None):
+        done = len(sequence) - self.prompt_len
+        right = self.reference[done: done + 7]
+        if len(right) < 5:
+            return Draft(right, [0.9] * len(right))
+        tokens = right[:3] + [self.refused] + right[4:]
+        alternatives = None
+        if self.alternatives:
+            alternatives = [[] for _ in tokens]
+            alternatives[3] = [(self.other_refused, 0.2), (right[3], 0.1), (right[0], 0.05)]
+        return Draft(tokens, [0.5] * len(tokens), alternatives=alternatives)
+
+
+def test_a_runner_up_the_grammar_allows_takes_a_refused_drafts_place(byte_targets, monkeypatch):
+    import dflash.engine as engine
+
+    target = byte_targets["qwen3"]
+    prompt_ids = target.encode_prompt(PROMPT)
+    sampling = SamplingConfig(logit_bias=structure_bias(target, False))
+    expected = plain_constrained_loop(target, prompt_ids, sampling)
+    refused, other = target.tokenizer.mask_token_id, target.tokenizer.pad_token_id
+    proposer = RefusedWithRunnersUp(expected, len(prompt_ids), refused, other)
+    steered = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, json_config(sampling))
+    assert steered.tokens == expected
+    assert max(steered.stats.draft_lengths) == 7  # the right runner-up in the refused draft's place
+    assert sum(steered.stats.accept_lengths) == len(expected) - 1  # and every draft accepted
+    monkeypatch.setattr(engine, "GRAMMAR_RUNNERS_UP", 0)  # none asked for: cut before the refused draft
+    cut = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, json_config(sampling))
+    assert cut.tokens == expected and max(cut.stats.draft_lengths) == 3
+    assert steered.stats.num_rounds < cut.stats.num_rounds
+
+
+def test_a_runner_ups_confidence_is_renormalised_over_what_the_refused_leave():
+    from dflash.engine import runner_up_confidence
+
+    others = [(5, 0.2), (6, 0.1)]
+    assert runner_up_confidence(0.6, others, 0) == 0.6
+    assert runner_up_confidence(0.6, others, 1) == pytest.approx(0.2 / 0.4)
+    assert runner_up_confidence(0.6, others, 2) == pytest.approx(0.1 / 0.2)
+
+
+def test_the_drafters_runners_up_are_its_next_candidates_best_first(tiny_targets):
+    target = tiny_targets["llama"]
+    proposer = DFlashProposer(make_drafter(target, 8), target)
+    hidden = torch.randn(2, 5, target.hidden_size)
+    drafts, confidence, none = proposer.read_drafts(hidden)
+    same, same_confidence, alternatives = proposer.read_drafts(hidden, runners_up=3)
+    assert none is None and torch.equal(drafts, same) and torch.equal(confidence, same_confidence)
+    probabilities = proposer.base_logits(hidden).softmax(-1).view(2, 5, -1)
+    assert len(alternatives) == 2 and all(len(row) == 5 and all(len(c) == 3 for c in row) for row in alternatives)
+    for r in range(2):
+        for j in range(5):
+            order = probabilities[r, j].argsort(descending=True)[:4].tolist()
+            assert [drafts[r, j].item()] + [t for t, _ in alternatives[r][j]] == order
+            assert [p for _, p in alternatives[r][j]] == pytest.approx(probabilities[r, j, order[1:]].tolist())
+
+
 LONG_KEYS = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"},
                                               "another_long_property_name": {"enum": ["yes", "no"]}},
              "required": ["a_rather_long_property_name", "another_long_property_name"]}

@@ -48,6 +48,9 @@ FIRST_LOGITS = 8
 # first: up to four rows run against two panels at once, bound by the memory like one row (native.c).
 FIRST_SCREENED = 4
 PROMPT_LOGITS_CHUNK = 256  # prompt positions whose logits are scored at once (GenerationConfig.prompt_logprobs)
+# runner-up candidates a drafter reads at each position for a sequence under a grammar: where the grammar refuses
+# its draft, the first of them it allows takes the draft's place (within_grammar)
+GRAMMAR_RUNNERS_UP = 7
 OVERRUN_SMOOTHING = 0.1  # EMA weight of a wide round's "some row needed logits past FIRST_LOGITS"
 
 
@@ -412,6 +415,8 @@ class Engine:
         if drafting:
             # a row still reading a long context backlog (its prompt) makes this pass no measure of a steady round
             catching_up = max(s.proposer.context_backlog() for s in drafting) > CATCH_UP_TOKENS
+            for seq in drafting:  # a grammar may take a runner-up where it refuses a draft
+                seq.proposer.alternatives = GRAMMAR_RUNNERS_UP if seq.grammar is not None else 0
             started = self.timer()
             made = type(drafting[0].proposer).propose_batch(
                 [s.proposer for s in drafting], [s.sequence for s in drafting],
@@ -855,15 +860,32 @@ def free_drafts(seq: Sequence) -> list[Draft]:
 
 
 def within_grammar(seq: Sequence, draft: Draft) -> Draft:
-    """A chain of drafts cut before its first token the sequence's grammar refuses: the target never picks that
-    token, so verifying it, and the drafts after it, could only cost. The controller then chooses among the rest."""
+    """A chain of drafts held to the sequence's grammar: where it refuses a draft the first of the drafter's
+    runners-up there that it allows takes its place (Draft.alternatives), and the chain is cut before a position
+    where it allows none. The target never picks a refused token, so verifying it, and the drafts after it, could
+    only cost. The controller then chooses among the rest."""
     if seq.grammar is None or draft.parents is not None or not draft.tokens:
         return draft
-    keep = seq.grammar.allowed_prefix(seq.output, draft.tokens)
-    if keep == len(draft.tokens):
+    alternatives = draft.alternatives or [[] for _ in draft.tokens]
+    candidates = [[token] + [t for t, _ in others] for token, others in zip(draft.tokens, alternatives)]
+    chosen = seq.grammar.allowed_chain(seq.output, candidates)
+    if chosen == [0] * len(draft.tokens):
         return draft
-    confidence = draft.confidence[:keep] if draft.confidence is not None else None
-    return Draft(draft.tokens[:keep], confidence, draft.label)
+    tokens = [options[index] for options, index in zip(candidates, chosen)]
+    confidence = None
+    if draft.confidence is not None:
+        confidence = [runner_up_confidence(p, others, index)
+                      for p, others, index in zip(draft.confidence, alternatives, chosen)]
+    return Draft(tokens, confidence, draft.label)
+
+
+def runner_up_confidence(first: float, others: list[tuple[int, float]], index: int) -> float:
+    """The drafter's probability of its candidate `index` at a position (0: its own draft, i: runner-up i) given
+    that the grammar refused the candidates before it: renormalised over what they leave."""
+    if index == 0:
+        return first
+    refused = first + sum(p for _, p in others[: index - 1])
+    return min(1.0, others[index - 1][1] / max(1e-9, 1.0 - refused))
 
 
 def grammar_masked(logits: torch.Tensor, seq: Sequence, past: list[int]) -> torch.Tensor:

@@ -320,19 +320,31 @@ class JsonConstraint:
     def allowed_prefix(self, output: list[int], draft: list[int]) -> int:
         """How many of `draft`'s first tokens the grammar allows after the committed `output` (a stop token only
         once the document is whole, and nothing after it)."""
+        return len(self.allowed_chain(output, [[token] for token in draft]))
+
+    def allowed_chain(self, output: list[int], candidates: list[list[int]]) -> list[int]:
+        """A chain through each position's candidate tokens (best first) after the committed `output`: at each
+        position the index of the first candidate the grammar allows after those chosen before it, up to the first
+        position where it allows none (a stop token only once the document is whole, and nothing after it)."""
         self.commit(output)
-        state = self.state
-        for count, token in enumerate(draft):
-            if state[0] == TEXT:
-                return len(draft)
-            if token in self.stop_ids:
-                return count + 1 if self.grammar.may_end(state) else count
-            if self.grammar.finished(state):
-                return count
-            state = self.vocabulary.advance(self.grammar, state, token)
-            if state is None:
-                return count
-        return len(draft)
+        state, chosen = self.state, []
+        for options in candidates:
+            if state[0] == TEXT:  # free text from here: every first candidate
+                return chosen + [0] * (len(candidates) - len(chosen))
+            for index, token in enumerate(options):
+                if token in self.stop_ids:
+                    if self.grammar.may_end(state):
+                        return chosen + [index]
+                    continue
+                advanced = None if self.grammar.finished(state) else self.vocabulary.advance(self.grammar, state,
+                                                                                            token)
+                if advanced is not None:
+                    state = advanced
+                    chosen.append(index)
+                    break
+            else:
+                return chosen
+        return chosen
 
     def forced(self, output: list[int]) -> list[int]:
         """Tokens of the bytes the grammar forces after the committed `output` (JsonVocabulary.forced)."""

@@ -42,6 +42,9 @@ class Draft:
     # a tree of drafts (trees.py): parents[i] is draft i's parent, by block index (0: the bonus, j: draft j - 1),
     # each below its child's; None: a chain
     parents: list[int] | None = None
+    # a chain's runner-up candidates at each position read, (token, probability) best first after the draft's own
+    # token: where a grammar refuses a draft, the first it allows takes its place (engine.within_grammar); None: none
+    alternatives: list[list[tuple[int, float]]] | None = None
 
 
 class Proposer:
@@ -61,6 +64,9 @@ class Proposer:
     # drafts a tree of this many nodes a round (trees.py), every node verified (the controller prices chains only);
     # None: a chain
     tree_nodes: int | None = None
+    # runner-up candidates wanted at each draft position this round (Draft.alternatives), set by the engine for a
+    # sequence under a grammar; a proposer that reads a distribution per position provides them, others ignore it
+    alternatives: int = 0
 
     def setup_report(self) -> dict:
         """What its set-up chose beyond the draft dtype (e.g. the kernel of a drafter's LM head), for `report`."""

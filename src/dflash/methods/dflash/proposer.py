@@ -177,18 +177,30 @@ class DFlashProposer(FeatureBacklog, Proposer):
         # over bf16 logits it took 2.5 ms for 15 rows, converting first 0.5 ms (same indices)
         return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).float()
 
-    def read_drafts(self, hidden: torch.Tensor, base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(drafts, confidences), each [rows, positions], from the drafter's hidden states at the draft positions
-        (`base`: their base-head logits, when already computed for a whole batch)."""
+    def read_drafts(self, hidden: torch.Tensor, base: torch.Tensor | None = None, runners_up: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """(drafts, confidences, alternatives): drafts and confidences [rows, positions] from the drafter's hidden
+        states at the draft positions (`base`: their base-head logits, when already computed for a whole batch);
+        with `runners_up`, each row's next candidates at each position as (token, probability) pairs, best first
+        (Draft.alternatives), else None."""
         rows, positions, width = hidden.shape
         flat = hidden.reshape(-1, width)
         logits = self.base_logits(hidden) if base is None else base
         if self.prompt_rows is not None:
             logits = torch.cat([logits, F.linear(flat, self.prompt_rows).float()], dim=-1)
-        confidence, drafts = logits.softmax(-1).max(-1)  # softmax keeps the order: the same drafts as argmax
+        probabilities = logits.softmax(-1)  # softmax keeps the order: the same drafts as argmax
+        if runners_up:
+            confidence, drafts = probabilities.topk(1 + min(runners_up, probabilities.shape[-1] - 1), dim=-1)
+        else:
+            confidence, drafts = probabilities.max(-1, keepdim=True)
         if self.vocab_ids is not None:
             drafts = self.vocab_ids[drafts]
-        return drafts.view(rows, positions), confidence.view(rows, positions)
+        alternatives = None
+        if runners_up:
+            pairs = zip(drafts[:, 1:].tolist(), confidence[:, 1:].tolist())
+            flat_alternatives = [list(zip(ids, chances)) for ids, chances in pairs]
+            alternatives = [flat_alternatives[r * positions: (r + 1) * positions] for r in range(rows)]
+        return drafts[:, 0].view(rows, positions), confidence[:, 0].view(rows, positions), alternatives
 
     @staticmethod
     @torch.inference_mode()
@@ -240,20 +252,25 @@ class DFlashProposer(FeatureBacklog, Proposer):
 
     def _read_rows(self, proposers: list["DFlashProposer"], hidden: torch.Tensor, rows: list[int], start: int,
                    stop: int, made: list[Draft]) -> None:
-        """Appends positions start..stop of `rows` to their drafts."""
+        """Appends positions start..stop of `rows` to their drafts (with their runners-up where a row wants them)."""
         part = hidden[rows, start:stop] if len(rows) < hidden.shape[0] else hidden[:, start:stop]
+        runners_up = max(proposers[r].alternatives for r in rows)
         if self.base_vocab is None:  # one head for every row
-            drafts, confidence = self.read_drafts(part)
-            read = list(zip(drafts.tolist(), confidence.tolist()))
+            drafts, confidence, alternatives = self.read_drafts(part, runners_up=runners_up)
+            read = list(zip(drafts.tolist(), confidence.tolist(), alternatives or [None] * len(rows)))
         else:  # the base head once for these rows (it is every row's), then each row's own prompt tokens
             base = self.base_logits(part).view(len(rows), stop - start, -1)
             read = []
             for i, r in enumerate(rows):
-                drafts, confidence = proposers[r].read_drafts(part[i: i + 1], base[i])
-                read.append((drafts[0].tolist(), confidence[0].tolist()))
-        for r, (drafts, confidence) in zip(rows, read):
+                drafts, confidence, alternatives = proposers[r].read_drafts(part[i: i + 1], base[i],
+                                                                            proposers[r].alternatives)
+                read.append((drafts[0].tolist(), confidence[0].tolist(), alternatives and alternatives[0]))
+        for r, (drafts, confidence, alternatives) in zip(rows, read):
             made[r].tokens += drafts
             made[r].confidence += confidence
+            wanted = proposers[r].alternatives
+            if wanted:  # the batch read as many as its most wanting row
+                made[r].alternatives = (made[r].alternatives or []) + [others[:wanted] for others in alternatives]
 
 
 def measured_break_even(proposer: DFlashProposer, target, precision: str, repeats: int = 7) -> float:
