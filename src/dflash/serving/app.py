@@ -39,6 +39,7 @@ from .schemas import (
 )
 from ..reasoning import check_parser, thinking_of
 from ..tools import encode_chat, tool_request, tool_style
+from .responses import ResponseNotFound, Responses
 from .streaming import ChatChoiceStream, TextDeltas
 from .worker import (
     DISCONNECT_POLL_S,
@@ -252,6 +253,21 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         prompt_ids = completion_prompt_ids(target, body.prompt)
         return await service.complete(request, body, prompt_ids, chat=False)
 
+    responses = Responses(service, call_style)
+
+    @app.post("/v1/responses")
+    async def create_response(body: body_types.ResponsesRequest, request: Request):
+        return await responses.create(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.store.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post("/tokenize")
     async def tokenize(body: body_types.TokenizeRequest):
         service.check_model(body.model)
@@ -309,6 +325,10 @@ def add_error_handlers(app) -> None:
 
     @app.exception_handler(ModelNotFound)
     async def model_not_found(request, exc: ModelNotFound):
+        return openai_error(404, str(exc))
+
+    @app.exception_handler(ResponseNotFound)
+    async def response_not_found(request, exc: ResponseNotFound):
         return openai_error(404, str(exc))
 
     @app.exception_handler(ServerBusy)

@@ -114,6 +114,18 @@ def schemas() -> SimpleNamespace:
         suffix: str | None = None
         logprobs: int | None = None  # the legacy API's: how many most likely tokens beside the chosen one
 
+    class ResponsesRequest(OpenAIFields, TemplateFields):  # the Responses API's own fields (responses.py)
+        input: str | list
+        instructions: str | None = None
+        max_output_tokens: int | None = None
+        text: dict[str, dict] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+        previous_response_id: str | None = None
+        store: bool = True
+        metadata: dict | None = None
+        reasoning: dict | None = None
+        top_logprobs: int | None = None  # refused (responses.chat_form); log-probabilities are chat's
+        logprobs: bool = False
+
     class TokenizeRequest(TemplateFields):  # vLLM's /tokenize: a prompt, or chat messages through the template
         model_config = ConfigDict(extra="ignore")
         model: str | None = None
@@ -128,7 +140,9 @@ def schemas() -> SimpleNamespace:
         tokens: list[int]
 
     return SimpleNamespace(ChatRequest=ChatRequest, CompletionRequest=CompletionRequest,
-                           TokenizeRequest=TokenizeRequest, DetokenizeRequest=DetokenizeRequest)
+                           ResponsesRequest=ResponsesRequest, TokenizeRequest=TokenizeRequest,
+                           DetokenizeRequest=DetokenizeRequest, ResponseFormat=ResponseFormat,
+                           JsonSchemaFormat=JsonSchemaFormat)
 
 
 def choice_configs(body, default_max_tokens: int, max_choices: int, vocab_size: int,
@@ -188,7 +202,8 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
         (body.response_format is None or (body.response_format.type == "json_schema")
          == (body.response_format.json_schema is not None),
          "response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}"),
-        (hasattr(body, "messages") or not body.tools, "tools are for chat completions (/v1/chat/completions)"),
+        (not body.tools or hasattr(body, "messages") or hasattr(body, "input"),
+         "tools are for chat completions (/v1/chat/completions)"),
     ]
     for ok, message in checks:
         if not ok:

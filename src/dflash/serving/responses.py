@@ -1,0 +1,412 @@
+"""OpenAI's Responses API (POST /v1/responses) over the same engine, templates, grammars and parsers as chat.
+
+A request's `input` (text, or items: messages, earlier function calls and their outputs, earlier reasoning) becomes
+a chat conversation after its `instructions`; the reply comes back as output items (its reasoning, its message's
+text, its function calls), whole or as the API's semantic stream events. Responses are kept in memory (the most
+recent STORED_RESPONSES) for `previous_response_id`, GET and DELETE.
+
+No `from __future__ import annotations`: FastAPI reads the annotations of the handlers built here.
+"""
+
+import asyncio
+import copy
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..errors import UserError
+from ..jsonl import openai_role
+from ..reasoning import thinking_of
+from ..tools import encode_chat, tool_request
+from .schemas import Exchange, check_fits, choice_configs, schemas
+from .streaming import ChatChoiceStream, TextDeltas
+from .worker import END_OF_STREAM, Job, cancel, wait_for_results
+
+if TYPE_CHECKING:
+    from .app import Service
+
+STORED_RESPONSES = 1024  # kept for previous_response_id and GET; the oldest is forgotten first
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+class ResponseNotFound(Exception):
+    """A response id this server does not hold (HTTP 404, as OpenAI answers)."""
+
+
+# ---- the request ------------------------------------------------------------------------------------------------
+def chat_form(body) -> None:
+    """Fill in the chat fields that generation_config reads from the Responses API's own (in place)."""
+    if body.n != 1:
+        raise UserError("the Responses API makes one output; n is not supported")
+    if body.top_logprobs is not None:
+        raise UserError("top_logprobs is not supported by /v1/responses here (/v1/chat/completions has it)")
+    body.max_tokens = body.max_output_tokens
+    kind = text_format(body)
+    if not isinstance(kind, dict) or kind.get("type") not in ("text", "json_object", "json_schema"):
+        raise UserError("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                        "\"json_schema\", \"name\": ..., \"schema\": {...}}")
+    if kind["type"] == "json_schema" and not isinstance(kind.get("schema"), dict):
+        raise UserError("text.format json_schema needs its schema: {\"type\": \"json_schema\", \"name\": ..., "
+                        "\"schema\": {...}}")
+    types = schemas()
+    body.response_format = None if kind["type"] == "text" else types.ResponseFormat(
+        type=kind["type"], json_schema=types.JsonSchemaFormat(name=kind.get("name", "response"),
+                                                              schema=kind["schema"])
+        if kind["type"] == "json_schema" else None)
+
+
+def text_format(body):
+    """The request's `text.format` ({"type": "text"} where it sets none)."""
+    return (body.text or {}).get("format", {"type": "text"})
+
+
+def chat_tools(tools: list | None, tool_choice) -> tuple[list | None, object]:
+    """The Responses API's function tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's
+    layout; other kinds of tools (the hosted ones) are refused."""
+    functions = []
+    for tool in tools or []:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise UserError(f"only function tools are supported here, got {kind!r}")
+        functions.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    if isinstance(tool_choice, dict):
+        if tool_choice.get("type") != "function" or "name" not in tool_choice:
+            raise UserError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}')
+        tool_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
+    return functions or None, tool_choice
+
+
+def input_messages(given) -> list[dict]:
+    """The request's `input` as chat messages: text is one user message; items are messages, earlier function
+    calls (joined to the assistant turn before them), their outputs (tool turns) and earlier reasoning (the next
+    assistant turn's `reasoning_content`)."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages, reasoning = [], None
+    for k, item in enumerate(given):
+        if not isinstance(item, dict):
+            raise UserError(f"input[{k}] must be an object, got {type(item).__name__}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                raise UserError(f"input[{k}].role must be system, developer, user or assistant, got {role!r}")
+            message = {"role": openai_role(role), "content": text_of(item.get("content"), f"input[{k}].content")}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if not isinstance(call["function"]["name"], str) or not isinstance(call["function"]["arguments"], str):
+                raise UserError(f"input[{k}]: a function_call needs its name and its arguments as a string")
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None})
+                if reasoning is not None:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, None
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": text_of(item.get("output"), f"input[{k}].output")})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = text_of(parts, f"input[{k}].content")
+        else:
+            raise UserError(f"input[{k}]: items of type {kind!r} are not supported here (messages, function_call, "
+                            f"function_call_output and reasoning are)")
+    return messages
+
+
+def text_of(content, where: str) -> str:
+    """A message's text: a string, or its text parts joined (images and files are refused)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise UserError(f"{where} must be text or a list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UserError(f"{where}: only text parts are supported here, got {kind!r}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+# ---- the output -------------------------------------------------------------------------------------------------
+class OutputItems:
+    """A response's output items as the reply writes them: its reasoning, its message's text, its function calls.
+    Each method returns the stream events it makes (a new kind of output closes the item before it); `items` is
+    the output so far, as a whole response shows it."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self.open: dict | None = None
+
+    def reasoning(self, text: str) -> list[dict]:
+        return self._text("reasoning", text)
+
+    def text(self, text: str) -> list[dict]:
+        return self._text("message", text)
+
+    def call(self, call_id: str, name: str) -> list[dict]:
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+                "arguments": "", "status": "in_progress"}
+        return self.close() + self._add(item)
+
+    def arguments(self, fragment: str) -> list[dict]:
+        item = self.open
+        item["arguments"] += fragment
+        return [{"type": "response.function_call_arguments.delta", **self._at(item), "delta": fragment}]
+
+    def close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        events = []
+        if item["type"] == "function_call":
+            events.append({"type": "response.function_call_arguments.done", **self._at(item),
+                           "name": item["name"], "arguments": item["arguments"]})
+        else:
+            part = item["content"][0]
+            kind = "response.output_text" if item["type"] == "message" else "response.reasoning_text"
+            events += [{"type": f"{kind}.done", **self._at(item), "content_index": 0, "text": part["text"]},
+                       {"type": "response.content_part.done", **self._at(item), "content_index": 0,
+                        "part": copy.deepcopy(part)}]
+        if item["type"] == "reasoning":
+            del item["status"]  # a reasoning item has none once whole
+        return events + [{"type": "response.output_item.done", "output_index": self.items.index(item),
+                          "item": copy.deepcopy(item)}]
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []} if kind == "message"
+                    else {"type": "reasoning_text", "text": ""})
+            item = ({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                     "role": "assistant", "content": []} if kind == "message"
+                    else {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [],
+                          "status": "in_progress"})
+            events += self.close() + self._add(item)
+            item["content"].append(part)
+            events.append({"type": "response.content_part.added", **self._at(item), "content_index": 0,
+                           "part": copy.deepcopy(part)})
+        self.open["content"][0]["text"] += text
+        kind = "response.output_text" if kind == "message" else "response.reasoning_text"
+        delta = {"logprobs": []} if kind == "response.output_text" else {}
+        return events + [{"type": f"{kind}.delta", **self._at(self.open), "content_index": 0, "delta": text,
+                          **delta}]
+
+    def _add(self, item: dict) -> list[dict]:
+        self.items.append(item)
+        self.open = item
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                 "item": copy.deepcopy(item)}]
+
+    def _at(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.items.index(item)}
+
+
+def whole_output(exchange: Exchange, text: str) -> OutputItems:
+    """The output items of a whole reply."""
+    output = OutputItems()
+    thought, answer = exchange.thought_and_answer(text)
+    calls = exchange.tools.calls(answer) if exchange.tools is not None else None
+    if thought:
+        output.reasoning(thought)
+    words = answer if calls is None else exchange.tools.content(answer)
+    if words:
+        output.text(words)
+    for call in calls or []:
+        output.call(call["id"], call["function"]["name"])
+        output.arguments(call["function"]["arguments"])
+    output.close()
+    return output
+
+
+class ResponseStream(ChatChoiceStream):
+    """A streamed reply's output items: the chat stream's deltas (its thinking, its words, each call's id and name,
+    then its arguments' pieces) as the Responses API's events. Each of its pieces is a list of events where the
+    chat stream's is a chunk."""
+
+    def __init__(self, exchange: Exchange):
+        super().__init__(exchange, 0)
+        self.output = OutputItems()
+
+    def _chunk(self, text: str | None, delta: dict | None = None) -> list[dict]:
+        self.logprobs = None
+        if delta is None:
+            return self.output.text(text) if text else []
+        if "reasoning" in delta:
+            return self.output.reasoning(delta["reasoning"])
+        (call,) = delta["tool_calls"]
+        if "id" in call:
+            return self.output.call(call["id"], call["function"]["name"])
+        return self.output.arguments(call["function"]["arguments"])
+
+
+# ---- the service ------------------------------------------------------------------------------------------------
+class ResponseStore:
+    """The most recent responses, each with the conversation that led to it and its reply (for
+    previous_response_id), thread-safe."""
+
+    def __init__(self, capacity: int = STORED_RESPONSES):
+        self.capacity, self.kept, self.lock = capacity, OrderedDict(), threading.Lock()
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        with self.lock:
+            self.kept[response["id"]] = (response, messages)
+            while len(self.kept) > self.capacity:
+                self.kept.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+        with self.lock:
+            if response_id not in self.kept:
+                raise ResponseNotFound(f"response {response_id!r} not found (this server keeps its last "
+                                       f"{self.capacity} stored responses, in memory)")
+            return self.kept[response_id]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        with self.lock:
+            self.kept.pop(response_id, None)
+
+
+def reply_messages(items: list[dict]) -> list[dict]:
+    """A response's output as the chat messages a later turn's conversation holds."""
+    return input_messages([item for item in items if item["type"] != "message"
+                           or item["content"][0]["text"]] if items else [])
+
+
+class Responses:
+    """POST /v1/responses for `service`, with the tool format `call_style`."""
+
+    def __init__(self, service: "Service", call_style: str):
+        self.service, self.call_style, self.store = service, call_style, ResponseStore()
+
+    async def create(self, request, body):
+        service, target = self.service, self.service.target
+        service.check_model(body.model)
+        chat_form(body)
+        functions, choice = chat_tools(body.tools, body.tool_choice)
+        tools = tool_request(functions, choice, body.parallel_tool_calls, self.call_style)
+        earlier = self.store.get(body.previous_response_id)[1] if body.previous_response_id else []
+        turns = earlier + input_messages(body.input)
+        if not turns:
+            raise UserError("input is empty")
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        prompt_ids = encode_chat(target, system + turns, tools, body.template_options())
+        (config,) = choice_configs(body, service.default_max_tokens, service.worker.max_queue, target.vocab_size,
+                                   tools)
+        check_fits(prompt_ids, service.worker.engine)
+        thinking = thinking_of(target, prompt_ids, service.reasoning_parser)
+        config = replace(config, thinking=thinking)
+        exchange = Exchange(True, service.model_name, service.proposer.name, len(prompt_ids), target.tokenizer,
+                            tools=tools, reasoning=service.reasoning_parser is not None, thinking=thinking)
+        response = self.shell(body, exchange)
+        if body.stream:
+            return self.stream(request, body, prompt_ids, config, exchange, response, turns)
+        job = Job(prompt_ids, config)
+        service.worker.submit([job])
+        results = await wait_for_results([job], request, service.metrics)
+        if results is None:
+            from fastapi.responses import Response
+
+            return Response(status_code=499)
+        output = whole_output(exchange, results[0].text)
+        return self.finished(body, response, exchange, output.items, job, results[0], turns)
+
+    def shell(self, body, exchange: Exchange) -> dict:
+        """The response object before its output: what the request asked for, status in_progress."""
+        return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+                "status": "in_progress", "error": None, "incomplete_details": None,
+                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+                "model": exchange.model, "output": [], "parallel_tool_calls": body.parallel_tool_calls,
+                "previous_response_id": body.previous_response_id,
+                "reasoning": body.reasoning or {"effort": None, "summary": None},
+                "store": body.store, "temperature": body.temperature, "text": {"format": text_format(body)},
+                "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": body.top_p,
+                "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {}}
+
+    def finished(self, body, response: dict, exchange: Exchange, items: list[dict], job: Job, result,
+                 turns: list[dict]) -> dict:
+        """The whole response object (kept for later turns where `store`)."""
+        usage = exchange.usage([result])
+        thought = "".join(item["content"][0]["text"] for item in items if item["type"] == "reasoning")
+        reasoning_tokens = len(self.service.target.tokenizer.encode(thought, add_special_tokens=False))
+        cut = result.finish_reason == "length"
+        response = {**response, "status": "incomplete" if cut else "completed", "output": items,
+                    "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                    "usage": {"input_tokens": usage["prompt_tokens"],
+                              "input_tokens_details": usage["prompt_tokens_details"],
+                              "output_tokens": usage["completion_tokens"],
+                              "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                              "total_tokens": usage["total_tokens"]},
+                    "dflash": exchange.extension(job.queue_s, [result])}
+        if body.store:
+            self.store.put(response, turns + reply_messages(items))
+        return response
+
+    def stream(self, request, body, prompt_ids, config, exchange: Exchange, response: dict, turns: list[dict]):
+        from fastapi.responses import StreamingResponse
+
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        stop_ids = config.stop_ids(self.service.target.eos_token_ids)
+        job = Job(prompt_ids, config, TextDeltas(self.service.target.decode, config.stop_strings, stop_ids),
+                  emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
+        self.service.worker.submit([job])  # queued now, so a busy server answers 503 before the stream starts
+        events = self.stream_events(request, body, job, pieces, exchange, response, turns)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def stream_events(self, request, body, job: Job, pieces, exchange: Exchange, response: dict,
+                            turns: list[dict]):
+        from .app import next_piece
+
+        numbered = EventNumbers()
+        try:
+            yield numbered.sse({"type": "response.created", "response": response})
+            yield numbered.sse({"type": "response.in_progress", "response": response})
+            reply = ResponseStream(exchange)
+            while True:
+                piece = await next_piece(pieces, request)
+                if piece is None:
+                    return  # the client went away; `finally` cancels the job
+                if piece is END_OF_STREAM:
+                    break
+                for events in reply.piece(piece.text, None):
+                    if events:
+                        yield numbered.sse(*events)
+            try:
+                result = await job.future
+            except Exception as exc:  # the status line is long gone: the API's error event
+                kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
+                yield numbered.sse({"type": "error", "code": kind, "message": str(exc), "param": None})
+                return
+            for events in [*reply.finish(result), reply.output.close()]:
+                if events:
+                    yield numbered.sse(*events)
+            final = self.finished(body, response, exchange, reply.output.items, job, result, turns)
+            kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+            yield numbered.sse({"type": kind, "response": final})
+        finally:
+            cancel([job], self.service.metrics)
+
+
+class EventNumbers:
+    """The stream's events as server-sent events, each named by its type and numbered in order."""
+
+    def __init__(self):
+        self.next = 0
+
+    def sse(self, *events: dict) -> str:
+        lines = []
+        for event in events:
+            event = {**event, "sequence_number": self.next}
+            self.next += 1
+            lines.append(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n")
+        return "".join(lines)
