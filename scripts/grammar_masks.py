@@ -6,7 +6,8 @@ those fetched here). Prints, per target: the vocabulary's size, the seconds to r
 milliseconds of a new state's mask under JSON mode, under docs/data/session56/items_schema.json, and under a schema
 of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), one of formats and patterns
 (FORMATTED, FORMATTED_DOCUMENT), tool calls in the hermes format under tool_choice auto (words, then calls in
-<tool_call> tags: HERMES_REPLY), and the same after a reasoning model's thinking (THINKING_REPLY).
+<tool_call> tags: HERMES_REPLY), the same after a reasoning model's thinking (THINKING_REPLY), and whole outputs
+held to a regular expression (SENTENCE, PHONE) or a list of choices (LABELS).
 """
 
 import json
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer
 
 from dflash.grammar import JSON_OBJECT, compile_schema
 from dflash.hub import converted_dir
+from dflash.regex_grammar import PatternGrammar, choice_expression
 from dflash.structured import JsonVocabulary, output_grammar, token_pieces
 from dflash.tools import tool_request
 
@@ -46,6 +48,10 @@ CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "d
          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 HERMES_REPLY = "Let me look that up <b>now</b>.\n" + CALLS
 THINKING_REPLY = "<think>\nThe user wants the weather; <tool_call> comes next.\n</think>\n\n" + CALLS
+# a whole output held to a regular expression or a list of choices (regex_grammar.py)
+SENTENCE, SENTENCE_TEXT = r"[A-Z][a-z]*( [a-z]+){2,12}\.", "The quick brown fox jumps over the lazy dog."
+PHONE, PHONE_TEXT = r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"
+LABELS, LABEL = ["positive", "negative", "neutral", "mixed feelings"], "mixed feelings"
 
 
 def mask_times(vocabulary: JsonVocabulary, grammar, document: str = DOCUMENT) -> list[float]:
@@ -81,7 +87,10 @@ def main() -> None:
                                          ("bounded", compile_schema(BOUNDED), BOUNDED_DOCUMENT),
                                          ("formats", compile_schema(FORMATTED), FORMATTED_DOCUMENT),
                                          ("hermes calls", hermes_calls(None), HERMES_REPLY),
-                                         ("thinking, then calls", hermes_calls("optional"), THINKING_REPLY)):
+                                         ("thinking, then calls", hermes_calls("optional"), THINKING_REPLY),
+                                         ("regex (sentence)", PatternGrammar(SENTENCE), SENTENCE_TEXT),
+                                         ("regex (phone)", PatternGrammar(PHONE), PHONE_TEXT),
+                                         ("choice", PatternGrammar(choice_expression(LABELS)), LABEL)):
             times = mask_times(vocabulary, grammar, document)
             line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
                      f"{max(times):.1f} ms at most")

@@ -45,8 +45,8 @@ from .bench_runners import (BASELINES, HF_LOOKUP_METHOD, HF_LOOKUP_TOKENS, HF_ME
                             BaselineCrashed, EngineRunner, HFRunner, LlamaCppRunner, Run)
 from .errors import UserError
 from .jsonl import iter_jsonl, layouts_hint, prompt_of
-from .options import (add_method_arguments, add_target_arguments, check_drafter_folders, kill_stops_like_ctrl_c,
-                      method_options)
+from .options import (add_method_arguments, add_pattern_arguments, add_target_arguments, check_drafter_folders,
+                      kill_stops_like_ctrl_c, method_options)
 
 # name -> (file in the data folder, prompt template)
 DATASETS = {
@@ -199,13 +199,11 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
 
 
 def output_format(args) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) of --response-format / --json-schema: every method's output constrained alike."""
-    from .generate import json_schema_from
+    """(response_format, json_schema) of --response-format / --json-schema / --regex / --choice: every method's
+    output constrained alike."""
+    from .generate import output_format_from_args
 
-    schema = json_schema_from(args.json_schema)
-    if schema is not None:
-        return "json_schema", schema
-    return (None, None) if args.response_format == "text" else (args.response_format, None)
+    return output_format_from_args(args)
 
 
 def run_conversation(runner, target, prompt: BenchPrompt, max_new: int, ignore_eos: bool) -> list[Run]:
@@ -402,6 +400,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="json_object: every method's output constrained to a JSON object (default: text)")
     p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                    help="every method's output constrained to objects this JSON Schema allows")
+    add_pattern_arguments(p)
     p.add_argument("--out", default=None,
                    help="output folder (default: runs/bench/DATASET-DATE-TIME, a new one each run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -420,7 +419,7 @@ def validate(args) -> None:
         baselines = [m for m in parse_methods(args.methods) if parse_method(m).name in (*HF_METHODS, LLAMACPP_METHOD)]
         if baselines:
             raise UserError(f"{', '.join(baselines)} cannot constrain their output; leave them out of --methods with "
-                            "--response-format / --json-schema")
+                            "--response-format / --json-schema / --regex / --choice")
 
 
 def run(args) -> int:
@@ -653,6 +652,10 @@ def command_line(args) -> str:
         parts.append(f"--response-format {args.response_format}")
     if args.json_schema is not None:
         parts.append(f"--json-schema {shlex.quote(args.json_schema)}")
+    if args.regex is not None:
+        parts.append(f"--regex {shlex.quote(args.regex)}")
+    if args.choice is not None:
+        parts.append("--choice " + " ".join(shlex.quote(c) for c in args.choice))
     if args.threads is not None:
         parts.append(f"--threads {args.threads}")
     return " ".join(parts + [f"--out {args.out}"])

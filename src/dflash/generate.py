@@ -127,10 +127,27 @@ def config_from_args(args, **more):
     """The GenerationConfig of the sampling options (add_sampling_arguments) and `more` of its fields."""
     from .engine import GenerationConfig
 
-    schema = json_schema_from(args.json_schema)
+    response_format, json_schema = output_format_from_args(args)
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
-                            response_format="json_schema" if schema is not None else args.response_format,
-                            json_schema=schema, **more)
+                            response_format=response_format, json_schema=json_schema, **more)
+
+
+def output_format_from_args(args) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) of --response-format, --json-schema, --regex or --choice (one of them)."""
+    from .regex_grammar import pattern_format
+
+    given = [name for name, value in (("--response-format", args.response_format != "text"),
+                                      ("--json-schema", args.json_schema), ("--regex", args.regex),
+                                      ("--choice", args.choice)) if value]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(given)} each constrain the output: give one")
+    pattern = pattern_format(args.regex, args.choice)
+    if pattern is not None:
+        return pattern
+    schema = json_schema_from(args.json_schema)
+    if schema is not None:
+        return "json_schema", schema
+    return (None, None) if args.response_format == "text" else (args.response_format, None)
 
 
 def json_schema_from(given: str | None) -> dict | None:

@@ -192,7 +192,7 @@ BUILTIN_NODES = [Node("any"), Node("object", free=ANY), Node("array", items=ANY)
 LITERALS = (b"true", b"false", b"null")
 
 
-def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
+def utf8_lead(byte: int) -> tuple[int, int, int] | None:
     """A UTF-8 lead byte's continuation bytes to come and the range of the first (strict: no overlong forms, no
     surrogates, nothing past U+10FFFF, as Python's decoder)."""
     if 0xC2 <= byte <= 0xDF:
@@ -204,7 +204,22 @@ def _utf8_lead(byte: int) -> tuple[int, int, int] | None:
     return None
 
 
-class JsonGrammar:
+class ByteGrammar:
+    """What every grammar over an output's bytes shares (this one's, regex_grammar's): several bytes fed at once."""
+
+    def feed(self, state: tuple, byte: int) -> tuple | None:
+        raise NotImplementedError
+
+    def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
+        """The state after `data`, or None where the grammar refuses it."""
+        for byte in data:
+            if state is None:
+                return None
+            state = self.feed(state, byte)
+        return state
+
+
+class JsonGrammar(ByteGrammar):
     """The automaton of one grammar: `nodes` (BUILTIN_NODES first) and the root's node (an object or an array).
     `key` names the grammar in mask caches. `text_otherwise`: an output whose first byte cannot start the document
     is free text instead (TEXT takes any byte; a reply that may call tools or answer in words). `frame`: documents
@@ -277,13 +292,6 @@ class JsonGrammar:
         """Whether nothing but the output's end may come after `state`."""
         return state[0] == DONE and (self.frame is None or state[1] == 1)
 
-    def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
-        for byte in data:
-            if state is None:
-                return None
-            state = self.feed(state, byte)
-        return state
-
     def feed(self, state: tuple, byte: int) -> tuple | None:
         """The state after one more byte, or None where no valid document continues that way."""
         mode, aux, spaces, stack = state
@@ -314,7 +322,7 @@ class JsonGrammar:
             if byte < 0x80:
                 aux = self._matched(aux, byte) if patterned else aux
                 return None if aux is None else (STRING, aux, 0, stack)
-            lead = _utf8_lead(byte)
+            lead = utf8_lead(byte)
             if lead is None:
                 return None
             if not patterned:

@@ -20,6 +20,7 @@ from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
 from .reasoning import check_parser, split, thinking_of
+from .regex_grammar import with_pattern
 from .sampling import SamplingConfig
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
@@ -54,26 +55,30 @@ class LLM:
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
-                 chat: bool = True, response_format: str | None = None,
-                 json_schema: dict | None = None) -> GenerationResult | list[GenerationResult]:
+                 chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
+                 regex: str | None = None, choice: list[str] | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
-        output is an object the schema allows."""
+        output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
+        of these strings."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
             raise UserError("every prompt must be a non-empty string")
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
+        response_format, json_schema = with_pattern(response_format, json_schema, regex, choice)
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         results = self._run(ids, config)
         return results if many else results[0]
 
     def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
-             response_format: str | None = None, json_schema: dict | None = None, tools: list | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
-             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> GenerationResult:
+             response_format: str | None = None, json_schema: dict | None = None, regex: str | None = None,
+             choice: list[str] | None = None, tools: list | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> GenerationResult:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too). `tools`,
         `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls` (OpenAI's
@@ -81,7 +86,7 @@ class LLM:
         variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
         turn (the reply's start, written for the target) instead of opening a new one."""
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
-        response_format, json_schema = reply_format(request, response_format, json_schema)
+        response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice))
         config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
         messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)

@@ -191,6 +191,15 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
                             "the target's own constrained choices) (default: text)")
     group.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                        help="the output is always an object this JSON Schema allows (a file, or the schema itself)")
+    add_pattern_arguments(group)
+
+
+def add_pattern_arguments(group) -> None:
+    """--regex and --choice (regex_grammar.py), beside --response-format and --json-schema."""
+    group.add_argument("--regex", default=None, metavar="PATTERN",
+                       help="the whole output matches this regular expression (vLLM's structured outputs regex)")
+    group.add_argument("--choice", nargs="+", default=None, metavar="TEXT",
+                       help="the output is exactly one of these strings (vLLM's structured outputs choice)")
 
 
 def _cuda() -> bool:

@@ -1,6 +1,7 @@
 """Structured output: every generated text a JSON object (OpenAI's `response_format` `json_object`), or one that a
 JSON Schema allows (`json_schema`), or either free text or such a document where the text starts like one
-(`json_schema_or_text`: a reply that may call tools, tools.py).
+(`json_schema_or_text`: a reply that may call tools, tools.py), or text that a regular expression matches whole
+(`regex`, regex_grammar.py: vLLM's structured outputs `regex` and `choice`).
 
 At every position the target picks its token among those that keep the output a prefix of a valid document
 (grammar.py), and may end only once the document is whole. The mask is applied to the target's logits where
@@ -31,10 +32,12 @@ import torch
 from .errors import UserError
 from .grammar import JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
+from .regex_grammar import PatternGrammar, pattern_grammar
 
 # "json_schema_framed": documents between tags (a chat template's tool calls, tools.py), its json_schema
 # {"schema": ..., "frame": Frame's fields as text}
-RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed")
+# "regex": the whole output matches json_schema["regex"] (regex_grammar.py: vLLM's structured outputs regex, choice)
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed", "regex")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
 FORCED_BYTES = 64  # the longest run of forced bytes drafted at once
 FORCED_STATES = 4096  # forced runs kept per vocabulary
@@ -370,14 +373,14 @@ class JsonConstraint:
 
 
 def output_grammar(response_format: str | None, json_schema: dict | None,
-                   thinking: str | None = None) -> JsonGrammar | None:
+                   thinking: str | None = None) -> JsonGrammar | PatternGrammar | None:
     """The grammar of a GenerationConfig's response format (None: free text); UserError for a bad pairing.
     `thinking`: the output thinks first (JsonGrammar.thinking_first)."""
     grammar = _format_grammar(response_format, json_schema)
     return None if grammar is None else grammar.thinking_first(thinking)
 
 
-def _format_grammar(response_format: str | None, json_schema: dict | None) -> JsonGrammar | None:
+def _format_grammar(response_format: str | None, json_schema: dict | None) -> JsonGrammar | PatternGrammar | None:
     if response_format is not None and response_format not in RESPONSE_FORMATS:
         raise UserError(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}")
     if (response_format in RESPONSE_FORMATS[2:]) != (json_schema is not None):
@@ -385,6 +388,8 @@ def _format_grammar(response_format: str | None, json_schema: dict | None) -> Js
                         f"{response_format} needs a schema")
     if response_format == "json_object":
         return JSON_OBJECT
+    if response_format == "regex":
+        return pattern_grammar(json_schema["regex"])
     if json_schema is None:
         return None
     if response_format == "json_schema_framed":

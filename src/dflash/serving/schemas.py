@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..jsonl import openai_role
 from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
 from ..reasoning import split
+from ..regex_grammar import pattern_format
 from ..tools import reply_format
 
 if TYPE_CHECKING:
@@ -87,6 +88,12 @@ def schemas() -> SimpleNamespace:
         logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
         user: str | None = None
         response_format: ResponseFormat | None = None
+        # extensions (as in vLLM): {"regex": ...}, {"choice": [...]}, {"json": schema} or {"json_object": true}; and
+        # vLLM's older fields for them
+        structured_outputs: dict | None = None
+        guided_regex: str | None = None
+        guided_choice: list[str] | None = None
+        guided_json: dict | str | None = None
         tools: list | None = None  # chat's functions (tools.py); a completion's are refused
         tool_choice: str | dict | None = None
         parallel_tool_calls: bool = True
@@ -228,11 +235,51 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
 
 
 def response_format_of(body) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) for GenerationConfig from OpenAI's `response_format`."""
+    """(response_format, json_schema) for GenerationConfig from OpenAI's `response_format`, or vLLM's structured
+    outputs (one constraint in all)."""
     given = body.response_format
-    if given is None:
-        return None, None
-    return given.type, given.json_schema.schema_ if given.json_schema is not None else None
+    openai_format = (None, None) if given is None else (
+        given.type, given.json_schema.schema_ if given.json_schema is not None else None)
+    vllm_format = structured_outputs_of(body)
+    if vllm_format is None:
+        return openai_format
+    if openai_format[0] not in (None, "text"):
+        raise UserError("response_format and structured_outputs (or guided_*) each constrain the output: send one")
+    return vllm_format
+
+
+STRUCTURED_KINDS = ("regex", "choice", "json", "json_object")
+STRUCTURED_REFUSED = ("grammar", "structural_tag")  # vLLM's, which cannot be enforced here
+
+
+def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
+    """vLLM's structured outputs (`structured_outputs`, or its older guided_regex / guided_choice / guided_json) as
+    (response_format, json_schema); None where the request sends none. Its other options (whitespace, fallbacks)
+    change nothing here."""
+    given = dict(body.structured_outputs or {})
+    for kind in STRUCTURED_REFUSED:
+        if given.get(kind) is not None:
+            raise UserError(f"structured_outputs {kind} is not supported here (regex, choice, json and json_object "
+                            "are)")
+    older = {"regex": body.guided_regex, "choice": body.guided_choice, "json": body.guided_json}
+    sent = [(kind, given[kind]) for kind in STRUCTURED_KINDS if given.get(kind) not in (None, False)]
+    sent += [(kind, value) for kind, value in older.items() if value is not None]
+    if not sent:
+        return None
+    if len(sent) > 1:
+        raise UserError(f"structured outputs take one constraint, got {' and '.join(kind for kind, _ in sent)}")
+    kind, value = sent[0]
+    if kind in ("regex", "choice"):
+        return pattern_format(value if kind == "regex" else None, value if kind == "choice" else None)
+    if kind == "json_object":
+        return "json_object", None
+    try:
+        schema = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        schema = None
+    if not isinstance(schema, dict):
+        raise UserError("structured outputs' json must be a JSON Schema (an object, or its JSON text)")
+    return "json_schema", schema
 
 
 def completion_prompt_ids(target, prompt) -> list[int]:

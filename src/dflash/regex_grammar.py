@@ -1,0 +1,163 @@
+"""A whole output held to a regular expression, or to one of a list of strings (vLLM's structured outputs `regex`
+and `choice`).
+
+The expression is the pattern subset of patterns.py (literals, classes, groups, alternation, quantifiers), matched
+against the whole output as Python's `re.fullmatch` would (a `^` or `$` at its ends changes nothing). Its automaton
+reads the output's characters from their UTF-8 bytes; structured.py makes the masks of its states as it does a JSON
+grammar's (JsonVocabulary walks every token from a state; a state the pattern leaves one byte allows forces it, so a
+choice's rest is drafted free once its first bytes decide it).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from .errors import UserError
+from .grammar import ByteGrammar, utf8_lead
+from .patterns import compile_pattern
+
+PATTERN = 100  # the mode of a state (a JSON grammar's modes are below it)
+SPECIAL = frozenset("\\.[](){}*+?|^$")  # what a choice's text escapes
+MAX_CHOICES = 1000
+GRAMMARS = itertools.count()
+MAX_MOVES = 1_000_000  # moves kept per grammar before they are found again
+
+
+class PatternGrammar(ByteGrammar):
+    """The automaton of one expression over a whole output. A state is (PATTERN, its number): the number stands for
+    the pattern's state set and the character being read (() between characters, else (bytes to come, the next
+    byte's lowest, highest, its code so far)). Each state's moves are kept as they are found, so the walks over a
+    vocabulary (structured.py) mostly look a byte up. The interface is JsonGrammar's (structured.py reads either)."""
+
+    text_otherwise, frame, thinking = False, None, None
+
+    def __init__(self, expression: str):
+        self.expression = expression
+        self.pattern = compile_pattern(f"^(?:{unanchored(expression)})$")
+        # masks are kept by key and state (structured.py), and states are numbered per grammar: one key each
+        self.key = f"regex:{next(GRAMMARS)}:{expression}"
+        self.parts: list[tuple[frozenset, tuple]] = []  # a state's number -> (the pattern's states, reading)
+        self.numbers: dict[tuple[frozenset, tuple], int] = {}
+        self.moves: dict[tuple[int, int], tuple | None] = {}  # (a state's number, a byte) -> the state after
+        self.initial = self._state(self.pattern.start, ())
+
+    def thinking_first(self, thinking: str | None) -> "PatternGrammar":
+        if thinking is not None:
+            raise UserError("a regex or choice output cannot follow a reasoning model's thinking here: send "
+                            "chat_template_kwargs that turn the thinking off, or use response_format")
+        return self
+
+    def feed(self, state: tuple, byte: int) -> tuple | None:
+        """The state after one more byte, or None where no match continues that way."""
+        key = (state[1], byte)
+        if key in self.moves:
+            return self.moves[key]
+        following = self._move(*self.parts[state[1]], byte)
+        if len(self.moves) > MAX_MOVES:
+            self.moves.clear()
+        self.moves[key] = following
+        return following
+
+    def _move(self, states: frozenset, reading: tuple, byte: int) -> tuple | None:
+        if not reading:
+            if byte < 0x80:
+                return self._character(states, byte)
+            lead = utf8_lead(byte)
+            if lead is None:
+                return None
+            left, low, high = lead
+            reading = (left, low, high, byte & (0x7F >> (left + 1)))
+        else:
+            left, low, high, code = reading
+            if not low <= byte <= high:
+                return None
+            left, code = left - 1, code << 6 | byte & 0x3F
+            if left == 0:
+                return self._character(states, code)
+            reading = (left, 0x80, 0xBF, code)
+        # a character begun: taken only where some character it may still become goes on towards a match
+        left, low, high, code = reading
+        shift = 6 * (left - 1)
+        lowest, highest = (code << 6 | low & 0x3F) << shift, ((code << 6 | high & 0x3F) + 1 << shift) - 1
+        return self._state(states, reading) if self.pattern.can_take(states, lowest, highest) else None
+
+    def _character(self, states: frozenset, code: int) -> tuple | None:
+        following = self.pattern.step(states, code)
+        return self._state(following, ()) if following else None
+
+    def _state(self, states: frozenset, reading: tuple) -> tuple:
+        number = self.numbers.get((states, reading))
+        if number is None:
+            number = self.numbers[(states, reading)] = len(self.parts)
+            self.parts.append((states, reading))
+        return (PATTERN, number)
+
+    def may_end(self, state: tuple) -> bool:
+        states, reading = self.parts[state[1]]
+        return not reading and self.pattern.accepts(states)
+
+    def finished(self, state: tuple) -> bool:
+        """Whether the output is a match that no further character keeps one."""
+        return self.may_end(state) and not self.pattern.can_take(self.parts[state[1]][0], 0, 0x10FFFF)
+
+    def after_special(self, state: tuple) -> None:
+        return None  # a special token has no characters to match
+
+    def free_text_tag(self, state: tuple) -> None:
+        return None
+
+    def delegate(self, state: tuple) -> None:
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def pattern_grammar(expression: str) -> PatternGrammar:
+    """The grammar of `expression`, one per expression while it is in use: its states, moves and masks are shared
+    by the requests that send it."""
+    return PatternGrammar(expression)
+
+
+def unanchored(expression: str) -> str:
+    """The expression without a `^` before it or an unescaped `$` after it (the whole output matches anyway)."""
+    if expression.startswith("^"):
+        expression = expression[1:]
+    backslashes = len(expression[:-1]) - len(expression[:-1].rstrip("\\"))
+    if expression.endswith("$") and backslashes % 2 == 0:
+        expression = expression[:-1]
+    return expression
+
+
+def choice_expression(choices) -> str:
+    """The expression that matches exactly one of `choices` (strings, each written as it is)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise UserError("choice must be a list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise UserError(f"choice takes at most {MAX_CHOICES} strings, got {len(choices)}")
+    return "|".join("".join("\\" + c if c in SPECIAL else c for c in choice) for choice in choices)
+
+
+def pattern_format(regex: str | None, choice: list | None) -> tuple[str, dict] | None:
+    """(response_format, json_schema) of GenerationConfig for a regex or a choice (None: neither), checked here:
+    an expression that cannot be enforced is refused before anything is generated."""
+    if regex is not None and choice is not None:
+        raise UserError("send a regex or a choice, not both")
+    if regex is None and choice is None:
+        return None
+    if regex is not None and not isinstance(regex, str):
+        raise UserError(f"regex must be a string, got {type(regex).__name__}")
+    expression = regex if regex is not None else choice_expression(choice)
+    PatternGrammar(expression)
+    return "regex", {"regex": expression}
+
+
+def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None,
+                 choice: list | None) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) with a regex or a choice in their place where one is given (refused beside
+    a response format: each constrains the output)."""
+    pattern = pattern_format(regex, choice)
+    if pattern is None:
+        return response_format, json_schema
+    if response_format not in (None, "text") or json_schema is not None:
+        raise UserError("a regex or choice and a response format each constrain the output: send one")
+    return pattern
