@@ -318,3 +318,29 @@ def test_formats_and_patterns_on_the_real_model(target):
     datetime.date.fromisoformat(document["day"])
     uuid.UUID(document["id"])
     assert re.fullmatch(r"[A-Z]-\d{2}", document["room"])
+
+
+def test_regex_and_choice_on_the_real_model(target, monkeypatch):
+    """A regex of words and a choice on SmolLM2's tokens: the output matches, the same tokens for the shipped drafter
+    with prompt lookup as for `ar`; every mask met, tabled or walked, equals feeding each token's bytes."""
+    import re
+
+    import dflash.structured as structured
+    from dflash.regex_grammar import PatternGrammar, choice_expression
+    from dflash.structured import json_vocabulary
+
+    vocabulary = json_vocabulary(target.tokenizer, target.vocab_size)
+    ids = target.encode_prompt("Describe the sky in a short sentence.")
+    for expression in (r"[A-Z][a-z]*( [a-z]+){2,8}\.", choice_expression(["blue", "grey", "black", "orange"])):
+        config = GenerationConfig(max_new_tokens=32, response_format="regex", json_schema={"regex": expression})
+        plain = constrained_alike(target, ids, config)
+        assert plain.finish_reason == "stop" and re.fullmatch(expression, plain.text), plain.text
+        grammar = PatternGrammar(expression)
+        state = grammar.initial
+        for token in plain.tokens[:-1]:
+            fed = torch.tensor([vocabulary.advance(grammar, state, t) is not None for t in range(vocabulary.size)])
+            for share in (0, 10**9):  # never tabled, tabled wherever any token goes on
+                monkeypatch.setattr(structured, "TABLE_SHARE", share)
+                vocabulary.masks.clear()
+                assert torch.equal(vocabulary.allowed(grammar, state), fed), (share, state)
+            state = vocabulary.advance(grammar, state, token)

@@ -61,7 +61,11 @@ def test_choices_match_exactly_themselves():
 
 
 @pytest.mark.parametrize("expression", [r"\d{2}(\.\d)?", choice_expression(CHOICES), r"[a-z]{1,4}!"])
-def test_masks_are_every_token_fed(expression):
+@pytest.mark.parametrize("share", [0, 10**9], ids=["walked", "tabled"])
+def test_masks_are_every_token_fed(expression, share, monkeypatch):
+    import dflash.structured as structured
+
+    monkeypatch.setattr(structured, "TABLE_SHARE", share)
     rng = random.Random(1)
     grammar = PatternGrammar(expression)
     texts = [t for t in ("".join(rng.choice(ALPHABET) for _ in range(6)) for _ in range(400)) if matches(grammar, t)]
