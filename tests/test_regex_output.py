@@ -176,3 +176,32 @@ def test_llm_and_generate_take_a_regex_or_a_choice(capsys, monkeypatch):
     assert "--response-format and --regex each constrain the output" in capsys.readouterr().err
     assert main(argv + ["--regex", "(?=a)", "Hi?"]) == 2
     assert "lookaround" in capsys.readouterr().err
+
+
+def test_batch_rows_carry_vllms_structured_outputs(tmp_path, capsys):
+    from dflash.cli import main
+    from dflash.testing import tiny_target
+
+    target = tiny_target("qwen2", vocab_size=320, logit_scale=4.0, tokenizer="bytes")  # the CLI's tiny-qwen2-bytes
+    rows = [{"id": "choice", "prompt": "Hi?", "structured_outputs": {"choice": ["red", "green"]}},
+            {"id": "regex", "prompt": "Hi?", "guided_regex": r"[a-c]{2}\d"},
+            {"id": "free", "prompt": "Hi?"}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["batch", str(source), "--output", str(tmp_path / "out.jsonl"), "--target", "tiny-qwen2-bytes",
+            "--max-new-tokens", "12", "--max-batch", "3", "--no-progress"]
+    assert main(argv) == 0
+    texts = {row["id"]: row["text"] for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    ids = target.encode_messages([{"role": "user", "content": "Hi?"}])
+    for rid, expression in (("choice", choice_expression(["red", "green"])), ("regex", r"[a-c]{2}\d")):
+        expected = plain_constrained_loop(target, ids, SamplingConfig(), max_new=12,
+                                          grammar=PatternGrammar(expression))
+        assert texts[rid] == target.tokenizer.decode(expected, skip_special_tokens=True), rid
+    assert texts["free"] == SpeculativeDecoder(target).generate(ids, GenerationConfig(12)).text
+    for row, message in [({"prompt": "Hi?", "guided_choice": ["a"], "response_format": {"type": "json_object"}},
+                          "in.jsonl:1: response_format and structured_outputs"),
+                         ({"prompt": "Hi?", "structured_outputs": {"regex": "(?=x)"}}, "in.jsonl:1: pattern"),
+                         ({"prompt": "Hi?", "structured_outputs": "x"}, "structured_outputs must be an object")]:
+        source.write_text(json.dumps(row) + "\n")
+        assert main(argv[:3] + [str(tmp_path / "other.jsonl")] + argv[4:]) == 2
+        assert message in capsys.readouterr().err

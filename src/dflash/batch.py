@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's own variables for every row without its own `chat_template_kwargs`")
     p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
-                   "a row's `response_format`, or `tools` and `tool_choice` (OpenAI's), and `chat_template_kwargs` "
-                   "hold its answer alone")
+                   "a row's `response_format` (or vLLM's `structured_outputs`), or `tools` and `tool_choice` "
+                   "(OpenAI's), and `chat_template_kwargs` hold its answer alone")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
     p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
     p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
@@ -83,15 +83,24 @@ def read_requests(path: Path) -> list[BatchRow]:
 
 def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
     """A row's own structured output, OpenAI's `response_format`: {"type": "json_object"}, {"type": "json_schema",
-    "json_schema": {"schema": {...}}} or {"type": "text"}, as (response_format, json_schema); None: the command
-    line's. Checked (the schema compiled) before the target loads."""
-    from .structured import output_grammar
+    "json_schema": {"schema": {...}}} or {"type": "text"}, or vLLM's `structured_outputs` (or guided_regex,
+    guided_choice, guided_json), as (response_format, json_schema); None: the command line's. Checked (the schema
+    compiled) before the target loads."""
+    from .structured import output_grammar, vllm_format
 
     given = row.get("response_format")
-    if given is None:
-        return None
-    if not isinstance(given, dict) or not isinstance(given.get("json_schema", {}), dict):
+    if given is not None and (not isinstance(given, dict) or not isinstance(given.get("json_schema", {}), dict)):
         raise UserError(f"{where}: response_format must be an object such as {{\"type\": \"json_object\"}}")
+    try:
+        vllm = vllm_format(row.get("structured_outputs"), row.get("guided_regex"), row.get("guided_choice"),
+                           row.get("guided_json"))
+    except UserError as error:
+        raise UserError(f"{where}: {error}") from None
+    if vllm is not None and given is not None and given.get("type") != "text":
+        raise UserError(f"{where}: response_format and structured_outputs (or guided_*) each constrain the output: "
+                        "send one")
+    if given is None or vllm is not None:
+        return vllm
     kind = given.get("type")
     schema = given.get("json_schema", {}).get("schema") if kind == "json_schema" else None
     chosen = (None if kind == "text" else kind, schema)

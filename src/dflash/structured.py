@@ -32,7 +32,7 @@ import torch
 from .errors import UserError
 from .grammar import JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
-from .regex_grammar import PatternGrammar, pattern_grammar
+from .regex_grammar import PatternGrammar, pattern_format, pattern_grammar
 
 # "json_schema_framed": documents between tags (a chat template's tool calls, tools.py), its json_schema
 # {"schema": ..., "frame": Frame's fields as text}
@@ -443,3 +443,40 @@ def _format_grammar(response_format: str | None, json_schema: dict | None) -> Js
         return compile_schema(json_schema["schema"], frame=Frame(
             **{k: v.encode() if isinstance(v, str) else v for k, v in frame.items()}))
     return compile_schema(json_schema, text_otherwise=response_format == "json_schema_or_text")
+
+
+VLLM_KINDS = ("regex", "choice", "json", "json_object")
+VLLM_REFUSED = ("grammar", "structural_tag")  # vLLM's, which cannot be enforced here
+
+
+def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choice=None,
+                guided_json=None) -> tuple[str | None, dict | None] | None:
+    """vLLM's structured outputs (`structured_outputs` {"regex"|"choice"|"json"|"json_object": ...}, or its older
+    guided_regex / guided_choice / guided_json) as (response_format, json_schema); None where none is given. Its
+    other options (whitespace, fallbacks) change nothing here."""
+    if structured_outputs is not None and not isinstance(structured_outputs, dict):
+        raise UserError("structured_outputs must be an object such as {\"choice\": [...]}")
+    given = dict(structured_outputs or {})
+    for kind in VLLM_REFUSED:
+        if given.get(kind) is not None:
+            raise UserError(f"structured_outputs {kind} is not supported here (regex, choice, json and json_object "
+                            "are)")
+    older = {"regex": guided_regex, "choice": guided_choice, "json": guided_json}
+    sent = [(kind, given[kind]) for kind in VLLM_KINDS if given.get(kind) not in (None, False)]
+    sent += [(kind, value) for kind, value in older.items() if value is not None]
+    if not sent:
+        return None
+    if len(sent) > 1:
+        raise UserError(f"structured outputs take one constraint, got {' and '.join(kind for kind, _ in sent)}")
+    kind, value = sent[0]
+    if kind in ("regex", "choice"):
+        return pattern_format(value if kind == "regex" else None, value if kind == "choice" else None)
+    if kind == "json_object":
+        return "json_object", None
+    try:
+        schema = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        schema = None
+    if not isinstance(schema, dict):
+        raise UserError("structured outputs' json must be a JSON Schema (an object, or its JSON text)")
+    return "json_schema", schema

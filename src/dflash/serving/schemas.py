@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..jsonl import openai_role
 from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
 from ..reasoning import split
-from ..regex_grammar import pattern_format
+from ..structured import vllm_format
 from ..tools import reply_format
 
 if TYPE_CHECKING:
@@ -248,38 +248,9 @@ def response_format_of(body) -> tuple[str | None, dict | None]:
     return vllm_format
 
 
-STRUCTURED_KINDS = ("regex", "choice", "json", "json_object")
-STRUCTURED_REFUSED = ("grammar", "structural_tag")  # vLLM's, which cannot be enforced here
-
-
 def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
-    """vLLM's structured outputs (`structured_outputs`, or its older guided_regex / guided_choice / guided_json) as
-    (response_format, json_schema); None where the request sends none. Its other options (whitespace, fallbacks)
-    change nothing here."""
-    given = dict(body.structured_outputs or {})
-    for kind in STRUCTURED_REFUSED:
-        if given.get(kind) is not None:
-            raise UserError(f"structured_outputs {kind} is not supported here (regex, choice, json and json_object "
-                            "are)")
-    older = {"regex": body.guided_regex, "choice": body.guided_choice, "json": body.guided_json}
-    sent = [(kind, given[kind]) for kind in STRUCTURED_KINDS if given.get(kind) not in (None, False)]
-    sent += [(kind, value) for kind, value in older.items() if value is not None]
-    if not sent:
-        return None
-    if len(sent) > 1:
-        raise UserError(f"structured outputs take one constraint, got {' and '.join(kind for kind, _ in sent)}")
-    kind, value = sent[0]
-    if kind in ("regex", "choice"):
-        return pattern_format(value if kind == "regex" else None, value if kind == "choice" else None)
-    if kind == "json_object":
-        return "json_object", None
-    try:
-        schema = json.loads(value) if isinstance(value, str) else value
-    except ValueError:
-        schema = None
-    if not isinstance(schema, dict):
-        raise UserError("structured outputs' json must be a JSON Schema (an object, or its JSON text)")
-    return "json_schema", schema
+    """vLLM's structured outputs of a request (structured.vllm_format); None where it sends none."""
+    return vllm_format(body.structured_outputs, body.guided_regex, body.guided_choice, body.guided_json)
 
 
 def completion_prompt_ids(target, prompt) -> list[int]:
