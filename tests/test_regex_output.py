@@ -17,8 +17,8 @@ from dflash.sampling import SamplingConfig
 from test_structured import assert_masks_are_fed, plain_constrained_loop, proposers
 
 CHOICES = ["C++", "a.b", "(x)", "naïve", "yes", "yes!"]
-EXPRESSIONS = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[a-z]+( [a-z]+)*", r"é+x?ü{0,2}", r"(ab|a)*c",
-               r"^\w+@\w+\.com$", r"[^a-c]{2,3}", choice_expression(CHOICES)]
+EXPRESSIONS = [r"(?P<area>\d{3})-(?P<number>\d{4})", r"(yes|no|maybe)", r"[a-z]+( [a-z]+)*", r"é+x?ü{0,2}",
+               r"(ab|a)*c", r"^\w+@\w+\.com$", r"[^a-c]{2,3}", choice_expression(CHOICES)]
 ALPHABET = "abcxyz019-@. é\u00fc\u4e2d!+()C"
 
 
@@ -58,6 +58,7 @@ def test_choices_match_exactly_themselves():
     assert grammar.may_end(state) and not grammar.finished(state)  # "yes!" may go on
     assert grammar.finished(grammar.feed_bytes(grammar.initial, b"yes!"))
     assert unanchored(r"^a\$") == r"a\$" and unanchored(r"a\\$") == "a\\\\"
+    assert matches(PatternGrammar(r"(?<digit>\d)x"), "1x")  # ECMA's named groups, as JSON Schema's patterns write
 
 
 @pytest.mark.parametrize("expression", [r"\d{2}(\.\d)?", choice_expression(CHOICES), r"[a-z]{1,4}!"])
@@ -89,13 +90,18 @@ def test_constrained_outputs_are_the_plain_loops_for_every_proposer(byte_targets
             assert result.finish_reason == "stop" and re.fullmatch(expression, result.text), result.text
 
 
-def test_a_choices_rest_is_drafted_free_once_its_first_bytes_decide_it(byte_targets):
+def test_a_choices_rest_is_drafted_free_once_its_first_bytes_decide_it(byte_targets, monkeypatch):
+    from test_control import FakeClock
+
     target = byte_targets["llama"]
     prompt_ids = target.encode_prompt("Pick one.")
     expression = choice_expression(["an extraordinarily long answer", "brief"])
     config = GenerationConfig(60, response_format="regex", json_schema={"regex": expression})
-    decoder = SpeculativeDecoder(target, NgramProposer(max_draft=7))
-    results = [decoder.generate(prompt_ids, config) for _ in range(2)]  # the second knows the costs
+    proposer, clock = NgramProposer(max_draft=7), FakeClock()
+    with monkeypatch.context() as patched:  # costs that a busy machine cannot change
+        clock.install(patched, target, proposer)
+        decoder = SpeculativeDecoder(target, proposer, timer=clock)
+        results = [decoder.generate(prompt_ids, config) for _ in range(2)]  # the second knows the costs
     assert results[0].tokens == results[1].tokens
     assert results[1].text == "an extraordinarily long answer"  # this random target's pick
     assert results[1].stats.lookup_rounds >= 1 and results[1].stats.num_rounds < len(results[1].tokens) // 2
@@ -103,7 +109,8 @@ def test_a_choices_rest_is_drafted_free_once_its_first_bytes_decide_it(byte_targ
 
 @pytest.mark.parametrize("regex, choice, fragment", [
     ("a", ["b"], "not both"), (None, [], "non-empty strings"), (None, ["a", ""], "non-empty strings"),
-    (r"(?=a)", None, "lookaround"), (r"\bword", None, "escape"), (3, None, "must be a string"),
+    (r"(?=a)", None, "lookaround"), (r"(?<=a)b", None, "lookaround"), (r"(?i)a", None, "a flag"),
+    (r"\bword", None, "escape"), (3, None, "must be a string"),
 ])
 def test_bad_expressions_are_refused_in_one_line(regex, choice, fragment):
     with pytest.raises(UserError, match=re.escape(fragment)):

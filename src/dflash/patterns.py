@@ -4,13 +4,13 @@ inside a JSON string, after its escapes are decoded).
 A pattern is an ECMA-262 regular expression that a valid string contains somewhere (JSON Schema does not anchor
 it): `^` and `$` at its ends anchor it, otherwise any text may come before or after. The subset understood:
 literals and escaped punctuation, `.`, classes (`[a-z0-9_]`, `[^"]`, `\\d \\w \\s` and their negations, ASCII
-characters only, where ECMA's regular expressions and Python's agree), groups
-(`(...)`, `(?:...)`), alternation, and the quantifiers `* + ? {n} {n,} {n,m}` (lazy ones too: a grammar only asks
-whether a string matches). Anything else (lookarounds, backreferences, `\\b`, anchors inside) is refused in one
-line. It compiles into a nondeterministic automaton (Thompson's construction) whose state sets the grammar carries;
-states that cannot reach a match any more are dropped, so a string is refused at its first character that no match
-continues, and the fewest characters still needed to match are known (a maxLength beside a pattern is then never a
-dead end).
+characters only, where ECMA's regular expressions and Python's agree), groups (`(...)`, `(?:...)`, named ones:
+`(?<name>...)`, Python's `(?P<name>...)`), alternation, and the quantifiers `* + ? {n} {n,} {n,m}` (lazy ones too:
+a grammar only asks whether a string matches). Anything else (lookarounds, flags, backreferences, `\\b`, anchors
+inside) is refused in one line. It compiles into a nondeterministic automaton (Thompson's construction) whose state
+sets the grammar carries; states that cannot reach a match any more are dropped, so a string is refused at its first
+character that no match continues, and the fewest characters still needed to match are known (a maxLength beside a
+pattern is then never a dead end).
 
 A few `format`s are patterns written out: date (days up to each month's last, February 29 in leap years; years
 0001-9999, as Python's dates), time and date-time (RFC 3339 with seconds and an offset, as JSON Schema's formats are), uuid,
@@ -20,10 +20,12 @@ email (a conservative shape that email validators accept) and ipv4.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from .errors import UserError
 
+NAMED_GROUP = re.compile(r"\?P?<[A-Za-z_][A-Za-z0-9_]*>")  # (?<name>...), ECMA's and Python's (?P<name>...)
 MAX_STATES = 4000  # of a pattern's automaton: {n,m} copies what it repeats
 MAX_REPEAT = 1000
 INFINITE = float("inf")
@@ -305,10 +307,13 @@ class _Parser:
         char = self.source[self.at]
         self.at += 1
         if char == "(":
+            named = NAMED_GROUP.match(self.source, self.at)
             if self.source.startswith("?:", self.at):
                 self.at += 2
+            elif named is not None:  # a name changes nothing a grammar asks (whether a text matches)
+                self.at = named.end()
             elif self.peek() == "?":
-                self.fail("a lookaround or named group")
+                self.fail("a lookaround or a flag")
             inner = self.alternation()
             if self.peek() != ")":
                 self.fail("an unclosed group")
