@@ -117,10 +117,45 @@ def test_bad_expressions_are_refused_in_one_line(regex, choice, fragment):
         pattern_format(regex, choice)
 
 
-def test_a_pattern_after_thinking_is_refused(byte_targets):
-    with pytest.raises(UserError, match="thinking"):
-        PatternGrammar("a").thinking_first("optional")
-    assert PatternGrammar("a").thinking_first(None).key.endswith(":a")
+@pytest.mark.parametrize("thinking", ["open", "optional"])
+def test_a_pattern_after_thinking_takes_any_thought_then_a_match(thinking):
+    from dflash.testing import tiny_target
+
+    grammar = PatternGrammar(r"(yes|no)\.").thinking_first(thinking)
+    prefix = "" if thinking == "open" else "<think>"
+    for text, whole in [(prefix + "Hmm </thin {x</think>\n\nyes.", True), (prefix + "</think>no.", True),
+                        (prefix + "Hmm", False), (prefix + "x</think>maybe", None), (prefix + "x</think>yes", False)]:
+        state = grammar.feed_bytes(grammar.initial, text.encode())
+        assert (None if state is None else grammar.may_end(state)) == whole, text
+    assert matches(grammar, "no.") == (thinking == "optional")  # no thinking at all, where it is optional
+    hermes = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes").tokenizer
+    texts = [prefix + "Hm <th </think>\n yes.", prefix + "</think>no.", "no."[: 3 * (thinking == "optional")]]
+    assert assert_masks_are_fed(grammar, [t.encode() for t in texts if t], hermes) > 10
+
+
+@pytest.mark.parametrize("arch", ARCHS[:2])
+def test_answers_after_thinking_are_the_plain_loops_for_every_proposer(arch):
+    from dflash.testing import tiny_target
+    from test_reasoning import thinking_bias
+
+    target = tiny_target(arch, vocab_size=320, logit_scale=4.0, tokenizer="hermes")
+    prompt_ids = target.encode_prompt("Is it good?")
+    expression = choice_expression(["positive", "negative"])
+    thought = 0
+    for thinking in ("open", "optional"):
+        grammar = PatternGrammar(expression).thinking_first(thinking)
+        for seed in (1, 2):
+            sampling = SamplingConfig(temperature=0.9, seed=seed, logit_bias=thinking_bias(target))
+            expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=40, grammar=grammar)
+            config = GenerationConfig(40, sampling=sampling, response_format="regex", json_schema={"regex": expression},
+                                      thinking=thinking)
+            for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+                result = SpeculativeDecoder(target, proposer).generate(prompt_ids, config)
+                assert result.tokens == expected, (name, thinking, seed)
+            thought += "</think>" in result.text
+            if result.finish_reason == "stop":
+                assert result.text.split("</think>")[-1].strip() in ("positive", "negative"), result.text
+    assert thought
 
 
 def test_the_server_takes_vllms_structured_outputs(byte_targets):
@@ -212,3 +247,25 @@ def test_batch_rows_carry_vllms_structured_outputs(tmp_path, capsys):
         source.write_text(json.dumps(row) + "\n")
         assert main(argv[:3] + [str(tmp_path / "other.jsonl")] + argv[4:]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_server_holds_the_answer_after_the_thinking():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dflash.serving import BackgroundServer, create_app
+    from dflash.testing import tiny_target
+    from test_reasoning import thinking_bias
+
+    target = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
+    bias = {str(k): v for k, v in thinking_bias(target).items()}
+    thought = 0
+    with BackgroundServer(create_app(target, NgramProposer(max_draft=7), "tiny", reasoning_parser="qwen3")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for seed in (1, 2, 3):
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Good?"}], max_tokens=60, temperature=0.9,
+                seed=seed, logit_bias=bias, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+            if reply.finish_reason == "stop":
+                assert reply.message.content in ("yes", "no")
+            thought += bool(reply.message.model_dump().get("reasoning"))
+    assert thought

@@ -179,9 +179,9 @@ def fed_token(grammar, state, piece: bytes | None):
         if state[0] == THINKING:
             return state[:1] + (0, 0, ())
         if state[0] == THOUGHT:
-            state = START_STATE
+            state = grammar.start
         elif state[0] == THINK_OPEN:  # the tag's bytes so far are the grammar's, as the reply may not think after all
-            state = grammar.feed_bytes(START_STATE, b"<think>"[:state[1]])
+            state = grammar.feed_bytes(grammar.start, b"<think>"[:state[1]])
             if state is None or state[0] == TEXT:
                 return state
         prose = grammar.frame is not None and grammar.frame.prose and state[0] in (START_STATE[0], PROSE)

@@ -205,9 +205,23 @@ def utf8_lead(byte: int) -> tuple[int, int, int] | None:
 
 
 class ByteGrammar:
-    """What every grammar over an output's bytes shares (this one's, regex_grammar's): several bytes fed at once."""
+    """What every grammar over an output's bytes shares (this one's, regex_grammar's): several bytes fed at once,
+    and a reasoning model's thinking first. `thinking`: "open" where the prompt opened the thinking, "optional" where
+    the output may open it with `<think>` (THINK_OPEN, aux: the tag's bytes matched), None for none; the thought is
+    free text up to `</think>` (THINKING, aux: its bytes matched), then whitespace (THOUGHT), then the grammar from
+    its own first state `start`."""
+
+    start: tuple = START_STATE
+    thinking: str | None = None
+    words_after_thought = False  # the grammar's start takes whitespace itself (a framed grammar's words)
 
     def feed(self, state: tuple, byte: int) -> tuple | None:
+        raise NotImplementedError
+
+    def may_end(self, state: tuple) -> bool:
+        raise NotImplementedError
+
+    def after_special(self, state: tuple) -> tuple | None:
         raise NotImplementedError
 
     def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
@@ -217,6 +231,51 @@ class ByteGrammar:
                 return None
             state = self.feed(state, byte)
         return state
+
+    def first_state(self) -> tuple:
+        return {"open": (THINKING, 0, 0, ()), "optional": (THINK_OPEN, 0, 0, ())}.get(self.thinking, self.start)
+
+    @staticmethod
+    def in_thought(state: tuple) -> bool:
+        return state[0] in (THINK_OPEN, THINKING, THOUGHT)
+
+    def thought_may_end(self, state: tuple) -> bool:
+        """may_end of a thinking state: never inside the thought; elsewhere as the state it stands for."""
+        if state[0] == THINKING:
+            return False
+        other = self.thought_delegate(state)[0]
+        return other is not None and self.may_end(other)
+
+    def thought_delegate(self, state: tuple) -> tuple[tuple | None, bytes] | None:
+        """delegate of a thinking state: THOUGHT reads as the grammar's start but for whitespace; THINK_OPEN, the
+        thinking's tag begun, as the start after the tag's bytes so far but for the tag's next byte."""
+        if state[0] == THOUGHT:
+            return self.start, bytes(sorted(WHITESPACE))
+        if state[0] == THINK_OPEN:
+            return self.feed_bytes(self.start, THINK_TAGS[0][:state[1]]), THINK_TAGS[0][state[1]:state[1] + 1]
+        return None
+
+    def thought_after_special(self, state: tuple) -> tuple | None:
+        """after_special of a thinking state: text inside the thought; elsewhere as the state it stands for."""
+        if state[0] == THINKING:
+            return (THINKING, 0, 0, ())
+        other = self.thought_delegate(state)[0]
+        return None if other is None else self.after_special(other)
+
+    def feed_thought(self, mode: int, aux: int, spaces: int, byte: int) -> tuple | None:
+        """A byte of a reasoning model's thinking, or the whitespace after it: the grammar starts after that."""
+        if mode == THINK_OPEN:  # the output may open its thinking; bytes that turn out not to are the grammar's
+            if THINK_TAGS[0][aux] == byte:
+                return (THINKING, 0, 0, ()) if aux + 1 == len(THINK_TAGS[0]) else (THINK_OPEN, aux + 1, 0, ())
+            return self.feed_bytes(self.start, THINK_TAGS[0][:aux] + bytes([byte]))
+        if mode == THINKING:
+            matched = tag_matched(THINK_TAGS[1], aux, byte)
+            if matched < len(THINK_TAGS[1]):
+                return (THINKING, matched, 0, ())
+            return self.start if self.words_after_thought else (THOUGHT, 0, 0, ())
+        if byte in WHITESPACE:
+            return (THOUGHT, 0, spaces + 1, ()) if spaces < MAX_SPACES else None
+        return self.feed(self.start, byte)
 
 
 class JsonGrammar(ByteGrammar):
@@ -235,7 +294,8 @@ class JsonGrammar(ByteGrammar):
                  frame: Frame | None = None, thinking: str | None = None):
         self.nodes, self.root, self.key, self.text_otherwise, self.frame = nodes, root, key, text_otherwise, frame
         self.thinking = thinking
-        self.initial = {"open": (THINKING, 0, 0, ()), "optional": (THINK_OPEN, 0, 0, ())}.get(thinking, START_STATE)
+        self.words_after_thought = frame is not None and frame.prose
+        self.initial = self.first_state()
 
     def thinking_first(self, thinking: str | None) -> "JsonGrammar":
         """This grammar after a reasoning model's thinking (`thinking` "open" or "optional"; None: itself)."""
@@ -247,11 +307,8 @@ class JsonGrammar(ByteGrammar):
 
     def may_end(self, state: tuple) -> bool:
         """Whether the output may end after `state`: the document is whole, or the output is free text."""
-        if state[0] in (THINK_OPEN, THOUGHT):  # as the state it stands for may
-            other = self.delegate(state)[0]
-            return other is not None and self.may_end(other)
-        if state[0] == THINKING:
-            return False
+        if self.in_thought(state):
+            return self.thought_may_end(state)
         if self.frame is not None:
             return state[0] in (PROSE, BETWEEN) or state[0] == START and self.frame.prose or self.finished(state)
         return state[0] in (DONE, TEXT) or state[0] == START and self.text_otherwise
@@ -267,26 +324,18 @@ class JsonGrammar(ByteGrammar):
 
     def delegate(self, state: tuple) -> tuple[tuple | None, bytes] | None:
         """Where `state` reads every next byte but a few as another state does: (that state, None where such bytes are
-        refused; the few bytes). THOUGHT reads as the grammar's start but for whitespace; THINK_OPEN, the thinking's
-        tag begun, as the start after the tag's bytes so far but for the tag's next byte. None elsewhere. A token that
-        opens with another byte is the other state's (structured.py reuses its mask)."""
-        if state[0] == THOUGHT:
-            return START_STATE, bytes(sorted(WHITESPACE))
-        if state[0] == THINK_OPEN:
-            return self.feed_bytes(START_STATE, THINK_TAGS[0][:state[1]]), THINK_TAGS[0][state[1]:state[1] + 1]
-        return None
+        refused; the few bytes): the thinking's states only (thought_delegate), None elsewhere. A token that opens
+        with another byte is the other state's (structured.py reuses its mask)."""
+        return self.thought_delegate(state)
 
     def after_special(self, state: tuple) -> tuple | None:
         """The state after a special token (one without bytes of its own): text in free text, where it breaks any
         tag begun; refused elsewhere."""
         if state[0] == TEXT:
             return state
-        if state[0] in (THOUGHT, THINK_OPEN):  # as the state it stands for
-            other = self.delegate(state)[0]
-            return None if other is None else self.after_special(other)
-        if self.free_text_tag(state) is None:
-            return None
-        return (THINKING, 0, 0, ()) if state[0] == THINKING else (PROSE, 0, 0, ())
+        if self.in_thought(state):
+            return self.thought_after_special(state)
+        return None if self.free_text_tag(state) is None else (PROSE, 0, 0, ())
 
     def finished(self, state: tuple) -> bool:
         """Whether nothing but the output's end may come after `state`."""
@@ -298,7 +347,7 @@ class JsonGrammar(ByteGrammar):
         if mode == TEXT:
             return state
         if mode in (THINK_OPEN, THINKING, THOUGHT):
-            return self._thinking(mode, aux, spaces, byte)
+            return self.feed_thought(mode, aux, spaces, byte)
         if self.frame is not None and (mode in (PROSE, LITERAL, DOCUMENT, BETWEEN, DONE) or mode == START):
             return self._framed(mode, aux, byte)
         if mode == STRING:  # aux: 1 in a key (of an object of any keys), 0 in a value, (node, characters, pattern
@@ -361,22 +410,6 @@ class JsonGrammar(ByteGrammar):
             return self._framed(LITERAL, (NEXT, 0), byte) if frame.repeat else None
         which, matched = aux
         return self._literal(which, matched + 1) if frame.literal(which)[matched] == byte else None
-
-    def _thinking(self, mode: int, aux: int, spaces: int, byte: int) -> tuple | None:
-        """A byte of a reasoning model's thinking, or the whitespace after it: the grammar starts after that."""
-        if mode == THINK_OPEN:  # the output may open its thinking; bytes that turn out not to are the grammar's
-            if THINK_TAGS[0][aux] == byte:
-                return (THINKING, 0, 0, ()) if aux + 1 == len(THINK_TAGS[0]) else (THINK_OPEN, aux + 1, 0, ())
-            return self.feed_bytes(START_STATE, THINK_TAGS[0][:aux] + bytes([byte]))
-        if mode == THINKING:
-            matched = tag_matched(THINK_TAGS[1], aux, byte)
-            if matched < len(THINK_TAGS[1]):
-                return (THINKING, matched, 0, ())
-            words = self.frame is not None and self.frame.prose  # words take the whitespace as they come
-            return START_STATE if words else (THOUGHT, 0, 0, ())
-        if byte in WHITESPACE:
-            return (THOUGHT, 0, spaces + 1, ()) if spaces < MAX_SPACES else None
-        return self.feed(START_STATE, byte)
 
     def _literal(self, which: int, matched: int) -> tuple:
         """The state once `matched` bytes of a frame's literal are read: what follows it once it is whole."""

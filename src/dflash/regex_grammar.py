@@ -5,7 +5,8 @@ The expression is the pattern subset of patterns.py (literals, classes, groups, 
 against the whole output as Python's `re.fullmatch` would (a `^` or `$` at its ends changes nothing). Its automaton
 reads the output's characters from their UTF-8 bytes; structured.py makes the masks of its states as it does a JSON
 grammar's (JsonVocabulary walks every token from a state; a state the pattern leaves one byte allows forces it, so a
-choice's rest is drafted free once its first bytes decide it).
+choice's rest is drafted free once its first bytes decide it). After a reasoning model's thinking too, as a JSON
+grammar (grammar.ByteGrammar: the thought is free text up to `</think>`, the expression holds what follows).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import itertools
 import torch
 
 from .errors import UserError
-from .grammar import ByteGrammar, utf8_lead
+from .grammar import THINK_TAGS, THINKING, ByteGrammar, utf8_lead
 from .patterns import compile_pattern
 
 PATTERN = 100  # the mode of a state (a JSON grammar's modes are below it)
@@ -35,26 +36,27 @@ class PatternGrammar(ByteGrammar):
 
     text_otherwise, frame, thinking = False, None, None
 
-    def __init__(self, expression: str):
-        self.expression = expression
+    def __init__(self, expression: str, thinking: str | None = None):
+        self.expression, self.thinking = expression, thinking
         self.pattern = compile_pattern(f"^(?:{unanchored(expression)})$")
         # masks are kept by key and state (structured.py), and states are numbered per grammar: one key each
-        self.key = f"regex:{next(GRAMMARS)}:{expression}"
+        self.key = f"regex:{next(GRAMMARS)}:{thinking}:{expression}"
         self.parts: list[tuple[frozenset, tuple]] = []  # a state's number -> (the pattern's states, reading)
         self.numbers: dict[tuple[frozenset, tuple], int] = {}
         self.moves: dict[tuple[int, int], tuple | None] = {}  # (a state's number, a byte) -> the state after
         self.ascii_rows: dict[int, list[int]] = {}  # a state's number -> its row of ascii_table
         self.table: torch.Tensor | None = None
-        self.initial = self._state(self.pattern.start, ())
+        self.start = self._state(self.pattern.start, ())
+        self.initial = self.first_state()
 
     def thinking_first(self, thinking: str | None) -> "PatternGrammar":
-        if thinking is not None:
-            raise UserError("a regex or choice output cannot follow a reasoning model's thinking here: send "
-                            "chat_template_kwargs that turn the thinking off, or use response_format")
-        return self
+        """This expression after a reasoning model's thinking (ByteGrammar; None: itself)."""
+        return self if thinking is None else pattern_grammar(self.expression, thinking)
 
     def feed(self, state: tuple, byte: int) -> tuple | None:
         """The state after one more byte, or None where no match continues that way."""
+        if state[0] != PATTERN:
+            return self.feed_thought(*state[:3], byte)
         key = (state[1], byte)
         if key in self.moves:
             return self.moves[key]
@@ -103,6 +105,8 @@ class PatternGrammar(ByteGrammar):
         n + 1 is state n's, each column the row after that byte (row 0: refused, and it stays so). (the table,
         `state`'s row); None where more than MAX_TABLE_STATES states are reached (a vocabulary then walks its tokens,
         structured.py)."""
+        if state[0] != PATTERN:
+            return None
         todo, grew = [state[1]], False
         while todo:
             number = todo.pop()
@@ -125,28 +129,32 @@ class PatternGrammar(ByteGrammar):
         return self.table, state[1] + 1
 
     def may_end(self, state: tuple) -> bool:
+        if state[0] != PATTERN:
+            return self.thought_may_end(state)
         states, reading = self.parts[state[1]]
         return not reading and self.pattern.accepts(states)
 
     def finished(self, state: tuple) -> bool:
         """Whether the output is a match that no further character keeps one."""
-        return self.may_end(state) and not self.pattern.can_take(self.parts[state[1]][0], 0, 0x10FFFF)
+        return state[0] == PATTERN and self.may_end(state) and \
+            not self.pattern.can_take(self.parts[state[1]][0], 0, 0x10FFFF)
 
-    def after_special(self, state: tuple) -> None:
-        return None  # a special token has no characters to match
+    def after_special(self, state: tuple) -> tuple | None:
+        # a special token has no characters to match: text only in a thought
+        return self.thought_after_special(state) if state[0] != PATTERN else None
 
-    def free_text_tag(self, state: tuple) -> None:
-        return None
+    def free_text_tag(self, state: tuple) -> bytes | None:
+        return THINK_TAGS[1] if state[0] == THINKING else None
 
-    def delegate(self, state: tuple) -> None:
-        return None
+    def delegate(self, state: tuple) -> tuple[tuple | None, bytes] | None:
+        return self.thought_delegate(state)
 
 
 @functools.lru_cache(maxsize=64)
-def pattern_grammar(expression: str) -> PatternGrammar:
-    """The grammar of `expression`, one per expression while it is in use: its states, moves and masks are shared
-    by the requests that send it."""
-    return PatternGrammar(expression)
+def pattern_grammar(expression: str, thinking: str | None = None) -> PatternGrammar:
+    """The grammar of `expression` (after a thinking, ByteGrammar), one each while it is in use: its states, moves
+    and masks are shared by the requests that send it."""
+    return PatternGrammar(expression, thinking)
 
 
 def unanchored(expression: str) -> str:
