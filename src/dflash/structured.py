@@ -283,6 +283,13 @@ class JsonVocabulary:
                 after = _after_prefix(key[: len(path)])
                 i = len(keys) if after is None else bisect.bisect_left(keys, after, i + 1)
                 continue
+            if current[0] == TEXT:  # free text takes anything: every key that starts as this one did is allowed
+                reached = next(k for k, state in enumerate(path) if state[0] == TEXT)
+                after = _after_prefix(key[:reached])
+                end = len(keys) if after is None else bisect.bisect_left(keys, after, i + 1)
+                allowed += ids[i:end]
+                i = end
+                continue
             allowed.append(ids[i])
             i += 1
         return allowed
