@@ -183,6 +183,30 @@ def test_completion_logprobs_and_offsets(client, target, reference, stream):
                                            for e in ref.logprobs]
 
 
+def test_several_prompts_in_one_completions_request(client, target):
+    """A list of prompts (texts, or lists of token ids), as lm-eval batches them: each prompt's choices in turn,
+    each what a request of its own gives; usage summed; scoring with echo too; streamed, one prompt per request."""
+    prompts = ["w5 w9 w2", "w1 w30 w12 w8", "w44"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0, n=2, seed=3)
+             for p in prompts]
+    for sent in (prompts, [target.encode_prompt(p, chat=False) for p in prompts]):
+        together = client.completions.create(model=MODEL, prompt=sent, max_tokens=6, temperature=0, n=2, seed=3)
+        assert [c.index for c in together.choices] == list(range(6))
+        assert [c.text for c in together.choices] == [c.text for r in alone for c in r.choices]
+        assert together.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+        assert together.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+        assert len(together.model_extra["dflash"]) == 3
+    scored = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.text for c in scored.choices] == prompts
+    single = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[1].logprobs.token_logprobs == single.choices[0].logprobs.token_logprobs
+    for bad, fragment in [({"prompt": prompts, "stream": True}, "stream one prompt per request"),
+                          ({"prompt": ["w1", "w1 " * 600]}, "at most"),
+                          ({"prompt": [[1, 2], [10**6]]}, "token ids must be in")]:
+        with pytest.raises(openai.BadRequestError, match=fragment):
+            client.completions.create(model=MODEL, max_tokens=4, **bad)
+
+
 def test_echo_scores_the_prompt_as_lm_eval_asks(client, target, reference):
     """lm-eval's loglikelihood request: the prompt's tokens echoed with their log-probabilities (the first has
     none), then one generated token; streamed, the same figures arrive in pieces."""

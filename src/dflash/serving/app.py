@@ -31,6 +31,8 @@ from .schemas import (
     check_fits,
     choice_configs,
     completion_prompt_ids,
+    completion_prompts,
+    merged_completions,
     echoed_prompt,
     scores_only,
     openai_error,
@@ -108,6 +110,23 @@ class Service:
 
             return Response(status_code=499)
         return exchange.response(max(job.queue_s for job in jobs), results, stop_ids)
+
+    async def complete_many(self, request: "Request", body, prompts: list):
+        """A completions request of several prompts (lm-eval's batches): each completed as a request of its own,
+        all queued at once, answered together (merged_completions); streamed, one prompt per request."""
+        if body.stream:
+            raise UserError("stream one prompt per request (a request of several is answered whole)")
+        if len(prompts) * body.n > self.worker.max_queue:
+            raise UserError(f"{len(prompts)} prompts x n={body.n} pass the server's queue of {self.worker.max_queue}")
+        ids = [completion_prompt_ids(self.target, prompt) for prompt in prompts]  # all checked before any is queued
+        for prompt_ids in ids:
+            check_fits(prompt_ids, self.worker.engine)
+        bodies = [body.model_copy(update={"prompt": prompt}) for prompt in prompts]  # each echoes its own
+        responses = await asyncio.gather(*(self.complete(request, one, prompt_ids, chat=False)
+                                           for one, prompt_ids in zip(bodies, ids)))
+        if any(not isinstance(response, dict) for response in responses):  # the client went away
+            return next(response for response in responses if not isinstance(response, dict))
+        return merged_completions(responses, body.n)
 
     def stream(self, request: "Request", body, prompt_ids, configs, exchange: Exchange, stop_ids: set[int]):
         """One stream for all the request's choices: each chunk names its choice's index."""
@@ -250,8 +269,10 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     @app.post("/v1/completions")
     async def completions(body: body_types.CompletionRequest, request: Request):
         service.check_model(body.model)
-        prompt_ids = completion_prompt_ids(target, body.prompt)
-        return await service.complete(request, body, prompt_ids, chat=False)
+        prompts = completion_prompts(body.prompt)
+        if len(prompts) == 1:
+            return await service.complete(request, body, completion_prompt_ids(target, prompts[0]), chat=False)
+        return await service.complete_many(request, body, prompts)
 
     responses = Responses(service, call_style)
 

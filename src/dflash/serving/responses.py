@@ -277,9 +277,9 @@ class ResponseStore:
 
 
 def reply_messages(items: list[dict]) -> list[dict]:
-    """A response's output as the chat messages a later turn's conversation holds."""
-    return input_messages([item for item in items if item["type"] != "message"
-                           or item["content"][0]["text"]] if items else [])
+    """A response's output as the chat messages a later turn's conversation holds (a message without text left
+    out)."""
+    return input_messages([item for item in items if item["type"] != "message" or item["content"][0]["text"]])
 
 
 class Responses:

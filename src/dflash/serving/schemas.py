@@ -116,7 +116,7 @@ def schemas() -> SimpleNamespace:
         top_logprobs: int | None = None
 
     class CompletionRequest(OpenAIFields):
-        prompt: str | list[int] | list[str]
+        prompt: str | list[int] | list[str] | list[list[int]]  # several: a choice of each for each, prompt-major
         echo: bool = False
         suffix: str | None = None
         logprobs: int | None = None  # the legacy API's: how many most likely tokens beside the chosen one
@@ -253,18 +253,39 @@ def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
     return vllm_format(body.structured_outputs, body.guided_regex, body.guided_choice, body.guided_json)
 
 
+def completion_prompts(prompt) -> list:
+    """A completions request's prompts, each text or token ids: one (text, or a list of token ids), or several (a
+    list of texts, or a list of lists of token ids)."""
+    if isinstance(prompt, str) or prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if not prompt:
+        raise UserError("the prompt is empty")
+    return list(prompt)
+
+
 def completion_prompt_ids(target, prompt) -> list[int]:
-    """A completions prompt: text, a one-element list of text, or token ids."""
+    """One completions prompt's token ids: text, a one-element list of text, or token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
     if isinstance(prompt, str):
         return target.encode_prompt(prompt, chat=False)
-    if prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) > 1:
-            raise UserError(f"one prompt per request is supported, got {len(prompt)}")
-        return target.encode_prompt(prompt[0], chat=False)
     bad = [t for t in prompt if not 0 <= t < target.vocab_size]
     if bad:
         raise UserError(f"token ids must be in [0, {target.vocab_size}), got {bad[0]}")
     return list(prompt)
+
+
+def merged_completions(responses: list[dict], n: int) -> dict:
+    """One response for a request of several prompts: each prompt's choices in turn (choice j of prompt i at index
+    i * n + j, as OpenAI numbers them), usage summed, the `dflash` figures of each prompt in a list."""
+    merged = {key: value for key, value in responses[0].items() if key not in ("choices", "usage", "dflash")}
+    merged["choices"] = [{**choice, "index": i * n + choice["index"]}
+                         for i, response in enumerate(responses) for choice in response["choices"]]
+    usage = {key: sum(r["usage"][key] for r in responses)
+             for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                           for r in responses)}
+    return {**merged, "usage": usage, "dflash": [r["dflash"] for r in responses]}
 
 
 def scores_only(body) -> bool:
