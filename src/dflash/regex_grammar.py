@@ -29,10 +29,11 @@ MAX_TABLE_STATES = 4096  # states an ASCII table may hold (ascii_table)
 
 
 class PatternGrammar(ByteGrammar):
-    """The automaton of one expression over a whole output. A state is (PATTERN, its number): the number stands for
-    the pattern's state set and the character being read (() between characters, else (bytes to come, the next
-    byte's lowest, highest, its code so far)). Each state's moves are kept as they are found, so the walks over a
-    vocabulary (structured.py) mostly look a byte up. The interface is JsonGrammar's (structured.py reads either)."""
+    """The automaton of one expression over a whole output. A state is (PATTERN, n) between characters, n the
+    number of the pattern's state set; inside a multi-byte character (PATTERN, n, (bytes to come, the next byte's
+    lowest, highest, its code so far)). The moves of the states between characters are kept as they are found, so
+    the walks over a vocabulary (structured.py) mostly look a byte up; the few inside a character are not numbered
+    (their codes would be many). The interface is JsonGrammar's (structured.py reads either)."""
 
     text_otherwise, frame, thinking = False, None, None
 
@@ -41,12 +42,12 @@ class PatternGrammar(ByteGrammar):
         self.pattern = compile_pattern(f"^(?:{unanchored(expression)})$")
         # masks are kept by key and state (structured.py), and states are numbered per grammar: one key each
         self.key = f"regex:{next(GRAMMARS)}:{thinking}:{expression}"
-        self.parts: list[tuple[frozenset, tuple]] = []  # a state's number -> (the pattern's states, reading)
-        self.numbers: dict[tuple[frozenset, tuple], int] = {}
+        self.parts: list[frozenset] = []  # a state's number -> the pattern's states
+        self.numbers: dict[frozenset, int] = {}
         self.moves: dict[tuple[int, int], tuple | None] = {}  # (a state's number, a byte) -> the state after
         self.ascii_rows: dict[int, list[int]] = {}  # a state's number -> its row of ascii_table
         self.table: torch.Tensor | None = None
-        self.start = self._state(self.pattern.start, ())
+        self.start = self._state(self.pattern.start)
         self.initial = self.first_state()
 
     def thinking_first(self, thinking: str | None) -> "PatternGrammar":
@@ -57,16 +58,19 @@ class PatternGrammar(ByteGrammar):
         """The state after one more byte, or None where no match continues that way."""
         if state[0] != PATTERN:
             return self.feed_thought(*state[:3], byte)
+        if len(state) == 3:
+            return self._move(state[1], state[2], byte)
         key = (state[1], byte)
         if key in self.moves:
             return self.moves[key]
-        following = self._move(*self.parts[state[1]], byte)
+        following = self._move(state[1], (), byte)
         if len(self.moves) > MAX_MOVES:
             self.moves.clear()
         self.moves[key] = following
         return following
 
-    def _move(self, states: frozenset, reading: tuple, byte: int) -> tuple | None:
+    def _move(self, number: int, reading: tuple, byte: int) -> tuple | None:
+        states = self.parts[number]
         if not reading:
             if byte < 0x80:
                 return self._character(states, byte)
@@ -87,17 +91,17 @@ class PatternGrammar(ByteGrammar):
         left, low, high, code = reading
         shift = 6 * (left - 1)
         lowest, highest = (code << 6 | low & 0x3F) << shift, ((code << 6 | high & 0x3F) + 1 << shift) - 1
-        return self._state(states, reading) if self.pattern.can_take(states, lowest, highest) else None
+        return (PATTERN, number, reading) if self.pattern.can_take(states, lowest, highest) else None
 
     def _character(self, states: frozenset, code: int) -> tuple | None:
         following = self.pattern.step(states, code)
-        return self._state(following, ()) if following else None
+        return self._state(following) if following else None
 
-    def _state(self, states: frozenset, reading: tuple) -> tuple:
-        number = self.numbers.get((states, reading))
+    def _state(self, states: frozenset) -> tuple:
+        number = self.numbers.get(states)
         if number is None:
-            number = self.numbers[(states, reading)] = len(self.parts)
-            self.parts.append((states, reading))
+            number = self.numbers[states] = len(self.parts)
+            self.parts.append(states)
         return (PATTERN, number)
 
     def ascii_table(self, state: tuple) -> tuple[torch.Tensor, int] | None:
@@ -105,7 +109,7 @@ class PatternGrammar(ByteGrammar):
         n + 1 is state n's, each column the row after that byte (row 0: refused, and it stays so). (the table,
         `state`'s row); None where more than MAX_TABLE_STATES states are reached (a vocabulary then walks its tokens,
         structured.py)."""
-        if state[0] != PATTERN:
+        if state[0] != PATTERN or len(state) == 3:
             return None
         todo, grew = [state[1]], False
         while todo:
@@ -131,13 +135,12 @@ class PatternGrammar(ByteGrammar):
     def may_end(self, state: tuple) -> bool:
         if state[0] != PATTERN:
             return self.thought_may_end(state)
-        states, reading = self.parts[state[1]]
-        return not reading and self.pattern.accepts(states)
+        return len(state) == 2 and self.pattern.accepts(self.parts[state[1]])
 
     def finished(self, state: tuple) -> bool:
         """Whether the output is a match that no further character keeps one."""
         return state[0] == PATTERN and self.may_end(state) and \
-            not self.pattern.can_take(self.parts[state[1]][0], 0, 0x10FFFF)
+            not self.pattern.can_take(self.parts[state[1]], 0, 0x10FFFF)
 
     def after_special(self, state: tuple) -> tuple | None:
         # a special token has no characters to match: text only in a thought
