@@ -11,6 +11,7 @@ No `from __future__ import annotations`: FastAPI reads the annotations of the ha
 import asyncio
 import copy
 import json
+import logging
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from .worker import END_OF_STREAM, Job, cancel, wait_for_results
 if TYPE_CHECKING:
     from .app import Service
 
+log = logging.getLogger("dflash.server")
 STORED_RESPONSES = 1024  # kept for previous_response_id and GET; the oldest is forgotten first
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -384,6 +386,8 @@ class Responses:
             try:
                 result = await job.future
             except Exception as exc:  # the status line is long gone: the API's error event
+                if not isinstance(exc, UserError):
+                    log.exception("streamed response failed")
                 kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
                 yield numbered.sse({"type": "error", "code": kind, "message": str(exc), "param": None})
                 return
