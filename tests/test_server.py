@@ -185,7 +185,7 @@ def test_completion_logprobs_and_offsets(client, target, reference, stream):
 
 def test_several_prompts_in_one_completions_request(client, target):
     """A list of prompts (texts, or lists of token ids), as lm-eval batches them: each prompt's choices in turn,
-    each what a request of its own gives; usage summed; scoring with echo too; streamed, one prompt per request."""
+    each what a request of its own gives; usage summed; scoring with echo too; whole and streamed."""
     prompts = ["w5 w9 w2", "w1 w30 w12 w8", "w44"]
     alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0, n=2, seed=3)
              for p in prompts]
@@ -200,8 +200,18 @@ def test_several_prompts_in_one_completions_request(client, target):
     assert [c.text for c in scored.choices] == prompts
     single = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=0, echo=True, logprobs=1)
     assert scored.choices[1].logprobs.token_logprobs == single.choices[0].logprobs.token_logprobs
-    for bad, fragment in [({"prompt": prompts, "stream": True}, "stream one prompt per request"),
-                          ({"prompt": ["w1", "w1 " * 600]}, "at most"),
+    # streamed: every prompt's choices in one stream, each as it is alone, usage summed
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2, seed=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert len({chunk.id for chunk in chunks}) == 1
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == k) for k in range(6)]
+    assert texts == [c.text for r in alone for c in r.choices]
+    assert chunks[-1].usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    assert chunks[-1].usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    echoed = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True))
+    assert ["".join(c.choices[0].text for c in echoed if c.choices[0].index == k) for k in range(3)] == prompts
+    for bad, fragment in [({"prompt": ["w1", "w1 " * 600]}, "at most"),
                           ({"prompt": [[1, 2], [10**6]]}, "token ids must be in")]:
         with pytest.raises(openai.BadRequestError, match=fragment):
             client.completions.create(model=MODEL, max_tokens=4, **bad)

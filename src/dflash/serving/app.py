@@ -33,6 +33,7 @@ from .schemas import (
     completion_prompt_ids,
     completion_prompts,
     merged_completions,
+    usage_of,
     echoed_prompt,
     scores_only,
     openai_error,
@@ -101,7 +102,7 @@ class Service:
                             tools=tools, reasoning=reasoning, thinking=thinking)
         stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
-            return self.stream(request, body, prompt_ids, configs, exchange, stop_ids)
+            return self.stream(request, body, [(prompt_ids, config, exchange) for config in configs], stop_ids)
         jobs = [Job(prompt_ids, config) for config in configs]
         self.worker.submit(jobs)
         results = await wait_for_results(jobs, request, self.metrics)
@@ -113,23 +114,38 @@ class Service:
 
     async def complete_many(self, request: "Request", body, prompts: list):
         """A completions request of several prompts (lm-eval's batches): each completed as a request of its own,
-        all queued at once, answered together (merged_completions); streamed, one prompt per request."""
-        if body.stream:
-            raise UserError("stream one prompt per request (a request of several is answered whole)")
+        all queued at once, answered together (merged_completions); streamed, every prompt's choices in one stream,
+        choice j of prompt i at index i * n + j."""
         if len(prompts) * body.n > self.worker.max_queue:
             raise UserError(f"{len(prompts)} prompts x n={body.n} pass the server's queue of {self.worker.max_queue}")
         ids = [completion_prompt_ids(self.target, prompt) for prompt in prompts]  # all checked before any is queued
         for prompt_ids in ids:
             check_fits(prompt_ids, self.worker.engine)
         bodies = [body.model_copy(update={"prompt": prompt}) for prompt in prompts]  # each echoes its own
+        if body.stream:
+            return self.stream_many(request, bodies, ids)
         responses = await asyncio.gather(*(self.complete(request, one, prompt_ids, chat=False)
                                            for one, prompt_ids in zip(bodies, ids)))
         if any(not isinstance(response, dict) for response in responses):  # the client went away
             return next(response for response in responses if not isinstance(response, dict))
         return merged_completions(responses, body.n)
 
-    def stream(self, request: "Request", body, prompt_ids, configs, exchange: Exchange, stop_ids: set[int]):
-        """One stream for all the request's choices: each chunk names its choice's index."""
+    def stream_many(self, request: "Request", bodies: list, ids: list[list[int]]):
+        """One stream of several prompts' choices, each prompt's with an exchange of its own (what it echoes, its
+        prompt's tokens), all under one id."""
+        runs = []
+        for one, prompt_ids in zip(bodies, ids):
+            configs = choice_configs(one, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size)
+            exchange = Exchange(False, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
+                                echo=echoed_prompt(self.target, one, prompt_ids), scores_only=scores_only(one))
+            if runs:
+                exchange.id, exchange.created = runs[0][2].id, runs[0][2].created
+            runs += [(prompt_ids, config, exchange) for config in configs]
+        return self.stream(request, bodies[0], runs, runs[0][1].stop_ids(self.target.eos_token_ids))
+
+    def stream(self, request: "Request", body, runs: list[tuple], stop_ids: set[int]):
+        """One stream for all the request's choices, `runs` of (prompt ids, config, exchange) in index order: each
+        chunk names its choice's index."""
         from fastapi.responses import StreamingResponse
 
         loop = asyncio.get_running_loop()
@@ -139,13 +155,14 @@ class Service:
             return lambda item: loop.call_soon_threadsafe(pieces.put_nowait, (index, item))
 
         jobs = [Job(prompt_ids, config, TextDeltas(self.target.decode, config.stop_strings, stop_ids), emit=sink(i),
-                    echo=exchange.echo is not None) for i, config in enumerate(configs)]
+                    echo=exchange.echo is not None) for i, (prompt_ids, config, exchange) in enumerate(runs)]
         self.worker.submit(jobs)  # queued now, so a busy server answers 503 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self.stream_events(request, jobs, pieces, exchange, include_usage)
+        events = self.stream_events(request, jobs, pieces, [exchange for _, _, exchange in runs], include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def stream_events(self, request, jobs: list[Job], pieces, exchange: Exchange, include_usage: bool):
+    async def stream_events(self, request, jobs: list[Job], pieces, exchanges: list[Exchange], include_usage: bool):
+        exchange = exchanges[0]  # the request's identity: every choice's chunks carry its id
         try:
             if exchange.chat:  # OpenAI opens a chat stream with the role
                 for index in range(len(jobs)):
@@ -158,12 +175,12 @@ class Service:
                 index, piece = item
                 if piece is not END_OF_STREAM:
                     if piece.prompt:
-                        yield exchange.echo_chunk(index, piece.logprobs)
+                        yield exchanges[index].echo_chunk(index, piece.logprobs)
                     elif choices is not None:
                         for chunk in choices[index].piece(piece.text, piece.logprobs):
                             yield chunk
                     elif not exchange.scores_only:
-                        yield exchange.chunk(piece.text, index=index, logprobs=piece.logprobs)
+                        yield exchanges[index].chunk(piece.text, index=index, logprobs=piece.logprobs)
                     continue
                 try:
                     results[index] = result = await jobs[index].future
@@ -179,10 +196,10 @@ class Service:
                     for chunk in choices[index].finish(result):
                         yield chunk
                     finish = choices[index].finish_reason
-                yield exchange.chunk(None, finish, index=index,
-                                     dflash=exchange.extension(jobs[index].queue_s, [result]))
+                yield exchanges[index].chunk(None, finish, index=index,
+                                             dflash=exchanges[index].extension(jobs[index].queue_s, [result]))
             if include_usage:
-                yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": exchange.usage(results)})
+                yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": usage_of(exchanges, results)})
             yield sse("[DONE]")
         finally:
             cancel(jobs, self.metrics)  # a no-op when the generations finished

@@ -281,11 +281,23 @@ def merged_completions(responses: list[dict], n: int) -> dict:
     merged = {key: value for key, value in responses[0].items() if key not in ("choices", "usage", "dflash")}
     merged["choices"] = [{**choice, "index": i * n + choice["index"]}
                          for i, response in enumerate(responses) for choice in response["choices"]]
-    usage = {key: sum(r["usage"][key] for r in responses)
-             for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    usage["prompt_tokens_details"] = {"cached_tokens": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"]
-                                                           for r in responses)}
-    return {**merged, "usage": usage, "dflash": [r["dflash"] for r in responses]}
+    usage = summed_usage([response["usage"] for response in responses])
+    return {**merged, "usage": usage, "dflash": [response["dflash"] for response in responses]}
+
+
+def usage_of(exchanges: list["Exchange"], results: list) -> dict:
+    """The usage of a stream's choices (`exchanges[k]` choice k's): each prompt's, summed over its prompts."""
+    by_prompt: dict[int, tuple] = {}
+    for exchange, result in zip(exchanges, results):
+        by_prompt.setdefault(id(exchange), (exchange, []))[1].append(result)
+    return summed_usage([exchange.usage(done) for exchange, done in by_prompt.values()])
+
+
+def summed_usage(usages: list[dict]) -> dict:
+    """Several prompts' usage as one: every count summed."""
+    total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def scores_only(body) -> bool:
