@@ -86,6 +86,10 @@ def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["method"] == "dflash"
+    from dflash import __version__
+
+    assert httpx.get(f"{url}/ping").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/version").json() == {"version": __version__}
 
 
 def test_chat_equals_engine(client, target, chat_refs):
@@ -326,7 +330,7 @@ def test_stop_token_ids_end_the_text_before_the_token(client, target, chat_refs,
     assert len(logprobs) == ref.tokens.index(stop_id)  # the stop token's is left out, as its text is
 
 
-def test_an_api_key_guards_every_endpoint_but_health_and_metrics(target, proposer):
+def test_an_api_key_guards_every_endpoint_but_the_probes(target, proposer):
     app = create_app(target, proposer, MODEL, api_key="sesame")
     with BackgroundServer(app) as base:
         keyed = openai.OpenAI(base_url=f"{base}/v1", api_key="sesame", max_retries=0, timeout=60)
@@ -335,7 +339,8 @@ def test_an_api_key_guards_every_endpoint_but_health_and_metrics(target, propose
         with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
             chat(wrong, PROMPTS[0])
         assert httpx.post(f"{base}/tokenize", json={"prompt": "w1"}).status_code == 401
-        assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+        probes = ("health", "metrics", "ping", "version")
+        assert all(httpx.get(f"{base}/{probe}").status_code == 200 for probe in probes)
 
 
 def test_tokenize_and_detokenize(url, target):

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from .. import __version__
 from ..errors import UserError
 from ..options import (add_method_arguments, add_reasoning_argument, add_target_arguments, add_tool_format_argument,
                        check_drafter_folders, method_options)
@@ -216,10 +217,10 @@ async def next_piece(pieces: asyncio.Queue, request: "Request"):
 
 
 class ApiKeyMiddleware:
-    """With an API key set, every endpoint but /health and /metrics wants `Authorization: Bearer KEY` (as OpenAI
-    and vLLM's --api-key); others get OpenAI's 401."""
+    """With an API key set, every endpoint but the probes (/health, /metrics, /ping, /version) wants `Authorization:
+    Bearer KEY` (as OpenAI and vLLM's --api-key); others get OpenAI's 401."""
 
-    OPEN = ("/health", "/metrics")
+    OPEN = ("/health", "/metrics", "/ping", "/version")
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
@@ -269,7 +270,7 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         yield
         worker.close()
 
-    app = FastAPI(title="dflash", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="dflash", version=__version__, lifespan=lifespan)
     app.state.service = service
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -335,6 +336,14 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     async def health():
         return {"status": "ok", "model": model_name, "method": proposer.name, "queued": worker.queued,
                 "running": worker.running, "max_batch_size": engine.max_batch}
+
+    @app.get("/ping")  # what SageMaker-style load balancers and vLLM's clients probe
+    async def ping():
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus():
@@ -450,8 +459,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a chat's history, a shared system prompt, n choices) reads only the rest "
                         f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every endpoint but /health and /metrics "
-                        "(default: $DFLASH_API_KEY; unset = open)")
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health, /metrics, /ping and "
+                        "/version (default: $DFLASH_API_KEY; unset = open)")
     add_tool_format_argument(p)
     add_reasoning_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

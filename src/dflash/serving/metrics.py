@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-             "/tokenize", "/detokenize")
+             "/tokenize", "/detokenize", "/ping", "/version")
 GENERATION_ENDPOINTS = ENDPOINTS[:3]
 
 
