@@ -120,3 +120,36 @@ def test_the_templates_own_variables_reach_every_turn(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     assert main(argv[:-1] + ["[1]"]) == 2
     assert "chat_template_kwargs must be an object" in capsys.readouterr().err
+
+
+def test_a_reasoning_parser_keeps_each_replys_thinking_apart(capsys, monkeypatch):
+    """--reasoning-parser: each reply streams whole (thinking too); the conversation keeps its answer as the content
+    and its thinking as `reasoning_content`, and a JSON answer comes after the thinking."""
+    import dflash.chat as chat_module
+    from dflash.loading import load_target_cached
+    from dflash.reasoning import split
+    from test_reasoning import thinking_bias
+
+    target = load_target_cached("tiny-qwen3-hermes")
+    configured, kept = chat_module.config_from_args, []
+
+    def thinking(args, **more):  # samples that think, then answer
+        config = configured(args, **more)
+        config.sampling.logit_bias = thinking_bias(target)
+        config.sampling.temperature, config.sampling.seed = 0.8, 1
+        return config
+
+    messages = chat_module.Conversation.messages
+    monkeypatch.setattr(chat_module, "config_from_args", thinking)
+    monkeypatch.setattr(chat_module.Conversation, "messages",
+                        lambda self, user: kept.append(messages(self, user)) or kept[-1])
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nMore\n"))
+    argv = ["chat", "--target", "tiny-qwen3-hermes", "--method", "ngram", "--max-new-tokens", "50", "--quiet",
+            "--reasoning-parser", "qwen3", "--response-format", "json_object"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    earlier = kept[-1][1]  # the first reply, as the second turn's conversation holds it
+    assert earlier["role"] == "assistant" and earlier["content"].startswith("{")  # JSON after the thought
+    shown = out[: out.index(earlier["content"]) + len(earlier["content"])]  # the first reply as it streamed
+    assert shown.startswith("<think>") and earlier["reasoning_content"]
+    assert split(shown, "optional") == (earlier["reasoning_content"], earlier["content"])

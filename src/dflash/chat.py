@@ -4,7 +4,9 @@ method (lossless: greedy replies are the target's own), the figures of each repl
 Each turn sends the whole conversation through the chat template; the prefix cache keeps the keys and values of the
 turns before, so a turn reads only its new tokens. When the conversation no longer leaves room for a reply, its
 oldest exchanges are dropped (the system message stays). Lines from a pipe are turns too (`dflash chat < FILE`).
-Commands: /reset (a new conversation), /exit (or end of input). Ctrl-C stops a reply and keeps what it said."""
+Commands: /reset (a new conversation), /exit (or end of input). Ctrl-C stops a reply and keeps what it said. With
+--reasoning-parser a reply's thinking is shown as it comes and kept apart from its answer in the conversation (as
+`reasoning_content`, which a template shows or leaves out)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from .errors import UserError
 from .generate import (WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method,
                        template_options_from_args)
-from .options import add_method_arguments, add_sampling_arguments, add_target_arguments
+from .options import add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments
+from .reasoning import check_parser, split, thinking_of
 
 PREFIX_CACHE_MB = 256  # the turns before, kept for the next turn (prefixes.py evicts the least recently used)
 REPLY_ROOM = 256  # tokens of reply a turn keeps room for at least, dropping old exchanges to make it
@@ -31,18 +34,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no figures after each reply")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's own variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
+    add_reasoning_argument(p)
 
 
 @dataclass
 class Conversation:
     """The messages so far, and how they are cut to fit the target's context."""
     system: str | None = None
-    exchanges: list[tuple[str, str]] = field(default_factory=list)  # (user, assistant) turns done
+    # (user, assistant) turns done; an assistant turn's thinking beside it where a reasoning parser split it off
+    exchanges: list[tuple[str, str] | tuple[str, str, str]] = field(default_factory=list)
 
     def messages(self, user: str) -> list[dict]:
         opening = [{"role": "system", "content": self.system}] if self.system else []
-        done = [{"role": role, "content": text} for pair in self.exchanges
-                for role, text in zip(("user", "assistant"), pair)]
+        done = []
+        for asked, answer, *thought in self.exchanges:
+            reply = {"role": "assistant", "content": answer}
+            if thought:  # the template shows it or leaves it out (Qwen3's keep only the last turn's)
+                reply["reasoning_content"] = thought[0]
+            done += [{"role": "user", "content": asked}, reply]
         return opening + done + [{"role": "user", "content": user}]
 
     def fit(self, encode, user: str, room: int) -> tuple[list[int], int]:
@@ -97,6 +106,7 @@ def run(args) -> int:
 
     config = config_from_args(args)
     options = template_options_from_args(args)
+    parser = check_parser(args.reasoning_parser)
     target, proposer = load_method(args, config)
     encode = functools.partial(target.encode_messages, options=options)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks,
@@ -127,14 +137,16 @@ def run(args) -> int:
             continue
         if dropped:
             print(f"[dflash] the {dropped} oldest exchange(s) dropped to leave room for a reply", file=sys.stderr)
-        live = LiveText(target, config)
+        turn = replace(config, thinking=thinking_of(target, prompt_ids, parser))  # a grammar holds the answer
+        live = LiveText(target, turn)
         with StopOnInterrupt() as stop:
             def show(new_ids: list[int]) -> bool:
                 live(new_ids)
                 return not stop.asked  # False cancels the reply
-            result = decoder.generate(prompt_ids, config, show)
+            result = decoder.generate(prompt_ids, turn, show)
         live.finish(result.text)
-        conversation.exchanges.append((user, result.text))
+        thought, answer = split(result.text, turn.thinking)
+        conversation.exchanges.append((user, result.text) if thought is None else (user, answer, thought))
         if not args.quiet:
             cached = result.stats.cached_prompt_tokens
             print(f"{figures_line(args.method, result.stats)}; prompt {result.stats.prompt_tokens} tokens, "
