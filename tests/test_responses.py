@@ -141,6 +141,10 @@ def test_structured_output_is_the_chat_reply(client, byte_targets):
                                        extra_body={"logit_bias": bias})
     assert response.output_text == expected and isinstance(json.loads(expected)["ok"], bool)
     assert response.text.format.type == "json_schema"
+    terse = client.responses.create(model="tiny", input="Hi?", max_output_tokens=40, temperature=0,
+                                    text={"format": {"type": "json_schema", "name": "count", "schema": SCHEMA},
+                                          "verbosity": "low"}, extra_body={"logit_bias": bias})
+    assert terse.output_text == expected  # text's other fields (verbosity) change nothing here
 
 
 def test_reasoning_comes_back_as_its_own_item():

@@ -125,7 +125,7 @@ def schemas() -> SimpleNamespace:
         input: str | list
         instructions: str | None = None
         max_output_tokens: int | None = None
-        text: dict[str, dict] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+        text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}, ...}
         previous_response_id: str | None = None
         store: bool = True
         metadata: dict | None = None
