@@ -6,7 +6,8 @@ those fetched here). Prints, per target: the vocabulary's size, the seconds to r
 milliseconds of a new state's mask under JSON mode, under docs/data/session56/items_schema.json, and under a schema
 of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), one of formats and patterns
 (FORMATTED, FORMATTED_DOCUMENT), tool calls in the hermes format under tool_choice auto (words, then calls in
-<tool_call> tags: HERMES_REPLY), the same after a reasoning model's thinking (THINKING_REPLY), and whole outputs
+<tool_call> tags: HERMES_REPLY), the same after a reasoning model's thinking (THINKING_REPLY), dflash's json
+format under tool_choice auto after a thinking (JSON_THOUGHT), and whole outputs
 held to a regular expression (SENTENCE, PHONE) or a list of choices (LABELS).
 """
 
@@ -48,6 +49,8 @@ CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "d
          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 HERMES_REPLY = "Let me look that up <b>now</b>.\n" + CALLS
 THINKING_REPLY = "<think>\nThe user wants the weather; <tool_call> comes next.\n</think>\n\n" + CALLS
+JSON_THOUGHT = ('<think>\nThe weather, then the time.\n</think>\n\n[{"name": "get_weather", "arguments": {"city": '
+                '"Paris", "days": 3}}, {"name": "get_time", "arguments": {}}]')
 # a whole output held to a regular expression or a list of choices (regex_grammar.py)
 SENTENCE, SENTENCE_TEXT = r"[A-Z][a-z]*( [a-z]+){2,12}\.", "The quick brown fox jumps over the lazy dog."
 PHONE, PHONE_TEXT = r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"
@@ -71,6 +74,11 @@ def hermes_calls(thinking: str | None):
     return output_grammar(*tool_request(WEATHER, style="hermes").output_format(), thinking)
 
 
+def json_calls(thinking: str | None):
+    """The grammar of a reply that may call WEATHER's functions in dflash's json format (tool_choice auto)."""
+    return output_grammar(*tool_request(WEATHER, style="json").output_format(), thinking)
+
+
 def main() -> None:
     for name in sys.argv[1:] or ["smollm2-135m", "gemma3-270m"]:
         folder = converted_dir(name)
@@ -88,6 +96,7 @@ def main() -> None:
                                          ("formats", compile_schema(FORMATTED), FORMATTED_DOCUMENT),
                                          ("hermes calls", hermes_calls(None), HERMES_REPLY),
                                          ("thinking, then calls", hermes_calls("optional"), THINKING_REPLY),
+                                         ("thinking, then json calls (auto)", json_calls("optional"), JSON_THOUGHT),
                                          ("regex (sentence)", PatternGrammar(SENTENCE), SENTENCE_TEXT),
                                          ("regex (phone)", PatternGrammar(PHONE), PHONE_TEXT),
                                          ("choice", PatternGrammar(choice_expression(LABELS)), LABEL)):

@@ -86,7 +86,7 @@ def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
     "json_schema": {"schema": {...}}} or {"type": "text"}, or vLLM's `structured_outputs` (or guided_regex,
     guided_choice, guided_json), as (response_format, json_schema); None: the command line's. Checked (the schema
     compiled) before the target loads."""
-    from .structured import output_grammar, vllm_format
+    from .structured import one_constraint, output_grammar, vllm_format
 
     given = row.get("response_format")
     if given is not None and (not isinstance(given, dict) or not isinstance(given.get("json_schema", {}), dict)):
@@ -96,19 +96,16 @@ def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
                            row.get("guided_json"))
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
-    if vllm is not None and given is not None and given.get("type") != "text":
-        raise UserError(f"{where}: response_format and structured_outputs (or guided_*) each constrain the output: "
-                        "send one")
-    if given is None or vllm is not None:
+    if given is None:
         return vllm
     kind = given.get("type")
     schema = given.get("json_schema", {}).get("schema") if kind == "json_schema" else None
     chosen = (None if kind == "text" else kind, schema)
     try:
         output_grammar(*chosen)
+        return one_constraint(chosen, vllm, "structured_outputs (or guided_*)")
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
-    return chosen
 
 
 def row_tools(row: dict, where: str) -> ToolRequest | None:

@@ -44,6 +44,7 @@ from .bench_report import write_outputs
 from .bench_runners import (BASELINES, HF_LOOKUP_METHOD, HF_LOOKUP_TOKENS, HF_METHODS, LLAMACPP_METHOD,
                             BaselineCrashed, EngineRunner, HFRunner, LlamaCppRunner, Run)
 from .errors import UserError
+from .generate import output_format_from_args
 from .jsonl import iter_jsonl, layouts_hint, prompt_of
 from .options import (add_method_arguments, add_pattern_arguments, add_target_arguments, check_drafter_folders,
                       kill_stops_like_ctrl_c, method_options)
@@ -194,16 +195,8 @@ def build_runners(methods: list[str], target, args, sampling) -> dict:
         if note:
             print(f"[dflash] {method}: {note}", file=sys.stderr)
         adaptive = not (spec.whole_blocks or args.whole_blocks)
-        runners[method] = EngineRunner(method, target, proposer, sampling, adaptive, *output_format(args))
+        runners[method] = EngineRunner(method, target, proposer, sampling, adaptive, *output_format_from_args(args))
     return runners
-
-
-def output_format(args) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) of --response-format / --json-schema / --regex / --choice: every method's
-    output constrained alike."""
-    from .generate import output_format_from_args
-
-    return output_format_from_args(args)
 
 
 def run_conversation(runner, target, prompt: BenchPrompt, max_new: int, ignore_eos: bool) -> list[Run]:
@@ -413,7 +406,7 @@ def validate(args) -> None:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if output_format(args)[0] is not None:
+    if output_format_from_args(args)[0] is not None:
         if args.ignore_eos:
             raise UserError("--ignore-eos cannot go with structured output: a JSON document ends where it ends")
         baselines = [m for m in parse_methods(args.methods) if parse_method(m).name in (*HF_METHODS, LLAMACPP_METHOD)]
@@ -570,7 +563,7 @@ def _row(prompt_id: str, turn: int, method: str, r: Run, same: bool) -> dict:
 def collect_results(args, target, prompts, path, methods, totals, mismatches, greedy: bool, runners: dict) -> dict:
     ar = totals["ar"]
     summaries = {m: totals[m].summary(m, ar) for m in methods}
-    response_format, json_schema = output_format(args)
+    response_format, json_schema = output_format_from_args(args)
     results = {
         "target": args.target,
         "device": str(target.device),

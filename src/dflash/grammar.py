@@ -224,6 +224,11 @@ class ByteGrammar:
     def after_special(self, state: tuple) -> tuple | None:
         raise NotImplementedError
 
+    def ascii_table(self, state: tuple):
+        """A table of the moves ASCII bytes make from `state` (regex_grammar.PatternGrammar's), or None: a vocabulary
+        then walks its tokens one by one."""
+        return None
+
     def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
         """The state after `data`, or None where the grammar refuses it."""
         for byte in data:

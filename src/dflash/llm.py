@@ -20,8 +20,9 @@ from .jsonl import openai_role
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
 from .reasoning import check_parser, split, thinking_of
-from .regex_grammar import with_pattern
+from .regex_grammar import pattern_format
 from .sampling import SamplingConfig
+from .structured import one_constraint
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
 
@@ -113,3 +114,9 @@ class LLM:
         sequences = [self.engine.submit(ids, config) for ids in prompt_ids]
         self.engine.run()
         return [seq.result for seq in sequences]
+
+
+def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None,
+                 choice: list | None) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) of LLM's arguments: a regex or a choice in their place where one is given."""
+    return one_constraint((response_format, json_schema), pattern_format(regex, choice), "a regex or choice")

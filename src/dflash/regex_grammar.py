@@ -192,14 +192,3 @@ def pattern_format(regex: str | None, choice: list | None) -> tuple[str, dict] |
     PatternGrammar(expression)
     return "regex", {"regex": expression}
 
-
-def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None,
-                 choice: list | None) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) with a regex or a choice in their place where one is given (refused beside
-    a response format: each constrains the output)."""
-    pattern = pattern_format(regex, choice)
-    if pattern is None:
-        return response_format, json_schema
-    if response_format not in (None, "text") or json_schema is not None:
-        raise UserError("a regex or choice and a response format each constrain the output: send one")
-    return pattern

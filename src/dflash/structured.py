@@ -169,7 +169,7 @@ class JsonVocabulary:
         """The mask of a state whose grammar tables its ASCII moves (regex_grammar.PatternGrammar.ascii_table): the
         tokens of ASCII bytes run through the table all at once, a byte position at a time, the others walked; None
         where the grammar has no such table."""
-        found = grammar.ascii_table(state) if hasattr(grammar, "ascii_table") else None
+        found = grammar.ascii_table(state)
         if found is None:
             return None
         table, row = found
@@ -450,6 +450,16 @@ def _format_grammar(response_format: str | None, json_schema: dict | None) -> Js
         return compile_schema(json_schema["schema"], frame=Frame(
             **{k: v.encode() if isinstance(v, str) else v for k, v in frame.items()}))
     return compile_schema(json_schema, text_otherwise=response_format == "json_schema_or_text")
+
+
+def one_constraint(given: tuple, other: tuple | None, other_name: str) -> tuple:
+    """(response_format, json_schema): `other` where it is given (vLLM's structured outputs, a regex or a choice),
+    else `given` (OpenAI's response_format); both at once are refused, as each constrains the output."""
+    if other is None:
+        return given
+    if given[0] not in (None, "text") or given[1] is not None:
+        raise UserError(f"response_format and {other_name} each constrain the output: send one")
+    return other
 
 
 VLLM_KINDS = ("regex", "choice", "json", "json_object")

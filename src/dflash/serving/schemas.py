@@ -17,7 +17,7 @@ from ..errors import UserError
 from ..jsonl import openai_role
 from ..logprobs import MAX_TOP_LOGPROBS, token_bytes
 from ..reasoning import split
-from ..structured import vllm_format
+from ..structured import one_constraint, vllm_format
 from ..tools import reply_format
 
 if TYPE_CHECKING:
@@ -240,12 +240,7 @@ def response_format_of(body) -> tuple[str | None, dict | None]:
     given = body.response_format
     openai_format = (None, None) if given is None else (
         given.type, given.json_schema.schema_ if given.json_schema is not None else None)
-    vllm_format = structured_outputs_of(body)
-    if vllm_format is None:
-        return openai_format
-    if openai_format[0] not in (None, "text"):
-        raise UserError("response_format and structured_outputs (or guided_*) each constrain the output: send one")
-    return vllm_format
+    return one_constraint(openai_format, structured_outputs_of(body), "structured_outputs (or guided_*)")
 
 
 def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
@@ -264,9 +259,7 @@ def completion_prompts(prompt) -> list:
 
 
 def completion_prompt_ids(target, prompt) -> list[int]:
-    """One completions prompt's token ids: text, a one-element list of text, or token ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    """One completions prompt's token ids (completion_prompts): text, or token ids."""
     if isinstance(prompt, str):
         return target.encode_prompt(prompt, chat=False)
     bad = [t for t in prompt if not 0 <= t < target.vocab_size]
