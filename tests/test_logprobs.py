@@ -145,7 +145,7 @@ class FakeTokenizer:
         self.backend_tokenizer = type("Backend", (), {"decoder": decoder})()
 
     def convert_ids_to_tokens(self, token_id):
-        return self.pieces[token_id]
+        return self.pieces.get(token_id)  # None past the vocabulary, as transformers' tokenizers answer
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(self.pieces[i] for i in ids).replace("\u2581", " ")
@@ -161,3 +161,5 @@ def test_token_bytes_spell_byte_level_and_byte_fallback_tokens():
     fallback = FakeTokenizer({0: "<0xE2>", 1: "\u2581word"}, False)
     assert token_bytes(fallback, 0) == bytes([0xE2])
     assert token_bytes(fallback, 1) == b" word"
+    for tokenizer in (byte_level, fallback):  # a model's padded rows past the tokenizer's vocabulary spell nothing
+        assert token_bytes(tokenizer, 99) == b""

@@ -110,6 +110,8 @@ def test_function_calls_are_the_chat_calls_whole_and_streamed(client, byte_targe
         calls = [item for item in response.output if item.type == "function_call"]
         assert [(c.name, c.arguments) for c in calls] == [(c.function.name, c.function.arguments) for c in expected]
         assert all(c.call_id.startswith("call_") and c.status == "completed" for c in calls)
+        scored = client.responses.create(model="tiny", top_logprobs=2, **ask)  # a call's tokens have no place
+        assert [(c.type, c.name, c.arguments) for c in scored.output] == [(c.type, c.name, c.arguments) for c in calls]
         assert response.status == "completed" and response.output_text == ""
         events, final = streamed(client, **ask)
         streamed_calls = [item for item in final.output if item.type == "function_call"]
@@ -180,6 +182,64 @@ def test_reasoning_comes_back_as_its_own_item():
     assert thought
 
 
+def token_logprobs(entries) -> list[tuple]:
+    """Log-probabilities as (token, bytes, its top alternatives), for comparing the APIs' layouts."""
+    return [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in entries]
+
+
+def values(entries) -> list[float]:
+    return [e.logprob for e in entries] + [t.logprob for e in entries for t in e.top_logprobs]
+
+
+def test_log_probabilities_are_the_chat_replys_whole_and_streamed(client):
+    expected = chat(client, HI, max_tokens=24, logprobs=True, top_logprobs=3).choices[0]
+    for ask in (dict(include=["message.output_text.logprobs"], top_logprobs=3), dict(top_logprobs=3)):
+        response = client.responses.create(model="tiny", input="Hi?", max_output_tokens=24, temperature=0, **ask)
+        (part,) = response.output[0].content
+        assert part.text == expected.message.content and response.top_logprobs == 3
+        assert token_logprobs(part.logprobs) == token_logprobs(expected.logprobs.content)
+        assert values(part.logprobs) == pytest.approx(values(expected.logprobs.content), abs=1e-4)
+        assert all(len(e.top_logprobs) == 3 for e in part.logprobs)
+        events, final = streamed(client, input="Hi?", max_output_tokens=24, temperature=0, **ask)
+        sent = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+        assert token_logprobs(sent) == token_logprobs(final.output[0].content[0].logprobs) == token_logprobs(
+            part.logprobs)
+        assert len([event for event in events if event.type == "response.output_text.delta"]) > 1
+    alone = client.responses.create(model="tiny", input="Hi?", max_output_tokens=24, temperature=0,
+                                    include=["message.output_text.logprobs", "reasoning.encrypted_content"])
+    assert token_logprobs(alone.output[0].content[0].logprobs) == [(e.token, e.bytes, []) for e in part.logprobs]
+    plain = client.responses.create(model="tiny", input="Hi?", max_output_tokens=24, temperature=0)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == part.text
+
+
+def test_log_probabilities_are_the_messages_only(byte_targets):
+    """A reply that thinks shows the log-probabilities of its message's words alone (not its thinking's, nor the
+    whitespace after it): their tokens spell the message, whole and streamed alike."""
+    from dflash.testing import tiny_target
+
+    target = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
+    bias = {str(k): v for k, v in thinking_bias(target).items()}
+    app = create_app(target, NgramProposer(max_draft=7), "tiny", reasoning_parser="qwen3")
+    with BackgroundServer(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        thought = 0
+        for seed in (2, 3, 5):
+            ask = dict(input=PROMPT, max_output_tokens=80, temperature=0.8, top_logprobs=1,
+                       extra_body={"logit_bias": bias, "seed": seed}, text={"format": {"type": "json_object"}})
+            response = client.responses.create(model="tiny", **ask)
+            final = streamed(client, **ask)[1]
+            assert [(item.type, item.content[0].text if item.content else None) for item in final.output] == [
+                (item.type, item.content[0].text if item.content else None) for item in response.output]
+            messages = [item for item in response.output if item.type == "message"]
+            for message, sent in zip(messages, [item for item in final.output if item.type == "message"]):
+                (part,) = message.content
+                assert bytes(b for e in part.logprobs for b in e.bytes).decode() == part.text
+                assert token_logprobs(part.logprobs) == token_logprobs(sent.content[0].logprobs)
+                assert values(part.logprobs) == pytest.approx(values(sent.content[0].logprobs), abs=1e-4)
+            thought += any(item.type == "reasoning" for item in response.output) and bool(messages)
+        assert thought
+
+
 def test_input_items_become_the_chat_conversation():
     items = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
              {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
@@ -206,7 +266,8 @@ def test_input_items_become_the_chat_conversation():
     ({"input": "Hi?", "text": {"format": {"type": "yaml"}}}, "text.format must be"),
     ({"input": "Hi?", "text": {"format": {"type": "json_schema", "name": "x"}}}, "needs its schema"),
     ({"input": "Hi?", "extra_body": {"n": 2}}, "n is not supported"),
-    ({"input": "Hi?", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "Hi?", "top_logprobs": 21}, "top_logprobs must be in"),
+    ({"input": "Hi?", "include": ["file_search_call.results"]}, "include may name"),
     ({"input": []}, "input is empty"),
     ({"input": "Hi?", "tool_choice": "required"}, "tool_choice needs tools"),
 ])

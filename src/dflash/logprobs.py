@@ -56,6 +56,8 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     text cannot show): through the byte-level alphabet or a byte-fallback token where the tokenizer uses one, else
     the token's own text."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is None:  # a row past the tokenizer's vocabulary (a model's padded embedding): no text
+        return b""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     if type(decoder).__name__ == "ByteLevel":
         alphabet = byte_level_alphabet()

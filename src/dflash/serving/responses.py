@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
 from ..jsonl import openai_role
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash.server")
 STORED_RESPONSES = 1024  # kept for previous_response_id and GET; the oldest is forgotten first
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+TEXT_LOGPROBS = "message.output_text.logprobs"
+# What `include` may name: the message's log-probabilities, and reasoning's encrypted content, which clients such as
+# Codex ask for and which needs nothing here (reasoning items come back as plain text).
+INCLUDABLE = (TEXT_LOGPROBS, "reasoning.encrypted_content")
 
 
 class ResponseNotFound(Exception):
@@ -44,8 +48,11 @@ def chat_form(body) -> None:
     """Fill in the chat fields that generation_config reads from the Responses API's own (in place)."""
     if body.n != 1:
         raise UserError("the Responses API makes one output; n is not supported")
-    if body.top_logprobs is not None:
-        raise UserError("top_logprobs is not supported by /v1/responses here (/v1/chat/completions has it)")
+    unknown = [name for name in body.include or [] if name not in INCLUDABLE]
+    if unknown:
+        raise UserError(f"include may name {' and '.join(map(repr, INCLUDABLE))} here, got {unknown[0]!r}")
+    # The log-probabilities of the message's tokens: asked for by include, top_logprobs (0-20) alternatives each.
+    body.logprobs = TEXT_LOGPROBS in (body.include or []) or body.top_logprobs is not None
     body.max_tokens = body.max_output_tokens
     kind = text_format(body)
     if not isinstance(kind, dict) or kind.get("type") not in ("text", "json_object", "json_schema"):
@@ -151,8 +158,9 @@ class OutputItems:
     def reasoning(self, text: str) -> list[dict]:
         return self._text("reasoning", text)
 
-    def text(self, text: str) -> list[dict]:
-        return self._text("message", text)
+    def text(self, text: str, logprobs: list[dict] = ()) -> list[dict]:
+        """The message's next words, with their tokens' log-probabilities (chat's layout) where asked for."""
+        return self._text("message", text, list(logprobs))
 
     def call(self, call_id: str, name: str) -> list[dict]:
         item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
@@ -184,7 +192,7 @@ class OutputItems:
         return events + [{"type": "response.output_item.done", "output_index": self.items.index(item),
                           "item": copy.deepcopy(item)}]
 
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list[dict] | None = None) -> list[dict]:
         events = []
         if self.open is None or self.open["type"] != kind:
             part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []} if kind == "message"
@@ -199,7 +207,10 @@ class OutputItems:
                            "part": copy.deepcopy(part)})
         self.open["content"][0]["text"] += text
         kind = "response.output_text" if kind == "message" else "response.reasoning_text"
-        delta = {"logprobs": []} if kind == "response.output_text" else {}
+        delta = {}
+        if kind == "response.output_text":
+            self.open["content"][0]["logprobs"] += logprobs
+            delta["logprobs"] = logprobs
         return events + [{"type": f"{kind}.delta", **self._at(self.open), "content_index": 0, "delta": text,
                           **delta}]
 
@@ -230,19 +241,54 @@ def whole_output(exchange: Exchange, text: str) -> OutputItems:
     return output
 
 
+def replayed_output(exchange: Exchange, result, deltas: TextDeltas) -> OutputItems:
+    """The output items of a whole reply with its message's log-probabilities: the reply streamed again token by
+    token, as a stream that asks for them is (Job.token_by_token), so each token's log-probability goes with the
+    item its text went to, whole or streamed alike."""
+    reply = ResponseStream(exchange)
+
+    def shown(entries: list) -> list:
+        return [entry for entry in entries if entry.token not in deltas.stop_ids]
+
+    held = []  # the log-probabilities of tokens whose text is held back, as Job._new_logprobs keeps them
+    for entry in result.logprobs:
+        held.append(entry)
+        if piece := deltas.push([entry.token]):
+            for _ in reply.piece(piece, shown(held)):
+                pass
+            held = []
+    tail = deltas.finish(result.text)
+    if tail or shown(held):
+        for _ in reply.piece(tail, shown(held)):
+            pass
+    for _ in reply.finish(result):
+        pass
+    reply.output.close()
+    return reply.output
+
+
 class ResponseStream(ChatChoiceStream):
     """A streamed reply's output items: the chat stream's deltas (its thinking, its words, each call's id and name,
     then its arguments' pieces) as the Responses API's events. Each of its pieces is a list of events where the
-    chat stream's is a chunk."""
+    chat stream's is a chunk. Log-probabilities go with the message's words; those of thinking and of calls are
+    not shown (the API has no place for them)."""
 
     def __init__(self, exchange: Exchange):
         super().__init__(exchange, 0)
         self.output = OutputItems()
 
+    def piece(self, text: str, logprobs: list | None) -> Iterator[list[dict]]:
+        yield from super().piece(text, logprobs)
+        if self.thinking is not None and self.thinking.phase in ("starting", "thinking", "after"):
+            self.logprobs = None  # tokens of the thinking or of the whitespace around it, which no item shows
+
     def _chunk(self, text: str | None, delta: dict | None = None) -> list[dict]:
-        self.logprobs = None
+        taken, self.logprobs = self.logprobs, None
         if delta is None:
-            return self.output.text(text) if text else []
+            writing = self.output.open is not None and self.output.open["type"] == "message"
+            if not text and not (taken and writing):  # a token's log-probability without text: its message's
+                return []
+            return self.output.text(text, self.exchange.logprobs(taken, 0)["content"] if taken else ())
         if "reasoning" in delta:
             return self.output.reasoning(delta["reasoning"])
         (call,) = delta["tool_calls"]
@@ -319,7 +365,10 @@ class Responses:
             from fastapi.responses import Response
 
             return Response(status_code=499)
-        output = whole_output(exchange, results[0].text)
+        if config.logprobs is None:
+            output = whole_output(exchange, results[0].text)
+        else:
+            output = replayed_output(exchange, results[0], self.text_deltas(config))
         return self.finished(body, response, exchange, output.items, job, results[0], turns)
 
     def shell(self, body, exchange: Exchange) -> dict:
@@ -332,6 +381,7 @@ class Responses:
                 "reasoning": body.reasoning or {"effort": None, "summary": None},
                 "store": body.store, "temperature": body.temperature, "text": {"format": text_format(body)},
                 "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": body.top_p,
+                "top_logprobs": body.top_logprobs,
                 "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {}}
 
     def finished(self, body, response: dict, exchange: Exchange, items: list[dict], job: Job, result,
@@ -358,12 +408,15 @@ class Responses:
 
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
-        stop_ids = config.stop_ids(self.service.target.eos_token_ids)
-        job = Job(prompt_ids, config, TextDeltas(self.service.target.decode, config.stop_strings, stop_ids),
+        job = Job(prompt_ids, config, self.text_deltas(config), token_by_token=config.logprobs is not None,
                   emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
         self.service.worker.submit([job])  # queued now, so a busy server answers 503 before the stream starts
         events = self.stream_events(request, body, job, pieces, exchange, response, turns)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def text_deltas(self, config) -> TextDeltas:
+        target = self.service.target
+        return TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
 
     async def stream_events(self, request, body, job: Job, pieces, exchange: Exchange, response: dict,
                             turns: list[dict]):
@@ -380,7 +433,7 @@ class Responses:
                     return  # the client went away; `finally` cancels the job
                 if piece is END_OF_STREAM:
                     break
-                for events in reply.piece(piece.text, None):
+                for events in reply.piece(piece.text, piece.logprobs):
                     if events:
                         yield numbered.sse(*events)
             try:

@@ -130,8 +130,9 @@ def schemas() -> SimpleNamespace:
         store: bool = True
         metadata: dict | None = None
         reasoning: dict | None = None
-        top_logprobs: int | None = None  # refused (responses.chat_form); log-probabilities are chat's
-        logprobs: bool = False
+        top_logprobs: int | None = None  # with include's "message.output_text.logprobs" (responses.chat_form)
+        include: list[str] | None = None
+        logprobs: bool = False  # set by responses.chat_form; not the API's own
 
     class TokenizeRequest(TemplateFields):  # vLLM's /tokenize: a prompt, or chat messages through the template
         model_config = ConfigDict(extra="ignore")

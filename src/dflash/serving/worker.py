@@ -51,6 +51,7 @@ class Job:
     deltas: "TextDeltas | None" = None  # set for streaming requests
     emit: Callable[[object], None] | None = None  # thread-safe sink for Pieces, then END_OF_STREAM
     echo: bool = False  # a stream that repeats the prompt: a prompt Piece comes first
+    token_by_token: bool = False  # a piece per token, so each token's log-probability goes with the text it made
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -68,17 +69,18 @@ class Job:
         if self.emit is not None:
             if self.echo and not self.deltas.ids:  # the prompt was read: its log-probabilities are known
                 self.emit(Piece("", self.sequence.prompt_logprobs, prompt=True))
-            piece = self.deltas.push(new_ids)
-            if piece:
-                self.emit(Piece(piece, self._new_logprobs()))
+            for ids in ([token] for token in new_ids) if self.token_by_token else [new_ids]:
+                piece = self.deltas.push(ids)
+                if piece:
+                    self.emit(Piece(piece, self._new_logprobs(upto=len(self.deltas.ids))))
         return not self.cancelled.is_set()
 
-    def _new_logprobs(self) -> "list[TokenLogprob] | None":
-        """The log-probabilities not sent yet (those of tokens whose text a piece held back go with the next piece),
-        without a stop token's: it is not text."""
+    def _new_logprobs(self, upto: int | None = None) -> "list[TokenLogprob] | None":
+        """The log-probabilities not sent yet, up to the `upto`-th generated token (those of tokens whose text a
+        piece held back go with the next piece), without a stop token's: it is not text."""
         if self.config.logprobs is None:
             return None
-        entries = self.sequence.logprobs[self.logprobs_sent:]
+        entries = self.sequence.logprobs[self.logprobs_sent:upto]
         self.logprobs_sent += len(entries)
         return [e for e in entries if e.token not in self.deltas.stop_ids]
 
