@@ -240,6 +240,93 @@ def test_log_probabilities_are_the_messages_only(byte_targets):
         assert thought
 
 
+def settled(client, response_id: str, timeout: float = 30.0):
+    """A background response once it has ended (polled, as a client does)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_polled_and_read_again_as_a_stream(client):
+    ask = dict(input="Hi?", max_output_tokens=24, temperature=0)
+    expected = client.responses.create(model="tiny", **ask)
+    started = client.responses.create(model="tiny", background=True, **ask)
+    assert started.background and started.status in ("queued", "in_progress") and started.output == []
+    done = settled(client, started.id)
+    assert done.status == expected.status and done.output_text == expected.output_text
+    assert done.usage.output_tokens == expected.usage.output_tokens
+    replayed = list(client.responses.retrieve(started.id, stream=True))
+    assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
+    assert replayed[0].type == "response.created" and replayed[0].response.status == "queued"
+    assert replayed[-1].type == f"response.{done.status}" and replayed[-1].response.output_text == done.output_text
+    assert deltas(replayed, "response.output_text.delta") == done.output_text
+    rest = list(client.responses.retrieve(started.id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in rest] == list(range(3, len(replayed)))
+    with client.responses.create(model="tiny", background=True, stream=True, **ask) as stream:
+        events = list(stream)
+    assert events[-1].response.output_text == expected.output_text and events[-1].response.background
+    assert deltas(events, "response.output_text.delta") == expected.output_text
+    after = client.responses.create(model="tiny", input="And?", previous_response_id=started.id,
+                                    max_output_tokens=4, temperature=0)
+    assert after.usage.input_tokens > done.usage.input_tokens  # the background reply goes on like any other
+    with pytest.raises(openai.BadRequestError, match="only background responses can be cancelled"):
+        client.responses.cancel(expected.id)
+    with pytest.raises(openai.BadRequestError, match="only background responses can be streamed again"):
+        list(client.responses.retrieve(expected.id, stream=True))
+    assert client.responses.cancel(started.id).status == done.status  # it had ended: nothing to stop
+    with pytest.raises(openai.BadRequestError, match="must be stored"):
+        client.responses.create(model="tiny", background=True, store=False, **ask)
+
+
+def test_a_background_response_waits_in_the_queue_and_is_cancelled_there(byte_targets):
+    import threading
+
+    app = create_app(byte_targets["llama"], NgramProposer(max_draft=7), "tiny")
+    engine, gate = app.state.service.worker.engine, threading.Event()
+    step = engine.step
+    engine.step = lambda: gate.wait(30) and step()  # the engine holds its first round until the gate opens
+    with BackgroundServer(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        ask = dict(input="Hi?", max_output_tokens=24, temperature=0, background=True)
+        kept, dropped = (client.responses.create(model="tiny", **ask) for _ in range(2))
+        assert client.responses.retrieve(kept.id).status == "queued"
+        with pytest.raises(openai.BadRequestError, match="is queued"):
+            client.responses.create(model="tiny", input="And?", previous_response_id=kept.id)
+        cancelled = client.responses.cancel(dropped.id)
+        assert cancelled.status == "cancelled" and cancelled.id == dropped.id
+        gate.set()
+        assert settled(client, kept.id).status in ("completed", "incomplete")
+        assert client.responses.retrieve(dropped.id).status == "cancelled"
+        events = list(client.responses.retrieve(dropped.id, stream=True))
+        assert [e.type for e in events] == ["response.created"]  # cut there: nothing after the cancel
+        assert client.responses.cancel(dropped.id).status == "cancelled"
+
+
+def test_input_items_are_listed_a_page_at_a_time(client):
+    given = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "And?"}]}]
+    response = client.responses.create(model="tiny", input=given, max_output_tokens=2)
+    newest = client.responses.input_items.list(response.id)
+    assert [(item.role, item.content[0].text) for item in newest.data] == [
+        ("user", "And?"), ("assistant", "Hello."), ("user", "Hi?"), ("developer", "Be brief.")]
+    assert len({item.id for item in newest.data}) == 4 and newest.has_more is False
+    first = client.responses.input_items.list(response.id, order="asc", limit=3)
+    assert [item.id for item in first.data] == [item.id for item in newest.data[::-1][:3]] and first.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=first.data[-1].id)
+    assert [item.id for item in rest.data] == [newest.data[0].id] and not rest.has_more
+    text = client.responses.create(model="tiny", input="Hi?", max_output_tokens=2)
+    (item,) = client.responses.input_items.list(text.id).data
+    assert (item.type, item.role, item.content[0].type, item.content[0].text) == ("message", "user", "input_text",
+                                                                                  "Hi?")
+    with pytest.raises(openai.BadRequestError, match="limit must be in"):
+        client.responses.input_items.list(text.id, limit=0)
+
+
 def test_input_items_become_the_chat_conversation():
     items = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
              {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},

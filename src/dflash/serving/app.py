@@ -299,8 +299,16 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         return await responses.create(request, body)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return responses.store.get(response_id)[0]
+    async def get_response(response_id: str, stream: bool = False, starting_after: int = -1):
+        return responses.retrieve(response_id, stream, starting_after)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
+        return responses.input_items(response_id, order, limit, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

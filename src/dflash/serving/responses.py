@@ -2,8 +2,10 @@
 
 A request's `input` (text, or items: messages, earlier function calls and their outputs, earlier reasoning) becomes
 a chat conversation after its `instructions`; the reply comes back as output items (its reasoning, its message's
-text, its function calls), whole or as the API's semantic stream events. Responses are kept in memory (the most
-recent STORED_RESPONSES) for `previous_response_id`, GET and DELETE.
+text, its function calls), whole or as the API's semantic stream events, with the message's log-probabilities
+where asked for. Responses are kept in memory (the most recent STORED_RESPONSES) for `previous_response_id`, GET,
+DELETE and input_items. A background response runs without its client: it is polled with GET, read as a stream from
+any event on, and cancelled.
 
 No `from __future__ import annotations`: FastAPI reads the annotations of the handlers built here.
 """
@@ -16,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
@@ -298,20 +300,31 @@ class ResponseStream(ChatChoiceStream):
 
 
 # ---- the service ------------------------------------------------------------------------------------------------
+@dataclass
+class Stored:
+    """A kept response: the object, the conversation up to and with its reply (for previous_response_id; None while a
+    background response runs), its request's input items (for input_items), and its run where it was a background
+    one."""
+
+    response: dict
+    conversation: list[dict] | None
+    input_items: list[dict]
+    run: "BackgroundRun | None" = None
+
+
 class ResponseStore:
-    """The most recent responses, each with the conversation that led to it and its reply (for
-    previous_response_id), thread-safe."""
+    """The most recent responses (Stored), thread-safe; the oldest is forgotten first."""
 
     def __init__(self, capacity: int = STORED_RESPONSES):
         self.capacity, self.kept, self.lock = capacity, OrderedDict(), threading.Lock()
 
-    def put(self, response: dict, messages: list[dict]) -> None:
+    def put(self, stored: Stored) -> None:
         with self.lock:
-            self.kept[response["id"]] = (response, messages)
+            self.kept[stored.response["id"]] = stored
             while len(self.kept) > self.capacity:
                 self.kept.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]]:
+    def get(self, response_id: str) -> Stored:
         with self.lock:
             if response_id not in self.kept:
                 raise ResponseNotFound(f"response {response_id!r} not found (this server keeps its last "
@@ -330,8 +343,75 @@ def reply_messages(items: list[dict]) -> list[dict]:
     return input_messages([item for item in items if item["type"] != "message" or item["content"][0]["text"]])
 
 
+def input_items(given) -> list[dict]:
+    """A request's `input` as the API lists it back (input_items): items, each with an id, messages with their text
+    as parts."""
+    items = []
+    for item in [{"role": "user", "content": given}] if isinstance(given, str) else given:
+        item = {"type": "message", **item}
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+        item.setdefault("id", f"{prefix.get(item['type'], 'item')}_{uuid.uuid4().hex}")
+        items.append(item)
+    return items
+
+
+def listed(items: list[dict], order: str, limit: int, after: str | None) -> dict:
+    """A page of items as OpenAI's list endpoints answer: `order` asc or desc, at most `limit`, after the item
+    `after`."""
+    if order not in ("asc", "desc"):
+        raise UserError(f"order must be asc or desc, got {order!r}")
+    if not 1 <= limit <= 100:
+        raise UserError(f"limit must be in [1, 100], got {limit}")
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise UserError(f"after: no input item {after!r} in this response")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
+
+
+class BackgroundRun:
+    """A background response's events, numbered as they come and kept, so that a client can read them from any
+    point while it runs and after (GET ... ?stream=true&starting_after=N); and its job, for cancel."""
+
+    def __init__(self, job: Job):
+        self.job, self.events, self.done, self.cancelled = job, [], False, False
+        self.changed = asyncio.Event()
+        self.task: asyncio.Task | None = None  # what reads the job's pieces into events (Responses.run)
+
+    def add(self, event: dict) -> None:
+        self.events.append({**event, "sequence_number": len(self.events)})
+        self.changed.set()  # wakes the readers waiting on it; the next event gets a new one
+        self.changed = asyncio.Event()
+
+    def end(self) -> None:
+        self.done = True
+        self.changed.set()
+
+    async def follow(self, after: int):
+        """The events after the `after`-th (-1: all), then each as it comes, until the run ends."""
+        at = max(after + 1, 0)
+        while True:
+            changed = self.changed
+            while at < len(self.events):
+                yield event_sse(self.events[at])
+                at += 1
+            if self.done:
+                return
+            await changed.wait()
+
+
 class Responses:
-    """POST /v1/responses for `service`, with the tool format `call_style`."""
+    """POST /v1/responses for `service`, with the tool format `call_style`; GET, DELETE, cancel and input_items of
+    the responses it keeps."""
 
     def __init__(self, service: "Service", call_style: str):
         self.service, self.call_style, self.store = service, call_style, ResponseStore()
@@ -340,9 +420,11 @@ class Responses:
         service, target = self.service, self.service.target
         service.check_model(body.model)
         chat_form(body)
+        if body.background and not body.store:
+            raise UserError("a background response must be stored (store: true): it is read back later")
         functions, choice = chat_tools(body.tools, body.tool_choice)
         tools = tool_request(functions, choice, body.parallel_tool_calls, self.call_style)
-        earlier = self.store.get(body.previous_response_id)[1] if body.previous_response_id else []
+        earlier = self.conversation_of(body.previous_response_id) if body.previous_response_id else []
         turns = earlier + input_messages(body.input)
         if not turns:
             raise UserError("input is empty")
@@ -355,9 +437,9 @@ class Responses:
         config = replace(config, thinking=thinking)
         exchange = Exchange(True, service.model_name, service.proposer.name, len(prompt_ids), target.tokenizer,
                             tools=tools, reasoning=service.reasoning_parser is not None, thinking=thinking)
-        response = self.shell(body, exchange)
-        if body.stream:
-            return self.stream(request, body, prompt_ids, config, exchange, response, turns)
+        asked = Asked(body, exchange, self.shell(body, exchange), turns, input_items(body.input))
+        if body.background or body.stream:
+            return self.streamed(request, asked, prompt_ids, config)
         job = Job(prompt_ids, config)
         service.worker.submit([job])
         results = await wait_for_results([job], request, service.metrics)
@@ -369,12 +451,21 @@ class Responses:
             output = whole_output(exchange, results[0].text)
         else:
             output = replayed_output(exchange, results[0], self.text_deltas(config))
-        return self.finished(body, response, exchange, output.items, job, results[0], turns)
+        return self.finished(asked, output.items, job, results[0])
+
+    def conversation_of(self, response_id: str) -> list[dict]:
+        stored = self.store.get(response_id)
+        if stored.conversation is None:
+            raise UserError(f"response {response_id!r} is {stored.response['status']}: a conversation goes on "
+                            "from a response once it has completed")
+        return stored.conversation
 
     def shell(self, body, exchange: Exchange) -> dict:
-        """The response object before its output: what the request asked for, status in_progress."""
+        """The response object before its output: what the request asked for, status queued (background) or
+        in_progress."""
         return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-                "status": "in_progress", "error": None, "incomplete_details": None,
+                "status": "queued" if body.background else "in_progress", "background": body.background,
+                "error": None, "incomplete_details": None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "model": exchange.model, "output": [], "parallel_tool_calls": body.parallel_tool_calls,
                 "previous_response_id": body.previous_response_id,
@@ -384,78 +475,173 @@ class Responses:
                 "top_logprobs": body.top_logprobs,
                 "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {}}
 
-    def finished(self, body, response: dict, exchange: Exchange, items: list[dict], job: Job, result,
-                 turns: list[dict]) -> dict:
+    def finished(self, asked: "Asked", items: list[dict], job: Job, result, run: BackgroundRun | None = None) -> dict:
         """The whole response object (kept for later turns where `store`)."""
-        usage = exchange.usage([result])
+        usage = asked.exchange.usage([result])
         thought = "".join(item["content"][0]["text"] for item in items if item["type"] == "reasoning")
         reasoning_tokens = len(self.service.target.tokenizer.encode(thought, add_special_tokens=False))
         cut = result.finish_reason == "length"
-        response = {**response, "status": "incomplete" if cut else "completed", "output": items,
+        response = {**asked.response, "status": "incomplete" if cut else "completed", "output": items,
                     "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
                     "usage": {"input_tokens": usage["prompt_tokens"],
                               "input_tokens_details": usage["prompt_tokens_details"],
                               "output_tokens": usage["completion_tokens"],
                               "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                               "total_tokens": usage["total_tokens"]},
-                    "dflash": exchange.extension(job.queue_s, [result])}
-        if body.store:
-            self.store.put(response, turns + reply_messages(items))
+                    "dflash": asked.exchange.extension(job.queue_s, [result])}
+        if asked.body.store:
+            self.store.put(Stored(response, asked.turns + reply_messages(items), asked.input_items, run))
         return response
-
-    def stream(self, request, body, prompt_ids, config, exchange: Exchange, response: dict, turns: list[dict]):
-        from fastapi.responses import StreamingResponse
-
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
-        job = Job(prompt_ids, config, self.text_deltas(config), token_by_token=config.logprobs is not None,
-                  emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
-        self.service.worker.submit([job])  # queued now, so a busy server answers 503 before the stream starts
-        events = self.stream_events(request, body, job, pieces, exchange, response, turns)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def text_deltas(self, config) -> TextDeltas:
         target = self.service.target
         return TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
 
-    async def stream_events(self, request, body, job: Job, pieces, exchange: Exchange, response: dict,
-                            turns: list[dict]):
+    # ---- streamed and background responses
+    def streamed(self, request, asked: "Asked", prompt_ids, config):
+        """A streamed response, or a background one (streamed or not): its job queued now, so that a busy server
+        answers 503 before anything starts."""
+        from fastapi.responses import StreamingResponse
+
         from .app import next_piece
 
-        numbered = EventNumbers()
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        job = Job(prompt_ids, config, self.text_deltas(config), token_by_token=config.logprobs is not None,
+                  emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
+        self.service.worker.submit([job])
+        headers = {"Cache-Control": "no-cache"}
+        if not asked.body.background:
+            numbered = EventNumbers()
+            events = (numbered.sse(event) async for event in self.events(
+                asked, job, lambda: next_piece(pieces, request)))
+            return StreamingResponse(self.cancelled_after(events, job), media_type="text/event-stream",
+                                     headers=headers)
+        run = BackgroundRun(job)
+        self.store.put(Stored(asked.response, None, asked.input_items, run))
+        run.task = asyncio.create_task(self.run(run, asked, self.events(asked, job, pieces.get, run)))
+        if asked.body.stream:
+            return StreamingResponse(run.follow(-1), media_type="text/event-stream", headers=headers)
+        return copy.deepcopy(asked.response)
+
+    async def cancelled_after(self, events, job: Job):
+        """A stream's events; its job cancelled once the stream ends (the client went away, or it is done)."""
         try:
-            yield numbered.sse({"type": "response.created", "response": response})
-            yield numbered.sse({"type": "response.in_progress", "response": response})
-            reply = ResponseStream(exchange)
-            while True:
-                piece = await next_piece(pieces, request)
-                if piece is None:
-                    return  # the client went away; `finally` cancels the job
-                if piece is END_OF_STREAM:
-                    break
-                for events in reply.piece(piece.text, piece.logprobs):
-                    if events:
-                        yield numbered.sse(*events)
-            try:
-                result = await job.future
-            except Exception as exc:  # the status line is long gone: the API's error event
-                if not isinstance(exc, UserError):
-                    log.exception("streamed response failed")
-                kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
-                yield numbered.sse({"type": "error", "code": kind, "message": str(exc), "param": None})
-                return
-            for events in [*reply.finish(result), reply.output.close()]:
-                if events:
-                    yield numbered.sse(*events)
-            final = self.finished(body, response, exchange, reply.output.items, job, result, turns)
-            kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            yield numbered.sse({"type": kind, "response": final})
+            async for event in events:
+                yield event
         finally:
             cancel([job], self.service.metrics)
 
+    async def run(self, run: BackgroundRun, asked: "Asked", events) -> None:
+        """A background response's events into its run, whoever reads them (the job goes on without a client)."""
+        try:
+            async for event in events:
+                if run.cancelled:
+                    break
+                run.add(event)
+        except Exception as exc:  # noqa: BLE001 - the response says it failed; the server goes on
+            log.exception("background response failed")
+            failed = {**asked.response, "status": "failed", "error": {"code": "server_error", "message": str(exc)}}
+            self.store.put(Stored(failed, None, asked.input_items, run))
+            cancel([run.job], self.service.metrics)
+        finally:
+            await events.aclose()
+            run.end()
+
+    async def events(self, asked: "Asked", job: Job, next_piece, run: BackgroundRun | None = None):
+        """A streamed reply's events, unnumbered: created, in_progress, each piece's output events, the end. A
+        background run's response is kept at each step (in_progress, then whole, failed or cancelled)."""
+        response = asked.response
+        yield {"type": "response.created", "response": copy.deepcopy(response)}
+        reply, begun = ResponseStream(asked.exchange), False
+        while True:
+            piece = await next_piece()
+            if piece is None:
+                return  # the client went away
+            if not begun:
+                begun = True
+                response["status"] = "in_progress"
+                yield {"type": "response.in_progress", "response": copy.deepcopy(response)}
+            if piece is END_OF_STREAM:
+                break
+            for events in reply.piece(piece.text, piece.logprobs):
+                for event in events:
+                    yield event
+        try:
+            result = await job.future
+        except Exception as exc:  # the status line is long gone: the API's error event
+            if not isinstance(exc, UserError):
+                log.exception("streamed response failed")
+            kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
+            if run is not None:
+                failed = {**response, "status": "failed", "error": {"code": kind, "message": str(exc)}}
+                self.store.put(Stored(failed, None, asked.input_items, run))
+            yield {"type": "error", "code": kind, "message": str(exc), "param": None}
+            return
+        if run is not None and run.cancelled:
+            return
+        for events in [*reply.finish(result), reply.output.close()]:
+            for event in events:
+                yield event
+        final = self.finished(asked, reply.output.items, job, result, run)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield {"type": kind, "response": final}
+
+    def retrieve(self, response_id: str, stream: bool = False, starting_after: int = -1):
+        """GET /v1/responses/{id}: the response as it stands; with stream, a background one's events after
+        `starting_after`, then each as it comes."""
+        stored = self.store.get(response_id)
+        if not stream:
+            return stored.response
+        if stored.run is None:
+            raise UserError(f"response {response_id!r} was not created with background: true; only background "
+                            "responses can be streamed again")
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(stored.run.follow(starting_after), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    def cancel(self, response_id: str) -> dict:
+        """POST /v1/responses/{id}/cancel: a background response stopped where it is (its output so far, status
+        cancelled); one that has ended is returned as it is."""
+        stored = self.store.get(response_id)
+        run = stored.run
+        if run is None:
+            raise UserError(f"response {response_id!r} was not created with background: true; only background "
+                            "responses can be cancelled")
+        if not run.done and not run.cancelled:
+            run.cancelled = True
+            cancel([run.job], self.service.metrics)
+            response = {**stored.response, "status": "cancelled"}
+            self.store.put(Stored(response, None, stored.input_items, run))
+            run.end()
+            return response
+        return stored.response
+
+    def input_items(self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None) -> dict:
+        """GET /v1/responses/{id}/input_items: the request's input items, a page at a time."""
+        return listed(self.store.get(response_id).input_items, order, limit, after)
+
+
+@dataclass
+class Asked:
+    """What a request asked for, as its response is made: the request, its exchange, the response object before
+    its output, its conversation and its input items."""
+
+    body: object
+    exchange: Exchange
+    response: dict
+    turns: list[dict]
+    input_items: list[dict]
+
+
+def event_sse(event: dict) -> str:
+    """An event as a server-sent event named by its type."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
 
 class EventNumbers:
-    """The stream's events as server-sent events, each named by its type and numbered in order."""
+    """A stream's events as server-sent events, each numbered in order."""
 
     def __init__(self):
         self.next = 0
@@ -463,7 +649,6 @@ class EventNumbers:
     def sse(self, *events: dict) -> str:
         lines = []
         for event in events:
-            event = {**event, "sequence_number": self.next}
+            lines.append(event_sse({**event, "sequence_number": self.next}))
             self.next += 1
-            lines.append(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n")
         return "".join(lines)

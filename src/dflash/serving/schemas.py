@@ -132,6 +132,7 @@ def schemas() -> SimpleNamespace:
         reasoning: dict | None = None
         top_logprobs: int | None = None  # with include's "message.output_text.logprobs" (responses.chat_form)
         include: list[str] | None = None
+        background: bool = False
         logprobs: bool = False  # set by responses.chat_form; not the API's own
 
     class TokenizeRequest(TemplateFields):  # vLLM's /tokenize: a prompt, or chat messages through the template
