@@ -298,13 +298,17 @@ class JsonVocabulary:
 def _ascii_split(keys: list[bytes], ids: list[int]):
     """The tokens of up to TABLED_BYTES ASCII bytes, longest first, as (their ids, each byte position's bytes of the
     tokens that reach it, how many do); and the others' keys and ids (sorted, for a walk)."""
-    tabled = [bool(key) and len(key) <= TABLED_BYTES and max(key) < 0x80 for key in keys]
+    tabled = [bool(key) and len(key) <= TABLED_BYTES and key.isascii() for key in keys]
     ascii_tokens = sorted(((key, token) for key, token, t in zip(keys, ids, tabled) if t),
                           key=lambda pair: -len(pair[0]))
     longest = len(ascii_tokens[0][0]) if ascii_tokens else 0
-    counts = [sum(1 for key, _ in ascii_tokens if len(key) > position) for position in range(longest)]
-    columns = [torch.tensor([key[position] for key, _ in ascii_tokens[:count]], dtype=torch.long)
-               for position, count in enumerate(counts)]
+    # the keys as rows of one byte matrix (padded with zeros), so each position's column is a slice
+    matrix = torch.frombuffer(bytearray(b"".join(key.ljust(longest, b"\0") for key, _ in ascii_tokens)) or
+                              bytearray(1), dtype=torch.uint8)[:len(ascii_tokens) * longest]
+    matrix = matrix.view(len(ascii_tokens), longest).long()
+    lengths = torch.tensor([len(key) for key, _ in ascii_tokens], dtype=torch.long)
+    counts = [int((lengths > position).sum()) for position in range(longest)]
+    columns = [matrix[:count, position].contiguous() for position, count in enumerate(counts)]
     others = [(key, token) for key, token, t in zip(keys, ids, tabled) if not t]
     return (torch.tensor([token for _, token in ascii_tokens], dtype=torch.long), columns, counts,
             [key for key, _ in others], [token for _, token in others])
