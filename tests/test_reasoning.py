@@ -105,6 +105,17 @@ def thinking_bias(target) -> dict[int, float]:
     return {**call_bias(target, None), ids[0]: 4.0, ids[1]: 3.0}
 
 
+def thinking_app():
+    """A server app of a tiny target with qwen3's reasoning parser, and thinking_bias as a request sends it."""
+    from dflash.methods.ngram import NgramProposer
+    from dflash.serving import create_app
+    from dflash.testing import tiny_target
+
+    target = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
+    bias = {str(k): v for k, v in thinking_bias(target).items()}
+    return create_app(target, NgramProposer(max_draft=7), "tiny", reasoning_parser="qwen3"), bias
+
+
 @pytest.mark.parametrize("arch", ARCHS[:2])
 def test_answers_after_thinking_are_the_plain_loops_for_every_proposer(arch):
     from dflash.testing import tiny_target

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 from dflash.methods.ngram import NgramProposer  # noqa: E402
 from dflash.serving import BackgroundServer, create_app  # noqa: E402
 from dflash.serving.responses import input_messages  # noqa: E402
-from test_reasoning import thinking_bias  # noqa: E402
+from test_reasoning import thinking_app  # noqa: E402
 from test_tools import HI, PROMPT, SHORT_TOOLS, call_bias  # noqa: E402
 
 # SHORT_TOOLS in the Responses API's layout: each function's fields beside its type
@@ -150,11 +150,7 @@ def test_structured_output_is_the_chat_reply(client, byte_targets):
 
 
 def test_reasoning_comes_back_as_its_own_item():
-    from dflash.testing import tiny_target
-
-    target = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
-    bias = {str(k): v for k, v in thinking_bias(target).items()}
-    app = create_app(target, NgramProposer(max_draft=7), "tiny", reasoning_parser="qwen3")
+    app, bias = thinking_app()
     thought = 0
     with BackgroundServer(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -215,11 +211,7 @@ def test_log_probabilities_are_the_chat_replys_whole_and_streamed(client):
 def test_log_probabilities_are_the_messages_only(byte_targets):
     """A reply that thinks shows the log-probabilities of its message's words alone (not its thinking's, nor the
     whitespace after it): their tokens spell the message, whole and streamed alike."""
-    from dflash.testing import tiny_target
-
-    target = tiny_target("qwen3", vocab_size=320, logit_scale=4.0, tokenizer="hermes")
-    bias = {str(k): v for k, v in thinking_bias(target).items()}
-    app = create_app(target, NgramProposer(max_draft=7), "tiny", reasoning_parser="qwen3")
+    app, bias = thinking_app()
     with BackgroundServer(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         thought = 0

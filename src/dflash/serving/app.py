@@ -43,8 +43,9 @@ from .schemas import (
 )
 from ..reasoning import check_parser, thinking_of
 from ..tools import encode_chat, tool_request, tool_style
+from .messages import Messages
 from .responses import ResponseNotFound, Responses
-from .streaming import ChatChoiceStream, TextDeltas
+from .streaming import ChatChoiceStream, TextDeltas, failure_kind
 from .worker import (
     DISCONNECT_POLL_S,
     END_OF_STREAM,
@@ -91,8 +92,10 @@ class Service:
         if requested is not None and requested != self.model_name:
             raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.model_name!r}")
 
-    async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool,
-                       tools: "ToolRequest | None" = None):
+    def prepared(self, body, prompt_ids: list[int], chat: bool,
+                 tools: "ToolRequest | None" = None) -> tuple[list, Exchange]:
+        """The engine's config for each of the request's choices and the request's exchange, its prompt checked to
+        fit (chat, the Responses and the Messages APIs share them)."""
         configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
         check_fits(prompt_ids, self.worker.engine)
         reasoning = chat and self.reasoning_parser is not None
@@ -101,16 +104,29 @@ class Service:
         exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
                             echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body),
                             tools=tools, reasoning=reasoning, thinking=thinking)
+        return configs, exchange
+
+    async def results(self, request: "Request", jobs: list[Job]):
+        """The jobs' results once all are done, or a 499 response where the client went away first (nobody is
+        listening any more; a status for the logs only)."""
+        self.worker.submit(jobs)
+        results = await wait_for_results(jobs, request, self.metrics)
+        if results is None:
+            from fastapi.responses import Response
+
+            return Response(status_code=499)
+        return results
+
+    async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool,
+                       tools: "ToolRequest | None" = None):
+        configs, exchange = self.prepared(body, prompt_ids, chat, tools)
         stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
             return self.stream(request, body, [(prompt_ids, config, exchange) for config in configs], stop_ids)
         jobs = [Job(prompt_ids, config) for config in configs]
-        self.worker.submit(jobs)
-        results = await wait_for_results(jobs, request, self.metrics)
-        if results is None:  # nobody is listening any more; a status for the logs only
-            from fastapi.responses import Response
-
-            return Response(status_code=499)
+        results = await self.results(request, jobs)
+        if not isinstance(results, list):
+            return results
         return exchange.response(max(job.queue_s for job in jobs), results, stop_ids)
 
     async def complete_many(self, request: "Request", body, prompts: list):
@@ -186,10 +202,7 @@ class Service:
                 try:
                     results[index] = result = await jobs[index].future
                 except Exception as exc:  # the status line is long gone: report it the way OpenAI streams errors
-                    if not isinstance(exc, UserError):
-                        log.exception("streamed generation failed")
-                    kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
-                    yield sse({"error": {"message": str(exc), "type": kind}})
+                    yield sse({"error": {"message": str(exc), "type": failure_kind(exc, "streamed generation")}})
                     return
                 streaming -= 1
                 finish = "length" if exchange.scores_only else result.finish_reason
@@ -218,21 +231,23 @@ async def next_piece(pieces: asyncio.Queue, request: "Request"):
 
 class ApiKeyMiddleware:
     """With an API key set, every endpoint but the probes (/health, /metrics, /ping, /version) wants `Authorization:
-    Bearer KEY` (as OpenAI and vLLM's --api-key); others get OpenAI's 401."""
+    Bearer KEY` (as OpenAI and vLLM's --api-key) or `x-api-key: KEY` (as Anthropic's clients send it); others get
+    a 401."""
 
     OPEN = ("/health", "/metrics", "/ping", "/version")
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.bearer, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.OPEN:
             return await self.app(scope, receive, send)
-        sent = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(sent, self.expected):
+        headers = dict(scope["headers"])
+        if hmac.compare_digest(headers.get(b"authorization", b""), self.bearer) or hmac.compare_digest(
+                headers.get(b"x-api-key", b""), self.key):
             return await self.app(scope, receive, send)
-        response = openai_error(401, "Incorrect API key provided: send it as `Authorization: Bearer KEY`",
-                                kind="invalid_request_error")
+        response = openai_error(401, "Incorrect API key provided: send it as `Authorization: Bearer KEY` (or "
+                                "`x-api-key: KEY`)", kind="invalid_request_error", path=scope["path"])
         await response(scope, receive, send)
 
 
@@ -315,6 +330,16 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
         responses.store.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
+    messages = Messages(service, call_style)
+
+    @app.post("/v1/messages")
+    async def create_message(body: body_types.MessagesRequest, request: Request):
+        return await messages.create(request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: body_types.CountTokensRequest):
+        return messages.count_tokens(body)
+
     @app.post("/tokenize")
     async def tokenize(body: body_types.TokenizeRequest):
         service.check_model(body.model)
@@ -376,32 +401,34 @@ def add_error_handlers(app) -> None:
 
     @app.exception_handler(UserError)
     async def user_error(request, exc: UserError):
-        return openai_error(400, str(exc))
+        return openai_error(400, str(exc), path=request.url.path)
 
     @app.exception_handler(ModelNotFound)
     async def model_not_found(request, exc: ModelNotFound):
-        return openai_error(404, str(exc))
+        return openai_error(404, str(exc), path=request.url.path)
 
     @app.exception_handler(ResponseNotFound)
     async def response_not_found(request, exc: ResponseNotFound):
-        return openai_error(404, str(exc))
+        return openai_error(404, str(exc), path=request.url.path)
 
     @app.exception_handler(ServerBusy)
     async def busy(request, exc: ServerBusy):
-        return openai_error(503, str(exc), kind="server_busy")
+        return openai_error(503, str(exc), kind="server_busy", path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return openai_error(400, "the request body is not valid JSON")
+            return openai_error(400, "the request body is not valid JSON", path=request.url.path)
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors)
-        return openai_error(422, f"invalid request: {where}", detail=jsonable_encoder(errors))
+        return openai_error(422, f"invalid request: {where}", path=request.url.path,
+                            detail=jsonable_encoder(errors))
 
     @app.exception_handler(Exception)
     async def crashed(request, exc: Exception):
         log.exception("request failed")
-        return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}", kind="server_error")
+        return openai_error(500, f"internal error: {exc.__class__.__name__}: {exc}", kind="server_error",
+                            path=request.url.path)
 
 
 # ---- running it -------------------------------------------------------------------------------------------------

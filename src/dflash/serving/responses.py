@@ -12,22 +12,20 @@ No `from __future__ import annotations`: FastAPI reads the annotations of the ha
 
 import asyncio
 import copy
-import json
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
 from ..jsonl import openai_role
-from ..reasoning import thinking_of
 from ..tools import encode_chat, tool_request
-from .schemas import Exchange, check_fits, choice_configs, schemas
-from .streaming import ChatChoiceStream, TextDeltas
-from .worker import END_OF_STREAM, Job, cancel, wait_for_results
+from .schemas import Exchange, event_sse, schemas
+from .streaming import PartsStream, TextDeltas, failure_kind, write_whole
+from .worker import END_OF_STREAM, Job, cancel
 
 if TYPE_CHECKING:
     from .app import Service
@@ -132,19 +130,20 @@ def input_messages(given) -> list[dict]:
     return messages
 
 
-def text_of(content, where: str) -> str:
-    """A message's text: a string, or its text parts joined (images and files are refused)."""
+def text_of(content, where: str, kinds: tuple[str, ...] = TEXT_PARTS, separator: str = "", name: str = "parts") -> str:
+    """A message's text: a string, or its text parts (of `kinds`) joined by `separator` (images and files are
+    refused). `name`: what the API calls its parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise UserError(f"{where} must be text or a list of text parts")
+        raise UserError(f"{where} must be text or a list of text {name}")
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise UserError(f"{where}: only text parts are supported here, got {kind!r}")
+            raise UserError(f"{where}: only text {name} are supported here, got {kind!r}")
         texts.append(part["text"])
-    return "".join(texts)
+    return separator.join(texts)
 
 
 # ---- the output -------------------------------------------------------------------------------------------------
@@ -226,23 +225,6 @@ class OutputItems:
         return {"item_id": item["id"], "output_index": self.items.index(item)}
 
 
-def whole_output(exchange: Exchange, text: str) -> OutputItems:
-    """The output items of a whole reply."""
-    output = OutputItems()
-    thought, answer = exchange.thought_and_answer(text)
-    calls = exchange.tools.calls(answer) if exchange.tools is not None else None
-    if thought:
-        output.reasoning(thought)
-    words = answer if calls is None else exchange.tools.content(answer)
-    if words:
-        output.text(words)
-    for call in calls or []:
-        output.call(call["id"], call["function"]["name"])
-        output.arguments(call["function"]["arguments"])
-    output.close()
-    return output
-
-
 def replayed_output(exchange: Exchange, result, deltas: TextDeltas) -> OutputItems:
     """The output items of a whole reply with its message's log-probabilities: the reply streamed again token by
     token, as a stream that asks for them is (Job.token_by_token), so each token's log-probability goes with the
@@ -265,38 +247,27 @@ def replayed_output(exchange: Exchange, result, deltas: TextDeltas) -> OutputIte
             pass
     for _ in reply.finish(result):
         pass
-    reply.output.close()
-    return reply.output
+    reply.parts.close()
+    return reply.parts
 
 
-class ResponseStream(ChatChoiceStream):
-    """A streamed reply's output items: the chat stream's deltas (its thinking, its words, each call's id and name,
-    then its arguments' pieces) as the Responses API's events. Each of its pieces is a list of events where the
-    chat stream's is a chunk. Log-probabilities go with the message's words; those of thinking and of calls are
-    not shown (the API has no place for them)."""
+class ResponseStream(PartsStream):
+    """A streamed reply's output items (OutputItems). Log-probabilities go with the message's words; those of
+    thinking and of calls are not shown (the API has no place for them)."""
 
     def __init__(self, exchange: Exchange):
-        super().__init__(exchange, 0)
-        self.output = OutputItems()
+        super().__init__(exchange, OutputItems())
 
     def piece(self, text: str, logprobs: list | None) -> Iterator[list[dict]]:
         yield from super().piece(text, logprobs)
         if self.thinking is not None and self.thinking.phase in ("starting", "thinking", "after"):
             self.logprobs = None  # tokens of the thinking or of the whitespace around it, which no item shows
 
-    def _chunk(self, text: str | None, delta: dict | None = None) -> list[dict]:
-        taken, self.logprobs = self.logprobs, None
-        if delta is None:
-            writing = self.output.open is not None and self.output.open["type"] == "message"
-            if not text and not (taken and writing):  # a token's log-probability without text: its message's
-                return []
-            return self.output.text(text, self.exchange.logprobs(taken, 0)["content"] if taken else ())
-        if "reasoning" in delta:
-            return self.output.reasoning(delta["reasoning"])
-        (call,) = delta["tool_calls"]
-        if "id" in call:
-            return self.output.call(call["id"], call["function"]["name"])
-        return self.output.arguments(call["function"]["arguments"])
+    def _words(self, text: str | None, logprobs: list | None) -> list[dict]:
+        writing = self.parts.open is not None and self.parts.open["type"] == "message"
+        if not text and not (logprobs and writing):  # a token's log-probability without text: its message's
+            return []
+        return self.parts.text(text, self.exchange.logprobs(logprobs, 0)["content"] if logprobs else ())
 
 
 # ---- the service ------------------------------------------------------------------------------------------------
@@ -430,25 +401,16 @@ class Responses:
             raise UserError("input is empty")
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         prompt_ids = encode_chat(target, system + turns, tools, body.template_options())
-        (config,) = choice_configs(body, service.default_max_tokens, service.worker.max_queue, target.vocab_size,
-                                   tools)
-        check_fits(prompt_ids, service.worker.engine)
-        thinking = thinking_of(target, prompt_ids, service.reasoning_parser)
-        config = replace(config, thinking=thinking)
-        exchange = Exchange(True, service.model_name, service.proposer.name, len(prompt_ids), target.tokenizer,
-                            tools=tools, reasoning=service.reasoning_parser is not None, thinking=thinking)
+        (config,), exchange = service.prepared(body, prompt_ids, True, tools)
         asked = Asked(body, exchange, self.shell(body, exchange), turns, input_items(body.input))
         if body.background or body.stream:
             return self.streamed(request, asked, prompt_ids, config)
         job = Job(prompt_ids, config)
-        service.worker.submit([job])
-        results = await wait_for_results([job], request, service.metrics)
-        if results is None:
-            from fastapi.responses import Response
-
-            return Response(status_code=499)
+        results = await service.results(request, [job])
+        if not isinstance(results, list):
+            return results
         if config.logprobs is None:
-            output = whole_output(exchange, results[0].text)
+            output = write_whole(exchange, results[0].text, OutputItems())
         else:
             output = replayed_output(exchange, results[0], self.text_deltas(config))
         return self.finished(asked, output.items, job, results[0])
@@ -570,9 +532,7 @@ class Responses:
         try:
             result = await job.future
         except Exception as exc:  # the status line is long gone: the API's error event
-            if not isinstance(exc, UserError):
-                log.exception("streamed response failed")
-            kind = "invalid_request_error" if isinstance(exc, UserError) else "server_error"
+            kind = failure_kind(exc, "streamed response")
             if run is not None:
                 failed = {**response, "status": "failed", "error": {"code": kind, "message": str(exc)}}
                 self.store.put(Stored(failed, None, asked.input_items, run))
@@ -580,10 +540,10 @@ class Responses:
             return
         if run is not None and run.cancelled:
             return
-        for events in [*reply.finish(result), reply.output.close()]:
+        for events in [*reply.finish(result), reply.parts.close()]:
             for event in events:
                 yield event
-        final = self.finished(asked, reply.output.items, job, result, run)
+        final = self.finished(asked, reply.parts.items, job, result, run)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield {"type": kind, "response": final}
 
@@ -633,11 +593,6 @@ class Asked:
     response: dict
     turns: list[dict]
     input_items: list[dict]
-
-
-def event_sse(event: dict) -> str:
-    """An event as a server-sent event named by its type."""
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 class EventNumbers:

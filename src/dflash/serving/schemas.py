@@ -135,6 +135,18 @@ def schemas() -> SimpleNamespace:
         background: bool = False
         logprobs: bool = False  # set by responses.chat_form; not the API's own
 
+    class CountTokensRequest(OpenAIFields, TemplateFields):  # Anthropic's Messages API (messages.py)
+        messages: list = Field(min_length=1)
+        system: str | list | None = None
+        thinking: dict | None = None  # {"type": "enabled" | "disabled", ...}: the template's enable_thinking
+        tool_choice: dict | None = None
+
+    class MessagesRequest(CountTokensRequest):
+        max_tokens: int = Field(ge=1)  # required, as Anthropic's API has it
+        stop_sequences: list[str] | None = None
+        metadata: dict | None = None
+        output_config: dict | None = None  # {"format": {"type": "json_schema", "schema": {...}}}: structured output
+
     class TokenizeRequest(TemplateFields):  # vLLM's /tokenize: a prompt, or chat messages through the template
         model_config = ConfigDict(extra="ignore")
         model: str | None = None
@@ -149,7 +161,8 @@ def schemas() -> SimpleNamespace:
         tokens: list[int]
 
     return SimpleNamespace(ChatRequest=ChatRequest, CompletionRequest=CompletionRequest,
-                           ResponsesRequest=ResponsesRequest, TokenizeRequest=TokenizeRequest,
+                           ResponsesRequest=ResponsesRequest, MessagesRequest=MessagesRequest,
+                           CountTokensRequest=CountTokensRequest, TokenizeRequest=TokenizeRequest,
                            DetokenizeRequest=DetokenizeRequest, ResponseFormat=ResponseFormat,
                            JsonSchemaFormat=JsonSchemaFormat)
 
@@ -176,7 +189,7 @@ def requested_logprobs(body) -> int | None:
             raise UserError("top_logprobs needs logprobs to be true")
         top, name = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
     else:
-        top, name = body.logprobs, "logprobs"
+        top, name = getattr(body, "logprobs", None), "logprobs"  # the completions API's (Anthropic's has none)
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise UserError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     return top
@@ -478,10 +491,23 @@ def sse(payload: Any) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def openai_error(status: int, message: str, kind: str = "invalid_request_error", **extra):
+def event_sse(event: dict) -> str:
+    """An event as a server-sent event named by its type (the Responses and Messages APIs' streams)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error", path: str = "", **extra):
+    """An error body as OpenAI's API answers one; under /v1/messages, as Anthropic's does."""
     from fastapi.responses import JSONResponse
 
+    if path.startswith("/v1/messages"):
+        kind = ANTHROPIC_ERRORS.get(status, "api_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}, **extra},
                         status_code=status)
+
+
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    422: "invalid_request_error", 503: "overloaded_error"}  # by HTTP status; others api_error
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from ..errors import UserError
 from ..reasoning import ThinkingDeltas
 from ..tools import call_delta
 
@@ -146,3 +149,54 @@ class ChatChoiceStream:
     def _chunk(self, text: str | None, delta: dict | None = None) -> str:
         taken, self.logprobs = self.logprobs, None
         return self.exchange.chunk(text, index=self.index, logprobs=taken, delta=delta)
+
+
+class PartsStream(ChatChoiceStream):
+    """A streamed reply written into `parts` (the Responses API's output items, the Messages API's content blocks:
+    each has reasoning, text, call, arguments and close, which return the events they make): the chat stream's
+    deltas (its thinking, its words, each call's id and name, then its arguments' pieces) as those events, a list
+    of them where the chat stream's is a chunk."""
+
+    def __init__(self, exchange: "Exchange", parts):
+        super().__init__(exchange, 0)
+        self.parts = parts
+
+    def _chunk(self, text: str | None, delta: dict | None = None) -> list[dict]:
+        taken, self.logprobs = self.logprobs, None
+        if delta is None:
+            return self._words(text, taken)
+        if "reasoning" in delta:
+            return self.parts.reasoning(delta["reasoning"])
+        (call,) = delta["tool_calls"]
+        if "id" in call:
+            return self.parts.call(call["id"], call["function"]["name"])
+        return self.parts.arguments(call["function"]["arguments"])
+
+    def _words(self, text: str | None, logprobs: list | None) -> list[dict]:
+        """The events of the reply's words (log-probabilities are not shown unless a subclass shows them)."""
+        return self.parts.text(text) if text else []
+
+
+def write_whole(exchange: "Exchange", text: str, parts):
+    """A whole reply written into `parts` (PartsStream's): its thinking, its words, its calls; `parts` returned."""
+    thought, answer = exchange.thought_and_answer(text)
+    calls = exchange.tools.calls(answer) if exchange.tools is not None else None
+    if thought:
+        parts.reasoning(thought)
+    words = answer if calls is None else exchange.tools.content(answer)
+    if words:
+        parts.text(words)
+    for call in calls or []:
+        parts.call(call["id"], call["function"]["name"])
+        parts.arguments(call["function"]["arguments"])
+    parts.close()
+    return parts
+
+
+def failure_kind(exc: BaseException, what: str, server_kind: str = "server_error") -> str:
+    """The error type a stream reports once its status line is long gone: the request's fault (a UserError), or the
+    server's, which is logged with its traceback."""
+    if isinstance(exc, UserError):
+        return "invalid_request_error"
+    logging.getLogger("dflash.server").exception(f"{what} failed")
+    return server_kind
