@@ -343,6 +343,23 @@ def test_an_api_key_guards_every_endpoint_but_the_probes(target, proposer):
         assert all(httpx.get(f"{base}/{probe}").status_code == 200 for probe in probes)
 
 
+def test_several_served_names_are_each_answered_as_sent(target, proposer):
+    """--served-model-name with several names (as vLLM's): each is served and named back; others are not found."""
+    app = create_app(target, proposer, [MODEL, "alias"])
+    with BackgroundServer(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+        assert client.models.retrieve("alias").id == "alias"
+        for name in (MODEL, "alias"):
+            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                   max_tokens=4, temperature=0)
+            assert reply.model == name
+        plain = httpx.post(f"{base}/v1/completions", json={"prompt": "w1", "max_tokens": 2}).json()
+        assert plain["model"] == MODEL  # none sent: the first name
+        with pytest.raises(openai.NotFoundError, match="serves 'tiny-qwen3' or 'alias'"):
+            client.chat.completions.create(model="other", messages=[{"role": "user", "content": "w1"}], max_tokens=2)
+
+
 def test_tokenize_and_detokenize(url, target):
     messages = [{"role": "user", "content": "w1 w2"}]
     chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()

@@ -80,7 +80,7 @@ class Service:
     target: Any
     worker: BatchWorker
     metrics: Metrics
-    model_name: str
+    model_names: tuple[str, ...]  # the ids clients may send (vLLM's --served-model-name); the first is the default
     default_max_tokens: int
     reasoning_parser: str | None = None  # a chat reply's thinking comes back apart (reasoning.py)
 
@@ -88,9 +88,18 @@ class Service:
     def proposer(self):
         return self.worker.engine.proposer
 
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise ModelNotFound(f"model {requested!r} is not served here; this server serves {self.model_name!r}")
+        if requested is not None and requested not in self.model_names:
+            served = " or ".join(map(repr, self.model_names))
+            raise ModelNotFound(f"model {requested!r} is not served here; this server serves {served}")
+
+    def answering_as(self, requested: str | None) -> str:
+        """The model id a reply names: the one the request sent (one of the served names), else the first."""
+        return requested if requested in self.model_names else self.model_name
 
     def prepared(self, body, prompt_ids: list[int], chat: bool,
                  tools: "ToolRequest | None" = None) -> tuple[list, Exchange]:
@@ -101,9 +110,9 @@ class Service:
         reasoning = chat and self.reasoning_parser is not None
         thinking = thinking_of(self.target, prompt_ids, self.reasoning_parser if chat else None)
         configs = [replace(config, thinking=thinking) for config in configs]  # a grammar holds the answer after it
-        exchange = Exchange(chat, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
-                            echo=echoed_prompt(self.target, body, prompt_ids), scores_only=scores_only(body),
-                            tools=tools, reasoning=reasoning, thinking=thinking)
+        exchange = Exchange(chat, self.answering_as(body.model), self.proposer.name, len(prompt_ids),
+                            self.target.tokenizer, echo=echoed_prompt(self.target, body, prompt_ids),
+                            scores_only=scores_only(body), tools=tools, reasoning=reasoning, thinking=thinking)
         return configs, exchange
 
     async def results(self, request: "Request", jobs: list[Job]):
@@ -153,8 +162,9 @@ class Service:
         runs = []
         for one, prompt_ids in zip(bodies, ids):
             configs = choice_configs(one, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size)
-            exchange = Exchange(False, self.model_name, self.proposer.name, len(prompt_ids), self.target.tokenizer,
-                                echo=echoed_prompt(self.target, one, prompt_ids), scores_only=scores_only(one))
+            exchange = Exchange(False, self.answering_as(one.model), self.proposer.name, len(prompt_ids),
+                                self.target.tokenizer, echo=echoed_prompt(self.target, one, prompt_ids),
+                                scores_only=scores_only(one))
             if runs:
                 exchange.id, exchange.created = runs[0][2].id, runs[0][2].created
             runs += [(prompt_ids, config, exchange) for config in configs]
@@ -251,11 +261,12 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
-def create_app(target, proposer, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+def create_app(target, proposer, model_name: str | list[str], *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
                prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None,
                tool_format: str = "auto", reasoning_parser: str | None = None) -> "FastAPI":
-    """The ASGI app serving `target` with `proposer` under the name `model_name`: up to `max_batch_size` requests
+    """The ASGI app serving `target` with `proposer` under the name `model_name` (or several names, the first the
+    default): up to `max_batch_size` requests
     decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
     keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py); tool calls in
     `tool_format` (tools.tool_style); `reasoning_parser` "think" (or vLLM's names for it): chat replies' thinking
@@ -276,7 +287,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     metrics = Metrics(proposer.max_draft + 1, queued=lambda: holder["worker"].queued,
                       running=lambda: holder["worker"].running)
     worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
-    service = Service(target, worker, metrics, model_name, default_max_tokens, check_parser(reasoning_parser))
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    service = Service(target, worker, metrics, names, default_max_tokens, check_parser(reasoning_parser))
     call_style = tool_style(target.tokenizer, tool_format)
     body_types = schemas()
 
@@ -358,16 +370,16 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(service)]}
+        return {"object": "list", "data": [model_card(service, name) for name in service.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         service.check_model(model_id)
-        return model_card(service)
+        return model_card(service, model_id)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "method": proposer.name, "queued": worker.queued,
+        return {"status": "ok", "model": service.model_name, "method": proposer.name, "queued": worker.queued,
                 "running": worker.running, "max_batch_size": engine.max_batch}
 
     @app.get("/ping")  # what SageMaker-style load balancers and vLLM's clients probe
@@ -387,8 +399,8 @@ def create_app(target, proposer, model_name: str, *, default_max_tokens: int = D
     return app
 
 
-def model_card(service: Service) -> dict:
-    return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "dflash",
+def model_card(service: Service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "dflash",
             "dflash": {"method": service.proposer.name, "block_size": service.proposer.max_draft + 1,
                        "max_context": service.target.max_context, "max_batch_size": service.worker.engine.max_batch}}
 
@@ -482,7 +494,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_method_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may send, the first the one replies name where a request sends none "
+                        "(as vLLM's; e.g. a name your client is set to ask for; default: --target)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens for requests that set none")
     p.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH,
@@ -524,12 +538,13 @@ def run(args) -> int:
     settle_heap()
     warm_up = GenerationConfig(max_new_tokens=4)
     SpeculativeDecoder(target, proposer).generate(target.encode_prompt("Hello", chat=True), warm_up)
-    name = args.served_model_name or args.target
-    app = create_app(target, proposer, name, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
+    names = args.served_model_name or [args.target]
+    app = create_app(target, proposer, names, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
                      prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key, tool_format=args.tool_format,
                      reasoning_parser=args.reasoning_parser)
     port = sock.getsockname()[1]
-    print(f"[dflash] serving {name!r} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
+    served = " / ".join(map(repr, names))
+    print(f"[dflash] serving {served} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
     uvicorn_server(app, args.log_level).run(sockets=[sock])
     return 0
