@@ -70,3 +70,58 @@ def test_bad_rows_are_one_line_errors(tmp_path, capsys, rows, message):
     assert batch(tmp_path, rows=rows) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "out.jsonl").exists()
+
+
+# ---- a file in OpenAI's batch format ------------------------------------------------------------------------------
+HELLO = [{"role": "user", "content": "w1 w2 w3"}]
+BATCH_LINES = [
+    {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "gpt-4o-mini", "messages": HELLO, "max_tokens": 8, "temperature": 0}},
+    {"custom_id": "plain", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "tiny-qwen2", "prompt": "w1 w2", "max_tokens": 8, "temperature": 0}},
+    {"custom_id": "responses", "method": "POST", "url": "/v1/responses",
+     "body": {"input": "w1 w2 w3", "max_output_tokens": 8, "temperature": 0}},
+    {"custom_id": "messages", "method": "POST", "url": "/v1/messages",
+     "body": {"messages": HELLO, "max_tokens": 8, "temperature": 0}},
+    {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": HELLO, "temperature": -1}},
+]
+
+
+def test_a_batch_file_in_openais_format_gets_the_servers_answers(tmp_path, capsys):
+    """Each line's body is answered as `dflash serve` answers it (greedy: the target's own text), in OpenAI's batch
+    output format; a bad body is that line's 400; the same command resumes by custom_id."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")  # noqa: F841 - the server's handlers are reached through it
+    assert batch(tmp_path, rows=BATCH_LINES[:3]) == 0
+    assert batch(tmp_path, rows=BATCH_LINES) == 0
+    assert "3 of 5 answers already in" in capsys.readouterr().err
+    lines = {line["custom_id"]: line for line in answers(tmp_path)}
+    assert sorted(lines) == sorted(line["custom_id"] for line in BATCH_LINES)
+    expected = plain_greedy(HELLO)
+    chat = lines["chat"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["choices"][0]["message"]["content"] == expected
+    assert chat["body"]["model"] == "gpt-4o-mini"  # the model its body named, served for this file
+    assert lines["responses"]["response"]["body"]["output"][0]["content"][0]["text"] == expected
+    assert lines["messages"]["response"]["body"]["content"][0]["text"] == expected
+    target = tiny_target("qwen2", logit_scale=4.0)
+    plain = SpeculativeDecoder(target).generate(target.encode_prompt("w1 w2", chat=False),
+                                                GenerationConfig(max_new_tokens=8)).text
+    assert lines["plain"]["response"]["body"]["choices"][0]["text"] == plain
+    bad = lines["bad"]["response"]
+    assert bad["status_code"] == 400 and "temperature" in bad["body"]["error"]["message"]
+    assert all(line["id"].startswith("batch_req_") and line["error"] is None for line in lines.values())
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"custom_id": "x", "method": "GET", "url": "/v1/completions", "body": {}}, "method must be POST"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}, "url must be one of"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"stream": True}}, "leave out stream"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": "w1"}, "body must be an object"),
+])
+def test_bad_batch_lines_are_one_line_errors(tmp_path, capsys, line, message):
+    assert batch(tmp_path, rows=[line]) == 2
+    assert message in capsys.readouterr().err
+    twice = [{**BATCH_LINES[0]}, {**BATCH_LINES[0]}]
+    assert batch(tmp_path, rows=twice) == 2
+    assert "repeats the custom_id 'chat'" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`dflash batch IN.jsonl --output OUT.jsonl`: many prompts through one loaded target and method as one continuous
 batch, each answer appended to the output as it finishes, with its row's id. An interrupted run loses nothing but
-the answers under way, and the same command resumes it: rows whose id the output already holds are skipped.
+the answers under way, and the same command resumes it: rows whose id the output already holds are skipped. A file
+in OpenAI's batch format goes through the server's handlers instead (openai_batch.py).
 
 Rows come in any layout `dflash bench` reads; a chat (`messages`, `conversations`) is answered after its last user
 turn, its earlier assistant turns included (jsonl.conversation_of). A row's own `response_format`, or `tools` and
@@ -37,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the chat template's own variables for every row without its own `chat_template_kwargs`")
     p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
                    "a row's `response_format` (or vLLM's `structured_outputs`), or `tools` and `tool_choice` "
-                   "(OpenAI's), and `chat_template_kwargs` hold its answer alone")
+                   "(OpenAI's), and `chat_template_kwargs` hold its answer alone. Or a file in OpenAI's batch format "
+                   "(custom_id, method, url, body; as vLLM's run-batch reads it): each body answered as `dflash "
+                   "serve` would, in OpenAI's batch output format")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
     p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
     p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
@@ -157,6 +160,10 @@ def run(args) -> int:
     from .engine import Engine
     from .loading import settle_heap
 
+    from . import openai_batch
+
+    if openai_batch.is_openai_batch(Path(args.input)):
+        return openai_batch.run(args)
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     requests, output = read_requests(Path(args.input)), Path(args.output)
