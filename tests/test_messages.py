@@ -103,6 +103,7 @@ def test_tool_use_is_the_chat_calls_whole_and_streamed(servers, byte_targets):
         assert [(c.name, c.input) for c in calls] == [(c.function.name, json.loads(c.function.arguments))
                                                       for c in expected]
         assert message.stop_reason == "tool_use" and texts(message) == ""
+        assert all(c.id.startswith("toolu_") for c in calls)
         events, final = streamed(client, **ask)
         assert [(c.name, c.input) for c in final.content if c.type == "tool_use"] == [(c.name, c.input) for c in calls]
         pieces = [e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]

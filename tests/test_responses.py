@@ -232,6 +232,29 @@ def test_log_probabilities_are_the_messages_only(byte_targets):
         assert thought
 
 
+def test_truncation_auto_drops_the_oldest_exchanges_until_the_reply_fits(client, byte_targets):
+    import httpx
+
+    context = byte_targets["llama"].max_context
+    exchanges = [[{"role": "user", "content": f"Question {k}: " + "why " * 12},
+                  {"role": "assistant", "content": f"Answer {k}: " + "because " * 8}] for k in range(12)]
+    turns = [{"role": "developer", "content": "Be brief."}] + [m for pair in exchanges for m in pair] + HI
+    base = str(client.base_url).removesuffix("/v1/")
+    assert httpx.post(f"{base}/tokenize", json={"messages": turns}).json()["count"] > context
+    with pytest.raises(openai.BadRequestError, match="does not fit"):
+        client.responses.create(model="tiny", input=turns, max_output_tokens=16)
+    response = client.responses.create(model="tiny", input=turns, max_output_tokens=16, temperature=0,
+                                       truncation="auto")
+    assert response.truncation == "auto" and response.usage.input_tokens + 16 < context
+    kept = next(k for k in range(12) if httpx.post(f"{base}/tokenize", json={
+        "messages": turns[:1] + turns[1 + 2 * k:]}).json()["count"] == response.usage.input_tokens)
+    assert kept > 0  # the oldest exchanges went, the developer's message stayed
+    expected = chat(client, turns[:1] + turns[1 + 2 * kept:], max_tokens=16)
+    assert response.output_text == expected.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="truncation must be"):
+        client.responses.create(model="tiny", input="Hi?", truncation="middle")
+
+
 def settled(client, response_id: str, timeout: float = 30.0):
     """A background response once it has ended (polled, as a client does)."""
     import time

@@ -155,7 +155,8 @@ class ContentBlocks:
         return self._text("text", text)
 
     def call(self, call_id: str, name: str) -> list[dict]:
-        return self.close() + self._add({"type": "tool_use", "id": call_id, "name": name, "input": {}})
+        tool_id = f"toolu_{call_id.removeprefix('call_')}"  # chat's id, spelled as Anthropic's are
+        return self.close() + self._add({"type": "tool_use", "id": tool_id, "name": name, "input": {}})
 
     def arguments(self, fragment: str) -> list[dict]:
         self.written += fragment

@@ -48,6 +48,8 @@ def chat_form(body) -> None:
     """Fill in the chat fields that generation_config reads from the Responses API's own (in place)."""
     if body.n != 1:
         raise UserError("the Responses API makes one output; n is not supported")
+    if body.truncation not in ("auto", "disabled"):
+        raise UserError(f"truncation must be \"auto\" or \"disabled\", got {body.truncation!r}")
     unknown = [name for name in body.include or [] if name not in INCLUDABLE]
     if unknown:
         raise UserError(f"include may name {' and '.join(map(repr, INCLUDABLE))} here, got {unknown[0]!r}")
@@ -314,6 +316,19 @@ def reply_messages(items: list[dict]) -> list[dict]:
     return input_messages([item for item in items if item["type"] != "message" or item["content"][0]["text"]])
 
 
+def truncated(turns: list[dict], prompt_of, fits) -> list[int]:
+    """truncation "auto": the prompt of the conversation with its oldest exchanges dropped (each from a user message
+    up to the next, so that calls keep their results) until `fits` holds; the last exchange alone where none does
+    (the engine then says it does not fit). The instructions and the input's leading system messages stay."""
+    head = next((k for k, turn in enumerate(turns) if turn["role"] != "system"), len(turns))  # input's own system
+    rest = turns[head:]
+    for start in [0] + [k for k, turn in enumerate(rest) if turn["role"] == "user" and k > 0]:
+        prompt_ids = prompt_of(turns[:head] + rest[start:])
+        if fits(prompt_ids):
+            return prompt_ids
+    return prompt_ids
+
+
 def input_items(given) -> list[dict]:
     """A request's `input` as the API lists it back (input_items): items, each with an id, messages with their text
     as parts."""
@@ -400,7 +415,14 @@ class Responses:
         if not turns:
             raise UserError("input is empty")
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        prompt_ids = encode_chat(target, system + turns, tools, body.template_options())
+
+        def prompt_of(kept: list[dict]) -> list[int]:
+            return encode_chat(target, system + kept, tools, body.template_options())
+
+        if body.truncation == "auto":
+            prompt_ids = truncated(turns, prompt_of, self.leaves_room(body))
+        else:
+            prompt_ids = prompt_of(turns)
         (config,), exchange = service.prepared(body, prompt_ids, True, tools)
         asked = Asked(body, exchange, self.shell(body, exchange), turns, input_items(body.input))
         if body.background or body.stream:
@@ -414,6 +436,19 @@ class Responses:
         else:
             output = replayed_output(exchange, results[0], self.text_deltas(config))
         return self.finished(asked, output.items, job, results[0])
+
+    def leaves_room(self, body):
+        """Whether a prompt leaves the engine room for the reply's max_output_tokens (the server's default where it
+        sets none)."""
+        wanted = body.max_output_tokens or self.service.default_max_tokens
+
+        def fits(prompt_ids: list[int]) -> bool:
+            try:
+                return self.service.worker.engine.budget(prompt_ids) >= wanted
+            except UserError:
+                return False
+
+        return fits
 
     def conversation_of(self, response_id: str) -> list[dict]:
         stored = self.store.get(response_id)
@@ -435,7 +470,7 @@ class Responses:
                 "store": body.store, "temperature": body.temperature, "text": {"format": text_format(body)},
                 "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "top_p": body.top_p,
                 "top_logprobs": body.top_logprobs,
-                "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {}}
+                "truncation": body.truncation, "usage": None, "user": body.user, "metadata": body.metadata or {}}
 
     def finished(self, asked: "Asked", items: list[dict], job: Job, result, run: BackgroundRun | None = None) -> dict:
         """The whole response object (kept for later turns where `store`)."""

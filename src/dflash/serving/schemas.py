@@ -133,6 +133,7 @@ def schemas() -> SimpleNamespace:
         top_logprobs: int | None = None  # with include's "message.output_text.logprobs" (responses.chat_form)
         include: list[str] | None = None
         background: bool = False
+        truncation: str = "disabled"  # "auto": the conversation's oldest exchanges dropped until the reply has room
         logprobs: bool = False  # set by responses.chat_form; not the API's own
 
     class CountTokensRequest(OpenAIFields, TemplateFields):  # Anthropic's Messages API (messages.py)
