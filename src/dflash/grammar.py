@@ -204,55 +204,6 @@ def utf8_lead(byte: int) -> tuple[int, int, int] | None:
     return None
 
 
-MAX_TABLE_STATES = 4096  # states an ASCII table may hold (AsciiTable)
-DEFERRED = 1  # an AsciiTable's row for a token it leaves to a walk
-
-
-class AsciiTable:
-    """The moves ASCII bytes make between a grammar's states, found as they are asked for: a table [states + 2, 128]
-    whose row n + 2 is the n-th state's, each column the row after that byte. Row 0: refused, and it stays so; row 1
-    (DEFERRED): a `deferred` byte was read, whose move the table does not make (a JSON string's quote, which ends
-    it): the token is left to a walk. structured.py runs a vocabulary's ASCII tokens through it all at once.
-    `move(key, byte)`: the key of the state after the byte, or None; keys are whatever the grammar tells its states
-    apart by."""
-
-    def __init__(self, move, deferred: bytes = b""):
-        self.move, self.deferred = move, deferred
-        self.numbers: dict = {}  # a state's key -> its number
-        self.rows: dict[int, list[int]] = {}  # a state's number -> its row
-        self.table = None
-
-    def row(self, key):
-        """(the table, the row of `key`'s state); None where more than MAX_TABLE_STATES states are reached from it."""
-        import torch
-
-        todo, grew = [key], False
-        while todo:
-            current = todo.pop()
-            if self._number(current) in self.rows:
-                continue
-            if len(self.rows) >= MAX_TABLE_STATES:
-                return None
-            row = []
-            for byte in range(0x80):
-                following = None if byte in self.deferred else self.move(current, byte)
-                row.append(DEFERRED if byte in self.deferred else 0 if following is None
-                           else self._number(following) + 2)
-                if following is not None and self._number(following) not in self.rows:
-                    todo.append(following)
-            self.rows[self._number(current)], grew = row, True
-        if grew or self.table is None:
-            table = torch.zeros(len(self.numbers) + 2, 0x80, dtype=torch.long)
-            table[DEFERRED] = DEFERRED
-            for number, row in self.rows.items():
-                table[number + 2] = torch.tensor(row)
-            self.table = table
-        return self.table, self._number(key) + 2
-
-    def _number(self, key) -> int:
-        return self.numbers.setdefault(key, len(self.numbers))
-
-
 class ByteGrammar:
     """What every grammar over an output's bytes shares (this one's, regex_grammar's): several bytes fed at once,
     and a reasoning model's thinking first. `thinking`: "open" where the prompt opened the thinking, "optional" where
@@ -274,8 +225,8 @@ class ByteGrammar:
         raise NotImplementedError
 
     def ascii_table(self, state: tuple):
-        """(AsciiTable.row) for `state`, where the grammar tables its ASCII moves there, or None: a vocabulary then
-        walks its tokens one by one."""
+        """A table of the moves ASCII bytes make from `state` (regex_grammar.PatternGrammar's), or None: a vocabulary
+        then walks its tokens one by one."""
         return None
 
     def feed_bytes(self, state: tuple | None, data: bytes) -> tuple | None:
@@ -347,9 +298,6 @@ class JsonGrammar(ByteGrammar):
     def __init__(self, nodes: list[Node], root: int, key: str, text_otherwise: bool = False,
                  frame: Frame | None = None, thinking: str | None = None):
         self.nodes, self.root, self.key, self.text_otherwise, self.frame = nodes, root, key, text_otherwise, frame
-        # the ASCII moves inside patterned strings (ascii_table): a quote ends the string and a backslash escapes, so
-        # tokens that hold either are walked
-        self.strings = AsciiTable(self._string_move, deferred=b'"\\')
         self.thinking = thinking
         self.words_after_thought = frame is not None and frame.prose
         self.initial = self.first_state()
@@ -393,17 +341,6 @@ class JsonGrammar(ByteGrammar):
         if self.in_thought(state):
             return self.thought_after_special(state)
         return None if self.free_text_tag(state) is None else (PROSE, 0, 0, ())
-
-    def ascii_table(self, state: tuple):
-        """AsciiTable.row inside a patterned string (a pattern or a format), by its (node, characters, pattern
-        states): what ASCII characters do there is the pattern's step and the length's count. None elsewhere."""
-        if state[0] != STRING or state[1] in (0, 1) or state[1][2] is None:
-            return None
-        return self.strings.row(state[1])
-
-    def _string_move(self, aux: tuple, byte: int) -> tuple | None:
-        following = self.feed((STRING, aux, 0, ()), byte)  # an ASCII character stays in the string, or is refused
-        return None if following is None else following[1]
 
     def finished(self, state: tuple) -> bool:
         """Whether nothing but the output's end may come after `state`."""

@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import itertools
 
+import torch
+
 from .errors import UserError
-from .grammar import THINK_TAGS, THINKING, AsciiTable, ByteGrammar, utf8_lead
+from .grammar import THINK_TAGS, THINKING, ByteGrammar, utf8_lead
 from .patterns import compile_pattern
 
 PATTERN = 100  # the mode of a state (a JSON grammar's modes are below it)
@@ -23,6 +25,7 @@ SPECIAL = frozenset("\\.[](){}*+?|^$")  # what a choice's text escapes
 MAX_CHOICES = 1000
 GRAMMARS = itertools.count()
 MAX_MOVES = 1_000_000  # moves kept per grammar before they are found again
+MAX_TABLE_STATES = 4096  # states an ASCII table may hold (ascii_table)
 
 
 class PatternGrammar(ByteGrammar):
@@ -42,7 +45,8 @@ class PatternGrammar(ByteGrammar):
         self.parts: list[frozenset] = []  # a state's number -> the pattern's states
         self.numbers: dict[frozenset, int] = {}
         self.moves: dict[tuple[int, int], tuple | None] = {}  # (a state's number, a byte) -> the state after
-        self.ascii = AsciiTable(self._ascii_move)
+        self.ascii_rows: dict[int, list[int]] = {}  # a state's number -> its row of ascii_table
+        self.table: torch.Tensor | None = None
         self.start = self._state(self.pattern.start)
         self.initial = self.first_state()
 
@@ -100,15 +104,33 @@ class PatternGrammar(ByteGrammar):
             self.parts.append(states)
         return (PATTERN, number)
 
-    def ascii_table(self, state: tuple):
-        """AsciiTable.row for a state between characters (one inside a character has none)."""
+    def ascii_table(self, state: tuple) -> tuple[torch.Tensor, int] | None:
+        """The moves of every state that ASCII bytes reach from `state`, as a table [states + 1, 128] of rows: row
+        n + 1 is state n's, each column the row after that byte (row 0: refused, and it stays so). (the table,
+        `state`'s row); None where more than MAX_TABLE_STATES states are reached (a vocabulary then walks its tokens,
+        structured.py)."""
         if state[0] != PATTERN or len(state) == 3:
             return None
-        return self.ascii.row(state[1])
-
-    def _ascii_move(self, number: int, byte: int) -> int | None:
-        following = self.feed((PATTERN, number), byte)  # an ASCII byte is a whole character: a state between them
-        return None if following is None else following[1]
+        todo, grew = [state[1]], False
+        while todo:
+            number = todo.pop()
+            if number in self.ascii_rows:
+                continue
+            if len(self.ascii_rows) >= MAX_TABLE_STATES:
+                return None
+            row = []
+            for byte in range(0x80):
+                following = self.feed((PATTERN, number), byte)
+                row.append(0 if following is None else following[1] + 1)
+                if following is not None and following[1] not in self.ascii_rows:
+                    todo.append(following[1])
+            self.ascii_rows[number], grew = row, True
+        if grew or self.table is None:
+            table = torch.zeros(len(self.parts) + 1, 0x80, dtype=torch.long)
+            for number, row in self.ascii_rows.items():
+                table[number + 1] = torch.tensor(row)
+            self.table = table
+        return self.table, state[1] + 1
 
     def may_end(self, state: tuple) -> bool:
         if state[0] != PATTERN:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 import torch
 
 from .errors import UserError
-from .grammar import DEFERRED, JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
+from .grammar import JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
 from .regex_grammar import PatternGrammar, pattern_format, pattern_grammar
 
@@ -149,12 +149,10 @@ class JsonVocabulary:
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
                 at, count, states = state[1]
-                if states is not None:  # a pattern: its ASCII tokens through a table where it pays, else walked
-                    tabled = self._tabled(grammar, state)
-                    if tabled is None:
-                        tabled = torch.zeros(self.size, dtype=torch.bool)
-                        tabled[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
-                    return self._kept(key, tabled)
+                if states is not None:  # a pattern: every token walked
+                    mask[:] = False
+                    mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
+                    return self._kept(key, mask)
                 if grammar.nodes[at].max_length is not None:  # the plain tokens that fit what is left
                     mask &= self.plain_characters <= grammar.nodes[at].max_length - count
             mask[self._walk(grammar, state, self.special_keys, self.special_ids)] = True
@@ -168,11 +166,9 @@ class JsonVocabulary:
         return self._kept(key, mask)
 
     def _tabled(self, grammar, state: tuple) -> torch.Tensor | None:
-        """The mask of a state whose grammar tables its ASCII moves (grammar.AsciiTable: a regex's, a patterned JSON
-        string's): the tokens of ASCII bytes run through the table all at once, a byte position at a time, the
-        others walked, and those the table defers (DEFERRED: a JSON string's quote or backslash) walked too; None
-        where the grammar has no such table, or where so few tokens go on past their first byte that a walk is
-        sooner."""
+        """The mask of a state whose grammar tables its ASCII moves (regex_grammar.PatternGrammar.ascii_table): the
+        tokens of ASCII bytes run through the table all at once, a byte position at a time, the others walked; None
+        where the grammar has no such table."""
         found = grammar.ascii_table(state)
         if found is None:
             return None
@@ -186,9 +182,7 @@ class JsonVocabulary:
         for column, count in zip(columns, counts):  # tokens longest first: those this long are a prefix
             current[:count] = table[current[:count], column]
         mask = torch.zeros(self.size, dtype=torch.bool)
-        mask[ids[current > DEFERRED]] = True
-        deferred = sorted((self.pieces[token], token) for token in ids[current == DEFERRED].tolist())
-        mask[self._walk(grammar, state, [key for key, _ in deferred], [token for _, token in deferred])] = True
+        mask[ids[current != 0]] = True
         mask[self._walk(grammar, state, other_keys, other_ids)] = True
         return mask
 
