@@ -121,6 +121,22 @@ def test_tool_use_is_the_chat_calls_whole_and_streamed(servers, byte_targets):
     assert after.usage.input_tokens + after.usage.cache_read_input_tokens == expected.usage.prompt_tokens
 
 
+def test_a_prefill_is_gone_on_with(servers):
+    """A conversation that ends with the assistant's words goes on with them (chat's continue_final_message)."""
+    client, chat_client = servers
+    prefilled = HI + [{"role": "assistant", "content": "Well,"}]
+    expected = chat(chat_client, prefilled, max_tokens=12, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    message = client.messages.create(model="tiny", max_tokens=12, messages=prefilled, extra_body=GREEDY)
+    assert texts(message) == expected.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    assert client.messages.count_tokens(model="tiny", messages=prefilled).input_tokens == expected.usage.prompt_tokens
+    import httpx
+
+    new_turn = httpx.post(f"{str(client.base_url).rstrip('/')}/tokenize", json={"messages": prefilled}).json()
+    assert new_turn["count"] != expected.usage.prompt_tokens  # the prefill is not closed and a new turn opened
+
+
 def test_thinking_comes_back_as_its_own_block():
     app, bias = thinking_app()
     thought = 0

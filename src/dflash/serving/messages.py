@@ -128,13 +128,17 @@ def chat_tools(tools: list | None, tool_choice: dict | None) -> tuple[list | Non
     return functions or None, choice, not tool_choice.get("disable_parallel_tool_use", False)
 
 
-def template_options(body):
+def template_options(body, turns: list[dict]):
     """The template's options, with `thinking` (enabled / disabled) as Qwen3's enable_thinking where the request
-    does not set that itself."""
+    does not set that itself; a conversation that ends with the assistant's words (a prefill, e.g. "{") goes on
+    with them, as Anthropic's API does, rather than opening a new turn."""
     options = body.template_options()
     kind = (body.thinking or {}).get("type")
     if kind in ("enabled", "disabled") and "enable_thinking" not in options.kwargs:
         options = replace(options, kwargs={**options.kwargs, "enable_thinking": kind == "enabled"})
+    last = turns[-1] if turns else {}
+    if last.get("role") == "assistant" and last.get("content") and not last.get("tool_calls"):
+        options = replace(options, add_generation_prompt=False, continue_final_message=True)
     return options
 
 
@@ -225,7 +229,8 @@ class Messages:
         self.service.check_model(body.model)
         functions, choice, parallel = chat_tools(body.tools, body.tool_choice)
         tools = tool_request(functions, choice, parallel, self.call_style)
-        return encode_chat(self.service.target, conversation(body), tools, template_options(body)), tools
+        turns = conversation(body)
+        return encode_chat(self.service.target, turns, tools, template_options(body, turns)), tools
 
     def count_tokens(self, body) -> dict:
         return {"input_tokens": len(self.prompt(body)[0])}
