@@ -39,6 +39,33 @@ def test_chat_answers_the_messages_as_the_template_lays_them_out():
     assert llm.chat(developer, max_new_tokens=9).tokens == expected.tokens and sent == [messages]
 
 
+def test_many_conversations_are_each_ones_own_reply_in_order():
+    llm = LLM("tiny-qwen2", "dflash+ngram", device="cpu", max_batch=2)
+    conversations = [[{"role": "user", "content": text}] for text in ("w1 w2", "w4", "w6 w1 w6", "w3 w3")]
+    alone = [llm.chat(conversation, max_new_tokens=10).tokens for conversation in conversations]
+    together = llm.chat(conversations, max_new_tokens=10)  # four conversations, two rows: one continuous batch
+    assert [result.tokens for result in together] == alone and len({tuple(t) for t in alone}) > 1
+    assert all(result.content == result.text for result in together)
+
+
+def test_log_probabilities_are_the_engines_own():
+    llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    target = tiny_target("qwen2", logit_scale=4.0)
+    expected = SpeculativeDecoder(target).generate(target.encode_prompt("w1 w2"),
+                                                   GenerationConfig(max_new_tokens=8, logprobs=3))
+    result = llm.generate("w1 w2", max_new_tokens=8, logprobs=3)
+    assert [e.token for e in result.logprobs] == result.tokens == expected.tokens
+    for mine, theirs in zip(result.logprobs, expected.logprobs):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4) and len(mine.top) == 3
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert mine.top[0][0] == mine.token  # greedy: the chosen token is the likeliest
+    chatted = llm.chat([{"role": "user", "content": "w1 w2"}], max_new_tokens=8, logprobs=0)
+    assert [e.token for e in chatted.logprobs] == chatted.tokens and all(not e.top for e in chatted.logprobs)
+    assert llm.generate("w1 w2", max_new_tokens=8).logprobs is None
+    with pytest.raises(UserError, match="logprobs must be in"):
+        llm.generate("w1", logprobs=21)
+
+
 def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
     llm = LLM("tiny-qwen2", "ngram", device="cpu")
     first, again = (llm.generate("w1 w2", max_new_tokens=16, temperature=1.0, seed=5) for _ in range(2))

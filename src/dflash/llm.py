@@ -17,6 +17,7 @@ from dataclasses import replace
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
 from .jsonl import openai_role
+from .logprobs import MAX_TOP_LOGPROBS
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
 from .reasoning import check_parser, split, thinking_of
@@ -57,61 +58,71 @@ class LLM:
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
                  chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
-                 regex: str | None = None, choice: list[str] | None = None
+                 regex: str | None = None, choice: list[str] | None = None, logprobs: int | None = None
                  ) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
-        of these strings."""
+        of these strings; `logprobs` (0-20): each token's log-probability and that many most likely alternatives,
+        as `result.logprobs`."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
             raise UserError("every prompt must be a non-empty string")
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice)
-        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
-        results = self._run(ids, config)
+        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema,
+                              logprobs)
+        results = self._run(ids, [config] * len(ids))
         return results if many else results[0]
 
-    def chat(self, messages: list[dict], max_new_tokens: int = 128, *, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
+    def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 128, *, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: tuple[str, ...] = (),
              response_format: str | None = None, json_schema: dict | None = None, regex: str | None = None,
              choice: list[str] | None = None, tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False) -> GenerationResult:
+             continue_final_message: bool = False, logprobs: int | None = None
+             ) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
-        the system message; assistant turns with `tool_calls` and `tool` turns with their results too). `tools`,
-        `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls` (OpenAI's
-        layout, arguments as JSON text) beside its text (tools.py). `chat_template_kwargs`: the template's own
-        variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
-        turn (the reply's start, written for the target) instead of opening a new one."""
+        the system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list
+        of conversations, a list of results in order, all run as one continuous batch (as vLLM's `LLM.chat`).
+        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls`
+        (OpenAI's layout, arguments as JSON text) beside its text (tools.py). `chat_template_kwargs`: the template's
+        own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
+        turn (the reply's start, written for the target) instead of opening a new one; `logprobs`: as generate's."""
+        many = bool(messages) and isinstance(messages[0], list)
+        conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice))
-        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema)
-        messages = [{**m, "role": openai_role(m.get("role"))} for m in messages]
+        config = self._config(max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema,
+                              logprobs)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
-        prompt_ids = encode_chat(self.target, messages, request, options)
-        thinking = thinking_of(self.target, prompt_ids, self.reasoning_parser)
-        result = self._run([prompt_ids], replace(config, thinking=thinking))[0]
-        result.reasoning, result.content = split(result.text, thinking)
-        result.tool_calls = request.calls(result.content) if request is not None else None
-        return result
+        prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
+                               request, options) for conversation in conversations]
+        thinking = [thinking_of(self.target, prompt_ids, self.reasoning_parser) for prompt_ids in prompts]
+        results = self._run(prompts, [replace(config, thinking=state) for state in thinking])
+        for result, state in zip(results, thinking):
+            result.reasoning, result.content = split(result.text, state)
+            result.tool_calls = request.calls(result.content) if request is not None else None
+        return results if many else results[0]
 
-    def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop, response_format,
-                json_schema) -> GenerationConfig:
+    def _config(self, max_new_tokens, temperature, top_p, top_k, seed, stop, response_format, json_schema,
+                logprobs) -> GenerationConfig:
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if json_schema is not None and response_format is None:
             response_format = "json_schema"
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop),
-                                  response_format=response_format, json_schema=json_schema)
+                                  response_format=response_format, json_schema=json_schema, logprobs=logprobs)
         config.validate()
         return config
 
-    def _run(self, prompt_ids: list[list[int]], config: GenerationConfig) -> list[GenerationResult]:
+    def _run(self, prompt_ids: list[list[int]], configs: list[GenerationConfig]) -> list[GenerationResult]:
         for ids in prompt_ids:
             self.engine.budget(ids)  # a prompt too long for the context is refused before any runs
-        sequences = [self.engine.submit(ids, config) for ids in prompt_ids]
+        sequences = [self.engine.submit(ids, config) for ids, config in zip(prompt_ids, configs)]
         self.engine.run()
         return [seq.result for seq in sequences]
 
