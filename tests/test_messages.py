@@ -71,6 +71,10 @@ def test_text_is_the_chat_reply_whole_and_streamed(servers, system):
             assert kinds[1] == "content_block_start" and kinds[-3] == "content_block_stop"
     counted = client.messages.count_tokens(model="tiny", messages=HI, **({"system": system} if system else {}))
     assert counted.input_tokens == expected.usage.prompt_tokens
+    import httpx
+
+    metrics = httpx.get(f"{str(client.base_url).rstrip('/')}/metrics").text
+    assert 'dflash_requests_total{endpoint="/v1/messages",status="200"}' in metrics  # counted as its own endpoint
 
 
 def test_a_stop_sequence_ends_the_reply_and_is_named(servers, byte_targets):

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from ..engine import GenerationStats
 
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
-             "/tokenize", "/detokenize", "/ping", "/version")
-GENERATION_ENDPOINTS = ENDPOINTS[:3]
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
+             "/metrics", "/tokenize", "/detokenize", "/ping", "/version", "/v1/messages/count_tokens")
+GENERATION_ENDPOINTS = ENDPOINTS[:4]
 
 
 class Metrics:
