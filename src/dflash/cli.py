@@ -24,7 +24,7 @@ SUBCOMMANDS = {
     "data": ("dflash.data", "build a prompt mix and regenerate responses with the target"),
     "train": ("dflash.trainer", "train a DFlash (or EAGLE-3) drafter"),
     "bench": ("dflash.bench", "benchmark methods side by side (tau, speedup, tokens/s)"),
-    "serve": ("dflash.serving.app", "OpenAI-compatible HTTP server"),
+    "serve": ("dflash.serving.app", "OpenAI-compatible HTTP server (and Anthropic's Messages API)"),
     "fetch": ("dflash.hub", "download and convert registry target models into the cache"),
     "env": ("dflash.environment", "what this machine and install give dflash (for bug reports)"),
 }

@@ -1,4 +1,5 @@
-"""Serving: the OpenAI-compatible HTTP server (app.py) over the engine thread (worker.py)."""
+"""Serving: the OpenAI-compatible HTTP server (app.py; the Responses API in responses.py, Anthropic's Messages API
+in messages.py) over the engine thread (worker.py)."""
 
 from .app import BackgroundServer, create_app
 

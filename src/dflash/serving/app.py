@@ -1,4 +1,5 @@
-"""`dflash serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the batched engine.
+"""`dflash serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the batched engine; the
+Responses API (responses.py) and Anthropic's Messages API (messages.py) go through the same request preparation.
 
 Request handlers stay on the event loop: they validate, tokenize, hand a job to the engine thread (worker.py) and
 wait for it while watching for a client that went away. Up to --max-batch-size requests decode together; new ones
