@@ -2,6 +2,7 @@
 distribution, stops and stats behave."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -189,6 +190,7 @@ def test_eos_stops_generation(tiny_targets):
 @pytest.mark.parametrize("bad", [
     dict(max_new_tokens=0), dict(sampling=SamplingConfig(temperature=-1)),
     dict(sampling=SamplingConfig(temperature=1, top_p=0)), dict(sampling=SamplingConfig(temperature=1, top_p=1.5)),
+    dict(sampling=SamplingConfig(temperature=1, min_p=-0.1)), dict(sampling=SamplingConfig(temperature=1, min_p=2)),
 ])
 def test_bad_generation_config(tiny_targets, bad):
     target = tiny_targets["llama"]
@@ -223,6 +225,11 @@ def test_top_k_top_p_filtering():
     torch.testing.assert_close(probs[0, :2], full[:2] / full[:2].sum())
     probs = target_probs(logits, SamplingConfig(temperature=1.0, top_p=0.5))
     assert probs[0, 0] == 1.0  # the top token always stays
+    probs = target_probs(logits, SamplingConfig(temperature=1.0, min_p=0.1))  # at least 0.0636: the first three
+    assert (probs[0, 3:] == 0).all() and (probs[0, :3] > 0).all()
+    torch.testing.assert_close(probs[0, :3], full[:3] / full[:3].sum())
+    probs = target_probs(logits, SamplingConfig(temperature=1.0, min_p=1.0))
+    assert probs[0, 0] == 1.0
 
 
 def test_top_p_among_the_most_likely_tokens_drops_what_a_full_sort_drops():
@@ -273,6 +280,7 @@ def chi_square_threshold(dof: int, z: float = 3.09) -> float:
     SamplingConfig(temperature=1.0, top_k=3),
     SamplingConfig(temperature=0.7, top_p=0.6),
     SamplingConfig(temperature=1.3, top_k=4, top_p=0.8),
+    SamplingConfig(temperature=1.0, min_p=0.6),
 ])
 def test_sampling_matches_target_distribution(sampling):
     """The first 3 sampled tokens of speculative decoding (drafts that are often, not always, right) follow the
@@ -289,7 +297,7 @@ def test_sampling_matches_target_distribution(sampling):
         counts = {}
         for seed in range(runs):
             cfg = GenerationConfig(max_new_tokens=depth, ignore_eos=True,
-                                   sampling=SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed))
+                                   sampling=replace(sampling, seed=seed))
             key = tuple(SpeculativeDecoder(target, proposer).generate(prompt, cfg).tokens)
             counts[key] = counts.get(key, 0) + 1
         assert set(counts) <= set(joint), "sampled a token the filtered distribution excludes"

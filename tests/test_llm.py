@@ -70,6 +70,8 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
     llm = LLM("tiny-qwen2", "ngram", device="cpu")
     first, again = (llm.generate("w1 w2", max_new_tokens=16, temperature=1.0, seed=5) for _ in range(2))
     assert first.tokens == again.tokens
+    greedy = llm.generate("w1 w2", max_new_tokens=16).tokens
+    assert llm.generate("w1 w2", max_new_tokens=16, temperature=1.0, min_p=1.0).tokens == greedy  # the likeliest only
     whole = llm.generate("w1 w2", max_new_tokens=16).text
     word = whole.split()[2]
     cut = llm.generate("w1 w2", max_new_tokens=16, stop=(word,))

@@ -103,6 +103,8 @@ def test_chat_equals_engine(client, target, chat_refs):
     ext = response.model_extra["dflash"]
     assert ext["tau"] == pytest.approx(ref.stats.tau) and ext["rounds"] == ref.stats.num_rounds
     assert len(ext["per_position_acceptance"]) == 3
+    only_likeliest = chat(client, prompt, temperature=1.0, extra_body={"min_p": 1.0})  # min_p 1: greedy's choices
+    assert only_likeliest.choices[0].message.content == ref.text
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 7)])

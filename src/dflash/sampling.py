@@ -3,7 +3,7 @@
 Acceptance rule (DFLASH_SPEC.md section 3): the target picks its own token at every block position (argmax at T=0,
 a sample from its processed distribution at T>0); draft token k is accepted iff it equals the target's pick at the
 position before it, up to the first mismatch. With deterministic (one-hot) drafts this is exactly speculative
-rejection sampling, so the output has the target's distribution. Top-k / top-p are applied to the target's
+rejection sampling, so the output has the target's distribution. Top-k, top-p and min-p are applied to the target's
 distribution the same way in every method.
 
 Penalties (OpenAI's presence and frequency penalties over the generated tokens, the repetition penalty of
@@ -37,6 +37,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0  # subtracted once for every time it has been generated
     repetition_penalty: float = 1.0  # divides a positive logit of a token in the prompt or output, multiplies a negative
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to these tokens' logits (OpenAI's logit_bias)
+    min_p: float = 0.0  # 0 = off; keeps the tokens at least min_p times as likely as the likeliest (vLLM's min_p)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -53,6 +54,8 @@ class SamplingConfig:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -89,14 +92,18 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
 
 
 def target_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """The distribution the target samples from: temperature, then top-k, then top-p (HF's order)."""
+    """The distribution the target samples from: temperature, then top-k, then top-p, then min-p (HF's order)."""
     logits = logits.float() / cfg.temperature
     if cfg.top_k > 0:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p < 1.0:
         logits = logits.masked_fill(outside_top_p(logits, cfg.top_p), float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if cfg.min_p > 0:  # the likeliest token always stays
+        probs = probs.masked_fill(probs < cfg.min_p * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 TOP_P_CANDIDATES = (256, 4096)  # where the nucleus is looked for first, row by row, before sorting a whole row
