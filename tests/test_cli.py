@@ -126,6 +126,7 @@ def test_the_prompt_may_come_from_standard_input(capsys, monkeypatch):
     (["--json", "--logprobs", "21", "w1"], "top logprobs"),
     (["--presence-penalty", "3", "w1"], "presence_penalty"),
     (["--temperature", "1", "--min-p", "2", "w1"], "min_p"),
+    (["--max-new-tokens", "4", "--min-tokens", "5", "w1"], "min_tokens"),
     (["--method", "dflash", "--block-size", "64", "w1"], "block size"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):

@@ -215,6 +215,39 @@ def test_generation_never_passes_the_context(tiny_targets):
 
 
 # ---- sampling -----------------------------------------------------------------------------------------------------
+def test_min_tokens_holds_the_stop_tokens_back_until_then(tiny_targets):
+    """With EOS pushed to the top, a plain loop that masks it before the 6th new token is what every method gives,
+    drafts that propose EOS early (the uncapped output) included; sampled, every method gives the seeded loop's."""
+    target = tiny_targets["llama"]
+    eos, prompt = list(target.eos_token_ids), [3, 5, 7, 11]
+    pushed = {token: 8.0 for token in eos}
+    uncapped = SpeculativeDecoder(target).generate(prompt, GenerationConfig(16, sampling=SamplingConfig(
+        logit_bias=pushed)))
+    assert uncapped.tokens[-1] in eos and len(uncapped.tokens) < 6
+    ids, expected = list(prompt), []
+    while len(expected) < 16 and (not expected or expected[-1] not in eos):
+        logits = target.forward(torch.tensor([ids])).logits[0, -1].float().clone()
+        logits[eos] += 8.0
+        if len(expected) < 6:
+            logits[eos] = float("-inf")
+        expected.append(int(logits.argmax()))
+        ids.append(expected[-1])
+    for sampling in (SamplingConfig(logit_bias=pushed, min_tokens=6),
+                     SamplingConfig(temperature=1.0, seed=3, logit_bias=pushed, min_tokens=6)):
+        config = GenerationConfig(16, sampling=sampling)
+        reference = SpeculativeDecoder(target).generate(prompt, config).tokens
+        assert len(reference) >= 6 and not set(reference[:5]) & set(eos)
+        if sampling.greedy:
+            assert reference == expected
+        for proposer in (NgramProposer(max_draft=7), OracleProposer(uncapped.tokens, len(prompt), 3)):
+            assert SpeculativeDecoder(target, proposer).generate(prompt, config).tokens == reference
+    with pytest.raises(UserError, match="at most max_tokens"):
+        SpeculativeDecoder(target).generate(prompt, GenerationConfig(4, sampling=SamplingConfig(min_tokens=6)))
+    with pytest.raises(UserError, match="response format"):
+        SpeculativeDecoder(target).generate(prompt, GenerationConfig(8, sampling=SamplingConfig(min_tokens=2),
+                                                                     response_format="json_object"))
+
+
 def test_top_k_top_p_filtering():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     probs = target_probs(logits, SamplingConfig(temperature=1.0, top_k=3))

@@ -105,6 +105,13 @@ def test_chat_equals_engine(client, target, chat_refs):
     assert len(ext["per_position_acceptance"]) == 3
     only_likeliest = chat(client, prompt, temperature=1.0, extra_body={"min_p": 1.0})  # min_p 1: greedy's choices
     assert only_likeliest.choices[0].message.content == ref.text
+    ends = {str(token): 100 for token in target.eos_token_ids}  # EOS first wherever it is allowed
+    at_once = chat(client, prompt, logit_bias=ends)
+    held = chat(client, prompt, logit_bias=ends, extra_body={"min_tokens": 5})
+    assert at_once.usage.completion_tokens == 1 and held.usage.completion_tokens == 6  # 5 tokens, then the EOS
+    assert held.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        chat(client, prompt, max_tokens=4, extra_body={"min_tokens": 5})
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 7)])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -82,6 +82,11 @@ class GenerationConfig:
         for top in (self.logprobs, self.prompt_logprobs):
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise UserError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if self.sampling.min_tokens > self.max_new_tokens:
+            raise UserError(f"min_tokens ({self.sampling.min_tokens}) must be at most max_tokens "
+                            f"({self.max_new_tokens})")
+        if self.sampling.min_tokens and self.response_format is not None:
+            raise UserError("min_tokens cannot be combined with a response format: its document may end before")
         self.grammar()
         self.sampling.validate()
 
@@ -256,6 +261,8 @@ class Engine:
             raise UserError("the prompt is empty")
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = config.stop_ids(self.target.eos_token_ids)
+        if config.sampling.min_tokens:  # the stop tokens min_tokens holds back
+            config = replace(config, sampling=replace(config.sampling, held_back=tuple(sorted(stop_ids))))
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
                                      timer=self.timer, calibration=self._calibration("drafter"),

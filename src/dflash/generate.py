@@ -198,7 +198,8 @@ def sampling_from_args(args):
     from .sampling import SamplingConfig
 
     return SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
-                          args.frequency_penalty, args.repetition_penalty, min_p=args.min_p)
+                          args.frequency_penalty, args.repetition_penalty, min_p=args.min_p,
+                          min_tokens=args.min_tokens)
 
 
 def load_method(args, config):

@@ -57,7 +57,7 @@ class LLM:
 
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                 stop: tuple[str, ...] = (),
+                 stop: tuple[str, ...] = (), min_tokens: int = 0,
                  chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, logprobs: int | None = None
                  ) -> GenerationResult | list[GenerationResult]:
@@ -66,21 +66,22 @@ class LLM:
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
         of these strings; `logprobs` (0-20): each token's log-probability and that many most likely alternatives,
-        as `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest."""
+        as `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
+        `min_tokens`: no stop token (EOS) before that many new tokens."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
             raise UserError("every prompt must be a non-empty string")
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice)
-        config = self._config(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p), stop,
-                              response_format, json_schema, logprobs)
+        sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
+        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         results = self._run(ids, [config] * len(ids))
         return results if many else results[0]
 
     def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 128, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-             stop: tuple[str, ...] = (),
+             stop: tuple[str, ...] = (), min_tokens: int = 0,
              response_format: str | None = None, json_schema: dict | None = None, regex: str | None = None,
              choice: list[str] | None = None, tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
@@ -97,8 +98,8 @@ class LLM:
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice))
-        config = self._config(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p), stop,
-                              response_format, json_schema, logprobs)
+        sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
+        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]

@@ -180,6 +180,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
     group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default: 0 = off)")
     group.add_argument("--min-p", type=float, default=0.0,
                        help="sample among the tokens at least this times as likely as the likeliest (default: 0 = off)")
+    group.add_argument("--min-tokens", type=int, default=0,
+                       help="no stop token (EOS, stop ids) before this many new tokens; stop strings still end the "
+                            "output (default: 0)")
     group.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     group.add_argument("--presence-penalty", type=float, default=0.0,
                        help="subtracted from the logit of every token generated so far, in [-2, 2] (default: 0)")

@@ -7,8 +7,8 @@ rejection sampling, so the output has the target's distribution. Top-k, top-p an
 distribution the same way in every method.
 
 Penalties (OpenAI's presence and frequency penalties over the generated tokens, the repetition penalty of
-transformers and vLLM over prompt and generated tokens) and OpenAI's logit_bias change the target's logits before
-anything else. At each
+transformers and vLLM over prompt and generated tokens), OpenAI's logit_bias and vLLM's min_tokens (no stop token
+before that many new tokens) change the target's logits before anything else. At each
 position of a verify block they count the tokens before it, the block's drafts included: a draft after that
 position only matters if every draft up to it is accepted, so the counts are exactly those a plain step would see.
 
@@ -38,6 +38,8 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # divides a positive logit of a token in the prompt or output, multiplies a negative
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to these tokens' logits (OpenAI's logit_bias)
     min_p: float = 0.0  # 0 = off; keeps the tokens at least min_p times as likely as the likeliest (vLLM's min_p)
+    min_tokens: int = 0  # no stop token (EOS, stop_token_ids) before this many new tokens (vLLM's min_tokens)
+    held_back: tuple[int, ...] = ()  # those stop tokens: the engine fills them in (Engine.submit)
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -56,6 +58,8 @@ class SamplingConfig:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +68,7 @@ class SamplingConfig:
     @property
     def penalized(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.held_back)))
 
 
 def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], prompt_len: int,
@@ -88,6 +92,10 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
     for token, bias in cfg.logit_bias.items():
         if token < vocab:
             logits[:, token] += bias
+    early = min(n, cfg.min_tokens - (len(history) - prompt_len))  # positions before the min_tokens-th new token
+    held = [token for token in cfg.held_back if token < vocab]
+    if early > 0 and held:
+        logits[:early, held] = float("-inf")
     return logits
 
 

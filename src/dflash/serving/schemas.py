@@ -76,6 +76,7 @@ def schemas() -> SimpleNamespace:
         top_p: float = 1.0
         top_k: int = 0  # extension (as in vLLM); 0 = off
         min_p: float = 0.0  # extension (as in vLLM); 0 = off
+        min_tokens: int = 0  # extension (as in vLLM): no stop token (EOS, stop_token_ids) before this many tokens
         seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
         stop: str | list[str] | None = None
         n: int = 1
@@ -235,7 +236,7 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
                               body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size),
-                              body.min_p)
+                              body.min_p, body.min_tokens)
     top = requested_logprobs(body)
     response_format, json_schema = reply_format(tools, *response_format_of(body))
     stop_ids = tuple(body.stop_token_ids or ())
