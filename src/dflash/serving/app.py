@@ -45,7 +45,8 @@ from .schemas import (
 from ..reasoning import check_parser, thinking_of
 from ..tools import encode_chat, tool_request, tool_style
 from .messages import Messages
-from .responses import ResponseNotFound, Responses
+from .response_store import ResponseNotFound
+from .responses import Responses
 from .streaming import ChatChoiceStream, TextDeltas, failure_kind
 from .worker import (
     DISCONNECT_POLL_S,

@@ -3,8 +3,8 @@
 A request's `input` (text, or items: messages, earlier function calls and their outputs, earlier reasoning) becomes
 a chat conversation after its `instructions`; the reply comes back as output items (its reasoning, its message's
 text, its function calls), whole or as the API's semantic stream events, with the message's log-probabilities
-where asked for. Responses are kept in memory (the most recent STORED_RESPONSES) for `previous_response_id`, GET,
-DELETE and input_items. A background response runs without its client: it is polled with GET, read as a stream from
+where asked for. Responses are kept in memory (response_store.py) for `previous_response_id`, GET, DELETE and
+input_items. A background response runs without its client: it is polled with GET, read as a stream from
 any event on, and cancelled.
 
 No `from __future__ import annotations`: FastAPI reads the annotations of the handlers built here.
@@ -13,16 +13,15 @@ No `from __future__ import annotations`: FastAPI reads the annotations of the ha
 import asyncio
 import copy
 import logging
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
 from ..jsonl import openai_role
 from ..tools import encode_chat, tool_request
+from .response_store import BackgroundRun, ResponseStore, Stored, listed
 from .schemas import Exchange, event_sse, schemas
 from .streaming import PartsStream, TextDeltas, failure_kind, write_whole
 from .worker import END_OF_STREAM, Job, cancel
@@ -31,16 +30,11 @@ if TYPE_CHECKING:
     from .app import Service
 
 log = logging.getLogger("dflash.server")
-STORED_RESPONSES = 1024  # kept for previous_response_id and GET; the oldest is forgotten first
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 TEXT_LOGPROBS = "message.output_text.logprobs"
 # What `include` may name: the message's log-probabilities, and reasoning's encrypted content, which clients such as
 # Codex ask for and which needs nothing here (reasoning items come back as plain text).
 INCLUDABLE = (TEXT_LOGPROBS, "reasoning.encrypted_content")
-
-
-class ResponseNotFound(Exception):
-    """A response id this server does not hold (HTTP 404, as OpenAI answers)."""
 
 
 # ---- the request ------------------------------------------------------------------------------------------------
@@ -273,43 +267,6 @@ class ResponseStream(PartsStream):
 
 
 # ---- the service ------------------------------------------------------------------------------------------------
-@dataclass
-class Stored:
-    """A kept response: the object, the conversation up to and with its reply (for previous_response_id; None while a
-    background response runs), its request's input items (for input_items), and its run where it was a background
-    one."""
-
-    response: dict
-    conversation: list[dict] | None
-    input_items: list[dict]
-    run: "BackgroundRun | None" = None
-
-
-class ResponseStore:
-    """The most recent responses (Stored), thread-safe; the oldest is forgotten first."""
-
-    def __init__(self, capacity: int = STORED_RESPONSES):
-        self.capacity, self.kept, self.lock = capacity, OrderedDict(), threading.Lock()
-
-    def put(self, stored: Stored) -> None:
-        with self.lock:
-            self.kept[stored.response["id"]] = stored
-            while len(self.kept) > self.capacity:
-                self.kept.popitem(last=False)
-
-    def get(self, response_id: str) -> Stored:
-        with self.lock:
-            if response_id not in self.kept:
-                raise ResponseNotFound(f"response {response_id!r} not found (this server keeps its last "
-                                       f"{self.capacity} stored responses, in memory)")
-            return self.kept[response_id]
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        with self.lock:
-            self.kept.pop(response_id, None)
-
-
 def reply_messages(items: list[dict]) -> list[dict]:
     """A response's output as the chat messages a later turn's conversation holds (a message without text left
     out)."""
@@ -344,55 +301,6 @@ def input_items(given) -> list[dict]:
         item.setdefault("id", f"{prefix.get(item['type'], 'item')}_{uuid.uuid4().hex}")
         items.append(item)
     return items
-
-
-def listed(items: list[dict], order: str, limit: int, after: str | None) -> dict:
-    """A page of items as OpenAI's list endpoints answer: `order` asc or desc, at most `limit`, after the item
-    `after`."""
-    if order not in ("asc", "desc"):
-        raise UserError(f"order must be asc or desc, got {order!r}")
-    if not 1 <= limit <= 100:
-        raise UserError(f"limit must be in [1, 100], got {limit}")
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise UserError(f"after: no input item {after!r} in this response")
-        ordered = ordered[ids.index(after) + 1:]
-    page = ordered[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
-
-
-class BackgroundRun:
-    """A background response's events, numbered as they come and kept, so that a client can read them from any
-    point while it runs and after (GET ... ?stream=true&starting_after=N); and its job, for cancel."""
-
-    def __init__(self, job: Job):
-        self.job, self.events, self.done, self.cancelled = job, [], False, False
-        self.changed = asyncio.Event()
-        self.task: asyncio.Task | None = None  # what reads the job's pieces into events (Responses.run)
-
-    def add(self, event: dict) -> None:
-        self.events.append({**event, "sequence_number": len(self.events)})
-        self.changed.set()  # wakes the readers waiting on it; the next event gets a new one
-        self.changed = asyncio.Event()
-
-    def end(self) -> None:
-        self.done = True
-        self.changed.set()
-
-    async def follow(self, after: int):
-        """The events after the `after`-th (-1: all), then each as it comes, until the run ends."""
-        at = max(after + 1, 0)
-        while True:
-            changed = self.changed
-            while at < len(self.events):
-                yield event_sse(self.events[at])
-                at += 1
-            if self.done:
-                return
-            await changed.wait()
 
 
 class Responses:
