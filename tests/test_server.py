@@ -134,6 +134,11 @@ def test_stream_equals_non_stream(client, url, chat_refs):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [chat_refs[prompt].finish_reason]
     assert chunks[-1].usage.completion_tokens == len(chat_refs[prompt].tokens)
+    live = list(chat(client, prompt, stream=True, stream_options={"include_usage": True,  # vLLM's extension
+                                                                   "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in live]  # every chunk has the usage so far
+    assert counts == sorted(counts) and counts[-1] == len(chat_refs[prompt].tokens) and counts[1] < counts[-1]
+    assert {c.usage.prompt_tokens for c in live} == {chunks[-1].usage.prompt_tokens}
     # the raw event stream ends with the OpenAI terminator
     body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 4, "stream": True, "temperature": 0}
     raw = httpx.post(f"{url}/v1/completions", json=body, timeout=60).text

@@ -187,6 +187,10 @@ class Service:
                     echo=exchange.echo is not None) for i, (prompt_ids, config, exchange) in enumerate(runs)]
         self.worker.submit(jobs)  # queued now, so a busy server answers 503 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream_options and body.stream_options.continuous_usage_stats:
+            live = live_usage([exchange for _, _, exchange in runs], jobs)
+            for _, _, exchange in runs:
+                exchange.live_usage = live
         events = self.stream_events(request, jobs, pieces, [exchange for _, _, exchange in runs], include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -229,6 +233,17 @@ class Service:
             yield sse("[DONE]")
         finally:
             cancel(jobs, self.metrics)  # a no-op when the generations finished
+
+
+def live_usage(exchanges: list[Exchange], jobs: list[Job]):
+    """The usage of a stream so far (vLLM's continuous_usage_stats): every prompt's tokens, the tokens generated."""
+    prompts = sum({id(exchange): exchange.prompt_tokens for exchange in exchanges}.values())
+
+    def usage() -> dict:
+        done = sum(len(job.deltas.ids) for job in jobs)
+        return {"prompt_tokens": prompts, "completion_tokens": done, "total_tokens": prompts + done}
+
+    return usage
 
 
 async def next_piece(pieces: asyncio.Queue, request: "Request"):

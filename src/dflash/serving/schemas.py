@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import UserError
 from ..jsonl import openai_role
@@ -57,6 +57,7 @@ def schemas() -> SimpleNamespace:
 
     class StreamOptions(BaseModel):
         include_usage: bool = False
+        continuous_usage_stats: bool = False  # extension (as in vLLM): the usage so far in every chunk
 
     class JsonSchemaFormat(BaseModel):  # OpenAI's structured outputs: {"name", "schema", "strict", "description"}
         name: str = "response"
@@ -353,6 +354,7 @@ class Exchange:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     text_offsets: dict[int, int] = field(default_factory=dict)
+    live_usage: Callable[[], dict] | None = None  # the stream's usage so far, for every chunk (continuous_usage_stats)
 
     def __post_init__(self):
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -471,6 +473,8 @@ class Exchange:
         choice = self.choice(text, finish_reason, chunk=True, index=index, logprobs=logprobs)
         if delta is not None:
             choice["delta"] = delta
+        if self.live_usage is not None:
+            extra.setdefault("usage", self.live_usage())
         return sse({**self.envelope(chunk=True), "choices": [choice], **extra})
 
 
