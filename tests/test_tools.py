@@ -121,9 +121,9 @@ def test_masks_of_calls_and_of_free_text_first_are_every_token_fed():
     ([{"type": "retrieval"}], None, "functions are the only tools"),
     ([{"type": "function", "function": {"name": "a b"}}], None, "letters, digits"),
     ([CLOCK, CLOCK], None, "name a function twice: get_time"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {
         "e": {"type": "string", "format": "hostname"}}}}}], None,
-     "tools[0].function.parameters (f): #/properties/e: format 'hostname'"),
+     "tools[0].function.parameters (f, strict): #/properties/e: format 'hostname'"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "must describe an object"),
     (TOOLS, "sometimes", "tool_choice must be one of none, auto, required"),
     (TOOLS, {"type": "function", "function": {"name": "get_date"}}, "must name one of the tools (get_weather, get_time)"),
@@ -132,6 +132,34 @@ def test_masks_of_calls_and_of_free_text_first_are_every_token_fed():
 def test_bad_tools_and_choices_are_refused_in_one_line(tools, choice, fragment):
     with pytest.raises(UserError, match=re.escape(fragment)):
         tool_request(tools, choice)
+
+
+def test_loose_tools_hold_what_a_grammar_can_and_drop_the_rest():
+    """A tool that is not strict (as agents' and MCP servers' schemas are, with formats, $schema, uniqueItems, ...)
+    is not refused: the calls' grammar drops what it cannot enforce, opens up what it cannot tell apart, and holds
+    the rest (types, enums, required keys); its schema goes to the template as given. Strict, it is refused."""
+    parameters = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "properties": {
+        "url": {"type": "string", "format": "uri"}, "mode": {"type": "string", "enum": ["a", "b"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "either": {"anyOf": [{"type": "string"}, {"type": "string", "pattern": "^x"}]},
+        "code": {"type": "string", "pattern": "^(?!x)"}}, "required": ["url", "undefined"],
+        "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "fetch", "parameters": parameters}}]
+    request = tool_request(tools, "required", False, "json")
+    assert request.tools[0].parameters == parameters  # what the template shows
+    grammar = output_grammar(*request.output_format())
+
+    def call(arguments: dict) -> bool:
+        return complete(grammar.feed_bytes(grammar.initial, json.dumps(
+            [{"name": "fetch", "arguments": arguments}]).encode()))
+
+    assert call({"url": "not a uri at all", "mode": "a", "tags": ["x", "x"], "either": [1], "code": "xyz"})
+    assert not call({"url": "u", "mode": "c"})  # the enum holds
+    assert not call({"mode": "a"})  # url is still required
+    assert not call({"url": 3})  # and a string
+    assert not call({"url": "u", "other": 1})  # no other keys
+    with pytest.raises(UserError, match=re.escape("(fetch, strict): #: required names properties it does not")):
+        tool_request([{"type": "function", "function": {"name": "fetch", "strict": True, "parameters": parameters}}])
 
 
 def test_the_reply_grammar_follows_the_choice():

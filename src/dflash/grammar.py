@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .errors import UserError
-from .patterns import INFINITE, Pattern, compile_pattern, format_pattern
+from .patterns import FORMATS, INFINITE, Pattern, compile_pattern, format_pattern
 
 MAX_SPACES = 32  # consecutive whitespace bytes between structural tokens
 
@@ -670,6 +670,72 @@ def compile_schema(schema, text_otherwise: bool = False, frame: Frame | None = N
         return _compiled(text, text_otherwise, frame)
     except RecursionError:
         raise UserError(too_deep) from None
+
+
+ANY_OBJECT_SCHEMA = {"type": "object"}
+MAX_RELAXATIONS = 64  # nodes a lenient schema may open up, each to any value, before it becomes any object
+
+
+def enforceable(schema) -> dict:
+    """What a grammar can hold of a JSON schema that need not be enforced whole (a tool's parameters unless it is
+    strict, as OpenAI and vLLM hold those loosely): keywords it cannot enforce dropped (formats it does not know,
+    patterns it cannot read, `not`, `allOf`, ...), then each node it still refuses opened up to any value, and an
+    object of any keys where nothing else compiles. The result always compiles to an object's grammar."""
+    relaxed = _enforceable_node(schema) if isinstance(schema, dict) else ANY_OBJECT_SCHEMA
+    for _ in range(MAX_RELAXATIONS):
+        try:
+            grammar = compile_schema(relaxed)
+        except UserError as error:
+            path = str(error).split(":", 1)[0]
+            if not path.startswith("#/") or not _open_up(relaxed, path[2:].split("/")):
+                return ANY_OBJECT_SCHEMA
+            continue
+        return relaxed if grammar.nodes[grammar.root].kind in ("object", "tagged") else ANY_OBJECT_SCHEMA
+    return ANY_OBJECT_SCHEMA
+
+
+def _enforceable_node(schema):
+    """A schema node with what the compiler refuses outright dropped, recursively."""
+    if not isinstance(schema, dict):
+        return schema
+    node = {key: value for key, value in schema.items() if key in ANNOTATIONS or key in ENFORCED}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            node[key] = {name: _enforceable_node(value) for name, value in node[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            node[key] = _enforceable_node(node[key])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            node[key] = [_enforceable_node(value) for value in node[key]]
+    if isinstance(node.get("required"), list) and isinstance(node.get("properties"), dict):
+        node["required"] = [name for name in node["required"] if name in node["properties"]]
+    if node.get("format") is not None and (node["format"] not in FORMATS or "pattern" in node):
+        del node["format"]
+    if "pattern" in node:
+        try:
+            compile_pattern(node["pattern"])
+        except (UserError, TypeError):
+            del node["pattern"]
+    if ("pattern" in node or "format" in node) and node.get("minLength"):
+        del node["minLength"]
+    return node
+
+
+def _open_up(schema: dict, parts: list[str]) -> bool:
+    """Replace the node at `parts` (a path the compiler named) with any value; False where it names none."""
+    parent, key = None, None
+    node = schema
+    for part in parts:
+        parent, key = node, int(part) if isinstance(node, list) and part.isdigit() else part
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if parent is None or node == {}:
+        return False
+    parent[key] = {}
+    return True
 
 
 class _SchemaCompiler:

@@ -38,7 +38,7 @@ import uuid
 from dataclasses import dataclass, replace
 
 from .errors import UserError
-from .grammar import compile_schema
+from .grammar import compile_schema, enforceable
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
@@ -56,7 +56,8 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 class Tool:
     name: str
     description: str
-    parameters: dict
+    parameters: dict  # as given: what the template shows the target
+    enforced: dict  # what the calls' grammar holds the arguments to (grammar.enforceable, unless strict)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class ToolRequest:
         """(response_format, json_schema) for GenerationConfig: the reply's grammar."""
         offered = [t for t in self.tools if self.choice in ("auto", "required") or t.name == self.choice]
         key = self.arguments_key
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.enforced},
                   "required": ["name", key], "additionalProperties": False} for t in offered]
         call = calls[0] if len(calls) == 1 else {"anyOf": calls}
         if self.style == "hermes":
@@ -308,13 +309,17 @@ def _tool(tool, where: str) -> Tool:
         raise UserError(f"{where}.function.description must be a string")
     parameters = function.get("parameters")
     parameters = NO_PARAMETERS if parameters is None else parameters
-    try:
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise UserError(f"{where}.function.parameters ({name}) must describe an object")
+    if function.get("strict") is not True:  # held as far as a grammar can (formats it does not know dropped, ...)
+        return Tool(name, description, parameters, enforceable(parameters))
+    try:  # strict: enforced whole, or refused
         grammar = compile_schema(parameters)
     except UserError as error:
-        raise UserError(f"{where}.function.parameters ({name}): {error}") from None
+        raise UserError(f"{where}.function.parameters ({name}, strict): {error}") from None
     if grammar.nodes[grammar.root].kind not in ("object", "tagged"):
         raise UserError(f"{where}.function.parameters ({name}) must describe an object")
-    return Tool(name, description, parameters)
+    return Tool(name, description, parameters, parameters)
 
 
 def _choice(tool_choice, names: list[str]) -> str:
