@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..errors import UserError
