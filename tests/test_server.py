@@ -374,6 +374,22 @@ def test_several_served_names_are_each_answered_as_sent(target, proposer):
             client.chat.completions.create(model="other", messages=[{"role": "user", "content": "w1"}], max_tokens=2)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, url, target, reference):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what the target reads (-1: all that fit)."""
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    kept = target.encode_messages(messages)[-5:]
+    expected = reference(kept)
+    reply = chat(client, PROMPTS[0], extra_body={"truncate_prompt_tokens": 5})
+    assert reply.usage.prompt_tokens == 5 and reply.choices[0].message.content == expected.text
+    plain = httpx.post(f"{url}/v1/completions", json={"prompt": "w1 " * 2000, "max_tokens": 2,
+                                                      "truncate_prompt_tokens": -1}).json()
+    assert plain["usage"]["prompt_tokens"] < 2000 and plain["choices"][0]["finish_reason"] == "length"
+    too_long = httpx.post(f"{url}/v1/completions", json={"prompt": "w1 " * 2000, "max_tokens": 2})
+    assert too_long.status_code == 400 and "does not fit" in too_long.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be"):
+        chat(client, PROMPTS[0], extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_tokenize_and_detokenize(url, target):
     messages = [{"role": "user", "content": "w1 w2"}]
     chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()

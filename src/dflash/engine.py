@@ -293,12 +293,16 @@ class Engine:
         elif seq.finish is None:
             seq.finish = "cancelled"
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt `budget` takes (one that leaves room for a token and a verify block)."""
+        return self.target.max_context - max(self.proposer.max_draft, self.proposer.tree_nodes or 0) - 2
+
     def budget(self, prompt_ids: list[int]) -> int:
         """How many tokens may follow `prompt_ids` (a verify block must still fit the context); UserError if none."""
-        widest = max(self.proposer.max_draft, self.proposer.tree_nodes or 0)
-        budget = self.target.max_context - len(prompt_ids) - widest - 1
+        budget = self.max_prompt_tokens + 1 - len(prompt_ids)
         if budget < 1:
-            limit = self.target.max_context - widest - 2
+            limit = self.max_prompt_tokens
             raise UserError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the target's context of {self.target.max_context} "
                 f"(at most {limit} prompt tokens with this method); shorten the prompt"

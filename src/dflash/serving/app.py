@@ -41,6 +41,7 @@ from .schemas import (
     openai_error,
     schemas,
     sse,
+    truncated_prompt,
 )
 from ..reasoning import check_parser, thinking_of
 from ..tools import encode_chat, tool_request, tool_style
@@ -130,6 +131,7 @@ class Service:
 
     async def complete(self, request: "Request", body, prompt_ids: list[int], chat: bool,
                        tools: "ToolRequest | None" = None):
+        prompt_ids = truncated_prompt(body, prompt_ids, self.worker.engine)
         configs, exchange = self.prepared(body, prompt_ids, chat, tools)
         stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
@@ -146,7 +148,8 @@ class Service:
         choice j of prompt i at index i * n + j."""
         if len(prompts) * body.n > self.worker.max_queue:
             raise UserError(f"{len(prompts)} prompts x n={body.n} pass the server's queue of {self.worker.max_queue}")
-        ids = [completion_prompt_ids(self.target, prompt) for prompt in prompts]  # all checked before any is queued
+        ids = [truncated_prompt(body, completion_prompt_ids(self.target, prompt), self.worker.engine)
+               for prompt in prompts]  # all checked before any is queued
         for prompt_ids in ids:
             check_fits(prompt_ids, self.worker.engine)
         bodies = [body.model_copy(update={"prompt": prompt}) for prompt in prompts]  # each echoes its own

@@ -78,6 +78,7 @@ def schemas() -> SimpleNamespace:
         top_k: int = 0  # extension (as in vLLM); 0 = off
         min_p: float = 0.0  # extension (as in vLLM); 0 = off
         min_tokens: int = 0  # extension (as in vLLM): no stop token (EOS, stop_token_ids) before this many tokens
+        truncate_prompt_tokens: int | None = None  # extension (as in vLLM): the prompt's last k tokens (-1: all fit)
         seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
         stop: str | list[str] | None = None
         n: int = 1
@@ -325,6 +326,17 @@ def echoed_prompt(target, body, prompt_ids: list[int]) -> tuple[str, list[int]] 
     prompt = body.prompt
     text = prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt[0], str) else target.decode(prompt_ids)
     return text, prompt_ids
+
+
+def truncated_prompt(body, prompt_ids: list[int], engine) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (left truncation; -1: as many as the context takes
+    with room for one verify block after them); the prompt itself where it is not set."""
+    keep = getattr(body, "truncate_prompt_tokens", None)
+    if keep is None:
+        return prompt_ids
+    if keep == 0 or keep < -1:
+        raise UserError(f"truncate_prompt_tokens must be -1 (all that fit) or >= 1, got {keep}")
+    return prompt_ids[-(engine.max_prompt_tokens if keep == -1 else keep):]
 
 
 def check_fits(prompt_ids: list[int], engine) -> None:
