@@ -676,11 +676,12 @@ ANY_OBJECT_SCHEMA = {"type": "object"}
 MAX_RELAXATIONS = 64  # nodes a lenient schema may open up, each to any value, before it becomes any object
 
 
-def enforceable(schema) -> dict:
-    """What a grammar can hold of a JSON schema that need not be enforced whole (a tool's parameters unless it is
-    strict, as OpenAI and vLLM hold those loosely): keywords it cannot enforce dropped (formats it does not know,
+def enforceable(schema, roots: tuple[str, ...] = ("object", "tagged")) -> dict:
+    """What a grammar can hold of a JSON schema that need not be enforced whole (a tool's parameters, or a response
+    format, unless strict: OpenAI holds those loosely): keywords it cannot enforce dropped (formats it does not know,
     patterns it cannot read, `not`, `allOf`, ...), then each node it still refuses opened up to any value, and an
-    object of any keys where nothing else compiles. The result always compiles to an object's grammar."""
+    object of any keys where nothing else compiles. The result always compiles, to a grammar whose root is of
+    `roots`' kinds."""
     relaxed = _enforceable_node(schema) if isinstance(schema, dict) else ANY_OBJECT_SCHEMA
     for _ in range(MAX_RELAXATIONS):
         try:
@@ -690,7 +691,7 @@ def enforceable(schema) -> dict:
             if not path.startswith("#/") or not _open_up(relaxed, path[2:].split("/")):
                 return ANY_OBJECT_SCHEMA
             continue
-        return relaxed if grammar.nodes[grammar.root].kind in ("object", "tagged") else ANY_OBJECT_SCHEMA
+        return relaxed if grammar.nodes[grammar.root].kind in roots else ANY_OBJECT_SCHEMA
     return ANY_OBJECT_SCHEMA
 
 

@@ -45,7 +45,7 @@ def chat_form(body) -> None:
             raise UserError('output_config.format must be {"type": "json_schema", "schema": {...}}')
         types = schemas()
         body.response_format = types.ResponseFormat(type="json_schema", json_schema=types.JsonSchemaFormat(
-            name="output", schema=kind["schema"]))
+            name="output", schema=kind["schema"], strict=True))  # Anthropic's structured outputs are guaranteed
 
 
 def conversation(body) -> list[dict]:

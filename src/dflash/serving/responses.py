@@ -60,7 +60,7 @@ def chat_form(body) -> None:
     types = schemas()
     body.response_format = None if kind["type"] == "text" else types.ResponseFormat(
         type=kind["type"], json_schema=types.JsonSchemaFormat(name=kind.get("name", "response"),
-                                                              schema=kind["schema"])
+                                                              schema=kind["schema"], strict=kind.get("strict"))
         if kind["type"] == "json_schema" else None)
 
 

@@ -261,7 +261,24 @@ def response_format_of(body) -> tuple[str | None, dict | None]:
     given = body.response_format
     openai_format = (None, None) if given is None else (
         given.type, given.json_schema.schema_ if given.json_schema is not None else None)
+    if given is not None and given.json_schema is not None and given.json_schema.strict is not True:
+        openai_format = (given.type, loosely_held(given.json_schema.schema_))
     return one_constraint(openai_format, structured_outputs_of(body), "structured_outputs (or guided_*)")
+
+
+def loosely_held(schema):
+    """A schema that is not strict (OpenAI enforces those not at all) held as far as a grammar can
+    (grammar.enforceable: a pydantic HttpUrl's format uri dropped, ...); a root that is no object or array, or no
+    schema at all, is refused as a strict one is."""
+    from ..grammar import ANY_OBJECT_SCHEMA, enforceable
+
+    if not isinstance(schema, dict):
+        return schema
+    held = enforceable(schema, roots=("object", "tagged", "array"))
+    root_kind = schema.get("type") if isinstance(schema, dict) else None
+    if held is ANY_OBJECT_SCHEMA and root_kind not in (None, "object"):
+        return schema  # the grammar's own error names what is wrong
+    return held
 
 
 def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
