@@ -125,9 +125,9 @@ def row_config(config, own: tuple | None, tools: ToolRequest | None):
     return replace(config, response_format=response_format, json_schema=json_schema)
 
 
-def answered_ids(output: Path) -> set[str]:
-    """The ids the output already holds; a last line cut short by a kill is cut off the file (its row is answered
-    again), so that what is appended starts on a line of its own"""
+def answered_ids(output: Path, key: str = "id") -> set[str]:
+    """The ids (each line's `key`) the output already holds; a last line cut short by a kill is cut off the file (its
+    row is answered again), so that what is appended starts on a line of its own"""
     if not output.exists():
         return set()
     text = output.read_bytes()
@@ -137,10 +137,21 @@ def answered_ids(output: Path) -> set[str]:
     done = set()
     for line in output.read_text(encoding="utf-8").splitlines():
         try:
-            done.add(str(json.loads(line)["id"]))
+            done.add(str(json.loads(line)[key]))
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
     return done
+
+
+def still_to_answer(requests: list, output: Path, id_of, key: str = "id") -> list:
+    """The requests whose id (`id_of(request)`) the output does not hold yet, in order; a resumed run says how many
+    are done."""
+    done = answered_ids(output, key)
+    todo = [request for request in requests if id_of(request) not in done]
+    if len(todo) < len(requests):
+        print(f"[dflash] {len(requests) - len(todo)} of {len(requests)} answers already in {output}; "
+              f"{len(todo)} to go", file=sys.stderr)
+    return todo
 
 
 def encode(target, messages: list[dict], chat: bool, tools: ToolRequest | None = None,
@@ -162,18 +173,14 @@ def run(args) -> int:
 
     from . import openai_batch
 
-    if openai_batch.is_openai_batch(Path(args.input)):
-        return openai_batch.run(args)
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if openai_batch.is_openai_batch(Path(args.input)):
+        return openai_batch.run(args)
     requests, output = read_requests(Path(args.input)), Path(args.output)
     kwargs = template_options_from_args(args).kwargs
     parser = check_parser(args.reasoning_parser)
-    done = answered_ids(output)
-    todo = [request for request in requests if request.rid not in done]
-    if done:
-        print(f"[dflash] {len(requests) - len(todo)} of {len(requests)} answers already in {output}; "
-              f"{len(todo)} to go", file=sys.stderr)
+    todo = still_to_answer(requests, output, lambda request: request.rid)
     if not todo:
         return 0
     config = config_from_args(args)

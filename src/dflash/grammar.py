@@ -681,8 +681,24 @@ def enforceable(schema, roots: tuple[str, ...] = ("object", "tagged")) -> dict:
     format, unless strict: OpenAI holds those loosely): keywords it cannot enforce dropped (formats it does not know,
     patterns it cannot read, `not`, `allOf`, ...), then each node it still refuses opened up to any value, and an
     object of any keys where nothing else compiles. The result always compiles, to a grammar whose root is of
-    `roots`' kinds."""
+    `roots`' kinds. Kept by the schema's text: requests send the same tools again and again."""
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError, RecursionError):
+        return dict(ANY_OBJECT_SCHEMA)
+    return json.loads(_enforceable_text(text, roots))
+
+
+@functools.lru_cache(maxsize=256)
+def _enforceable_text(text: str, roots: tuple[str, ...]) -> str:
+    """enforceable of a schema's JSON text, as JSON text (a fresh copy each time it is read)."""
+    schema = json.loads(text)
     relaxed = _enforceable_node(schema) if isinstance(schema, dict) else ANY_OBJECT_SCHEMA
+    return json.dumps(_relaxed_until_it_compiles(relaxed, roots))
+
+
+def _relaxed_until_it_compiles(relaxed: dict, roots: tuple[str, ...]) -> dict:
+    """Each node the compiler still refuses opened up to any value, until the schema compiles."""
     for _ in range(MAX_RELAXATIONS):
         try:
             grammar = compile_schema(relaxed)

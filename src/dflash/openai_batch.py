@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .batch import answered_ids, still_to_answer
 from .errors import UserError
 from .jsonl import iter_jsonl
 
@@ -65,20 +66,6 @@ def read_batch(path: Path) -> list[BatchRequest]:
     if not requests:
         raise UserError(f"{path} holds no requests")
     return requests
-
-
-def answered(output: Path) -> set[str]:
-    """The custom_ids the output already holds (batch.answered_ids cuts a line a kill left unfinished)."""
-    from .batch import answered_ids
-
-    answered_ids(output)
-    done = set()
-    for line in output.read_text(encoding="utf-8").splitlines() if output.exists() else []:
-        try:
-            done.add(str(json.loads(line)["custom_id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    return done
 
 
 def served_names(target_name: str, requests: list[BatchRequest]) -> list[str]:
@@ -135,14 +122,8 @@ def run(args) -> int:
     except ImportError as exc:
         raise UserError(f"a batch file in OpenAI's format goes through the server's handlers, which need the serve "
                         f"extra (pip install 'dflash[serve]'): {exc}") from None
-    if args.max_batch < 1:
-        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     requests, output = read_batch(Path(args.input)), Path(args.output)
-    done = answered(output)
-    todo = [request for request in requests if request.custom_id not in done]
-    if done:
-        print(f"[dflash] {len(requests) - len(todo)} of {len(requests)} answers already in {output}; "
-              f"{len(todo)} to go", file=sys.stderr)
+    todo = still_to_answer(requests, output, lambda request: request.custom_id, key="custom_id")
     if not todo:
         return 0
     target, proposer = load_method(args, config_from_args(args))
@@ -158,7 +139,7 @@ def run(args) -> int:
                 tqdm(total=len(todo), unit="request", disable=args.no_progress, file=sys.stderr) as bar:
             written, failed = asyncio.run(answer_all(app, todo, in_flight, out, bar))
     except KeyboardInterrupt:
-        written = len(answered(output)) - len(done)
+        written = len({request.custom_id for request in todo} & answered_ids(output, "custom_id"))
         print(f"dflash batch: interrupted; {written} answers written to {output}, {len(todo) - written} to go: "
               "run the same command to continue", file=sys.stderr)
         return 130

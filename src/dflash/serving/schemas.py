@@ -276,7 +276,7 @@ def loosely_held(schema):
         return schema
     held = enforceable(schema, roots=("object", "tagged", "array"))
     root_kind = schema.get("type") if isinstance(schema, dict) else None
-    if held is ANY_OBJECT_SCHEMA and root_kind not in (None, "object"):
+    if held == ANY_OBJECT_SCHEMA and root_kind not in (None, "object"):
         return schema  # the grammar's own error names what is wrong
     return held
 
