@@ -8,7 +8,9 @@ of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), o
 (FORMATTED, FORMATTED_DOCUMENT), tool calls in the hermes format under tool_choice auto (words, then calls in
 <tool_call> tags: HERMES_REPLY), the same after a reasoning model's thinking (THINKING_REPLY), dflash's json
 format under tool_choice auto after a thinking (JSON_THOUGHT), and whole outputs
-held to a regular expression (SENTENCE, PHONE) or a list of choices (LABELS).
+held to a regular expression (SENTENCE, PHONE) or a list of choices (LABELS), and to EBNF grammars (ebnf.py): any
+JSON written as rules (EBNF_JSON, xgrammar's own example, on DOCUMENT) and arithmetic with left recursion
+(ARITHMETIC).
 """
 
 import json
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from dflash.ebnf import RulesGrammar
 from dflash.grammar import JSON_OBJECT, compile_schema
 from dflash.hub import converted_dir
 from dflash.regex_grammar import PatternGrammar, choice_expression
@@ -55,6 +58,21 @@ JSON_THOUGHT = ('<think>\nThe weather, then the time.\n</think>\n\n[{"name": "ge
 SENTENCE, SENTENCE_TEXT = r"[A-Z][a-z]*( [a-z]+){2,12}\.", "The quick brown fox jumps over the lazy dog."
 PHONE, PHONE_TEXT = r"\(\d{3}\) \d{3}-\d{4}", "(555) 123-4567"
 LABELS, LABEL = ["positive", "negative", "neutral", "mixed feelings"], "mixed feelings"
+# whole outputs held to EBNF grammars (ebnf.py)
+EBNF_JSON = r"""root ::= basic_array | basic_object
+basic_any ::= basic_number | basic_string | basic_boolean | basic_null | basic_array | basic_object
+basic_number ::= ("0" | "-"? [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
+basic_string ::= "\"" basic_string_1 "\""
+basic_string_1 ::= "" | [^"\\\x00-\x1F] basic_string_1 | "\\" escape basic_string_1
+escape ::= ["\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]
+basic_boolean ::= "true" | "false"
+basic_null ::= "null"
+basic_array ::= "[" ("" | ws basic_any (ws "," ws basic_any)*) ws "]"
+basic_object ::= "{" ("" | ws basic_string ws ":" ws basic_any ( ws "," ws basic_string ws ":" ws basic_any)*) ws "}"
+ws ::= [ \n\t]*"""
+ARITHMETIC = ('root ::= expr (" "? "=" " "? expr)*\nexpr ::= expr " "? [-+*/] " "? term | term\n'
+              'term ::= num | "(" expr ")"\nnum ::= [0-9]+')
+ARITHMETIC_TEXT = "(12 * 3) + (4 - (5 / 6)) = 38"
 
 
 def mask_times(vocabulary: JsonVocabulary, grammar, document: str = DOCUMENT) -> list[float]:
@@ -99,7 +117,9 @@ def main() -> None:
                                          ("thinking, then json calls (auto)", json_calls("optional"), JSON_THOUGHT),
                                          ("regex (sentence)", PatternGrammar(SENTENCE), SENTENCE_TEXT),
                                          ("regex (phone)", PatternGrammar(PHONE), PHONE_TEXT),
-                                         ("choice", PatternGrammar(choice_expression(LABELS)), LABEL)):
+                                         ("choice", PatternGrammar(choice_expression(LABELS)), LABEL),
+                                         ("EBNF (JSON as rules)", RulesGrammar(EBNF_JSON), DOCUMENT),
+                                         ("EBNF (arithmetic)", RulesGrammar(ARITHMETIC), ARITHMETIC_TEXT)):
             times = mask_times(vocabulary, grammar, document)
             line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
                      f"{max(times):.1f} ms at most")

@@ -87,8 +87,8 @@ def read_requests(path: Path) -> list[BatchRow]:
 def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
     """A row's own structured output, OpenAI's `response_format`: {"type": "json_object"}, {"type": "json_schema",
     "json_schema": {"schema": {...}}} or {"type": "text"}, or vLLM's `structured_outputs` (or guided_regex,
-    guided_choice, guided_json), as (response_format, json_schema); None: the command line's. Checked (the schema
-    compiled) before the target loads."""
+    guided_choice, guided_json, guided_grammar; SGLang's `ebnf`), as (response_format, json_schema); None: the
+    command line's. Checked (the schema or grammar compiled) before the target loads."""
     from .structured import one_constraint, output_grammar, vllm_format
 
     given = row.get("response_format")
@@ -96,7 +96,7 @@ def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
         raise UserError(f"{where}: response_format must be an object such as {{\"type\": \"json_object\"}}")
     try:
         vllm = vllm_format(row.get("structured_outputs"), row.get("guided_regex"), row.get("guided_choice"),
-                           row.get("guided_json"))
+                           row.get("guided_json"), row.get("guided_grammar"), row.get("ebnf"))
     except UserError as error:
         raise UserError(f"{where}: {error}") from None
     if given is None:

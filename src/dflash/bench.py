@@ -649,6 +649,8 @@ def command_line(args) -> str:
         parts.append(f"--regex {shlex.quote(args.regex)}")
     if args.choice is not None:
         parts.append("--choice " + " ".join(shlex.quote(c) for c in args.choice))
+    if args.grammar is not None:
+        parts.append(f"--grammar {shlex.quote(args.grammar)}")
     if args.threads is not None:
         parts.append(f"--threads {args.threads}")
     return " ".join(parts + [f"--out {args.out}"])

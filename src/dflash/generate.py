@@ -133,14 +133,18 @@ def config_from_args(args, **more):
 
 
 def output_format_from_args(args) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) of --response-format, --json-schema, --regex or --choice (one of them)."""
+    """(response_format, json_schema) of --response-format, --json-schema, --regex, --choice or --grammar (one of
+    them)."""
+    from .ebnf import grammar_format
     from .regex_grammar import pattern_format
 
     given = [name for name, value in (("--response-format", args.response_format != "text"),
                                       ("--json-schema", args.json_schema), ("--regex", args.regex),
-                                      ("--choice", args.choice)) if value]
+                                      ("--choice", args.choice), ("--grammar", args.grammar)) if value]
     if len(given) > 1:
         raise UserError(f"{' and '.join(given)} each constrain the output: give one")
+    if args.grammar is not None:
+        return grammar_format(grammar_text(args.grammar))
     pattern = pattern_format(args.regex, args.choice)
     if pattern is not None:
         return pattern
@@ -148,6 +152,16 @@ def output_format_from_args(args) -> tuple[str | None, dict | None]:
     if schema is not None:
         return "json_schema", schema
     return (None, None) if args.response_format == "text" else (args.response_format, None)
+
+
+def grammar_text(given: str) -> str:
+    """--grammar: a file holding the grammar, or the grammar itself (text with `::=` in it)."""
+    path = Path(given)
+    if "::=" not in given and path.is_file():
+        return path.read_text()
+    if "::=" not in given:
+        raise UserError(f"--grammar takes an EBNF grammar (`root ::= ...`) or a file holding one; {given!r} is neither")
+    return given
 
 
 def json_schema_from(given: str | None) -> dict | None:

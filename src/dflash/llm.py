@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .ebnf import grammar_format
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
 from .jsonl import openai_role
@@ -59,13 +60,13 @@ class LLM:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: tuple[str, ...] = (), min_tokens: int = 0,
                  chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
-                 regex: str | None = None, choice: list[str] | None = None, logprobs: int | None = None
-                 ) -> GenerationResult | list[GenerationResult]:
+                 regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
+                 logprobs: int | None = None) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
-        of these strings; `logprobs` (0-20): each token's log-probability and that many most likely alternatives,
+        of these strings; `grammar`: every output is one this EBNF grammar allows (ebnf.py, `root ::= ...`); `logprobs` (0-20): each token's log-probability and that many most likely alternatives,
         as `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
         `min_tokens`: no stop token (EOS) before that many new tokens."""
         many = not isinstance(prompts, str)
@@ -73,7 +74,7 @@ class LLM:
         if not all(isinstance(p, str) and p.strip() for p in texts):
             raise UserError("every prompt must be a non-empty string")
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
-        response_format, json_schema = with_pattern(response_format, json_schema, regex, choice)
+        response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar)
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
         config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         results = self._run(ids, [config] * len(ids))
@@ -83,7 +84,8 @@ class LLM:
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: tuple[str, ...] = (), min_tokens: int = 0,
              response_format: str | None = None, json_schema: dict | None = None, regex: str | None = None,
-             choice: list[str] | None = None, tools: list | None = None, tool_choice: str | dict | None = None,
+             choice: list[str] | None = None, grammar: str | None = None, tools: list | None = None,
+             tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False, logprobs: int | None = None
              ) -> GenerationResult | list[GenerationResult]:
@@ -97,7 +99,8 @@ class LLM:
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
-        response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice))
+        response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
+                                                                            grammar))
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
         config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
@@ -129,7 +132,11 @@ class LLM:
         return [seq.result for seq in sequences]
 
 
-def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None,
-                 choice: list | None) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) of LLM's arguments: a regex or a choice in their place where one is given."""
-    return one_constraint((response_format, json_schema), pattern_format(regex, choice), "a regex or choice")
+def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None, choice: list | None,
+                 grammar: str | None = None) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) of LLM's arguments: a regex, a choice or a grammar in their place where one is
+    given."""
+    if grammar is not None and (regex is not None or choice is not None):
+        raise UserError("send a regex, a choice or a grammar: one of them")
+    pattern = grammar_format(grammar) if grammar is not None else pattern_format(regex, choice)
+    return one_constraint((response_format, json_schema), pattern, "a regex, choice or grammar")

@@ -200,11 +200,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
 
 
 def add_pattern_arguments(group) -> None:
-    """--regex and --choice (regex_grammar.py), beside --response-format and --json-schema."""
+    """--regex, --choice (regex_grammar.py) and --grammar (ebnf.py), beside --response-format and --json-schema."""
     group.add_argument("--regex", default=None, metavar="PATTERN",
                        help="the whole output matches this regular expression (vLLM's structured outputs regex)")
     group.add_argument("--choice", nargs="+", default=None, metavar="TEXT",
                        help="the output is exactly one of these strings (vLLM's structured outputs choice)")
+    group.add_argument("--grammar", default=None, metavar="FILE|EBNF",
+                       help="the whole output is one this grammar allows: EBNF as xgrammar and llama.cpp's GBNF write "
+                            "it, `root ::= ...` (a file, or the grammar itself; vLLM's structured outputs grammar)")
 
 
 def _cuda() -> bool:

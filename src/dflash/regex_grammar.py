@@ -36,12 +36,14 @@ class PatternGrammar(ByteGrammar):
     (their codes would be many). The interface is JsonGrammar's (structured.py reads either)."""
 
     text_otherwise, frame, thinking = False, None, None
+    kind = "regex"
+    table_states = MAX_TABLE_STATES
 
     def __init__(self, expression: str, thinking: str | None = None):
         self.expression, self.thinking = expression, thinking
-        self.pattern = compile_pattern(f"^(?:{unanchored(expression)})$")
+        self.pattern = self.automaton(expression)
         # masks are kept by key and state (structured.py), and states are numbered per grammar: one key each
-        self.key = f"regex:{next(GRAMMARS)}:{thinking}:{expression}"
+        self.key = f"{self.kind}:{next(GRAMMARS)}:{thinking}:{expression}"
         self.parts: list[frozenset] = []  # a state's number -> the pattern's states
         self.numbers: dict[frozenset, int] = {}
         self.moves: dict[tuple[int, int], tuple | None] = {}  # (a state's number, a byte) -> the state after
@@ -50,9 +52,14 @@ class PatternGrammar(ByteGrammar):
         self.start = self._state(self.pattern.start)
         self.initial = self.first_state()
 
+    @staticmethod
+    def automaton(expression: str):
+        """What reads the output's characters: patterns.Pattern's interface (start, step, can_take, accepts)."""
+        return compile_pattern(f"^(?:{unanchored(expression)})$")
+
     def thinking_first(self, thinking: str | None) -> "PatternGrammar":
         """This expression after a reasoning model's thinking (ByteGrammar; None: itself)."""
-        return self if thinking is None else pattern_grammar(self.expression, thinking)
+        return self if thinking is None else shared_grammar(type(self), self.expression, thinking)
 
     def feed(self, state: tuple, byte: int) -> tuple | None:
         """The state after one more byte, or None where no match continues that way."""
@@ -107,7 +114,7 @@ class PatternGrammar(ByteGrammar):
     def ascii_table(self, state: tuple) -> tuple[torch.Tensor, int] | None:
         """The moves of every state that ASCII bytes reach from `state`, as a table [states + 1, 128] of rows: row
         n + 1 is state n's, each column the row after that byte (row 0: refused, and it stays so). (the table,
-        `state`'s row); None where more than MAX_TABLE_STATES states are reached (a vocabulary then walks its tokens,
+        `state`'s row); None where more than `table_states` states are reached (a vocabulary then walks its tokens,
         structured.py)."""
         if state[0] != PATTERN or len(state) == 3:
             return None
@@ -116,7 +123,7 @@ class PatternGrammar(ByteGrammar):
             number = todo.pop()
             if number in self.ascii_rows:
                 continue
-            if len(self.ascii_rows) >= MAX_TABLE_STATES:
+            if len(self.ascii_rows) >= self.table_states:
                 return None
             row = []
             for byte in range(0x80):
@@ -154,10 +161,14 @@ class PatternGrammar(ByteGrammar):
 
 
 @functools.lru_cache(maxsize=64)
-def pattern_grammar(expression: str, thinking: str | None = None) -> PatternGrammar:
+def shared_grammar(kind: type, expression: str, thinking: str | None = None) -> PatternGrammar:
     """The grammar of `expression` (after a thinking, ByteGrammar), one each while it is in use: its states, moves
     and masks are shared by the requests that send it."""
-    return PatternGrammar(expression, thinking)
+    return kind(expression, thinking)
+
+
+def pattern_grammar(expression: str, thinking: str | None = None) -> PatternGrammar:
+    return shared_grammar(PatternGrammar, expression, thinking)
 
 
 def unanchored(expression: str) -> str:

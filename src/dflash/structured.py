@@ -29,6 +29,7 @@ from collections import OrderedDict
 
 import torch
 
+from .ebnf import grammar_format, rules_grammar
 from .errors import UserError
 from .grammar import JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
@@ -37,7 +38,10 @@ from .regex_grammar import PatternGrammar, pattern_format, pattern_grammar
 # "json_schema_framed": documents between tags (a chat template's tool calls, tools.py), its json_schema
 # {"schema": ..., "frame": Frame's fields as text}
 # "regex": the whole output matches json_schema["regex"] (regex_grammar.py: vLLM's structured outputs regex, choice)
-RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed", "regex")
+# "grammar": the whole output is one that json_schema["grammar"] (EBNF) allows (ebnf.py: vLLM's structured outputs
+# grammar)
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed", "regex",
+                    "grammar")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
 # ASCII tokens up to this long go through a grammar's table at once (_tabled), a byte position a time; the longer
 # ones, few (SmolLM2: 154 of 49,152 past 16 bytes, mostly runs of spaces), are walked with the rest
@@ -447,6 +451,8 @@ def _format_grammar(response_format: str | None, json_schema: dict | None) -> Js
         return JSON_OBJECT
     if response_format == "regex":
         return pattern_grammar(json_schema["regex"])
+    if response_format == "grammar":
+        return rules_grammar(json_schema["grammar"])
     if json_schema is None:
         return None
     if response_format == "json_schema_framed":
@@ -466,23 +472,25 @@ def one_constraint(given: tuple, other: tuple | None, other_name: str) -> tuple:
     return other
 
 
-VLLM_KINDS = ("regex", "choice", "json", "json_object")
-VLLM_REFUSED = ("grammar", "structural_tag")  # vLLM's, which cannot be enforced here
+VLLM_KINDS = ("regex", "choice", "json", "json_object", "grammar")
+VLLM_REFUSED = ("structural_tag",)  # vLLM's, which cannot be enforced here
 
 
-def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choice=None,
-                guided_json=None) -> tuple[str | None, dict | None] | None:
-    """vLLM's structured outputs (`structured_outputs` {"regex"|"choice"|"json"|"json_object": ...}, or its older
-    guided_regex / guided_choice / guided_json) as (response_format, json_schema); None where none is given. Its
-    other options (whitespace, fallbacks) change nothing here."""
+def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choice=None, guided_json=None,
+                guided_grammar=None, ebnf=None) -> tuple[str | None, dict | None] | None:
+    """vLLM's structured outputs (`structured_outputs` {"regex"|"choice"|"json"|"json_object"|"grammar": ...}, or
+    its older guided_regex / guided_choice / guided_json / guided_grammar; SGLang's `ebnf`, a grammar too) as
+    (response_format, json_schema); None where none is given. Its other options (whitespace, fallbacks) change
+    nothing here."""
     if structured_outputs is not None and not isinstance(structured_outputs, dict):
         raise UserError("structured_outputs must be an object such as {\"choice\": [...]}")
     given = dict(structured_outputs or {})
     for kind in VLLM_REFUSED:
         if given.get(kind) is not None:
-            raise UserError(f"structured_outputs {kind} is not supported here (regex, choice, json and json_object "
-                            "are)")
-    older = {"regex": guided_regex, "choice": guided_choice, "json": guided_json}
+            raise UserError(f"structured_outputs {kind} is not supported here (regex, choice, json, json_object and "
+                            "grammar are)")
+    older = {"regex": guided_regex, "choice": guided_choice, "json": guided_json, "grammar": guided_grammar,
+             "ebnf": ebnf}
     sent = [(kind, given[kind]) for kind in VLLM_KINDS if given.get(kind) not in (None, False)]
     sent += [(kind, value) for kind, value in older.items() if value is not None]
     if not sent:
@@ -494,6 +502,8 @@ def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choic
         return pattern_format(value if kind == "regex" else None, value if kind == "choice" else None)
     if kind == "json_object":
         return "json_object", None
+    if kind in ("grammar", "ebnf"):
+        return grammar_format(value)
     try:
         schema = json.loads(value) if isinstance(value, str) else value
     except ValueError:

@@ -92,12 +92,14 @@ def schemas() -> SimpleNamespace:
         logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
         user: str | None = None
         response_format: ResponseFormat | None = None
-        # extensions (as in vLLM): {"regex": ...}, {"choice": [...]}, {"json": schema} or {"json_object": true}; and
-        # vLLM's older fields for them
+        # extensions (as in vLLM): {"regex": ...}, {"choice": [...]}, {"json": schema}, {"json_object": true} or
+        # {"grammar": EBNF}; and vLLM's older fields for them
         structured_outputs: dict | None = None
         guided_regex: str | None = None
         guided_choice: list[str] | None = None
         guided_json: dict | str | None = None
+        guided_grammar: str | None = None
+        ebnf: str | None = None  # SGLang's name for a grammar
         tools: list | None = None  # chat's functions (tools.py); a completion's are refused
         tool_choice: str | dict | None = None
         parallel_tool_calls: bool = True
@@ -283,7 +285,8 @@ def loosely_held(schema):
 
 def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
     """vLLM's structured outputs of a request (structured.vllm_format); None where it sends none."""
-    return vllm_format(body.structured_outputs, body.guided_regex, body.guided_choice, body.guided_json)
+    return vllm_format(body.structured_outputs, body.guided_regex, body.guided_choice, body.guided_json,
+                       body.guided_grammar, body.ebnf)
 
 
 def completion_prompts(prompt) -> list:
