@@ -248,6 +248,39 @@ def test_min_tokens_holds_the_stop_tokens_back_until_then(tiny_targets):
                                                                      response_format="json_object"))
 
 
+def test_min_tokens_holds_stop_strings_back_until_then(byte_targets):
+    """As vLLM checks them: a stop string that ends within the first min_tokens - 1 tokens' text ends nothing; the
+    first that ends past it cuts the output, the same for every method and for the streamed text."""
+    from dflash.engine import stop_string_at
+    from dflash.serving.streaming import TextDeltas
+
+    target = byte_targets["llama"]
+    prompt = target.encode_prompt("Tell me.")
+    free = SpeculativeDecoder(target).generate(prompt, GenerationConfig(40, ignore_eos=True))
+    text = free.text
+    stop = max(text[:8], key=text[:8].count)  # a character written several times early on
+    where = [i for i, char in enumerate(text) if char == stop]
+    assert len(where) >= 3
+    later = 0
+    for least in range(0, 10, 2):
+        floor = len(target.decode(free.tokens[: least - 1])) if least > 1 else 0
+        cut = next((i for i in where if i + 1 > floor), -1)  # the first occurrence that ends past the floor
+        later += cut > where[0]
+        config = GenerationConfig(40, sampling=SamplingConfig(min_tokens=least), stop_strings=(stop,), ignore_eos=True)
+        results = [SpeculativeDecoder(target, proposer).generate(prompt, config)
+                   for proposer in (None, NgramProposer(max_draft=7), OracleProposer(free.tokens, len(prompt), 5))]
+        assert [r.text for r in results] == [text if cut < 0 else text[:cut]] * 3, least
+        assert all(r.tokens == results[0].tokens for r in results)
+        assert results[0].finish_reason == ("stop" if cut >= 0 else "length")
+        deltas = TextDeltas.of(target, config)
+        streamed = "".join(deltas.push([token]) for token in results[0].tokens) + deltas.finish(results[0].text)
+        assert streamed == results[0].text
+    assert later >= 1
+    assert stop_string_at("abcabc", ["bc"], 0) == 1 and stop_string_at("abcabc", ["bc"], 3) == 4
+    assert stop_string_at("abcabc", ["bc"], 2) == 1 and stop_string_at("abcabc", ["bc", "ca"], 3) == 2
+    assert stop_string_at("abcabc", ["bc", "ca"], 4) == 4
+
+
 def test_top_k_top_p_filtering():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     probs = target_probs(logits, SamplingConfig(temperature=1.0, top_k=3))

@@ -752,8 +752,7 @@ class Engine:
     def _emit(self, seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Commit emitted tokens (and their log-probabilities) to the output, cut at stops; tell the listener.
         Returns how many were committed."""
-        new_tokens, finish = self._check_stops(seq.output, new_tokens, seq.stop_ids, seq.max_new,
-                                               seq.config.stop_strings)
+        new_tokens, finish = self._check_stops(seq, new_tokens)
         seq.output += new_tokens
         if logprobs is not None:
             seq.logprobs += logprobs[: len(new_tokens)]
@@ -779,23 +778,28 @@ class Engine:
         output = seq.output
         ends_with_stop_id = finish == "stop" and output and output[-1] in seq.stop_ids
         text = self.target.decode(output[:-1] if ends_with_stop_id else output)
-        text = _cut_at_stop_string(text, seq.config.stop_strings)
+        floor = stop_floor(self.target.decode, output, seq.config.sampling.min_tokens)
+        cut = -1 if floor is None else stop_string_at(text, seq.config.stop_strings, floor)
+        text = text if cut < 0 else text[:cut]
         logprobs = seq.logprobs if seq.config.logprobs is not None else None
         seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs,
                                       prompt_logprobs=seq.prompt_logprobs)
         return seq
 
-    def _check_stops(self, output, new_tokens, stop_ids, max_new, stop_strings):
-        """Cut `new_tokens` at the first stop id, the length limit or a completed stop string."""
+    def _check_stops(self, seq: Sequence, new_tokens: list[int]) -> tuple[list[int], str | None]:
+        """Cut `new_tokens` at the first stop id, the length limit or a completed stop string (one that ends past
+        the first min_tokens - 1 tokens' text, stop_floor)."""
+        output, stop_strings, decode = seq.output, seq.config.stop_strings, self.target.decode
         for i, tok in enumerate(new_tokens):
-            if tok in stop_ids:
+            if tok in seq.stop_ids:
                 return new_tokens[: i + 1], "stop"
-            if len(output) + i + 1 >= max_new:
+            if len(output) + i + 1 >= seq.max_new:
                 return new_tokens[: i + 1], "length"
-        if stop_strings and _has_stop_string(self.target.decode(output + new_tokens), stop_strings):
-            for i in range(len(new_tokens)):
-                text = self.target.decode(output + new_tokens[: i + 1])
-                if _has_stop_string(text, stop_strings):
+        least = seq.config.sampling.min_tokens
+        floor = stop_floor(decode, output + new_tokens, least) if stop_strings else None
+        if floor is not None and stop_string_at(decode(output + new_tokens), stop_strings, floor) >= 0:
+            for i in range(max(0, least - len(output) - 1), len(new_tokens)):
+                if stop_string_at(decode(output + new_tokens[: i + 1]), stop_strings, floor) >= 0:
                     return new_tokens[: i + 1], "stop"
         return new_tokens, None
 
@@ -908,10 +912,16 @@ def grammar_masked(logits: torch.Tensor, seq: Sequence, past: list[int]) -> torc
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
-def _has_stop_string(text: str, stop_strings) -> bool:
-    return any(s and s in text for s in stop_strings)
+def stop_string_at(text: str, stop_strings, floor: int = 0) -> int:
+    """Where `text` is cut for its first stop string that ends past its first `floor` characters; -1 for none."""
+    found = [at for s in stop_strings if s and (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    return min(found, default=-1)
 
 
-def _cut_at_stop_string(text: str, stop_strings) -> str:
-    cut = min((text.find(s) for s in stop_strings if s and s in text), default=-1)
-    return text if cut < 0 else text[:cut]
+def stop_floor(decode, tokens: list[int], min_tokens: int) -> int | None:
+    """The characters a stop string must end past: the text of the first min_tokens - 1 tokens, as vLLM checks stop
+    strings from the min_tokens-th token on (an earlier one never ends the output); None while fewer than
+    min_tokens tokens are written."""
+    if len(tokens) < min_tokens:
+        return None
+    return len(decode(tokens[: min_tokens - 1])) if min_tokens > 1 else 0

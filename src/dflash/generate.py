@@ -257,7 +257,7 @@ class LiveText:
     def __init__(self, target, config):
         from .serving.streaming import TextDeltas
 
-        self.deltas = TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
+        self.deltas = TextDeltas.of(target, config)
 
     def __call__(self, new_ids: list[int]) -> None:
         print(self.deltas.push(new_ids), end="", flush=True)

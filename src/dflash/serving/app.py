@@ -133,14 +133,14 @@ class Service:
                        tools: "ToolRequest | None" = None):
         prompt_ids = truncated_prompt(body, prompt_ids, self.worker.engine)
         configs, exchange = self.prepared(body, prompt_ids, chat, tools)
-        stop_ids = configs[0].stop_ids(self.target.eos_token_ids)
         if body.stream:
-            return self.stream(request, body, [(prompt_ids, config, exchange) for config in configs], stop_ids)
+            return self.stream(request, body, [(prompt_ids, config, exchange) for config in configs])
         jobs = [Job(prompt_ids, config) for config in configs]
         results = await self.results(request, jobs)
         if not isinstance(results, list):
             return results
-        return exchange.response(max(job.queue_s for job in jobs), results, stop_ids)
+        return exchange.response(max(job.queue_s for job in jobs), results,
+                                 configs[0].stop_ids(self.target.eos_token_ids))
 
     async def complete_many(self, request: "Request", body, prompts: list):
         """A completions request of several prompts (lm-eval's batches): each completed as a request of its own,
@@ -173,9 +173,9 @@ class Service:
             if runs:
                 exchange.id, exchange.created = runs[0][2].id, runs[0][2].created
             runs += [(prompt_ids, config, exchange) for config in configs]
-        return self.stream(request, bodies[0], runs, runs[0][1].stop_ids(self.target.eos_token_ids))
+        return self.stream(request, bodies[0], runs)
 
-    def stream(self, request: "Request", body, runs: list[tuple], stop_ids: set[int]):
+    def stream(self, request: "Request", body, runs: list[tuple]):
         """One stream for all the request's choices, `runs` of (prompt ids, config, exchange) in index order: each
         chunk names its choice's index."""
         from fastapi.responses import StreamingResponse
@@ -186,7 +186,7 @@ class Service:
         def sink(index: int):
             return lambda item: loop.call_soon_threadsafe(pieces.put_nowait, (index, item))
 
-        jobs = [Job(prompt_ids, config, TextDeltas(self.target.decode, config.stop_strings, stop_ids), emit=sink(i),
+        jobs = [Job(prompt_ids, config, TextDeltas.of(self.target, config), emit=sink(i),
                     echo=exchange.echo is not None) for i, (prompt_ids, config, exchange) in enumerate(runs)]
         self.worker.submit(jobs)  # queued now, so a busy server answers 503 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -263,7 +263,7 @@ class Messages:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         target = self.service.target
-        deltas = TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
+        deltas = TextDeltas.of(target, config)
         job = Job(prompt_ids, config, deltas, emit=lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
         self.service.worker.submit([job])  # queued now, so a busy server answers 503 before the stream starts
         events = self.stream_events(request, job, pieces, config, exchange)

@@ -400,7 +400,7 @@ class Responses:
 
     def text_deltas(self, config) -> TextDeltas:
         target = self.service.target
-        return TextDeltas(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids))
+        return TextDeltas.of(target, config)
 
     # ---- streamed and background responses
     def streamed(self, request, asked: "Asked", prompt_ids, config):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from ..engine import stop_floor, stop_string_at
 from ..errors import UserError
 from ..reasoning import ThinkingDeltas
 from ..tools import call_delta
@@ -20,16 +21,25 @@ class TextDeltas:
     Held back until more tokens decide: a completed stop string and everything after it, a tail that could still
     grow into a stop string, and a trailing partial UTF-8 character. A trailing stop token (EOS) is not text."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], stop_ids: set[int]):
+    def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], stop_ids: set[int],
+                 min_tokens: int = 0):
         self.decode, self.stop_strings, self.stop_ids = decode, tuple(s for s in stop_strings if s), stop_ids
+        self.min_tokens = min_tokens  # no stop string ends the text before (engine.stop_floor)
         self.ids: list[int] = []
         self.sent = ""
+
+    @classmethod
+    def of(cls, target, config) -> "TextDeltas":
+        """The deltas of a generation with `config` (engine.GenerationConfig) by `target`."""
+        return cls(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids),
+                   config.sampling.min_tokens)
 
     def push(self, new_ids: list[int]) -> str:
         self.ids += new_ids
         ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
         text = self.decode(ids)
-        cut = min((text.find(s) for s in self.stop_strings if s in text), default=-1)
+        floor = stop_floor(self.decode, self.ids, self.min_tokens) if self.stop_strings else None
+        cut = -1 if floor is None else stop_string_at(text, self.stop_strings, floor)
         text = text[:cut] if cut >= 0 else text[: len(text) - self._unsettled_tail(text)]
         return self._advance(text)
 
