@@ -241,6 +241,9 @@ def test_min_tokens_holds_the_stop_tokens_back_until_then(tiny_targets):
             assert reference == expected
         for proposer in (NgramProposer(max_draft=7), OracleProposer(uncapped.tokens, len(prompt), 3)):
             assert SpeculativeDecoder(target, proposer).generate(prompt, config).tokens == reference
+    held = SamplingConfig(min_tokens=6, held_back=tuple(eos))  # greedy rounds go back to plain argmax at the 6th
+    assert held.penalized_after(5) and not held.penalized_after(6) and not SamplingConfig(min_tokens=6).penalized_after(0)
+    assert replace(held, logit_bias=pushed).penalized_after(100)
     with pytest.raises(UserError, match="at most max_tokens"):
         SpeculativeDecoder(target).generate(prompt, GenerationConfig(4, sampling=SamplingConfig(min_tokens=6)))
     with pytest.raises(UserError, match="response format"):

@@ -668,7 +668,7 @@ class Engine:
         for i, (seq, w) in enumerate(zip(rows, widths)):
             cfg, row_logits = seq.config.sampling, logits[i, :w]
             block = drafts[i][offset:] if drafts is not None else None
-            if cfg.penalized:
+            if cfg.penalized_after(len(seq.output)):
                 before = (history or seq.sequence) + drafts[i][:offset]
                 row_logits = penalized_logits(row_logits, cfg, before, len(seq.prompt_ids), block)
             first, picked = len(history or seq.sequence) + offset, []
@@ -851,12 +851,13 @@ class SpeculativeDecoder:
 
 def plain_greedy(seq: Sequence) -> bool:
     """Greedy without penalties or a grammar: the argmax of the raw logits, which the LM head's screen can find."""
-    return seq.config.sampling.greedy and not seq.config.sampling.penalized and seq.grammar is None
+    return screenable(seq) and seq.grammar is None
 
 
 def screenable(seq: Sequence) -> bool:
-    """Greedy without penalties: the screen's argmax (with a grammar, checked against its mask: _grammar_checked)."""
-    return seq.config.sampling.greedy and not seq.config.sampling.penalized
+    """Greedy without penalties from here on (min_tokens's once it is met): the screen's argmax (with a grammar,
+    checked against its mask: _grammar_checked)."""
+    return seq.config.sampling.greedy and not seq.config.sampling.penalized_after(len(seq.output))
 
 
 def free_drafts(seq: Sequence) -> list[Draft]:

@@ -65,10 +65,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def penalized(self) -> bool:
+    def penalized_after(self, generated: int) -> bool:
+        """Whether the target's logits are changed (penalized_logits) once `generated` tokens are written: by the
+        penalties and biases always, by min_tokens's held-back stop tokens only before it."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.held_back)))
+                or bool(self.logit_bias) or (generated < self.min_tokens and bool(self.held_back)))
 
 
 def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], prompt_len: int,
