@@ -27,6 +27,7 @@ from .control import Calibration, CostModel, DraftController, TreeCalibration, b
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import GRAMMAR_LABEL, TABLE_LABEL, Draft, Proposer
+from .prediction import PREDICTION_LABEL, PredictedOutput
 from .prefixes import PrefixCache
 from . import trees
 from .sampling import SamplingConfig, accept_length, penalized_logits, pick_tokens
@@ -71,6 +72,9 @@ class GenerationConfig:
     # a reasoning model's output thinks first (reasoning.py): the response format holds what follows `</think>`;
     # "open": the prompt opened the thinking, "optional": the output may open it
     thinking: str | None = None
+    # the output the request expects, as token ids (OpenAI's Predicted Outputs, prediction.py): drafted where the
+    # output follows it
+    prediction: tuple[int, ...] = ()
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The token ids that end a generation: its own stop ids, and the target's EOS ids unless ignore_eos."""
@@ -104,8 +108,10 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify round (bonus included)
     draft_lengths: list[int] = field(default_factory=list)  # drafts verified per round (the controller's choice)
     skipped_drafting: int = 0  # rounds the controller ran without drafting (drafting did not pay)
-    lookup_rounds: int = 0  # rounds that verified free drafts (a lookup's, a grammar's forced bytes), not the drafter's
+    lookup_rounds: int = 0  # rounds that verified free drafts (a lookup's, a prediction's, a grammar's forced bytes)
     table_rounds: int = 0  # rounds that verified drafts of the target's continuation table (ngram's or a lookup's)
+    prediction_accepted: int = 0  # drafts of the request's prediction the target accepted (prediction.py)
+    prediction_rejected: int = 0  # and those it verified and rejected
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -203,6 +209,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if the config asks
     prompt_logprobs: list[TokenLogprob] | None = None
     grammar: JsonConstraint | None = None  # what the output may be next (GenerationConfig.response_format)
+    prediction: PredictedOutput | None = None  # where the output stands in its prediction (GenerationConfig.prediction)
     features: list[torch.Tensor] = field(default_factory=list)  # of the cached tokens, kept for the prefix cache
     finish: str | None = None
     result: GenerationResult | None = None
@@ -264,9 +271,10 @@ class Engine:
         if config.sampling.min_tokens:  # the stop tokens min_tokens holds back
             config = replace(config, sampling=replace(config.sampling, held_back=tuple(sorted(stop_ids))))
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
+        lookup = self._calibration("lookup")  # a prediction's drafts are as good as the request: learnt for it alone
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
                                      timer=self.timer, calibration=self._calibration("drafter"),
-                                     lookup_calibration=self._calibration("lookup"),
+                                     lookup_calibration=copy.deepcopy(lookup) if config.prediction else lookup,
                                      tree_calibration=self.tree_calibration)
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
@@ -274,6 +282,8 @@ class Engine:
         if grammar is not None:
             vocabulary = json_vocabulary(self.target.tokenizer, self.target.vocab_size)
             seq.grammar = JsonConstraint(vocabulary, grammar, stop_ids)
+        if config.prediction:
+            seq.prediction = PredictedOutput(config.prediction)
         self.waiting.append(seq)
         return seq
 
@@ -580,6 +590,9 @@ class Engine:
                               accepted_nodes=path[1:] if plan.draft.parents is not None and path else None)
         seq.stats.lookup_rounds += plan.lookup and plan.verified > 0
         seq.stats.table_rounds += plan.verified > 0 and plan.draft.label == TABLE_LABEL
+        if plan.draft.label == PREDICTION_LABEL and plan.verified > 0:
+            seq.stats.prediction_accepted += accepted
+            seq.stats.prediction_rejected += min(plan.verified, len(plan.draft.tokens)) - accepted
         seq.stats.draft_lengths.append(min(plan.verified, len(plan.draft.tokens)))
         new_tokens = kept[1:] + [bonus]
         seq.sequence += new_tokens
@@ -861,13 +874,16 @@ def screenable(seq: Sequence) -> bool:
 
 
 def free_drafts(seq: Sequence) -> list[Draft]:
-    """Drafts that cost no drafter pass: the proposer's lookup's (prompt lookup beside a drafter), and those the
-    sequence's grammar forces (a key's name once its quote is open); none in whole-block mode."""
+    """Drafts that cost no drafter pass: the proposer's lookup's (prompt lookup beside a drafter), the request's
+    prediction's, and those the sequence's grammar forces (a key's name once its quote is open); none in whole-block
+    mode."""
     if seq.controller.whole_blocks or seq.proposer.max_draft == 0:
         return []
     drafts = []
     if seq.proposer.lookup is not None:
         drafts.append(within_grammar(seq, seq.proposer.lookup.propose(seq.sequence, limit=seq.proposer.max_draft)))
+    if seq.prediction is not None:
+        drafts.append(within_grammar(seq, seq.prediction.propose(seq.output, seq.proposer.max_draft)))
     if seq.grammar is not None:
         forced = seq.grammar.forced(seq.output)[: seq.proposer.max_draft]
         if forced:

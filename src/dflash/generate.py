@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import UserError
 from .options import (add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments,
                       add_tool_format_argument, check_drafter_folders, method_options)
+from .prediction import prediction_ids
 from .reasoning import check_parser, split, thinking_of
 from .models.target import TemplateOptions
 from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
@@ -42,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_reasoning_argument(p)
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's own variables, e.g. '{\"enable_thinking\": false}' for Qwen3")
+    p.add_argument("--prediction", default=None, metavar="FILE|TEXT",
+                   help="the output you expect (a file, or the text itself), as OpenAI's Predicted Outputs: its "
+                        "tokens are drafted where the output follows them (a file with a few edits comes back "
+                        "fast); the output is the same")
     p.add_argument("prompt", help="the prompt text, or - to read it from standard input (e.g. a file: - < FILE)")
 
 
@@ -58,6 +63,7 @@ def run(args) -> int:
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs goes with --json")
     config = config_from_args(args, logprobs=args.logprobs, ignore_eos=args.ignore_eos)
+    prediction = text_or_file(args.prediction)
     tools = tools_from_args(args)
     template = template_options_from_args(args)
     if template.kwargs and args.no_chat:
@@ -71,7 +77,8 @@ def run(args) -> int:
     prompt_ids = encode_chat(target, [{"role": "user", "content": args.prompt}], tools, template) \
         if tools is not None or template.kwargs else target.encode_prompt(args.prompt, chat=not args.no_chat)
     parser = check_parser(args.reasoning_parser)
-    config = replace(config, thinking=thinking_of(target, prompt_ids, parser))
+    config = replace(config, thinking=thinking_of(target, prompt_ids, parser),
+                     prediction=prediction_ids(target.tokenizer, prediction))
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks)
     settle_heap()
     warm_up = replace(config, max_new_tokens=WARM_UP_TOKENS, logprobs=None, ignore_eos=False)
@@ -92,7 +99,8 @@ def run(args) -> int:
             "per_position_acceptance": stats.per_position_acceptance, "tau_histogram": stats.tau_histogram,
             "draft_length_histogram": stats.draft_length_histogram, "skipped_drafting": stats.skipped_drafting,
             "lookup_rounds": stats.lookup_rounds, "table_rounds": stats.table_rounds,
-            "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
+            "accepted_prediction_tokens": stats.prediction_accepted,
+            "rejected_prediction_tokens": stats.prediction_rejected, "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
         }
@@ -152,6 +160,17 @@ def output_format_from_args(args) -> tuple[str | None, dict | None]:
     if schema is not None:
         return "json_schema", schema
     return (None, None) if args.response_format == "text" else (args.response_format, None)
+
+
+def text_or_file(given: str | None) -> str | None:
+    """An option that takes a file or the text itself: the file's text where `given` names one."""
+    if given is None:
+        return None
+    path = Path(given)
+    try:
+        return path.read_text() if len(given) < 4096 and "\n" not in given and path.is_file() else given
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {given}: {error}") from None
 
 
 def grammar_text(given: str) -> str:
@@ -236,8 +255,12 @@ def figures_line(method: str, stats) -> str:
     table = f"{stats.table_rounds} from the continuation table" if stats.table_rounds else ""
     lookup = (f" ({stats.lookup_rounds} by prompt lookup{', ' + table if table else ''})" if stats.lookup_rounds
               else f" ({table})" if table else "")
-    return (f"[{method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}, "
-            f"{stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, TPOT {stats.tpot_ms:.1f} ms")
+    predicted = stats.prediction_accepted + stats.prediction_rejected
+    prediction = (f", {stats.prediction_accepted} of {predicted} predicted tokens verified accepted" if predicted
+                  else "")
+    return (f"[{method}] {stats.new_tokens} tokens, tau {stats.tau:.2f} over {stats.num_rounds} rounds{lookup}"
+            f"{prediction}, {stats.tokens_per_s:.1f} tok/s, TTFT {1000 * stats.ttft_s:.0f} ms, "
+            f"TPOT {stats.tpot_ms:.1f} ms")
 
 
 # Enough rounds for the thread chooser's first probe and its confirmation (threads.py), so that beside a busy core

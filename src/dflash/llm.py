@@ -21,6 +21,7 @@ from .jsonl import openai_role
 from .logprobs import MAX_TOP_LOGPROBS
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
+from .prediction import prediction_ids
 from .reasoning import check_parser, split, thinking_of
 from .regex_grammar import pattern_format
 from .sampling import SamplingConfig
@@ -61,14 +62,16 @@ class LLM:
                  stop: tuple[str, ...] = (), min_tokens: int = 0,
                  chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
-                 logprobs: int | None = None) -> GenerationResult | list[GenerationResult]:
+                 logprobs: int | None = None, prediction: str | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
         of these strings; `grammar`: every output is one this EBNF grammar allows (ebnf.py, `root ::= ...`); `logprobs` (0-20): each token's log-probability and that many most likely alternatives,
         as `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
-        `min_tokens`: no stop token (EOS) before that many new tokens."""
+        `min_tokens`: no stop token (EOS) before that many new tokens; `prediction`: the text each output is
+        expected to be (OpenAI's Predicted Outputs: drafted where the output follows it; the output is the same)."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
@@ -76,7 +79,7 @@ class LLM:
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar)
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
-        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
+        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs, prediction)
         results = self._run(ids, [config] * len(ids))
         return results if many else results[0]
 
@@ -87,7 +90,7 @@ class LLM:
              choice: list[str] | None = None, grammar: str | None = None, tools: list | None = None,
              tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False, logprobs: int | None = None
+             continue_final_message: bool = False, logprobs: int | None = None, prediction: str | None = None
              ) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list
@@ -95,14 +98,15 @@ class LLM:
         `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls`
         (OpenAI's layout, arguments as JSON text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
-        turn (the reply's start, written for the target) instead of opening a new one; `logprobs`: as generate's."""
+        turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`: as
+        generate's."""
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
                                                                             grammar))
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
-        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
+        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs, prediction)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]
@@ -114,13 +118,14 @@ class LLM:
         return results if many else results[0]
 
     def _config(self, max_new_tokens, sampling: SamplingConfig, stop, response_format, json_schema,
-                logprobs) -> GenerationConfig:
+                logprobs, prediction: str | None = None) -> GenerationConfig:
         if json_schema is not None and response_format is None:
             response_format = "json_schema"
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop),
-                                  response_format=response_format, json_schema=json_schema, logprobs=logprobs)
+                                  response_format=response_format, json_schema=json_schema, logprobs=logprobs,
+                                  prediction=prediction_ids(self.target.tokenizer, prediction))
         config.validate()
         return config
 

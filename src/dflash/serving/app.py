@@ -43,6 +43,7 @@ from .schemas import (
     sse,
     truncated_prompt,
 )
+from ..prediction import prediction_ids
 from ..reasoning import check_parser, thinking_of
 from ..tools import encode_chat, tool_request, tool_style
 from .messages import Messages
@@ -112,7 +113,9 @@ class Service:
         check_fits(prompt_ids, self.worker.engine)
         reasoning = chat and self.reasoning_parser is not None
         thinking = thinking_of(self.target, prompt_ids, self.reasoning_parser if chat else None)
-        configs = [replace(config, thinking=thinking) for config in configs]  # a grammar holds the answer after it
+        prediction = prediction_ids(self.target.tokenizer, getattr(body, "prediction", None))
+        # a grammar holds the answer after the thinking; a prediction's tokens are drafted where the output follows
+        configs = [replace(config, thinking=thinking, prediction=prediction) for config in configs]
         exchange = Exchange(chat, self.answering_as(body.model), self.proposer.name, len(prompt_ids),
                             self.target.tokenizer, echo=echoed_prompt(self.target, body, prompt_ids),
                             scores_only=scores_only(body), tools=tools, reasoning=reasoning, thinking=thinking)

@@ -103,6 +103,7 @@ def schemas() -> SimpleNamespace:
         tools: list | None = None  # chat's functions (tools.py); a completion's are refused
         tool_choice: str | dict | None = None
         parallel_tool_calls: bool = True
+        prediction: dict | None = None  # OpenAI's Predicted Outputs: {"type": "content", "content": ...} (prediction.py)
 
     class TemplateFields(BaseModel):  # extensions (as in vLLM and SGLang): how the messages go through the template
         chat_template_kwargs: dict | None = None  # the template's own variables, e.g. {"enable_thinking": false}
@@ -331,7 +332,9 @@ def summed_usage(usages: list[dict]) -> dict:
     """Several prompts' usage as one: every count summed."""
     total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
+    details = {key: sum(u["completion_tokens_details"][key] for u in usages)
+               for key in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}, "completion_tokens_details": details}
 
 
 def scores_only(body) -> bool:
@@ -457,7 +460,10 @@ class Exchange:
         done = 0 if self.scores_only else sum(result.stats.new_tokens for result in results)
         cached = min(result.stats.cached_prompt_tokens for result in results)  # what no choice had to read
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done, "prompt_tokens_details": {"cached_tokens": cached}}
+                "total_tokens": self.prompt_tokens + done, "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {  # a prediction's drafts the target took and refused (prediction.py)
+                    "accepted_prediction_tokens": sum(result.stats.prediction_accepted for result in results),
+                    "rejected_prediction_tokens": sum(result.stats.prediction_rejected for result in results)}}
 
     def extension(self, queue_s: float, results: "list[GenerationResult]") -> dict:
         """The `dflash` object: how speculative decoding went for this request (its choices' rounds together)."""
@@ -523,6 +529,8 @@ def merged_stats(stats: "list[GenerationStats]") -> "GenerationStats":
     merged.accept_lengths = [a for s in stats for a in s.accept_lengths]
     merged.draft_lengths = [d for s in stats for d in s.draft_lengths]
     merged.new_tokens = sum(s.new_tokens for s in stats)
+    merged.prediction_accepted = sum(s.prediction_accepted for s in stats)
+    merged.prediction_rejected = sum(s.prediction_rejected for s in stats)
     merged.ttft_s, merged.total_s = max(s.ttft_s for s in stats), max(s.total_s for s in stats)
     return merged
 
