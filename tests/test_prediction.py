@@ -109,6 +109,11 @@ def test_the_server_counts_a_predictions_tokens(byte_targets):
         completion = client.completions.create(model="tiny", prompt="Again?", max_tokens=20, temperature=0,
                                                extra_body={"prediction": {"type": "content", "content": "x"}})
         assert completion.usage.completion_tokens == 20
+        response = client.responses.create(model="tiny", input="Again?", max_output_tokens=40, temperature=0)
+        predicted = client.responses.create(model="tiny", input="Again?", max_output_tokens=40, temperature=0,
+                                            extra_body={"prediction": {"type": "content",
+                                                                       "content": response.output_text}})
+        assert predicted.output_text == response.output_text
         with pytest.raises(openai.BadRequestError, match="prediction type"):
             ask(prediction={"type": "file", "content": "x"})
 
@@ -130,3 +135,14 @@ def test_llm_and_generate_take_a_prediction(tmp_path, capsys):
     assert main(argv + ["--prediction", str(tmp_path / "expected.txt"), "Hi?"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == text and out["accepted_prediction_tokens"] > 0
+    rows = [{"id": "p", "prompt": "Hi?", "prediction": {"type": "content", "content": text}},
+            {"id": "q", "prompt": "Hi?"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch = ["batch", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--target",
+             "tiny-qwen2-bytes", "--method", "ngram", "--max-new-tokens", "30", "--no-progress"]
+    assert main(batch) == 0
+    answers = [json.loads(line)["text"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert answers == [text, text]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "Hi?", "prediction": {"type": "x"}}) + "\n")
+    assert main(batch[:3] + [str(tmp_path / "other.jsonl")] + batch[4:]) == 2
+    assert "in.jsonl:1: prediction type" in capsys.readouterr().err

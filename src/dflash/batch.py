@@ -6,7 +6,8 @@ in OpenAI's batch format goes through the server's handlers instead (openai_batc
 Rows come in any layout `dflash bench` reads; a chat (`messages`, `conversations`) is answered after its last user
 turn, its earlier assistant turns included (jsonl.conversation_of). A row's own `response_format`, or `tools` and
 `tool_choice` (OpenAI's; its answer then holds `tool_calls` where it called them, tools.py), and its
-`chat_template_kwargs` (the command line's otherwise), hold its answer alone. With --reasoning-parser an answer
+`chat_template_kwargs` (the command line's otherwise), hold its answer alone; its `prediction` (OpenAI's Predicted
+Outputs, prediction.py) is drafted where its answer follows it. With --reasoning-parser an answer
 holds its `reasoning` and `content` apart (reasoning.py). Greedy answers are the target's own, token for token."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .jsonl import conversation_of, iter_jsonl, layouts_hint
 from .models.target import TemplateOptions
 from .options import (add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments,
                       add_tool_format_argument, kill_stops_like_ctrl_c)
+from .prediction import prediction_ids, prediction_text
 from .reasoning import check_parser, split, thinking_of
 from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
 
@@ -54,6 +56,7 @@ class BatchRow:
     own_format: tuple | None  # its response_format as (response_format, json_schema); None: the command line's
     tools: ToolRequest | None
     template_kwargs: dict | None  # its chat_template_kwargs; None: the command line's
+    prediction: str = ""  # its prediction's text (prediction.prediction_text)
 
 
 def read_requests(path: Path) -> list[BatchRow]:
@@ -76,9 +79,10 @@ def read_requests(path: Path) -> list[BatchRow]:
         try:
             reply_format(tools, *(own or (None, None)))
             TemplateOptions(kwargs or {}).check(messages)
+            prediction = prediction_text(row.get("prediction"))
         except UserError as error:
             raise UserError(f"{where}: {error}") from None
-        requests.append(BatchRow(rid, messages, own, tools, kwargs))
+        requests.append(BatchRow(rid, messages, own, tools, kwargs, prediction))
     if not requests:
         raise UserError(f"{path} holds no prompts")
     return requests
@@ -191,7 +195,8 @@ def run(args) -> int:
     ids = {row.rid: encode(target, row.messages, not args.no_chat, tools_of[row.rid],
                            TemplateOptions(row.template_kwargs or kwargs or {})) for row in todo}
     configs = {row.rid: replace(row_config(config, row.own_format, tools_of[row.rid]),
-                                thinking=thinking_of(target, ids[row.rid], parser)) for row in todo}
+                                thinking=thinking_of(target, ids[row.rid], parser),
+                                prediction=prediction_ids(target.tokenizer, row.prediction)) for row in todo}
     for rid, prompt in ids.items():
         try:
             engine.budget(prompt)

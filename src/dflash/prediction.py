@@ -70,13 +70,13 @@ def first_word_match(words: bytes, tail: bytes, start: int) -> int:
     return at // 4 if at >= 0 else -1
 
 
-def prediction_ids(tokenizer, prediction) -> tuple[int, ...]:
-    """The token ids of OpenAI's `prediction` ({"type": "content", "content": text or [{"type": "text", "text":
-    ...}]}; plain text too, as `LLM` and the CLI take it); () for none."""
+def prediction_text(prediction) -> str:
+    """The text of OpenAI's `prediction` ({"type": "content", "content": text or [{"type": "text", "text": ...}]};
+    plain text too, as `LLM` and the CLI take it); "" for none. UserError for another shape."""
     from .errors import UserError
 
     if prediction is None:
-        return ()
+        return ""
     if isinstance(prediction, dict):
         if prediction.get("type", "content") != "content":
             raise UserError(f"prediction type must be \"content\", got {prediction.get('type')!r}")
@@ -88,4 +88,10 @@ def prediction_ids(tokenizer, prediction) -> tuple[int, ...]:
         prediction = "".join(part["text"] for part in prediction)
     if not isinstance(prediction, str):
         raise UserError("prediction must be {\"type\": \"content\", \"content\": TEXT}")
-    return tuple(tokenizer.encode(prediction, add_special_tokens=False)) if prediction else ()
+    return prediction
+
+
+def prediction_ids(tokenizer, prediction) -> tuple[int, ...]:
+    """The token ids of a prediction (prediction_text's shapes); () for none."""
+    text = prediction_text(prediction)
+    return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
