@@ -62,16 +62,18 @@ class LLM:
                  stop: tuple[str, ...] = (), min_tokens: int = 0,
                  chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
-                 logprobs: int | None = None, prediction: str | None = None
+                 logprobs: int | None = None, prediction: str | list[str] | None = None
                  ) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
-        of these strings; `grammar`: every output is one this EBNF grammar allows (ebnf.py, `root ::= ...`); `logprobs` (0-20): each token's log-probability and that many most likely alternatives,
-        as `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
-        `min_tokens`: no stop token (EOS) before that many new tokens; `prediction`: the text each output is
-        expected to be (OpenAI's Predicted Outputs: drafted where the output follows it; the output is the same)."""
+        of these strings; `grammar`: every output is one this EBNF grammar allows (ebnf.py, `root ::= ...`);
+        `logprobs` (0-20): each token's log-probability and that many most likely alternatives, as
+        `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
+        `min_tokens`: no stop token (EOS) before that many new tokens; `prediction`: the text an output is expected
+        to be, or one per prompt (OpenAI's Predicted Outputs: drafted where the output follows it; the output is the
+        same)."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
@@ -79,8 +81,8 @@ class LLM:
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar)
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
-        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs, prediction)
-        results = self._run(ids, [config] * len(ids))
+        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
+        results = self._run(ids, self._predicting(config, prediction, len(ids)))
         return results if many else results[0]
 
     def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 128, *, temperature: float = 0.0,
@@ -90,8 +92,8 @@ class LLM:
              choice: list[str] | None = None, grammar: str | None = None, tools: list | None = None,
              tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False, logprobs: int | None = None, prediction: str | None = None
-             ) -> GenerationResult | list[GenerationResult]:
+             continue_final_message: bool = False, logprobs: int | None = None,
+             prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list
         of conversations, a list of results in order, all run as one continuous batch (as vLLM's `LLM.chat`).
@@ -106,28 +108,36 @@ class LLM:
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
                                                                             grammar))
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
-        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs, prediction)
+        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]
         thinking = [thinking_of(self.target, prompt_ids, self.reasoning_parser) for prompt_ids in prompts]
-        results = self._run(prompts, [replace(config, thinking=state) for state in thinking])
+        configs = self._predicting(config, prediction, len(prompts))
+        results = self._run(prompts, [replace(c, thinking=state) for c, state in zip(configs, thinking)])
         for result, state in zip(results, thinking):
             result.reasoning, result.content = split(result.text, state)
             result.tool_calls = request.calls(result.content) if request is not None else None
         return results if many else results[0]
 
     def _config(self, max_new_tokens, sampling: SamplingConfig, stop, response_format, json_schema,
-                logprobs, prediction: str | None = None) -> GenerationConfig:
+                logprobs) -> GenerationConfig:
         if json_schema is not None and response_format is None:
             response_format = "json_schema"
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop),
-                                  response_format=response_format, json_schema=json_schema, logprobs=logprobs,
-                                  prediction=prediction_ids(self.target.tokenizer, prediction))
+                                  response_format=response_format, json_schema=json_schema, logprobs=logprobs)
         config.validate()
         return config
+
+    def _predicting(self, config: GenerationConfig, prediction, count: int) -> list[GenerationConfig]:
+        """`config` for each of `count` prompts with its prediction: the same for all, or a list of one each."""
+        if isinstance(prediction, list) and all(isinstance(p, str) for p in prediction) and prediction:
+            if len(prediction) != count:
+                raise UserError(f"prediction is a list of {len(prediction)} texts for {count} prompts: give one each")
+            return [replace(config, prediction=prediction_ids(self.target.tokenizer, p)) for p in prediction]
+        return [replace(config, prediction=prediction_ids(self.target.tokenizer, prediction))] * count
 
     def _run(self, prompt_ids: list[list[int]], configs: list[GenerationConfig]) -> list[GenerationResult]:
         for ids in prompt_ids:

@@ -40,6 +40,9 @@ class Metrics:
                                      "of the drafter's (NAME+ngram).", registry=registry)
         self.table_rounds = Counter("dflash_table_rounds", "Verify rounds whose drafts came from the target's "
                                     "continuation table (ngram, NAME+ngram).", registry=registry)
+        self.prediction_tokens = Counter("dflash_prediction_tokens", "Drafts of requests' predictions (OpenAI's "
+                                         "Predicted Outputs) the target verified, by outcome.", ["outcome"],
+                                         registry=registry)
         self.accepted_tokens = Counter("dflash_accepted_tokens", "Draft tokens accepted by the target.",
                                        registry=registry)
         self.round_tokens = Histogram("dflash_tokens_per_round", "Tokens emitted per verify round (tau per round).",
@@ -87,6 +90,8 @@ class Metrics:
         self.draft_tokens.inc(sum(stats.draft_lengths))
         self.lookup_rounds.inc(stats.lookup_rounds)
         self.table_rounds.inc(stats.table_rounds)
+        self.prediction_tokens.labels("accepted").inc(stats.prediction_accepted)
+        self.prediction_tokens.labels("rejected").inc(stats.prediction_rejected)
         for emitted in stats.accept_lengths:
             self.round_tokens.observe(emitted)
             accepted = emitted - 1
