@@ -344,3 +344,26 @@ def test_regex_and_choice_on_the_real_model(target, monkeypatch):
                 vocabulary.masks.clear()
                 assert torch.equal(vocabulary.allowed(grammar, state), fed), (share, state)
             state = vocabulary.advance(grammar, state, token)
+
+
+def test_an_ebnf_grammar_and_a_prediction_on_the_real_model(target):
+    """An EBNF grammar on SmolLM2's tokens: the output is a match, the same tokens for the shipped drafter with
+    prompt lookup as for `ar`. A prediction of an answer with lines changed, and of the answer itself: the same
+    tokens as without one."""
+    from dflash.ebnf import RulesGrammar
+    from dflash.prediction import prediction_ids
+
+    grammar_text = 'root ::= "The sky is " colour "."\ncolour ::= "blue" | "grey" | "black" | [a-z]+'
+    ids = target.encode_prompt("What colour is the sky? Answer in one sentence.")
+    config = GenerationConfig(max_new_tokens=24, response_format="grammar", json_schema={"grammar": grammar_text})
+    plain = constrained_alike(target, ids, config)
+    grammar = RulesGrammar(grammar_text)
+    state = grammar.feed_bytes(grammar.initial, plain.text.encode())
+    assert plain.finish_reason == "stop" and state is not None and grammar.may_end(state), plain.text
+    ids = target.encode_prompt(PROMPTS[1])
+    free = SpeculativeDecoder(target).generate(ids, GenerationConfig(MAX_NEW))
+    edited = "\n".join(line.upper() if k % 3 == 1 else line for k, line in enumerate(free.text.split("\n")))
+    lookup = build_proposer("dflash+ngram", target)[0]
+    for text in (free.text, edited):
+        predicted = GenerationConfig(MAX_NEW, prediction=prediction_ids(target.tokenizer, text))
+        assert SpeculativeDecoder(target, lookup).generate(ids, predicted).tokens == free.tokens
