@@ -126,6 +126,20 @@ def test_nested_and_left_recursive_grammars_match_as_their_parsers():
     assert short.finished(short.feed_bytes(short.initial, b"ab"))
 
 
+def test_long_chains_of_rules_compile_and_match():
+    """What compiling finds by fixpoints and components, over chains of 500 rules: each rule can finish only
+    through the next, each may be empty only through the next, each starts with the next (left recursion through
+    all of them is refused, naming them)."""
+    n = 500
+    through = "root ::= r0\n" + "\n".join(f'r{i} ::= "a" r{i + 1}' for i in range(n)) + f'\nr{n} ::= "z"'
+    assert matches(RulesGrammar(through), "a" * n + "z") and not matches(RulesGrammar(through), "a" * (n - 1) + "z")
+    empty = 'root ::= r0 "q"\n' + "\n".join(f"r{i} ::= r{i + 1}" for i in range(n)) + f'\nr{n} ::= "" | "x"'
+    assert matches(RulesGrammar(empty), "q") and matches(RulesGrammar(empty), "xq")
+    looping = "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} "x" | "y"' for i in range(n)) + '\nr500 ::= r0 "w"'
+    with pytest.raises(UserError, match="left recursion through r0 -> r1 -> r2 -> "):
+        grammar_format(looping)
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("root: a", "Lark grammar"), ('x ::= "a"', "no rule `root`"), ("root ::= a", "rule 'a' is not defined"),
     ('root ::= "a" root', "can never finish"), ("root ::= []", "can never finish"),

@@ -298,20 +298,37 @@ class RuleSet:
     # ---- what the recogniser relies on -----------------------------------------------------------------------
     def nullable(self) -> list[bool]:
         """Whether each rule may match the empty string."""
-        return self._fixpoint(lambda done, s: s >= 0 and done[s])
+        return self._fixpoint(lambda symbol: False)
 
     def productive(self) -> list[bool]:
         """Whether each rule can finish: some alternative whose symbols all can (a class unless it is empty)."""
-        return self._fixpoint(lambda done, s: done[s] if s >= 0 else self.classes[-1 - s].meets(0, 0x10FFFF))
+        return self._fixpoint(lambda symbol: self.classes[-1 - symbol].meets(0, 0x10FFFF))
 
-    def _fixpoint(self, holds) -> list[bool]:
+    def _fixpoint(self, class_holds) -> list[bool]:
+        """The rules with an alternative whose symbols all hold: a class where `class_holds` says so, a rule once it
+        is found to. A worklist: each alternative counts its symbols not known to hold, and a rule found wakes the
+        alternatives that use it (linear in the grammar's size, where sweeping until nothing changes is not)."""
         done = [False] * len(self.names)
-        changed = True
-        while changed:
-            changed = False
-            for number, alts in enumerate(self.alternatives):
-                if not done[number] and any(all(holds(done, s) for s in alt) for alt in alts):
-                    done[number] = changed = True
+        missing: dict[tuple[int, int], int] = {}  # (rule, alternative) -> its rules not yet found
+        users: dict[int, list[tuple[int, int]]] = {}  # rule -> the alternatives using it, once per use
+        found = []
+        for rule, alternatives in enumerate(self.alternatives):
+            for k, alternative in enumerate(alternatives):
+                if not all(class_holds(symbol) for symbol in alternative if symbol < 0):
+                    continue  # a class that never holds: so never does the alternative
+                for symbol in alternative:
+                    if symbol >= 0:
+                        users.setdefault(symbol, []).append((rule, k))
+                missing[(rule, k)] = sum(symbol >= 0 for symbol in alternative)
+                if missing[(rule, k)] == 0 and not done[rule]:
+                    done[rule] = True
+                    found.append(rule)
+        while found:
+            for rule, k in users.get(found.pop(), ()):
+                missing[(rule, k)] -= 1
+                if missing[(rule, k)] == 0 and not done[rule]:
+                    done[rule] = True
+                    found.append(rule)
         return done
 
     def reachable(self, start: int) -> list[int]:
@@ -348,32 +365,67 @@ class RuleSet:
                     edges[r].append((s, i < len(alt) - 1))
                     if not empty[s]:
                         break
-        for r in rules:
-            path = self._path_back(r, edges)
-            if path is not None:
-                names = [self.names[s].split("#")[0] for s in path]  # a helper rule by the rule it serves
-                return [n for i, n in enumerate(names[:-1]) if i == 0 or n != names[i - 1]] + names[-1:]
+        component = components(rules, {r: [s for s, _ in edges[r]] for r in rules})
+        for r in rules:  # a growing edge lies on a cycle exactly where both its ends share a component
+            for s, grows in edges[r]:
+                if grows and component[s] == component[r]:
+                    path = [r] + _path(s, r, edges, component)
+                    names = [self.names[n].split("#")[0] for n in path]  # a helper rule by the rule it serves
+                    return [n for i, n in enumerate(names[:-1]) if i == 0 or n != names[i - 1]] + names[-1:]
         return None
 
-    @staticmethod
-    def _path_back(start: int, edges: dict) -> list[int] | None:
-        """A path from `start` back to it through at least one growing edge (a search over (rule, grown so far))."""
-        seen: dict[tuple[int, bool], tuple | None] = {(start, False): None}
-        todo = [(start, False)]
-        while todo:
-            node = todo.pop()
-            for following, grows in edges[node[0]]:
-                key = (following, node[1] or grows)
-                if key == (start, True):
-                    path, at = [start], node
-                    while at is not None:
-                        path.append(at[0])
-                        at = seen[at]
-                    return path[::-1]
-                if key not in seen:
-                    seen[key] = node
-                    todo.append(key)
-        return None
+
+def components(nodes: list[int], edges: dict[int, list[int]]) -> dict[int, int]:
+    """Each node's strongly connected component (Tarjan's algorithm, without recursion: grammars nest deep)."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    component: dict[int, int] = {}
+    stack: list[int] = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, next_edge = work.pop()
+            if next_edge == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+            for k in range(next_edge, len(edges[node])):
+                following = edges[node][k]
+                if following not in index:
+                    work += [(node, k + 1), (following, 0)]
+                    break
+                if following not in component:  # on the stack
+                    low[node] = min(low[node], index[following])
+            else:
+                if low[node] == index[node]:
+                    while True:
+                        member = stack.pop()
+                        component[member] = node
+                        if member == node:
+                            break
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+    return component
+
+
+def _path(start: int, end: int, edges: dict, component: dict) -> list[int]:
+    """A shortest path from `start` to `end` inside their component (both ends included)."""
+    before, todo = {start: None}, [start]
+    while end not in before:
+        following = []
+        for node in todo:
+            for s, _ in edges[node]:
+                if s not in before and component[s] == component[start]:
+                    before[s] = node
+                    following.append(s)
+        todo = following
+    path, at = [], end
+    while at is not None:
+        path.append(at)
+        at = before[at]
+    return path[::-1]
 
 
 class RuleAutomaton:
