@@ -30,7 +30,7 @@ import re
 
 from .errors import UserError
 from .patterns import ANY, INFINITE, CharSet
-from .regex_grammar import PatternGrammar, shared_grammar
+from .regex_grammar import PATTERN, PatternGrammar, shared_grammar
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 RULE_START = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*)[ \t]*(\[[^\]\n]*\])?[ \t]*::=")
@@ -509,6 +509,15 @@ class RulesGrammar(PatternGrammar):
     kind = "grammar"
     table_states = 0
     automaton = staticmethod(compile_rules)
+
+    # A state carries its set of stacks itself, not a number for it: a grammar that nests has states without end,
+    # and numbering them would keep every one met for as long as the grammar is in use (masks and moves are kept
+    # in caches of bounded size instead).
+    def state_set(self, states: frozenset) -> frozenset:
+        return states
+
+    def _state(self, states: frozenset) -> tuple:
+        return (PATTERN, states)
 
 
 def rules_grammar(text: str, thinking: str | None = None) -> RulesGrammar:

@@ -77,7 +77,7 @@ class PatternGrammar(ByteGrammar):
         return following
 
     def _move(self, number: int, reading: tuple, byte: int) -> tuple | None:
-        states = self.parts[number]
+        states = self.state_set(number)
         if not reading:
             if byte < 0x80:
                 return self._character(states, byte)
@@ -103,6 +103,10 @@ class PatternGrammar(ByteGrammar):
     def _character(self, states: frozenset, code: int) -> tuple | None:
         following = self.pattern.step(states, code)
         return self._state(following) if following else None
+
+    def state_set(self, number: int) -> frozenset:
+        """The automaton's states behind a state's number."""
+        return self.parts[number]
 
     def _state(self, states: frozenset) -> tuple:
         number = self.numbers.get(states)
@@ -142,12 +146,12 @@ class PatternGrammar(ByteGrammar):
     def may_end(self, state: tuple) -> bool:
         if state[0] != PATTERN:
             return self.thought_may_end(state)
-        return len(state) == 2 and self.pattern.accepts(self.parts[state[1]])
+        return len(state) == 2 and self.pattern.accepts(self.state_set(state[1]))
 
     def finished(self, state: tuple) -> bool:
         """Whether the output is a match that no further character keeps one."""
         return state[0] == PATTERN and self.may_end(state) and \
-            not self.pattern.can_take(self.parts[state[1]], 0, 0x10FFFF)
+            not self.pattern.can_take(self.state_set(state[1]), 0, 0x10FFFF)
 
     def after_special(self, state: tuple) -> tuple | None:
         # a special token has no characters to match: text only in a thought
