@@ -140,6 +140,17 @@ def test_long_chains_of_rules_compile_and_match():
         grammar_format(looping)
 
 
+def test_nesting_is_bounded_in_the_grammar_and_in_the_output(monkeypatch):
+    import dflash.ebnf as ebnf
+
+    with pytest.raises(UserError, match="nests its groups too deeply"):
+        grammar_format("root ::= " + "(" * 2000 + '"a"' + ")" * 2000)
+    monkeypatch.setattr(ebnf, "MAX_DEPTH", 40)  # an output nested past it is not taken, short of it is
+    grammar = RulesGrammar('root ::= "(" root ")" | "x"')
+    assert matches(grammar, "(" * 30 + "x" + ")" * 30)
+    assert grammar.feed_bytes(grammar.initial, b"(" * 45) is None
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("root: a", "Lark grammar"), ('x ::= "a"', "no rule `root`"), ("root ::= a", "rule 'a' is not defined"),
     ('root ::= "a" root', "can never finish"), ("root ::= []", "can never finish"),

@@ -12,9 +12,10 @@ A rule `name ::= expression` starts on its own line and may span several; names 
 macros (TagDispatch, Token), lookaheads and rule options are refused in one line, as are Lark's grammars.
 
 The recogniser is a pushdown automaton with every choice kept: a state is the set of the parser's possible stacks
-of what is still to come (rule names and character classes, the next on top, as nested pairs (symbol, rest) that
-share their tails), each expanded until a class is on top, or empty where the output may end. A character pops the
-classes it falls in and expands again. The interface is patterns.Pattern's (`start`, `step`, `can_take`,
+of what is still to come (rule names and character classes as flat tuples, the next at the end, so hashing one
+never recurses however deep the output nests), each expanded until a class is on top, or empty where the output
+may end; a reading nested past MAX_DEPTH symbols is dropped. A character pops the classes it falls in and expands
+again. The interface is patterns.Pattern's (`start`, `step`, `can_take`,
 `accepts`), so regex_grammar.PatternGrammar reads the output's UTF-8 bytes through it and structured.py makes its
 masks as for any grammar. What makes that terminate is checked when the grammar compiles: every rule the root
 reaches can finish (so every stack can end, and a state is never a dead end), and no rule reaches itself on its
@@ -40,6 +41,7 @@ SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "b": 0x08, "f": 0x0C, "a": 0x
 HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 MAX_SYMBOLS = 200_000  # of the compiled rules: a repetition {n,m} copies what it repeats
 MAX_STACKS = 20_000  # stacks one state may hold: a grammar ambiguous enough to pass it is refused as it generates
+MAX_DEPTH = 10_000  # symbols one stack may hold: an output nested deeper than that is not taken
 MAX_STEPS = 200_000  # steps kept per grammar before they are found again
 
 
@@ -447,24 +449,26 @@ class RuleAutomaton:
             raise UserError(f"left recursion through {' -> '.join(cycle)} is not supported (only a rule's own, "
                             "`a ::= a x | y`); write it to the right: `a ::= y x*`")
         self.source = text
-        self.alternatives, self.classes = rules.alternatives, rules.classes
+        self.classes = rules.classes
+        # each alternative as it goes onto a stack: its symbols last first, the next to match at the end
+        self.pushed = [[tuple(reversed(alternative)) for alternative in alternatives]
+                       for alternatives in rules.alternatives]
         self._steps: dict[tuple[frozenset, int], frozenset] = {}
-        self.start = self._expand([(root, None)])
+        self.start = self._expand([(root,)])
 
     def accepts(self, states: frozenset) -> bool:
-        return None in states
+        return () in states
 
     def can_take(self, states: frozenset, low: int, high: int, budget: float = INFINITE) -> bool:
         """Whether some character in [low, high] goes on from `states` (every stack can finish, so any that takes
         one still leads to a match)."""
-        return any(stack is not None and self.classes[-1 - stack[0]].meets(low, high) for stack in states)
+        return any(stack and self.classes[-1 - stack[-1]].meets(low, high) for stack in states)
 
     def step(self, states: frozenset, code: int) -> frozenset:
         key = (states, code)
         following = self._steps.get(key)
         if following is None:
-            moved = [stack[1] for stack in states
-                     if stack is not None and code in self.classes[-1 - stack[0]]]
+            moved = [stack[:-1] for stack in states if stack and code in self.classes[-1 - stack[-1]]]
             following = self._expand(moved)
             if len(self._steps) > MAX_STEPS:
                 self._steps.clear()
@@ -472,19 +476,18 @@ class RuleAutomaton:
         return following
 
     def _expand(self, stacks) -> frozenset:
-        """Every stack with a class on top (or empty: None) that `stacks` expand to."""
+        """Every stack with a class on top (or empty) that `stacks` expand to; readings nested past MAX_DEPTH
+        symbols are dropped."""
         ready, seen, todo = set(), set(stacks), list(stacks)
         while todo:
             stack = todo.pop()
-            if stack is None or stack[0] < 0:
+            if not stack or stack[-1] < 0:
                 ready.add(stack)
                 continue
-            rest = stack[1]
-            for alternative in self.alternatives[stack[0]]:
-                pushed = rest
-                for symbol in reversed(alternative):
-                    pushed = (symbol, pushed)
-                if pushed not in seen:
+            rest = stack[:-1]
+            for alternative in self.pushed[stack[-1]]:
+                pushed = rest + alternative
+                if pushed not in seen and len(pushed) <= MAX_DEPTH:
                     seen.add(pushed)
                     todo.append(pushed)
             if len(seen) > MAX_STACKS:
@@ -498,7 +501,10 @@ def compile_rules(text: str) -> RuleAutomaton:
     """The automaton of a grammar's text (refused in one line where it cannot be enforced), one each while in use."""
     if not isinstance(text, str) or not text.strip():
         raise UserError("a grammar must be EBNF text with a rule `root ::= ...`")
-    return RuleAutomaton(text)
+    try:
+        return RuleAutomaton(text)
+    except RecursionError:
+        raise UserError("the grammar nests its groups too deeply to compile") from None
 
 
 class RulesGrammar(PatternGrammar):
