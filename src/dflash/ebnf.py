@@ -14,7 +14,7 @@ macros (TagDispatch, Token), lookaheads and rule options are refused in one line
 The recogniser is a pushdown automaton with every choice kept: a state is the set of the parser's possible stacks
 of what is still to come (rule names and character classes as flat tuples, the next at the end, so hashing one
 never recurses however deep the output nests), each expanded until a class is on top, or empty where the output
-may end; a reading nested past MAX_DEPTH symbols is dropped. A character pops the classes it falls in and expands
+may end; a reading nested past MAX_DEPTH symbols, or past MAX_STACKS readings, is dropped. A character pops the classes it falls in and expands
 again. The interface is patterns.Pattern's (`start`, `step`, `can_take`,
 `accepts`), so regex_grammar.PatternGrammar reads the output's UTF-8 bytes through it and structured.py makes its
 masks as for any grammar. What makes that terminate is checked when the grammar compiles: every rule the root
@@ -40,7 +40,9 @@ SIMPLE_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "b": 0x08, "f": 0x0C, "a": 0x
                   "e": 0x1B}
 HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 MAX_SYMBOLS = 200_000  # of the compiled rules: a repetition {n,m} copies what it repeats
-MAX_STACKS = 20_000  # stacks one state may hold: a grammar ambiguous enough to pass it is refused as it generates
+# readings one expansion may hold: a grammar ambiguous enough to pass it keeps the first ones met (in an order that
+# is the same every run), so its output stays one the grammar allows, and no request fails the batch it runs in
+MAX_STACKS = 20_000
 MAX_DEPTH = 10_000  # symbols one stack may hold: an output nested deeper than that is not taken
 MAX_STEPS = 200_000  # steps kept per grammar before they are found again
 
@@ -487,12 +489,9 @@ class RuleAutomaton:
             rest = stack[:-1]
             for alternative in self.pushed[stack[-1]]:
                 pushed = rest + alternative
-                if pushed not in seen and len(pushed) <= MAX_DEPTH:
+                if pushed not in seen and len(pushed) <= MAX_DEPTH and len(seen) < MAX_STACKS:
                     seen.add(pushed)
                     todo.append(pushed)
-            if len(seen) > MAX_STACKS:
-                raise UserError(f"the grammar is too ambiguous to enforce here (over {MAX_STACKS} ways to read the "
-                                "output so far); make its alternatives differ in their first characters")
         return frozenset(ready)
 
 
