@@ -9,19 +9,20 @@ A rule `name ::= expression` starts on its own line and may span several; names 
 `.`, not starting with a digit; `root` is the whole output. An expression is built of "literals" (the escapes `\\n \\r
 \\t \\\\ \\" \\xHH \\uHHHH \\UHHHHHHHH` and the like), character classes (`[a-z_]`, `[^"\\\\]`, `[^]` any character),
 `.` (any character), rule names, `( groups )`, alternatives `|` and the repetitions `? * + {n} {n,} {n,m}`. xgrammar's
-macros (TagDispatch, Token), lookaheads and rule options are refused in one line, as are Lark's grammars.
+macros (TagDispatch, Token), lookaheads and rule options are refused in one line. A grammar in Lark's syntax
+(`start: ...`, no `::=`) is read by lark_grammar.py into the same trees.
 
-The recogniser is a pushdown automaton with every choice kept: a state is the set of the parser's possible stacks
-of what is still to come (rule names and character classes as flat tuples, the next at the end, so hashing one
-never recurses however deep the output nests), each expanded until a class is on top, or empty where the output
-may end; a reading nested past MAX_DEPTH symbols, or past MAX_STACKS readings, is dropped. A character pops the classes it falls in and expands
-again. The interface is patterns.Pattern's (`start`, `step`, `can_take`,
-`accepts`), so regex_grammar.PatternGrammar reads the output's UTF-8 bytes through it and structured.py makes its
-masks as for any grammar. What makes that terminate is checked when the grammar compiles: every rule the root
-reaches can finish (so every stack can end, and a state is never a dead end), and no rule reaches itself on its
-left with something after it (left recursion, which would stack without end). Direct left recursion (`expr ::= expr
-"+" term | term`) is rewritten to the right (`expr ::= term expr'`, `expr' ::= "+" term expr' | ""`), which keeps the
-language; left recursion through other rules is refused with the rules named.
+The recogniser is a pushdown automaton with every choice kept: a state is the set of the parser's possible stacks of
+what is still to come (rule names and character classes as flat tuples, the next at the end, so hashing one never
+recurses however deep the output nests), each expanded until a class is on top, or empty where the output may end; a
+reading nested past MAX_DEPTH symbols, or past MAX_STACKS readings, is dropped. A character pops the classes it
+falls in and expands again. The interface is patterns.Pattern's (`start`, `step`, `can_take`, `accepts`), so
+regex_grammar.PatternGrammar reads the output's UTF-8 bytes through it and structured.py makes its masks as for any
+grammar. What makes that terminate is checked when the grammar compiles: every rule the root reaches can finish (so
+every stack can end, and a state is never a dead end), and no rule reaches itself on its left with something after
+it (left recursion, which would stack without end). Direct left recursion (`expr ::= expr "+" term | term`) is
+rewritten to the right (`expr ::= term expr'`, `expr' ::= "+" term expr' | ""`), which keeps the language; left
+recursion through other rules is refused with the rules named.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import functools
 import re
 
 from .errors import UserError
+from .lark_grammar import lark_trees, looks_like_lark
 from .patterns import ANY, INFINITE, CharSet
 from .regex_grammar import PATTERN, PatternGrammar, shared_grammar
 
@@ -64,7 +66,7 @@ class _Reader:
         self.skip()
         if self.at < len(self.text) and not RULE_START.match(self.text, self.at):
             if re.match(r"[A-Za-z_?!][\w.]*[ \t]*:(?!:)", self.text[self.at:]):
-                self.fail("this reads as a Lark grammar (`name: ...`); write EBNF rules as `name ::= ...`")
+                self.fail("this mixes Lark's `name: ...` with EBNF's `name ::= ...`: write one or the other")
             self.fail("expected a rule, `name ::= expression`")
         while self.at < len(self.text):
             start = RULE_START.match(self.text, self.at)
@@ -226,14 +228,23 @@ class _Reader:
         return self.escape() if char == "\\" else ord(char)
 
 
+def grammar_trees(text: str) -> tuple[dict[str, tuple], str]:
+    """(the grammar's rules as trees, the name of the output's rule): EBNF's (`root ::= ...`), or Lark's
+    (`start: ...`, lark_grammar.py)."""
+    if looks_like_lark(text):
+        return lark_trees(text)
+    trees = _Reader(text).rules()
+    if "root" not in trees:
+        raise UserError("the grammar has no rule `root` (where the output starts)")
+    return trees, "root"
+
+
 class RuleSet:
     """Rules lowered to alternatives of symbols: a symbol >= 0 is a rule (`self.names[symbol]`), one < 0 a character
     class (`self.classes[-1 - symbol]`)."""
 
     def __init__(self, text: str):
-        trees = _Reader(text).rules()
-        if "root" not in trees:
-            raise UserError("the grammar has no rule `root` (where the output starts)")
+        trees, self.root = grammar_trees(text)
         self.text, self.size = text, 0
         self.names: list[str] = []
         self.numbers: dict[str, int] = {}
@@ -438,7 +449,7 @@ class RuleAutomaton:
     def __init__(self, text: str):
         rules = RuleSet(text)
         rules.unleft()
-        root = rules.numbers["root"]
+        root = rules.numbers[rules.root]
         used = rules.reachable(root)
         finishes = rules.productive()
         stuck = [rules.names[r] for r in used if not finishes[r]]
