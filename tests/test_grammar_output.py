@@ -13,11 +13,9 @@ import pytest
 
 from conftest import ARCHS
 from dflash.ebnf import RulesGrammar, compile_rules, grammar_format
-from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
 from dflash.methods.ngram import NgramProposer
-from dflash.sampling import SamplingConfig
-from test_structured import assert_masks_are_fed, plain_constrained_loop, proposers
+from test_structured import assert_held_like_the_plain_loop, assert_masks_are_fed
 
 # each grammar beside a regular expression for the same strings
 REGULAR = [
@@ -237,13 +235,8 @@ def test_constrained_outputs_are_the_plain_loops_for_every_proposer(byte_targets
     prompt_ids = target.encode_prompt("What is it?")
     for grammar_text in (ARITHMETIC, 'root ::= "It is " [0-9]{1,3} (" kg" | " g") "."'):
         grammar = RulesGrammar(grammar_text)
-        for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9, seed=4)):
-            expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=24, grammar=grammar)
-            config = GenerationConfig(24, sampling=sampling, response_format="grammar",
-                                      json_schema={"grammar": grammar_text})
-            for name, proposer in proposers(target, expected, len(prompt_ids)).items():
-                result = SpeculativeDecoder(target, proposer).generate(prompt_ids, config)
-                assert result.tokens == expected, (name, grammar_text, sampling)
+        for result in assert_held_like_the_plain_loop(target, prompt_ids, grammar, "grammar",
+                                                      {"grammar": grammar_text}):
             if result.finish_reason == "stop":
                 assert matches(grammar, result.text), result.text
 

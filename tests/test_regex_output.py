@@ -14,7 +14,8 @@ from dflash.errors import UserError
 from dflash.methods.ngram import NgramProposer
 from dflash.regex_grammar import PatternGrammar, choice_expression, pattern_format, unanchored
 from dflash.sampling import SamplingConfig
-from test_structured import assert_masks_are_fed, plain_constrained_loop, proposers
+from test_structured import (assert_held_like_the_plain_loop, assert_masks_are_fed, plain_constrained_loop,
+                             proposers)
 
 CHOICES = ["C++", "a.b", "(x)", "naïve", "yes", "yes!"]
 EXPRESSIONS = [r"(?P<area>\d{3})-(?P<number>\d{4})", r"(yes|no|maybe)", r"[a-z]+( [a-z]+)*", r"é+x?ü{0,2}",
@@ -79,14 +80,8 @@ def test_constrained_outputs_are_the_plain_loops_for_every_proposer(byte_targets
     target = byte_targets[arch]
     prompt_ids = target.encode_prompt("Is it good?")
     for expression in (choice_expression(["positive", "negative", "neutral"]), r"[0-9]{1,3}(\.[0-9])? (kg|g)"):
-        grammar = PatternGrammar(expression)
-        for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9, seed=4)):
-            expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=24, grammar=grammar)
-            config = GenerationConfig(24, sampling=sampling, response_format="regex",
-                                      json_schema={"regex": expression})
-            for name, proposer in proposers(target, expected, len(prompt_ids)).items():
-                result = SpeculativeDecoder(target, proposer).generate(prompt_ids, config)
-                assert result.tokens == expected, (name, expression, sampling)
+        for result in assert_held_like_the_plain_loop(target, prompt_ids, PatternGrammar(expression), "regex",
+                                                      {"regex": expression}):
             assert result.finish_reason == "stop" and re.fullmatch(expression, result.text), result.text
 
 

@@ -451,6 +451,21 @@ def plain_constrained_loop(target, prompt_ids, sampling: SamplingConfig, max_new
     return sequence[len(prompt_ids):]
 
 
+def assert_held_like_the_plain_loop(target, prompt_ids, grammar, response_format: str, json_schema: dict,
+                                    max_new: int = 24):
+    """Greedy and seeded: every proposer's output under the format is the plain constrained loop's under `grammar`.
+    Returns the greedy and the seeded result."""
+    results = []
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.9, seed=4)):
+        expected = plain_constrained_loop(target, prompt_ids, sampling, max_new=max_new, grammar=grammar)
+        config = GenerationConfig(max_new, sampling=sampling, response_format=response_format, json_schema=json_schema)
+        for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+            result = SpeculativeDecoder(target, proposer).generate(prompt_ids, config)
+            assert result.tokens == expected, (name, json_schema, sampling)
+        results.append(result)
+    return results
+
+
 def proposers(target, reference, prompt_len):
     return {
         "ar": Proposer(), "ngram": NgramProposer(max_draft=7), "random": RandomProposer(target.vocab_size, 15),
