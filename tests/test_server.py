@@ -588,3 +588,31 @@ def test_a_developer_message_is_the_system_message():
     body = schemas().ChatRequest(model=MODEL, messages=[developer, {"role": "user", "content": "u"}])
     assert [m.as_dict() for m in body.messages] == [{"role": "system", "content": "d"},
                                                     {"role": "user", "content": "u"}]
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(target, proposer, reference):
+    """As vLLM's --generation-config auto: the model's generation_config.json settings (here greedy's temperature 0,
+    then top-k 1) are the defaults of requests that send none; a request's own settings win."""
+    prompt = PROMPTS[2]
+    ids = target.encode_messages([{"role": "user", "content": prompt}])
+    greedy, seeded = reference(ids).text, reference(ids, temperature=1.0, seed=3).text
+    assert greedy != seeded
+    for defaults in ({"temperature": 0.0}, {"top_k": 1}):
+        with BackgroundServer(create_app(target, proposer, "tiny", sampling_defaults=defaults)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+            def ask(**kwargs):
+                return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=MAX_TOKENS, **kwargs).choices[0].message.content
+
+            assert ask(seed=3) == greedy  # the default holds
+            if "temperature" in defaults:
+                assert ask(temperature=1.0, seed=3) == seeded  # the request's own temperature wins
+    config = target.model.generation_config
+    old = config.temperature, config.top_k
+    try:
+        config.temperature, config.top_k = 0.6, 20
+        assert target.sampling_defaults == {"temperature": 0.6, "top_k": 20}
+    finally:
+        config.temperature, config.top_k = old
+    assert target.sampling_defaults == {}

@@ -131,7 +131,8 @@ def run(args) -> int:
     in_flight = 2 * args.max_batch
     app = create_app(target, proposer, served_names(args.target, requests), max_batch_size=args.max_batch,
                      max_queue=in_flight, default_max_tokens=args.max_new_tokens, adaptive=not args.whole_blocks,
-                     tool_format=args.tool_format, reasoning_parser=args.reasoning_parser)
+                     tool_format=args.tool_format, reasoning_parser=args.reasoning_parser,
+                     sampling_defaults=target.sampling_defaults)  # bodies as `dflash serve` answers them
     output.parent.mkdir(parents=True, exist_ok=True)
     start, written = time.perf_counter(), 0
     try:

@@ -72,6 +72,9 @@ class TargetOutput:
     hidden: torch.Tensor | None = None  # [batch, seq, hidden]: the last layer's output, when logits_at="hidden"
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # sampling_defaults' keys
+
+
 @dataclass
 class TargetModel:
     model: nn.Module
@@ -148,6 +151,14 @@ class TargetModel:
     @property
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling settings the model's generation_config.json sets itself (temperature, top_p, top_k, min_p,
+        repetition_penalty; what vLLM's `--generation-config auto` makes a request's defaults); {} where none."""
+        config = getattr(self.model, "generation_config", None)
+        given = config.to_diff_dict() if config is not None else {}
+        return {key: given[key] for key in SAMPLING_DEFAULTS if given.get(key) is not None}
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -87,6 +87,7 @@ class Service:
     model_names: tuple[str, ...]  # the ids clients may send (vLLM's --served-model-name); the first is the default
     default_max_tokens: int
     reasoning_parser: str | None = None  # a chat reply's thinking comes back apart (reasoning.py)
+    sampling_defaults: dict = field(default_factory=dict)  # for the fields a request leaves out (--generation-config)
 
     @property
     def proposer(self):
@@ -101,6 +102,14 @@ class Service:
             served = " or ".join(map(repr, self.model_names))
             raise ModelNotFound(f"model {requested!r} is not served here; this server serves {served}")
 
+    def choice_configs(self, body, tools: "ToolRequest | None" = None) -> list:
+        """The engine's config of each of the request's choices, the model's sampling defaults in the fields it left
+        out (as vLLM's --generation-config auto)."""
+        for key, value in self.sampling_defaults.items():
+            if key not in body.model_fields_set and key in type(body).model_fields:
+                setattr(body, key, value)
+        return choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
+
     def answering_as(self, requested: str | None) -> str:
         """The model id a reply names: the one the request sent (one of the served names), else the first."""
         return requested if requested in self.model_names else self.model_name
@@ -109,7 +118,7 @@ class Service:
                  tools: "ToolRequest | None" = None) -> tuple[list, Exchange]:
         """The engine's config for each of the request's choices and the request's exchange, its prompt checked to
         fit (chat, the Responses and the Messages APIs share them)."""
-        configs = choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
+        configs = self.choice_configs(body, tools)
         check_fits(prompt_ids, self.worker.engine)
         reasoning = chat and self.reasoning_parser is not None
         thinking = thinking_of(self.target, prompt_ids, self.reasoning_parser if chat else None)
@@ -169,7 +178,7 @@ class Service:
         prompt's tokens), all under one id."""
         runs = []
         for one, prompt_ids in zip(bodies, ids):
-            configs = choice_configs(one, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size)
+            configs = self.choice_configs(one)
             exchange = Exchange(False, self.answering_as(one.model), self.proposer.name, len(prompt_ids),
                                 self.target.tokenizer, echo=echoed_prompt(self.target, one, prompt_ids),
                                 scores_only=scores_only(one))
@@ -287,13 +296,15 @@ class ApiKeyMiddleware:
 def create_app(target, proposer, model_name: str | list[str], *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
                prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None,
-               tool_format: str = "auto", reasoning_parser: str | None = None) -> "FastAPI":
+               tool_format: str = "auto", reasoning_parser: str | None = None,
+               sampling_defaults: dict | None = None) -> "FastAPI":
     """The ASGI app serving `target` with `proposer` under the name `model_name` (or several names, the first the
     default): up to `max_batch_size` requests
     decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
     keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py); tool calls in
     `tool_format` (tools.tool_style); `reasoning_parser` "think" (or vLLM's names for it): chat replies' thinking
-    apart from their answers (reasoning.py)."""
+    apart from their answers (reasoning.py); `sampling_defaults`: temperature, top_p, ... for the requests that set
+    none (TargetModel.sampling_defaults, the model's own)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -311,7 +322,8 @@ def create_app(target, proposer, model_name: str | list[str], *, default_max_tok
                       running=lambda: holder["worker"].running)
     worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
-    service = Service(target, worker, metrics, names, default_max_tokens, check_parser(reasoning_parser))
+    service = Service(target, worker, metrics, names, default_max_tokens, check_parser(reasoning_parser),
+                      dict(sampling_defaults or {}))
     call_style = tool_style(target.tokenizer, tool_format)
     body_types = schemas()
 
@@ -535,6 +547,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "/version (default: $DFLASH_API_KEY; unset = open)")
     add_tool_format_argument(p)
     add_reasoning_argument(p)
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: the sampling settings the model's generation_config.json sets (temperature, top_p, "
+                        "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
+                        "vLLM's --generation-config auto; none: OpenAI's defaults (temperature 1, top_p 1)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -562,10 +578,14 @@ def run(args) -> int:
     warm_up = GenerationConfig(max_new_tokens=4)
     SpeculativeDecoder(target, proposer).generate(target.encode_prompt("Hello", chat=True), warm_up)
     names = args.served_model_name or [args.target]
+    defaults = target.sampling_defaults if args.generation_config == "auto" else {}
+    if defaults:
+        print(f"[dflash] requests that leave them out sample with the model's own {defaults} "
+              "(generation_config.json; --generation-config none for OpenAI's defaults)", file=sys.stderr)
     app = create_app(target, proposer, names, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
                      prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key, tool_format=args.tool_format,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, sampling_defaults=defaults)
     port = sock.getsockname()[1]
     served = " / ".join(map(repr, names))
     print(f"[dflash] serving {served} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
