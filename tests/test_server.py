@@ -616,3 +616,13 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_out(target, pro
     finally:
         config.temperature, config.top_k = old
     assert target.sampling_defaults == {}
+
+
+def test_fields_this_server_does_not_read_are_named_in_the_log(client, caplog):
+    """As vLLM logs them: a client that sends OpenAI's legacy `functions` learns from the log why nothing called."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dflash.server"):
+        reply = chat(client, PROMPTS[0], extra_body={"functions": [{"name": "f", "parameters": {}}], "x_custom": 1})
+    assert reply.choices[0].message.content is not None
+    assert any("functions, x_custom" in record.getMessage() for record in caplog.records)

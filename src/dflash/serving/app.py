@@ -88,6 +88,7 @@ class Service:
     default_max_tokens: int
     reasoning_parser: str | None = None  # a chat reply's thinking comes back apart (reasoning.py)
     sampling_defaults: dict = field(default_factory=dict)  # for the fields a request leaves out (--generation-config)
+    ignored_fields: set = field(default_factory=set)  # request fields already logged as not read (note_ignored)
 
     @property
     def proposer(self):
@@ -101,6 +102,14 @@ class Service:
         if requested is not None and requested not in self.model_names:
             served = " or ".join(map(repr, self.model_names))
             raise ModelNotFound(f"model {requested!r} is not served here; this server serves {served}")
+
+    def note_ignored(self, body) -> None:
+        """Log the fields a request sent that this server does not read (as vLLM does), each name once: a client
+        that expects one to do something (`functions`, `audio`) learns why it did not."""
+        unread = sorted(set(body.model_extra or {}) - self.ignored_fields)
+        if unread:
+            self.ignored_fields.update(unread)
+            log.warning("requests' fields this server does not read, ignored: %s", ", ".join(unread))
 
     def choice_configs(self, body, tools: "ToolRequest | None" = None) -> list:
         """The engine's config of each of the request's choices, the model's sampling defaults in the fields it left
@@ -118,6 +127,7 @@ class Service:
                  tools: "ToolRequest | None" = None) -> tuple[list, Exchange]:
         """The engine's config for each of the request's choices and the request's exchange, its prompt checked to
         fit (chat, the Responses and the Messages APIs share them)."""
+        self.note_ignored(body)
         configs = self.choice_configs(body, tools)
         check_fits(prompt_ids, self.worker.engine)
         reasoning = chat and self.reasoning_parser is not None

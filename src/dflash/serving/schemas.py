@@ -70,7 +70,7 @@ def schemas() -> SimpleNamespace:
         json_schema: JsonSchemaFormat | None = None
 
     class OpenAIFields(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="allow")  # kept to be named in the log (Service.prepared), then unused
         model: str | None = None
         max_tokens: int | None = None
         temperature: float = 1.0  # OpenAI's default; send 0 for greedy (lossless vs `dflash generate`)
