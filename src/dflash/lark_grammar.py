@@ -92,6 +92,10 @@ def is_terminal(name: str) -> bool:
 
 
 class _LarkReader:
+    """A reader of a Lark grammar's tokens (TOKEN) into ebnf.py's trees, definition by definition: a statement ends
+    at a line's end unless the next line goes on with `|`; a rule's terminals are marked ("terminal", tree) until
+    the whole grammar says whether anything is ignored (finished)."""
+
     def __init__(self, text: str):
         self.text = text
         self.tokens = self._tokens(text)
