@@ -7,7 +7,7 @@ Usage: .venv/bin/python scripts/prediction_bench.py [DATASET] [N] [MAX_TOKENS] [
        (defaults: humaneval 8 192 runs/prediction_bench; DATASET a file name in ../shared/data without .jsonl's
        split, as dflash bench names them: humaneval, gsm8k, mt_bench)
 Prints a table (tokens/s, speedup over `ar`, the prediction's drafts accepted and rejected) and writes
-OUT_DIR/prediction_bench.json.
+OUT_DIR/prediction_bench_DATASET.json.
 """
 
 import json
@@ -74,7 +74,7 @@ def main() -> None:
         print(f"| {scenario} | {rate[scenario]:.1f} | {rate[scenario] / rate['ar']:.2f}x | {counts} |")
     total = count * REPEATS * len(SCENARIOS)
     print(f"outputs the same as without a prediction: {same} of {total}")
-    (folder / "prediction_bench.json").write_text(json.dumps({
+    (folder / f"prediction_bench_{dataset}.json").write_text(json.dumps({
         "dataset": dataset, "prompts": count, "max_tokens": max_tokens, "repeats": REPEATS,
         "tokens_per_s": rate, "accepted": accepted, "rejected": rejected, "same_outputs": same, "runs": total,
         "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
