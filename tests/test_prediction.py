@@ -167,3 +167,28 @@ def test_llm_and_generate_take_a_prediction(tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "Hi?", "prediction": {"type": "x"}}) + "\n")
     assert main(batch[:3] + [str(tmp_path / "other.jsonl")] + batch[4:]) == 2
     assert "in.jsonl:1: prediction type" in capsys.readouterr().err
+
+
+def test_requests_start_from_what_earlier_predictions_taught(byte_targets, monkeypatch):
+    """A finished request's acceptance of its prediction folds into a prior of at most PREDICTION_PRIOR_TRIALS trials
+    a position, which the next request with a prediction starts from (and then learns its own)."""
+    from dflash.engine import PREDICTION_PRIOR_TRIALS, Engine
+    from test_control import FakeClock
+
+    target, proposer, clock = byte_targets["llama"], NgramProposer(max_draft=7), FakeClock()
+    clock.install(monkeypatch, target, proposer)
+    engine = Engine(target, proposer, timer=clock)
+    prompt = target.encode_prompt("Write it again.")
+    plain = engine.submit(prompt, GenerationConfig(48, ignore_eos=True))
+    engine.run()
+    predicting = GenerationConfig(48, ignore_eos=True, prediction=tuple(plain.result.tokens))
+    first = engine.submit(prompt, predicting)
+    assert sum(first.controller.lookup_calibration._positions(PREDICTION_LABEL)[0]) == 0  # nothing learnt yet
+    engine.run()
+    tried, hits = engine._calibration("prediction")._positions(PREDICTION_LABEL)
+    assert 0 < max(tried) <= PREDICTION_PRIOR_TRIALS and sum(hits) / sum(tried) > 0.8
+    second = engine.submit(prompt, predicting)
+    assert second.controller.lookup_calibration._positions(PREDICTION_LABEL) == (tried, hits)
+    engine.run()
+    assert second.result.tokens == plain.result.tokens
+    assert second.result.stats.num_rounds <= first.result.stats.num_rounds

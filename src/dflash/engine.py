@@ -52,6 +52,7 @@ PROMPT_LOGITS_CHUNK = 256  # prompt positions whose logits are scored at once (G
 # runner-up candidates a drafter reads at each position for a sequence under a grammar: where the grammar refuses
 # its draft, the first of them it allows takes the draft's place (within_grammar)
 GRAMMAR_RUNNERS_UP = 7
+PREDICTION_PRIOR_TRIALS = 4.0  # trials a position of the prior of predictions' drafts holds (_learn_prediction_prior)
 OVERRUN_SMOOTHING = 0.1  # EMA weight of a wide round's "some row needed logits past FIRST_LOGITS"
 
 
@@ -271,11 +272,14 @@ class Engine:
         if config.sampling.min_tokens:  # the stop tokens min_tokens holds back
             config = replace(config, sampling=replace(config.sampling, held_back=tuple(sorted(stop_ids))))
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
-        lookup = self._calibration("lookup")  # a prediction's drafts are as good as the request: learnt for it alone
+        lookup = self._calibration("lookup")
+        if config.prediction:  # a prediction's drafts are as good as the request: learnt for it, from a light prior
+            lookup = copy.deepcopy(lookup)
+            prior = self._calibration("prediction")._positions(PREDICTION_LABEL)
+            lookup.by_label[PREDICTION_LABEL] = (list(prior[0]), list(prior[1]))
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
                                      timer=self.timer, calibration=self._calibration("drafter"),
-                                     lookup_calibration=copy.deepcopy(lookup) if config.prediction else lookup,
-                                     tree_calibration=self.tree_calibration)
+                                     lookup_calibration=lookup, tree_calibration=self.tree_calibration)
         seq = Sequence(list(prompt_ids), config, on_tokens, self._fresh_proposer(), controller, max_new, stop_ids,
                        stats, started=time.perf_counter())
         grammar = config.grammar()
@@ -286,6 +290,19 @@ class Engine:
             seq.prediction = PredictedOutput(config.prediction)
         self.waiting.append(seq)
         return seq
+
+    def _learn_prediction_prior(self, seq: Sequence) -> None:
+        """Fold what a request learnt of its prediction's drafts into the prior the next ones start from, scaled
+        to at most PREDICTION_PRIOR_TRIALS trials a position: enough to start where predictions usually are (a
+        fresh one verified 2-6 drafts a round for its first rounds), little enough that a request learns its own."""
+        tried, hits = seq.controller.lookup_calibration._positions(PREDICTION_LABEL)
+        prior = self._calibration("prediction")
+        old_tried, old_hits = prior._positions(PREDICTION_LABEL)
+        new_tried = [a + b for a, b in zip(old_tried, tried)]
+        new_hits = [a + b for a, b in zip(old_hits, hits)]
+        scale = min(1.0, PREDICTION_PRIOR_TRIALS / max(max(new_tried, default=0), 1e-9))
+        prior.by_label[PREDICTION_LABEL] = ([t * scale for t in new_tried], [h * scale for h in new_hits])
+        prior._chained.pop(PREDICTION_LABEL, None)
 
     def _calibration(self, of: str) -> Calibration:
         drafts = self.proposer.max_draft
@@ -785,6 +802,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, finish: str) -> Sequence:
         seq.finish = finish
+        if seq.prediction is not None:
+            self._learn_prediction_prior(seq)
         stats = seq.stats
         stats.total_s = time.perf_counter() - seq.started
         stats.new_tokens = len(seq.output)

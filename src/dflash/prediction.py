@@ -8,7 +8,8 @@ ones after them; where it departs (an edit), the output's last tokens are looked
 tail first, from MAX_MATCH down to MIN_MATCH tokens, forward of where the output left it, then anywhere), and the
 drafts go on after the match, so an edit's end finds the unchanged text again. The drafts are labelled apart
 (PREDICTION_LABEL) and the engine prices them against the drafter's and prompt lookup's like any free draft, with
-their own acceptance learnt per request (a prediction is as good as its request made it).
+their own acceptance learnt per request (a prediction is as good as its request made it), from a light prior of
+what earlier requests' predictions were worth (engine.Engine._learn_prediction_prior).
 """
 
 from __future__ import annotations
