@@ -299,7 +299,7 @@ def test_llm_generate_and_batch_take_a_grammar(tmp_path, capsys):
     argv = ["generate", "--target", "tiny-qwen2-bytes", "--method", "ngram", "--max-new-tokens", "20", "--json"]
     source = tmp_path / "answer.ebnf"
     source.write_text(f"# a grammar in a file\n{grammar_text}\n")
-    for given in (grammar_text, str(source)):
+    for given in (grammar_text, str(source), 'start: /[ab]{2}/ ("!" | "?")'):  # a Lark one inline too
         assert main(argv + ["--grammar", given, "Hi?"]) == 0
         assert re.fullmatch(r"[ab]{2}[!?]", json.loads(capsys.readouterr().out)["text"])
     for extra, message in [(["--grammar", "nothing.ebnf"], "neither"), (["--grammar", "root ::= a"], "not defined"),

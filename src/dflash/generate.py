@@ -100,7 +100,8 @@ def run(args) -> int:
             "draft_length_histogram": stats.draft_length_histogram, "skipped_drafting": stats.skipped_drafting,
             "lookup_rounds": stats.lookup_rounds, "table_rounds": stats.table_rounds,
             "accepted_prediction_tokens": stats.prediction_accepted,
-            "rejected_prediction_tokens": stats.prediction_rejected, "adaptive": not args.whole_blocks, "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
+            "rejected_prediction_tokens": stats.prediction_rejected, "adaptive": not args.whole_blocks,
+            "num_rounds": stats.num_rounds, "ttft_ms": 1000 * stats.ttft_s,
             "tpot_ms": stats.tpot_ms, "engine": target.backend, "kernels": target.kernel_report,
             "drafter": proposer.report,
         }
@@ -174,13 +175,14 @@ def text_or_file(given: str | None) -> str | None:
 
 
 def grammar_text(given: str) -> str:
-    """--grammar: a file holding the grammar, or the grammar itself (text with `::=` in it)."""
-    path = Path(given)
-    if "::=" not in given and path.is_file():
-        return path.read_text()
-    if "::=" not in given:
-        raise UserError(f"--grammar takes an EBNF grammar (`root ::= ...`) or a file holding one; {given!r} is neither")
-    return given
+    """--grammar: a file holding the grammar, or the grammar itself (EBNF's `root ::= ...` or Lark's `start: ...`)."""
+    from .lark_grammar import looks_like_lark
+
+    text = text_or_file(given)
+    if text is given and "::=" not in given and not looks_like_lark(given):
+        raise UserError(f"--grammar takes a grammar (EBNF's `root ::= ...`, Lark's `start: ...`) or a file holding "
+                        f"one; {given!r} is neither")
+    return text
 
 
 def json_schema_from(given: str | None) -> dict | None:

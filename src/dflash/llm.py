@@ -68,8 +68,8 @@ class LLM:
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
-        of these strings; `grammar`: every output is one this EBNF grammar allows (ebnf.py, `root ::= ...`);
-        `logprobs` (0-20): each token's log-probability and that many most likely alternatives, as
+        of these strings; `grammar`: every output is one this grammar allows (EBNF's `root ::= ...` or Lark's
+        `start: ...`, ebnf.py); `logprobs` (0-20): each token's log-probability and that many most likely alternatives, as
         `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
         `min_tokens`: no stop token (EOS) before that many new tokens; `prediction`: the text an output is expected
         to be, or one per prompt (OpenAI's Predicted Outputs: drafted where the output follows it; the output is the

@@ -207,7 +207,8 @@ def add_pattern_arguments(group) -> None:
                        help="the output is exactly one of these strings (vLLM's structured outputs choice)")
     group.add_argument("--grammar", default=None, metavar="FILE|EBNF",
                        help="the whole output is one this grammar allows: EBNF as xgrammar and llama.cpp's GBNF write "
-                            "it, `root ::= ...` (a file, or the grammar itself; vLLM's structured outputs grammar)")
+                            "it, `root ::= ...`, or Lark's `start: ...` (a file, or the grammar itself; vLLM's "
+                            "structured outputs grammar)")
 
 
 def _cuda() -> bool:
