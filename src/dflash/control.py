@@ -83,6 +83,16 @@ class Calibration:
     def _bin(confidence: float) -> int:
         return min(CONFIDENCE_BINS - 1, max(0, int(confidence * CONFIDENCE_BINS)))
 
+    def counts(self, label: int | None) -> tuple[list[float], list[float]]:
+        """(tried, accepted) by position for the drafts of `label`, as copies."""
+        tried, accepted = self._positions(label)
+        return list(tried), list(accepted)
+
+    def set_counts(self, label: int | None, tried: list[float], accepted: list[float]) -> None:
+        """Put (tried, accepted) by position in place for the drafts of `label` (a prior carried in)."""
+        self.by_label[label] = (list(tried), list(accepted))
+        self._chained.pop(label, None)
+
     def probability(self, position: int, confidence: float | None, label: int | None = None) -> float:
         if confidence is None:
             return self._by_position(label)[position]

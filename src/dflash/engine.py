@@ -275,8 +275,8 @@ class Engine:
         lookup = self._calibration("lookup")
         if config.prediction:  # a prediction's drafts are as good as the request: learnt for it, from a light prior
             lookup = copy.deepcopy(lookup)
-            prior = self._calibration("prediction")._positions(PREDICTION_LABEL)
-            lookup.by_label[PREDICTION_LABEL] = (list(prior[0]), list(prior[1]))
+            prior = self._calibration("prediction").counts(PREDICTION_LABEL)
+            lookup.set_counts(PREDICTION_LABEL, *prior)
         controller = DraftController(self.proposer.max_draft, self.costs, whole_blocks=not self.adaptive,
                                      timer=self.timer, calibration=self._calibration("drafter"),
                                      lookup_calibration=lookup, tree_calibration=self.tree_calibration)
@@ -287,7 +287,7 @@ class Engine:
             vocabulary = json_vocabulary(self.target.tokenizer, self.target.vocab_size)
             seq.grammar = JsonConstraint(vocabulary, grammar, stop_ids)
         if config.prediction:
-            seq.prediction = PredictedOutput(config.prediction)
+            seq.prediction = PredictedOutput(config.prediction, prior)
         self.waiting.append(seq)
         return seq
 
@@ -295,14 +295,14 @@ class Engine:
         """Fold what a request learnt of its prediction's drafts into the prior the next ones start from, scaled
         to at most PREDICTION_PRIOR_TRIALS trials a position: enough to start where predictions usually are (a
         fresh one verified 2-6 drafts a round for its first rounds), little enough that a request learns its own."""
-        tried, hits = seq.controller.lookup_calibration._positions(PREDICTION_LABEL)
+        tried, hits = seq.controller.lookup_calibration.counts(PREDICTION_LABEL)
+        started_tried, started_hits = seq.prediction.prior  # what it started from: not learnt by it
         prior = self._calibration("prediction")
-        old_tried, old_hits = prior._positions(PREDICTION_LABEL)
-        new_tried = [a + b for a, b in zip(old_tried, tried)]
-        new_hits = [a + b for a, b in zip(old_hits, hits)]
+        old_tried, old_hits = prior.counts(PREDICTION_LABEL)
+        new_tried = [a + b - s for a, b, s in zip(old_tried, tried, started_tried)]
+        new_hits = [a + b - s for a, b, s in zip(old_hits, hits, started_hits)]
         scale = min(1.0, PREDICTION_PRIOR_TRIALS / max(max(new_tried, default=0), 1e-9))
-        prior.by_label[PREDICTION_LABEL] = ([t * scale for t in new_tried], [h * scale for h in new_hits])
-        prior._chained.pop(PREDICTION_LABEL, None)
+        prior.set_counts(PREDICTION_LABEL, [t * scale for t in new_tried], [h * scale for h in new_hits])
 
     def _calibration(self, of: str) -> Calibration:
         drafts = self.proposer.max_draft

@@ -25,8 +25,9 @@ MAX_MATCH, MIN_MATCH = 8, 3  # output tails looked for in the prediction to find
 class PredictedOutput:
     """One request's prediction (token ids) and where the output stands in it."""
 
-    def __init__(self, tokens: list[int]):
+    def __init__(self, tokens: list[int], prior: tuple[list[float], list[float]] = ((), ())):
         self.tokens = list(tokens)
+        self.prior = prior  # the calibration counts its drafts started from (Engine._learn_prediction_prior)
         self.words = array("i", self.tokens).tobytes()  # searched as 4-byte words in C (bytes.find)
         self.at: int | None = 0  # the prediction's token that would come next, None where the output left it
         self.furthest = 0  # the furthest place the output was seen at
