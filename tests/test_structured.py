@@ -354,8 +354,10 @@ def test_patterns_and_formats_hold_whatever_the_grammar_lets_through():
     assert_walks_validate(event, seed=2, walks=200, budget=120)
     document = ('{"id": "123e4567-e89b-12d3-a456-426614174000", "day": "2024-02-28", "starts": "2024-01-05T10:20:30Z", '
                 '"code": "AB-123", "tag": "%s"}')
-    assert complete(grammar.feed_bytes(START_STATE, (document % "\\u0078yz").encode()))  # an escaped x
-    for tag in ("abcd", "abcdx", "\\ud83dx"):  # no x; too long for the x; a surrogate escape
+    for tag in ("\\u00e9yx", '\\"\\\\\\nx', "\\u001fx"):  # escapes of what is not printable ASCII, and \" \\ \n
+        assert complete(grammar.feed_bytes(START_STATE, (document % tag).encode())), tag
+    # no x; too long for the x; a surrogate escape; printable ASCII escaped (held strings write it one way: as itself)
+    for tag in ("abcd", "abcdx", "\\ud83dx", "\\u0078yz", "\\/x", "\\u0022x"):
         assert not complete(grammar.feed_bytes(START_STATE, (document % tag).encode())), tag
     assert_masks_are_fed(grammar, [(document % "\u00e9\\nx").encode()])
 

@@ -14,8 +14,9 @@ minItems and maxItems, strings any text between minLength and maxLength characte
 without an exponent), `enum` and `const` exactly one of their values, `anyOf` / `oneOf` / a list of types one
 alternative, chosen by its first byte, or by a first property that is a constant of each (a tagged union).
 Keywords the grammar cannot enforce (pattern, format, multipleOf, ...) are refused in one line rather than silently
-ignored: whatever the grammar lets through validates against the schema. Strings hold valid UTF-8 only, so the
-text always decodes.
+ignored: whatever the grammar lets through validates against the schema. One keyword is dflash's own: a string's
+`x-grammar`, EBNF or Lark text (ebnf.py) its characters must match, as a pattern's must (custom tools' grammars).
+Strings hold valid UTF-8 only, so the text always decodes.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
 ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08, ord("f"): 0x0C, ord("n"): 0x0A,
            ord("r"): 0x0D, ord("t"): 0x09}  # a simple escape's character
 QUOTE, BACKSLASH = ord('"'), ord("\\")
+# A held string (one a pattern checks) spells each character one way, as json.dumps does: printable ASCII as itself
+# (but \" and \\), and \u only for the rest. So a pattern's fixed text leaves one byte at a time, which
+# structured.py forces and drafts free; any other spelling would be a second way at every character.
+HELD_ESCAPES = frozenset(b'"\\bfnrtu')  # not \/
+UNICODE_ESCAPED = ((0, 0x1F), (0x7F, 0xD7FF), (0xE000, 0xFFFF))  # what \u writes in a held string (no surrogates)
 # a number's modes: byte class -> next mode; the modes where a number may end (the byte then read after the value)
 NUMBER_MOVES = {
     MINUS: {"0": ZERO, "d": INTEGER},
@@ -168,7 +174,7 @@ class Node:
     bounds: Bounds | None = None  # number, integer: their range (no exponent then)
     min_length: int = 0  # string: characters (code points) at least and at most
     max_length: int | None = None
-    pattern: Pattern | None = None  # string: a pattern (or format) it matches (patterns.py)
+    pattern: Pattern | None = None  # string: a pattern (or format, or x-grammar) it matches (patterns.py, ebnf.py)
 
     @property
     def checked(self) -> bool:
@@ -369,8 +375,9 @@ class JsonGrammar(ByteGrammar):
                 if aux is None:
                     return None
             patterned = checked and aux[2] is not None
-            if byte == BACKSLASH:  # in a pattern: an escape can write any character of the first plane but surrogates
-                if patterned and not (self._may_take(aux, 0, 0xD7FF) or self._may_take(aux, 0xE000, 0xFFFF)):
+            if byte == BACKSLASH:  # in a pattern: an escape writes " \ or a character \u may write (HELD_ESCAPES)
+                if patterned and not (self._may_take(aux, QUOTE, QUOTE) or self._may_take(aux, BACKSLASH, BACKSLASH)
+                                      or self._may_escape(aux, 0, 0xFFFF)):
                     return None
                 return (ESCAPE, aux, 0, stack)
             if byte < 0x80:
@@ -450,6 +457,11 @@ class JsonGrammar(ByteGrammar):
         return self.nodes[at].pattern.can_take(states, low, high, INFINITE if high_length is None
                                                else high_length - count)
 
+    def _may_escape(self, aux: tuple, low: int, high: int) -> bool:
+        """Whether a held string may take a character in [low, high] that \\u may write there (UNICODE_ESCAPED)."""
+        return any(self._may_take(aux, max(low, start), min(high, end)) for start, end in UNICODE_ESCAPED
+                   if max(low, start) <= min(high, end))
+
     def _string_done(self, aux: tuple) -> bool:
         at, count, states = aux
         return count >= self.nodes[at].min_length and (states is None or self.nodes[at].pattern.accepts(states))
@@ -459,6 +471,8 @@ class JsonGrammar(ByteGrammar):
         the pattern reads once it is whole."""
         if mode == ESCAPE:  # aux: the string's
             patterned = aux not in (0, 1) and aux[2] is not None
+            if patterned and (byte not in HELD_ESCAPES or byte == ord("u") and not self._may_escape(aux, 0, 0xFFFF)):
+                return None
             if byte in SIMPLE_ESCAPES:
                 aux = self._matched(aux, ESCAPED[byte]) if patterned else aux
                 return None if aux is None else (STRING, aux, 0, stack)
@@ -472,10 +486,11 @@ class JsonGrammar(ByteGrammar):
             if len(aux) == 2:
                 return (STRING, inner, 0, stack) if left == 1 else (UNICODE, (inner, left - 1), 0, stack)
             code = aux[2] * 16 + int(chr(byte), 16)
+            shift = 4 * (left - 1)
+            if not self._may_escape(inner, code << shift, (code + 1 << shift) - 1):
+                return None
             if left > 1:
-                shift = 4 * (left - 1)
-                return (UNICODE, (inner, left - 1, code), 0, stack) \
-                    if self._may_take(inner, code << shift, (code + 1 << shift) - 1) else None
+                return (UNICODE, (inner, left - 1, code), 0, stack)
             inner = self._matched(inner, code)
             return None if inner is None else (STRING, inner, 0, stack)
         inner, left, low, high = aux[:4]  # UTF8: inside a multi-byte character, the next byte's range[, code so far]
@@ -632,11 +647,12 @@ JSON_OBJECT = JsonGrammar(BUILTIN_NODES, ANY_OBJECT, "json_object")
 
 
 # ---- JSON Schema -> nodes ------------------------------------------------------------------------------------------
+GRAMMAR_KEY = "x-grammar"  # a string's characters match EBNF or Lark text (dflash's own keyword)
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
                "writeOnly", "$defs", "definitions", "strict", "discriminator"}
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "enum", "const",
             "anyOf", "oneOf", "$ref", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
-            "maxLength", "pattern", "format"}
+            "maxLength", "pattern", "format", GRAMMAR_KEY}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -734,7 +750,12 @@ def _enforceable_node(schema):
             compile_pattern(node["pattern"])
         except (UserError, TypeError):
             del node["pattern"]
-    if ("pattern" in node or "format" in node) and node.get("minLength"):
+    if GRAMMAR_KEY in node:
+        try:
+            _string_grammar(node[GRAMMAR_KEY], "#")
+        except UserError:
+            del node[GRAMMAR_KEY]
+    if any(key in node for key in ("pattern", "format", GRAMMAR_KEY)) and node.get("minLength"):
         del node["minLength"]
     return node
 
@@ -813,12 +834,17 @@ class _SchemaCompiler:
         low, high = schema.get("minLength", 0), schema.get("maxLength")
         if not _whole(low) or high is not None and (not _whole(high) or high < low):
             raise UserError(f"{path}: minLength and maxLength must be whole numbers, minLength <= maxLength")
+        given = [key for key in ("pattern", "format", GRAMMAR_KEY) if schema.get(key) is not None]
+        if len(given) > 1:
+            raise UserError(f"{path}: a string with both a {given[0]} and a {given[1]} cannot be enforced; give one")
+        if given and low > 0:
+            raise UserError(f"{path}: minLength beside a {given[0]} cannot be enforced; say the length in the "
+                            f"{given[0]}")
+        if given == [GRAMMAR_KEY]:
+            if high is not None:
+                raise UserError(f"{path}: maxLength beside an {GRAMMAR_KEY} cannot be enforced")
+            return Node("string", pattern=_string_grammar(schema[GRAMMAR_KEY], path))
         source, form = schema.get("pattern"), schema.get("format")
-        if source is not None and form is not None:
-            raise UserError(f"{path}: a string with both a pattern and a format cannot be enforced; give one")
-        if (source is not None or form is not None) and low > 0:
-            raise UserError(f"{path}: minLength beside a {'pattern' if source is not None else 'format'} cannot be "
-                            "enforced; say the length in the pattern ({n,})")
         if source is not None and not isinstance(source, str):
             raise UserError(f"{path}: pattern must be a string, got {source!r}")
         pattern = compile_pattern(source) if source is not None else format_pattern(form, path) if form else None
@@ -918,6 +944,18 @@ class _SchemaCompiler:
         if built in self.unions:  # the copy is a union too: checked (and tagged) as its original
             self.unions[at] = ref
         return at
+
+
+def _string_grammar(text, path: str):
+    """The automaton of a string's x-grammar (ebnf.RuleAutomaton, which has a pattern's interface)."""
+    from .ebnf import compile_rules  # ebnf builds on regex_grammar, which builds on this module
+
+    if not isinstance(text, str):
+        raise UserError(f"{path}: {GRAMMAR_KEY} must be EBNF or Lark text, got {type(text).__name__}")
+    try:
+        return compile_rules(text)
+    except UserError as error:
+        raise UserError(f"{path}: {GRAMMAR_KEY}: {error}") from None
 
 
 def _whole(value) -> bool:
