@@ -51,6 +51,14 @@ def byte_targets():
     return {arch: tiny_target(arch, vocab_size=320, logit_scale=4.0, tokenizer="bytes") for arch in ARCHS}
 
 
+@pytest.fixture(scope="session")
+def hermes_targets():
+    """Byte-level tiny targets of two architectures whose chat template writes tool calls in <tool_call> tags."""
+    from dflash.testing import tiny_target
+
+    return {arch: tiny_target(arch, vocab_size=320, logit_scale=4.0, tokenizer="hermes") for arch in ARCHS[:2]}
+
+
 class OracleProposer(Proposer):
     """Proposes the target's own (known) continuation: every draft is accepted."""
 

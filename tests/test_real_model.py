@@ -256,6 +256,38 @@ def test_tool_calls_on_the_real_model(target):
         assert choice == "required" or [c["function"]["name"] for c in calls] == ["get_time"]
 
 
+def test_custom_tool_calls_on_the_real_model(target):
+    """SmolLM2 offered a custom tool whose input is SQL in a Lark grammar: the call it is told to make parses, its
+    input matches the grammar (a regex of the same language), the same tokens for the shipped drafter with prompt
+    lookup as for `ar`, and each mask met along it is every token fed."""
+    import re
+
+    from dflash.grammar import compile_schema
+    from dflash.structured import json_vocabulary
+    from dflash.tools import conversation, tool_request
+
+    sql = {"type": "custom", "custom": {"name": "run_sql", "description": "Query the users table.", "format": {
+        "type": "grammar", "grammar": {"syntax": "lark", "definition":
+                                       "start: \"SELECT \" COLUMNS \" FROM users WHERE city = '\" CITY \"';\"\n"
+                                       "COLUMNS: \"*\" | /[a-z]+(, [a-z]+)*/\nCITY: /[A-Za-z ]{1,20}/"}}}}
+    request = tool_request([sql], {"type": "custom", "custom": {"name": "run_sql"}})
+    question = [{"role": "user", "content": "Which users live in Paris?"}]
+    fmt, schema = request.output_format()
+    ids = target.encode_messages(conversation(question, request))
+    plain = constrained_alike(target, ids, GenerationConfig(max_new_tokens=96, response_format=fmt,
+                                                            json_schema=schema))
+    (call,) = request.calls(plain.text)
+    assert call["type"] == "custom" and call["custom"]["name"] == "run_sql", plain.text
+    assert re.fullmatch(r"SELECT (\*|[a-z]+(, [a-z]+)*) FROM users WHERE city = '[A-Za-z ]{1,20}';",
+                        call["custom"]["input"]), call
+    grammar, vocabulary = compile_schema(schema), json_vocabulary(target.tokenizer, target.vocab_size)
+    state = grammar.initial
+    for token in plain.tokens[:-1]:
+        fed = torch.tensor([vocabulary.advance(grammar, state, t) is not None for t in range(vocabulary.size)])
+        assert torch.equal(vocabulary.allowed(grammar, state), fed)
+        state = vocabulary.advance(grammar, state, token)
+
+
 def test_hermes_tool_calls_and_thinking_on_the_real_tokenizer(target):
     """SmolLM2 under docs/templates/chatml_hermes_tools.jinja (its turns, calls in <tool_call> tags): the template
     takes the tools, a required call (one, parallel_tool_calls false) parses from its tags, the same tokens for the

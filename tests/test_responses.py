@@ -362,7 +362,7 @@ def test_input_items_become_the_chat_conversation():
 
 @pytest.mark.parametrize("ask, fragment", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text parts"),
-    ({"input": "Hi?", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "Hi?", "tools": [{"type": "web_search"}]}, "only function and custom tools"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "not supported here"),
     ({"input": [{"role": "tool", "content": "x"}]}, "role must be"),
     ({"input": "Hi?", "text": {"format": {"type": "yaml"}}}, "text.format must be"),

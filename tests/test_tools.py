@@ -118,15 +118,16 @@ def test_masks_of_calls_and_of_free_text_first_are_every_token_fed():
 
 # ---- tools and tool_choice -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tools, choice, fragment", [
-    ([{"type": "retrieval"}], None, "functions are the only tools"),
+    ([{"type": "retrieval"}], None, "the kinds of tools a server runs"),
     ([{"type": "function", "function": {"name": "a b"}}], None, "letters, digits"),
-    ([CLOCK, CLOCK], None, "name a function twice: get_time"),
+    ([CLOCK, CLOCK], None, "name a tool twice: get_time"),
     ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object", "properties": {
         "e": {"type": "string", "format": "hostname"}}}}}], None,
      "tools[0].function.parameters (f, strict): #/properties/e: format 'hostname'"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None, "must describe an object"),
     (TOOLS, "sometimes", "tool_choice must be one of none, auto, required"),
-    (TOOLS, {"type": "function", "function": {"name": "get_date"}}, "must name one of the tools (get_weather, get_time)"),
+    (TOOLS, {"type": "function", "function": {"name": "get_date"}},
+     "must name one of the function tools (get_weather, get_time)"),
     (None, "required", "tool_choice needs tools"),
 ])
 def test_bad_tools_and_choices_are_refused_in_one_line(tools, choice, fragment):
@@ -359,17 +360,24 @@ def streamed_calls(chunks) -> list[tuple]:
     return [tuple(call) for _, call in sorted(calls.items())]
 
 
-def test_llm_chat_reads_the_calls(monkeypatch):
+def pushed_llm(monkeypatch):
+    """LLM on a tiny byte-level target whose configs are biased by call_bias: a random model, pushed to finish its
+    calls."""
     from dflash import LLM
 
     llm = LLM("tiny-llama-bytes", method="ngram")
     configured = llm._config
 
-    def biased(*args):  # a random model, pushed to finish its call
+    def biased(*args):
         config = configured(*args)
         config.sampling.logit_bias = call_bias(llm.target, None)
         return config
     monkeypatch.setattr(llm, "_config", biased)
+    return llm
+
+
+def test_llm_chat_reads_the_calls(monkeypatch):
+    llm = pushed_llm(monkeypatch)
     result = llm.chat(HI, tools=SHORT_TOOLS, tool_choice={"type": "function", "function": {"name": "clock"}},
                       max_new_tokens=40)
     assert result.finish_reason == "stop"
@@ -434,7 +442,8 @@ def test_generate_takes_tools(capsys, monkeypatch, tmp_path):
     assert main(argv) == 0
     payload = json.loads(capsys.readouterr().out)
     assert [c["function"] for c in payload["tool_calls"]] == [{"name": "clock", "arguments": "{}"}]
-    for bad, message in [(["--tool-choice", "nope"], "must name one of the tools (weather, clock), got 'nope'"),
+    for bad, message in [(["--tool-choice", "nope"],
+                          "must name one of the function tools (weather, clock), got 'nope'"),
                          (["--no-chat"], "--tools needs the chat template"),
                          (["--tools", "[{"], "--tools takes a file holding OpenAI's tools list")]:
         assert main(argv[:-1] + bad + ["Hi?"]) == 2
@@ -444,13 +453,6 @@ def test_generate_takes_tools(capsys, monkeypatch, tmp_path):
 # ---- the hermes format: a template's own <tool_call> tags ----------------------------------------------------------
 CALL_TEXT = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 WEATHER_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def hermes_targets():
-    from dflash.testing import tiny_target
-
-    return {arch: tiny_target(arch, vocab_size=320, logit_scale=4.0, tokenizer="hermes") for arch in ARCHS[:2]}
 
 
 def hermes_grammar(choice="auto", parallel=True):

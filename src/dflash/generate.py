@@ -34,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="always generate --max-new-tokens tokens, past end-of-sequence (for timing fixed lengths, "
                         "as in bench; the server's ignore_eos)")
     p.add_argument("--tools", default=None, metavar="FILE|JSON",
-                   help="functions the reply may call: OpenAI's `tools` list (a file, or the list itself); the calls "
-                        "are printed as the reply's JSON, and with --json as `tool_calls`")
+                   help="functions and custom tools the reply may call: OpenAI's `tools` list (a file, or the list "
+                        "itself); the calls are printed as the reply's JSON, and with --json as `tool_calls`")
     p.add_argument("--tool-choice", default=None, metavar="auto|required|none|NAME",
-                   help="with --tools: auto (default; the reply may answer in words), required, none, or a function's "
+                   help="with --tools: auto (default; the reply may answer in words), required, none, or a tool's "
                         "name (one call of it)")
     add_tool_format_argument(p)
     add_reasoning_argument(p)
@@ -204,8 +204,12 @@ def tools_from_args(args) -> ToolRequest | None:
                         "message")
     tools = json_option(args.tools, "--tools", "a file holding OpenAI's tools list or the list as JSON", "[")
     choice = args.tool_choice
-    if choice is not None and choice not in ("auto", "required", "none"):
-        choice = {"type": "function", "function": {"name": choice}}
+    if choice is not None and choice not in ("auto", "required", "none"):  # a tool's name: a function's or custom's
+        custom = isinstance(tools, list) and any(
+            isinstance(tool, dict) and tool.get("type") == "custom" and isinstance(tool.get("custom"), dict)
+            and tool["custom"].get("name") == choice for tool in tools)
+        kind = "custom" if custom else "function"
+        choice = {"type": kind, kind: {"name": choice}}
     return tool_request(tools, choice)
 
 

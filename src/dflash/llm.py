@@ -97,8 +97,9 @@ class LLM:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list
         of conversations, a list of results in order, all run as one continuous batch (as vLLM's `LLM.chat`).
-        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's; a reply that calls them has `result.tool_calls`
-        (OpenAI's layout, arguments as JSON text) beside its text (tools.py). `chat_template_kwargs`: the template's
+        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (functions and custom tools); a reply that calls them
+        has `result.tool_calls` (OpenAI's layout: a function's arguments as JSON text, a custom tool's input as
+        text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
         turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`: as
         generate's."""

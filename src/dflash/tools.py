@@ -25,6 +25,14 @@ A conversation's earlier calls are shown to the target in the same format, and t
 turn (`NAME returned: ...`), which any chat template renders. `--tool-format json` (LLM's tool_format) picks this
 format for a template that has tags too.
 
+Custom tools (OpenAI's `{"type": "custom", "custom": {"name", "description", "format"}}`) take one text as their
+input, free or held to a grammar (`format`: {"type": "grammar", "grammar": {"syntax": "lark" | "regex",
+"definition": ...}}). In every format the target writes such a call as a function's with one string argument,
+`{"name": ..., "arguments": {"input": "..."}}`, whose characters the grammar holds (grammar.py's `x-grammar` and
+`pattern`); the call comes back as OpenAI's `{"type": "custom", "custom": {"name", "input"}}`. `tool_choice` may
+also name a custom tool, or be `allowed_tools`: every tool stays in the prompt (it does not change from turn to
+turn) while the grammar lets only the allowed ones be called.
+
 Speculative decoding stays lossless under the grammar (structured.py): greedy calls are the ones constrained decoding
 of the target alone writes.
 """
@@ -38,7 +46,10 @@ import uuid
 from dataclasses import dataclass, replace
 
 from .errors import UserError
-from .grammar import compile_schema, enforceable
+from .ebnf import compile_rules
+from .grammar import GRAMMAR_KEY, compile_schema, enforceable
+from .patterns import compile_pattern
+from .regex_grammar import unanchored
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
@@ -50,14 +61,18 @@ STYLE_MARKS = {"hermes": "<tool_call>", "llama3_json": "dictionary of argument n
 # the hermes format's bytes around each call, as Qwen's templates write an assistant turn's calls
 HERMES = {"tag": "<tool_call>", "after_tag": "\n", "closer": "\n</tool_call>", "separator": "\n"}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
+INPUT = "input"  # a custom tool's one argument, as the target writes its calls
+KINDS = ("function", "custom")
+SYNTAXES = ("lark", "regex")  # a custom tool's grammar
 
 
 @dataclass(frozen=True)
 class Tool:
     name: str
     description: str
-    parameters: dict  # as given: what the template shows the target
+    parameters: dict  # as given: what the template shows the target (a custom tool's: its one text, described)
     enforced: dict  # what the calls' grammar holds the arguments to (grammar.enforceable, unless strict)
+    kind: str = "function"  # or "custom": its input is one text (the module's docstring)
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class ToolRequest:
     choice: str
     parallel: bool = True
     style: str = "json"  # how calls are written: "json", "hermes" or "llama3_json" (the module's docstring)
+    allowed: tuple[str, ...] | None = None  # tool_choice allowed_tools: the only tools a reply may call
 
     @property
     def several(self) -> bool:
@@ -81,7 +97,7 @@ class ToolRequest:
 
     def output_format(self) -> tuple[str, dict]:
         """(response_format, json_schema) for GenerationConfig: the reply's grammar."""
-        offered = [t for t in self.tools if self.choice in ("auto", "required") or t.name == self.choice]
+        offered = self.offered()
         key = self.arguments_key
         calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.enforced},
                   "required": ["name", key], "additionalProperties": False} for t in offered]
@@ -97,13 +113,23 @@ class ToolRequest:
         # one call may also come as a bare object, as models trained on other formats write it
         return ("json_schema_or_text" if self.choice == "auto" else "json_schema"), {"anyOf": [array, call]}
 
+    def offered(self) -> list[Tool]:
+        """The tools a reply may call."""
+        return [t for t in self.tools if (self.allowed is None or t.name in self.allowed)
+                and (self.choice in ("auto", "required") or t.name == self.choice)]
+
+    def kind_of(self, name: str) -> str:
+        return next((t.kind for t in self.tools if t.name == name), "function")
+
     def instructions(self) -> str:
         """What the system message tells the target about its tools."""
         lines = ["You can call functions. Each is listed with the JSON Schema of its arguments:"]
         for tool in self.tools:
             about = f" {tool.description.strip()}" if tool.description.strip() else ""
             lines.append(f"- {tool.name}:{about} Arguments: {json.dumps(tool.parameters, ensure_ascii=False)}")
-        first = self.tools[0].name if self.choice in ("auto", "required") else self.choice
+        first = self.offered()[0].name
+        if self.allowed is not None:
+            lines.append(f"Only these may be called now: {', '.join(self.allowed)}.")
         example = f'[{{"name": "{first}", "arguments": {{...}}}}]'
         if self.choice == "auto":
             lines.append(f"To call functions, reply with only a JSON array of the calls, such as {example}; "
@@ -116,13 +142,33 @@ class ToolRequest:
         return "\n".join(lines)
 
     def calls(self, text: str) -> list[dict] | None:
-        """The reply's calls in OpenAI's layout (each with an id, its arguments the JSON text it wrote), or None
-        where the reply is not calls (free text, or cut short by max_tokens or a stop string)."""
+        """The reply's calls in OpenAI's layout (each with an id; a function's arguments the JSON text it wrote, a
+        custom tool's input the text), or None where the reply is not calls (free text, or cut short by max_tokens
+        or a stop string)."""
         written, whole = self.written(text)
-        names = {t.name for t in self.tools}
-        if not whole or not written or not all(c.name in names and _object_text(c.arguments) for c in written):
+        if not whole or not written:
             return None
-        return [call_delta(c.name, c.arguments) for c in written]
+        calls = [self.delta(c.name, c.arguments) for c in written]
+        return None if None in calls else calls
+
+    def delta(self, name: str, arguments: str) -> dict | None:
+        """A whole call in OpenAI's layout: a function's with its arguments' JSON text, a custom tool's with its
+        input; None where `name` is no tool's, or the arguments are not the tool's."""
+        tool = next((t for t in self.tools if t.name == name), None)
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return None
+        if tool is None or not isinstance(value, dict):
+            return None
+        if tool.kind == "function":
+            return call_delta(name, arguments)
+        return call_delta(name, value[INPUT], "custom") if isinstance(value.get(INPUT), str) else None
+
+    def shown(self, call: "WrittenCall") -> str:
+        """What of a call being written a stream shows: a function's arguments as written, a custom tool's input
+        as far as it is settled."""
+        return call.arguments if self.kind_of(call.name) == "function" else input_so_far(call.arguments)
 
     def written(self, text: str) -> "tuple[list[WrittenCall], bool]":
         """The calls a reply writes, as far as its text goes (the last one's arguments perhaps cut short), and
@@ -165,16 +211,44 @@ class WrittenCall:
     whole: bool  # its arguments are closed
 
 
+INPUT_HEAD = re.compile(r'\{\s*"' + INPUT + r'"\s*:\s*"')
+
+
+def input_so_far(arguments: str) -> str:
+    """The text of a custom call's input in its arguments' JSON text so far (`{"input": "...`), up to its last
+    whole character: an escape or a surrogate pair cut short waits for the rest."""
+    opening = INPUT_HEAD.match(arguments)
+    if opening is None:
+        return ""
+    at, end = opening.end(), len(arguments)
+    settled = at
+    while at < end and arguments[at] != '"':
+        at += 1 if arguments[at] != "\\" else 6 if arguments.startswith("\\u", at) else 2
+        if at <= end:
+            settled = at
+    text = json.loads('"' + arguments[opening.end():settled] + '"')
+    return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+
+
 @functools.cache
 def call_head(key: str) -> re.Pattern:
     """A call object's opening, up to its arguments (`key`: "arguments", or Llama's "parameters")."""
     return re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"' + key + r'"\s*:\s*')
 
 
-def call_delta(name: str, arguments: str) -> dict:
-    """A call in OpenAI's layout, with an id of its own."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def call_delta(name: str, text: str, kind: str = "function") -> dict:
+    """A call in OpenAI's layout, with an id of its own: a function's `text` its arguments (JSON), a custom tool's
+    its input."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": kind,
+            kind: {"name": name, "input" if kind == "custom" else "arguments": text}}
+
+
+def call_parts(call: dict) -> tuple[str, str | None, str]:
+    """(kind, name, text) of a call or of a stream's delta of one in OpenAI's layout (call_delta): the name where
+    it has one, the text its arguments or input."""
+    kind = "custom" if "custom" in call else "function"
+    fields = call[kind]
+    return kind, fields.get("name"), fields.get("input" if kind == "custom" else "arguments") or ""
 
 
 def _scan_calls(text: str, at: int, head: re.Pattern, opener: str, separator: str, last: str = "",
@@ -239,13 +313,6 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
-def _object_text(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def reply_format(request: ToolRequest | None, response_format: str | None,
                  json_schema: dict | None) -> tuple[str | None, dict | None]:
     """(response_format, json_schema) of a reply: the calls' grammar where it may call tools, else the format given;
@@ -292,15 +359,22 @@ def tool_request(tools: list | None, tool_choice=None, parallel_tool_calls: bool
     parsed = tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools))
     names = [t.name for t in parsed]
     if len(set(names)) < len(names):
-        raise UserError(f"tools name a function twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
-    choice = _choice(tool_choice, names)
-    return None if choice == "none" else ToolRequest(parsed, choice, bool(parallel_tool_calls), style)
+        raise UserError(f"tools name a tool twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    kinds = {t.name: t.kind for t in parsed}
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        choice, allowed = _allowed(tool_choice, kinds)
+    else:
+        choice, allowed = _choice(tool_choice, kinds), None
+    return None if choice == "none" else ToolRequest(parsed, choice, bool(parallel_tool_calls), style, allowed)
 
 
 def _tool(tool, where: str) -> Tool:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise UserError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} (functions are "
-                        "the only tools)")
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind not in KINDS or not isinstance(tool.get(kind), dict):
+        raise UserError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} or "
+                        "{\"type\": \"custom\", \"custom\": {\"name\": ...}} (the kinds of tools a server runs)")
+    if kind == "custom":
+        return _custom_tool(tool["custom"], where)
     function = tool["function"]
     name, description = function.get("name"), function.get("description") or ""
     if not isinstance(name, str) or not NAME.fullmatch(name):
@@ -322,20 +396,77 @@ def _tool(tool, where: str) -> Tool:
     return Tool(name, description, parameters, parameters)
 
 
-def _choice(tool_choice, names: list[str]) -> str:
+def _custom_tool(custom: dict, where: str) -> Tool:
+    """A custom tool: its input one text, free or in a grammar (`format`), as the target's call writes it (a string
+    argument, INPUT) and as the template shows it."""
+    name, description = custom.get("name"), custom.get("description") or ""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise UserError(f"{where}.custom.name must be 1-64 letters, digits, _ or -, got {name!r}")
+    if not isinstance(description, str):
+        raise UserError(f"{where}.custom.description must be a string")
+    try:
+        text, about = _input_format(custom.get("format"))
+    except UserError as error:
+        raise UserError(f"{where}.custom.format ({name}): {error}") from None
+    parameters = {"type": "object", "properties": {INPUT: {"type": "string", "description": about}},
+                  "required": [INPUT], "additionalProperties": False}
+    return Tool(name, description, parameters, {**parameters, "properties": {INPUT: text}}, "custom")
+
+
+def _input_format(given) -> tuple[dict, str]:
+    """(the schema of a custom tool's input, its description for the target) for its `format`: none or
+    {"type": "text"} (free text), or {"type": "grammar", "grammar": {"syntax", "definition"}} (chat's layout; the
+    Responses API's puts syntax and definition beside the type); UserError where the grammar cannot be held."""
+    if given is None or given == {"type": "text"}:
+        return {"type": "string"}, "Any text."
+    grammar = given.get("grammar", given) if isinstance(given, dict) and given.get("type") == "grammar" else None
+    syntax = grammar.get("syntax") if isinstance(grammar, dict) else None
+    definition = grammar.get("definition") if isinstance(grammar, dict) else None
+    if syntax not in SYNTAXES or not isinstance(definition, str) or not definition.strip():
+        raise UserError('it must be {"type": "text"} or {"type": "grammar", "grammar": {"syntax": "lark" or "regex", '
+                        '"definition": "..."}}')
+    if syntax == "regex":
+        compile_pattern(definition)  # its errors name it as it was given
+        pattern = f"^(?:{unanchored(definition)})$"
+        return {"type": "string", "pattern": pattern}, f"Text that matches the regular expression {definition}"
+    compile_rules(definition)
+    return {"type": "string", GRAMMAR_KEY: definition}, f"Text in this Lark grammar:\n{definition}"
+
+
+def _choice(tool_choice, kinds: dict[str, str]) -> str:
     if tool_choice is None:
         return "auto"
     if isinstance(tool_choice, str):
         if tool_choice not in CHOICES:
-            raise UserError(f"tool_choice must be one of {', '.join(CHOICES)} or {{\"type\": \"function\", "
-                            f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+            raise UserError(f"tool_choice must be one of {', '.join(CHOICES)}, {{\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ...}}}}, {{\"type\": \"custom\", \"custom\": {{\"name\": "
+                            f"...}}}} or allowed_tools, got {tool_choice!r}")
         return tool_choice
-    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if name not in names:
+    kind = tool_choice.get("type", "function") if isinstance(tool_choice, dict) else None
+    named = tool_choice.get(kind) if kind in KINDS else None
+    name = named.get("name") if isinstance(named, dict) else None
+    if kinds.get(name) != kind:
         given = repr(name) if isinstance(name, str) else repr(tool_choice)
-        raise UserError(f"tool_choice must name one of the tools ({', '.join(names)}), got {given}")
+        offered = [n for n, k in kinds.items() if k == kind] if kind in KINDS else list(kinds)
+        raise UserError(f"tool_choice must name one of the {kind or 'function'} tools ({', '.join(offered)}), "
+                        f"got {given}")
     return name
+
+
+def _allowed(tool_choice: dict, kinds: dict[str, str]) -> tuple[str, tuple[str, ...]]:
+    """(choice, allowed) of tool_choice {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required",
+    "tools": [{"type": "function", "function": {"name": ...}}, ...]}}."""
+    allowed = tool_choice.get("allowed_tools")
+    mode = allowed.get("mode") if isinstance(allowed, dict) else None
+    listed = allowed.get("tools") if isinstance(allowed, dict) else None
+    if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+        raise UserError('tool_choice allowed_tools must be {"mode": "auto" or "required", "tools": [{"type": '
+                        '"function", "function": {"name": ...}}, ...]}')
+    if not all(isinstance(tool, dict) for tool in listed):
+        raise UserError("tool_choice allowed_tools.tools must list tools as objects: {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}")
+    names = tuple(dict.fromkeys(_choice(tool, kinds) for tool in listed))
+    return mode, names
 
 
 # ---- the conversation as the chat template sees it -----------------------------------------------------------------
@@ -405,11 +536,17 @@ def _thought(message: dict) -> dict:
 
 
 def _written_call(call, where: str, names: dict[str, str]) -> dict:
-    """An earlier call as the target writes one; its id remembered for the result that answers it."""
+    """An earlier call as the target writes one (a custom tool's input as its one argument); its id remembered for
+    the result that answers it."""
+    custom = call.get("custom") if isinstance(call, dict) and call.get("type") == "custom" else None
+    if isinstance(custom, dict) and isinstance(custom.get("name"), str) and isinstance(custom.get("input"), str):
+        names[call.get("id")] = custom["name"]
+        return {"name": custom["name"], "arguments": {INPUT: custom["input"]}}
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise UserError(f"{where} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": ..., "
-                        "\"arguments\": \"{...}\"}}}}")
+                        "\"arguments\": \"{...}\"}}}} or {\"id\": ..., \"type\": \"custom\", \"custom\": "
+                        "{\"name\": ..., \"input\": \"...\"}}")
     arguments = function.get("arguments") or "{}"
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments

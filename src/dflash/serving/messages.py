@@ -158,7 +158,7 @@ class ContentBlocks:
     def text(self, text: str) -> list[dict]:
         return self._text("text", text)
 
-    def call(self, call_id: str, name: str) -> list[dict]:
+    def call(self, call_id: str, name: str, kind: str = "function") -> list[dict]:
         tool_id = f"toolu_{call_id.removeprefix('call_')}"  # chat's id, spelled as Anthropic's are
         return self.close() + self._add({"type": "tool_use", "id": tool_id, "name": name, "input": {}})
 

@@ -1,11 +1,11 @@
 """OpenAI's Responses API (POST /v1/responses) over the same engine, templates, grammars and parsers as chat.
 
-A request's `input` (text, or items: messages, earlier function calls and their outputs, earlier reasoning) becomes
-a chat conversation after its `instructions`; the reply comes back as output items (its reasoning, its message's
-text, its function calls), whole or as the API's semantic stream events, with the message's log-probabilities
-where asked for. Responses are kept in memory (response_store.py) for `previous_response_id`, GET, DELETE and
-input_items. A background response runs without its client: it is polled with GET, read as a stream from
-any event on, and cancelled.
+A request's `input` (text, or items: messages, earlier function and custom tool calls and their outputs, earlier
+reasoning) becomes a chat conversation after its `instructions`; the reply comes back as output items (its
+reasoning, its message's text, its function and custom tool calls), whole or as the API's semantic stream events,
+with the message's log-probabilities where asked for. Responses are kept in memory (response_store.py) for
+`previous_response_id`, GET, DELETE and input_items. A background response runs without its client: it is polled
+with GET, read as a stream from any event on, and cancelled.
 
 No `from __future__ import annotations`: FastAPI reads the annotations of the handlers built here.
 """
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .app import Service
 
 log = logging.getLogger("dflash.server")
+TOOL_KINDS = ("function", "custom")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 TEXT_LOGPROBS = "message.output_text.logprobs"
 # What `include` may name: the message's log-probabilities, and reasoning's encrypted content, which clients such as
@@ -70,19 +71,33 @@ def text_format(body):
 
 
 def chat_tools(tools: list | None, tool_choice) -> tuple[list | None, object]:
-    """The Responses API's function tools ({"type": "function", "name", "parameters", ...}) and tool_choice in chat's
-    layout; other kinds of tools (the hosted ones) are refused."""
+    """The Responses API's function and custom tools ({"type": "function", "name", "parameters", ...}, {"type":
+    "custom", "name", "format", ...}) and tool_choice (a tool named, or allowed_tools) in chat's layout, where each
+    tool's fields sit under its type; other kinds of tools (the hosted ones) are refused."""
     functions = []
     for tool in tools or []:
-        if not isinstance(tool, dict) or tool.get("type") != "function":
+        if not isinstance(tool, dict) or tool.get("type") not in TOOL_KINDS:
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise UserError(f"only function tools are supported here, got {kind!r}")
-        functions.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+            raise UserError(f"only function and custom tools are supported here, got {kind!r}")
+        functions.append(nested(tool))
     if isinstance(tool_choice, dict):
-        if tool_choice.get("type") != "function" or "name" not in tool_choice:
-            raise UserError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}')
-        tool_choice = {"type": "function", "function": {"name": tool_choice["name"]}}
+        if tool_choice.get("type") == "allowed_tools":
+            mode, listed = tool_choice.get("mode"), tool_choice.get("tools")
+            if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
+                raise UserError('tool_choice allowed_tools must be {"type": "allowed_tools", "mode": "auto" or '
+                                '"required", "tools": [{"type": "function", "name": ...}, ...]}')
+            return functions or None, {"type": "allowed_tools",
+                                       "allowed_tools": {"mode": mode, "tools": [nested(t) for t in listed]}}
+        if tool_choice.get("type") not in TOOL_KINDS or "name" not in tool_choice:
+            raise UserError('tool_choice must be "auto", "none", "required", {"type": "function", "name": ...}, '
+                            '{"type": "custom", "name": ...} or {"type": "allowed_tools", ...}')
+        tool_choice = nested(tool_choice)
     return functions or None, tool_choice
+
+
+def nested(tool: dict) -> dict:
+    """A tool (or a tool named) as chat lays it out: its fields under its type."""
+    return {"type": tool.get("type"), tool.get("type"): {k: v for k, v in tool.items() if k != "type"}}
 
 
 def input_messages(given) -> list[dict]:
@@ -104,17 +119,18 @@ def input_messages(given) -> list[dict]:
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
-        elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if not isinstance(call["function"]["name"], str) or not isinstance(call["function"]["arguments"], str):
-                raise UserError(f"input[{k}]: a function_call needs its name and its arguments as a string")
+        elif kind in ("function_call", "custom_tool_call"):
+            tool, text = ("function", "arguments") if kind == "function_call" else ("custom", "input")
+            call = {"id": item.get("call_id") or item.get("id"), "type": tool,
+                    tool: {"name": item.get("name"), text: item.get(text, "{}" if tool == "function" else "")}}
+            if not isinstance(call[tool]["name"], str) or not isinstance(call[tool][text], str):
+                raise UserError(f"input[{k}]: a {kind} needs its name and its {text} as a string")
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": None})
                 if reasoning is not None:
                     messages[-1]["reasoning_content"], reasoning = reasoning, None
             messages[-1].setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": text_of(item.get("output"), f"input[{k}].output")})
         elif kind == "reasoning":
@@ -122,7 +138,7 @@ def input_messages(given) -> list[dict]:
             reasoning = text_of(parts, f"input[{k}].content")
         else:
             raise UserError(f"input[{k}]: items of type {kind!r} are not supported here (messages, function_call, "
-                            f"function_call_output and reasoning are)")
+                            f"function_call_output, custom_tool_call, custom_tool_call_output and reasoning are)")
     return messages
 
 
@@ -159,13 +175,22 @@ class OutputItems:
         """The message's next words, with their tokens' log-probabilities (chat's layout) where asked for."""
         return self._text("message", text, list(logprobs))
 
-    def call(self, call_id: str, name: str) -> list[dict]:
-        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
-                "arguments": "", "status": "in_progress"}
+    def call(self, call_id: str, name: str, kind: str = "function") -> list[dict]:
+        """A call begins: a function's (its arguments to come) or a custom tool's (its input)."""
+        if kind == "custom":
+            item = {"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+                    "input": ""}
+        else:
+            item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+                    "arguments": "", "status": "in_progress"}
         return self.close() + self._add(item)
 
     def arguments(self, fragment: str) -> list[dict]:
+        """More of the open call's arguments (a custom tool's input)."""
         item = self.open
+        if item["type"] == "custom_tool_call":
+            item["input"] += fragment
+            return [{"type": "response.custom_tool_call_input.delta", **self._at(item), "delta": fragment}]
         item["arguments"] += fragment
         return [{"type": "response.function_call_arguments.delta", **self._at(item), "delta": fragment}]
 
@@ -173,17 +198,19 @@ class OutputItems:
         item, self.open = self.open, None
         if item is None:
             return []
-        item["status"] = "completed"
-        events = []
-        if item["type"] == "function_call":
-            events.append({"type": "response.function_call_arguments.done", **self._at(item),
-                           "name": item["name"], "arguments": item["arguments"]})
+        if item["type"] != "custom_tool_call":  # which has no status
+            item["status"] = "completed"
+        if item["type"] == "custom_tool_call":
+            events = [{"type": "response.custom_tool_call_input.done", **self._at(item), "input": item["input"]}]
+        elif item["type"] == "function_call":
+            events = [{"type": "response.function_call_arguments.done", **self._at(item),
+                       "name": item["name"], "arguments": item["arguments"]}]
         else:
             part = item["content"][0]
             kind = "response.output_text" if item["type"] == "message" else "response.reasoning_text"
-            events += [{"type": f"{kind}.done", **self._at(item), "content_index": 0, "text": part["text"]},
-                       {"type": "response.content_part.done", **self._at(item), "content_index": 0,
-                        "part": copy.deepcopy(part)}]
+            events = [{"type": f"{kind}.done", **self._at(item), "content_index": 0, "text": part["text"]},
+                      {"type": "response.content_part.done", **self._at(item), "content_index": 0,
+                       "part": copy.deepcopy(part)}]
         if item["type"] == "reasoning":
             del item["status"]  # a reasoning item has none once whole
         return events + [{"type": "response.output_item.done", "output_index": self.items.index(item),
@@ -297,7 +324,8 @@ def input_items(given) -> list[dict]:
                 kind = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": kind, "text": item["content"]}]
             item.setdefault("status", "completed")
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                  "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
         item.setdefault("id", f"{prefix.get(item['type'], 'item')}_{uuid.uuid4().hex}")
         items.append(item)
     return items

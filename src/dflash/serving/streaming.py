@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from ..engine import stop_floor, stop_string_at
 from ..errors import UserError
 from ..reasoning import ThinkingDeltas
-from ..tools import call_delta
+from ..tools import call_delta, call_parts
 
 if TYPE_CHECKING:
     from ..tools import ToolRequest
@@ -142,18 +142,22 @@ class ChatChoiceStream:
 
     def _call_deltas(self) -> Iterator[str]:
         """The calls' news in the held text: a call's id and name once its arguments begin (after the words before
-        the first call, in the hermes format), then each new stretch of its arguments."""
+        the first call, in the hermes format), then each new stretch of its arguments (of a custom tool's input:
+        {"custom": {"input": ...}} in place of {"function": {"arguments": ...}})."""
         tools, text = self.exchange.tools, self.held.text
         for k, call in enumerate(tools.written(text)[0]):
+            kind = tools.kind_of(call.name)
             if k == len(self.streamed):
                 if k == 0 and (words := tools.content(text)) is not None:
                     yield self._chunk(words)
-                yield self._chunk(None, delta={"tool_calls": [{"index": k, **call_delta(call.name, "")}]})
+                yield self._chunk(None, delta={"tool_calls": [{"index": k, **call_delta(call.name, "", kind)}]})
                 self.streamed.append(0)
-            if len(call.arguments) > self.streamed[k]:
-                fragment = call.arguments[self.streamed[k]:]
-                self.streamed[k] = len(call.arguments)
-                yield self._chunk(None, delta={"tool_calls": [{"index": k, "function": {"arguments": fragment}}]})
+            shown = tools.shown(call)
+            if len(shown) > self.streamed[k]:
+                fragment = shown[self.streamed[k]:]
+                self.streamed[k] = len(shown)
+                field = "input" if kind == "custom" else "arguments"
+                yield self._chunk(None, delta={"tool_calls": [{"index": k, kind: {field: fragment}}]})
 
     def _chunk(self, text: str | None, delta: dict | None = None) -> str:
         taken, self.logprobs = self.logprobs, None
@@ -177,9 +181,10 @@ class PartsStream(ChatChoiceStream):
         if "reasoning" in delta:
             return self.parts.reasoning(delta["reasoning"])
         (call,) = delta["tool_calls"]
+        kind, name, text = call_parts(call)
         if "id" in call:
-            return self.parts.call(call["id"], call["function"]["name"])
-        return self.parts.arguments(call["function"]["arguments"])
+            return self.parts.call(call["id"], name, kind)
+        return self.parts.arguments(text)
 
     def _words(self, text: str | None, logprobs: list | None) -> list[dict]:
         """The events of the reply's words (log-probabilities are not shown unless a subclass shows them)."""
@@ -196,8 +201,9 @@ def write_whole(exchange: "Exchange", text: str, parts):
     if words:
         parts.text(words)
     for call in calls or []:
-        parts.call(call["id"], call["function"]["name"])
-        parts.arguments(call["function"]["arguments"])
+        kind, name, text = call_parts(call)
+        parts.call(call["id"], name, kind)
+        parts.arguments(text)
     parts.close()
     return parts
 
