@@ -10,7 +10,8 @@ of bounded numbers and sized strings (BOUNDED, its document BOUNDED_DOCUMENT), o
 format under tool_choice auto after a thinking (JSON_THOUGHT), and whole outputs
 held to a regular expression (SENTENCE, PHONE) or a list of choices (LABELS), and to EBNF grammars (ebnf.py): any
 JSON written as rules (EBNF_JSON, xgrammar's own example, on DOCUMENT) and arithmetic with left recursion
-(ARITHMETIC).
+(ARITHMETIC); a custom tool's call whose input is SQL in a Lark grammar (SQL_CALL), and free text with calls between
+structural tags (TAGGED_TEXT).
 """
 
 import json
@@ -25,6 +26,7 @@ from dflash.ebnf import RulesGrammar
 from dflash.grammar import JSON_OBJECT, compile_schema
 from dflash.hub import converted_dir
 from dflash.regex_grammar import PatternGrammar, choice_expression
+from dflash.structural_tags import structural_tag_format
 from dflash.structured import JsonVocabulary, output_grammar, token_pieces
 from dflash.tools import tool_request
 
@@ -73,6 +75,17 @@ ws ::= [ \n\t]*"""
 ARITHMETIC = ('root ::= expr (" "? "=" " "? expr)*\nexpr ::= expr " "? [-+*/] " "? term | term\n'
               'term ::= num | "(" expr ")"\nnum ::= [0-9]+')
 ARITHMETIC_TEXT = "(12 * 3) + (4 - (5 / 6)) = 38"
+# a custom tool's input in a Lark grammar (tools.py), and calls between structural tags (structural_tags.py)
+SQL_TOOL = {"type": "custom", "custom": {"name": "run_sql", "format": {"type": "grammar", "grammar": {
+    "syntax": "lark", "definition": 'start: "SELECT " NAME ("," " "? NAME)* " FROM " NAME (" WHERE " NAME " = " '
+                                    'VALUE)? ";"\nNAME: /[a-z_]+/\nVALUE: /[0-9]+/ | /\'[^\']*\'/'}}}}
+SQL_CALL = '[{"name": "run_sql", "arguments": {"input": "SELECT name, city FROM users WHERE city = \'Paris\';"}}]'
+TAG = {"structures": [{"begin": f"<function={name}>", "schema": {"type": "object", "properties": {
+    key: {"type": "string"}}, "required": [key]}, "end": "</function>"} for name, key in (("get_weather", "city"),
+                                                                                       ("get_time", "zone"))],
+       "triggers": ["<function="]}
+TAGGED_TEXT = ('Let me check both. <function=get_weather>{"city": "Rome"}</function> and <function=get_time>'
+               '{"zone": "Europe/Berlin"}</function> Done.')
 
 
 def mask_times(vocabulary: JsonVocabulary, grammar, document: str = DOCUMENT) -> list[float]:
@@ -119,7 +132,11 @@ def main() -> None:
                                          ("regex (phone)", PatternGrammar(PHONE), PHONE_TEXT),
                                          ("choice", PatternGrammar(choice_expression(LABELS)), LABEL),
                                          ("EBNF (JSON as rules)", RulesGrammar(EBNF_JSON), DOCUMENT),
-                                         ("EBNF (arithmetic)", RulesGrammar(ARITHMETIC), ARITHMETIC_TEXT)):
+                                         ("EBNF (arithmetic)", RulesGrammar(ARITHMETIC), ARITHMETIC_TEXT),
+                                         ("a custom tool's SQL (required)", output_grammar(
+                                             *tool_request([SQL_TOOL], "required").output_format()), SQL_CALL),
+                                         ("structural tags", output_grammar(*structural_tag_format(TAG)),
+                                          TAGGED_TEXT)):
             times = mask_times(vocabulary, grammar, document)
             line += (f"; {label}: {len(times)} states, a new state's mask {statistics.median(times):.1f} ms median, "
                      f"{max(times):.1f} ms at most")

@@ -280,8 +280,7 @@ def test_the_server_takes_a_grammar_by_each_name(byte_targets):
             assert re.fullmatch(r"It is \d{1,3} k?g\.", answer), answer
             assert ask({"guided_grammar": grammar_text}, endpoint) == ask({"ebnf": grammar_text}, endpoint) == answer
         for extra, fragment in [({"guided_grammar": "root ::= x"}, "rule 'x' is not defined"),
-                                ({"ebnf": 'root ::= "a"', "guided_regex": "a"}, "one constraint"),
-                                ({"structured_outputs": {"structural_tag": {}}}, "structural_tag is not supported")]:
+                                ({"ebnf": 'root ::= "a"', "guided_regex": "a"}, "one constraint")]:
             with pytest.raises(openai.BadRequestError, match=fragment):
                 ask(extra)
 

@@ -288,6 +288,39 @@ def test_custom_tool_calls_on_the_real_model(target):
         state = vocabulary.advance(grammar, state, token)
 
 
+def test_structural_tags_on_the_real_model(target):
+    """SmolLM2 shown calls written inline (`<function=NAME>{...}</function>`) goes on writing them under a structural
+    tag: its calls parse as their schemas ask, the same tokens for the shipped drafter with prompt lookup as for
+    `ar`, and each mask met along the output (free text, a begin, a document, an end) is every token fed."""
+    import json
+    import re
+
+    from dflash.structural_tags import structural_tag_format
+    from dflash.structured import json_vocabulary, output_grammar
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    zone = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+    fmt, given = structural_tag_format({"structures": [
+        {"begin": "<function=get_weather>", "schema": city, "end": "</function>"},
+        {"begin": "<function=get_time>", "schema": zone, "end": "</function>"}], "triggers": ["<function="]})
+    prompt = ('User: What is the weather in Paris?\nAssistant: Let me check. <function=get_weather>{"city": "Paris"}'
+              '</function>\nUser: What time is it in Tokyo?\nAssistant: Let me check. <function=get_time>{"zone": '
+              '"Asia/Tokyo"}</function>\nUser: What is the weather in Rome?\nAssistant:')
+    ids = target.encode_prompt(prompt, chat=False)
+    plain = constrained_alike(target, ids, GenerationConfig(max_new_tokens=40, response_format=fmt,
+                                                            json_schema=given))
+    calls = re.findall(r"<function=(get_weather|get_time)>(.*?)</function>", plain.text)
+    assert calls, plain.text
+    for name, arguments in calls:
+        assert list(json.loads(arguments)) == (["city"] if name == "get_weather" else ["zone"])
+    grammar, vocabulary = output_grammar(fmt, given), json_vocabulary(target.tokenizer, target.vocab_size)
+    state = grammar.initial
+    for token in plain.tokens[:-1]:
+        fed = torch.tensor([vocabulary.advance(grammar, state, t) is not None for t in range(vocabulary.size)])
+        assert torch.equal(vocabulary.allowed(grammar, state), fed), state
+        state = vocabulary.advance(grammar, state, token)
+
+
 def test_hermes_tool_calls_and_thinking_on_the_real_tokenizer(target):
     """SmolLM2 under docs/templates/chatml_hermes_tools.jinja (its turns, calls in <tool_call> tags): the template
     takes the tools, a required call (one, parallel_tool_calls false) parses from its tags, the same tokens for the

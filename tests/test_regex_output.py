@@ -184,7 +184,7 @@ def test_the_server_takes_vllms_structured_outputs(byte_targets):
         assert ask({"structured_outputs": {"json": schema}}) == ask({"guided_json": json.dumps(schema)}) == via_openai
         assert ask({"structured_outputs": {"json_object": True}}) == ask({}, response_format={"type": "json_object"})
         for extra, kwargs, fragment in [
-            ({"structured_outputs": {"structural_tag": {"x": 1}}}, {}, "structural_tag is not supported"),
+            ({"structured_outputs": {"structural_tag": {"x": 1}}}, {}, "triggers must be a non-empty list"),
             ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, {}, "one constraint"),
             ({"guided_regex": "(?=a)"}, {}, "lookaround"),
             ({"guided_choice": ["a"]}, {"response_format": {"type": "json_object"}}, "each constrain"),

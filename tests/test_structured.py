@@ -20,6 +20,7 @@ from dflash.sampling import SamplingConfig, pick_tokens
 from dflash.grammar import (JSON_OBJECT, MAX_SPACES, PROSE, START_STATE, TEXT, THINK_OPEN, THINKING, THOUGHT,
                             compile_schema, complete)
 from dflash.patterns import compile_pattern, format_pattern
+from dflash.structural_tags import TAG_TEXT
 from dflash.structured import JsonVocabulary, json_vocabulary, token_pieces
 from dflash.testing import tiny_byte_tokenizer, tiny_target
 from test_engine import make_drafter
@@ -184,6 +185,8 @@ def fed_token(grammar, state, piece: bytes | None):
             state = grammar.feed_bytes(grammar.start, b"<think>"[:state[1]])
             if state is None or state[0] == TEXT:
                 return state
+        if state[0] == TAG_TEXT:  # structural tags' free text: a trigger begun is broken
+            return (TAG_TEXT, b"")
         prose = grammar.frame is not None and grammar.frame.prose and state[0] in (START_STATE[0], PROSE)
         return (PROSE, 0, 0, ()) if prose else None
     return grammar.feed_bytes(state, piece)

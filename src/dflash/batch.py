@@ -90,9 +90,11 @@ def read_requests(path: Path) -> list[BatchRow]:
 
 def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
     """A row's own structured output, OpenAI's `response_format`: {"type": "json_object"}, {"type": "json_schema",
-    "json_schema": {"schema": {...}}} or {"type": "text"}, or vLLM's `structured_outputs` (or guided_regex,
-    guided_choice, guided_json, guided_grammar; SGLang's `ebnf`), as (response_format, json_schema); None: the
-    command line's. Checked (the schema or grammar compiled) before the target loads."""
+    "json_schema": {"schema": {...}}}, {"type": "text"} or {"type": "structural_tag", ...}, or vLLM's
+    `structured_outputs` (or guided_regex, guided_choice, guided_json, guided_grammar; SGLang's `ebnf`), as
+    (response_format, json_schema); None: the command line's. Checked (the schema or grammar compiled) before the
+    target loads."""
+    from .structural_tags import structural_tag_format
     from .structured import one_constraint, output_grammar, vllm_format
 
     given = row.get("response_format")
@@ -109,6 +111,8 @@ def row_format(row: dict, where: str) -> tuple[str | None, dict | None] | None:
     schema = given.get("json_schema", {}).get("schema") if kind == "json_schema" else None
     chosen = (None if kind == "text" else kind, schema)
     try:
+        if kind == "structural_tag":
+            chosen = structural_tag_format(given)
         output_grammar(*chosen)
         return one_constraint(chosen, vllm, "structured_outputs (or guided_*)")
     except UserError as error:

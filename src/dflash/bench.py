@@ -651,6 +651,8 @@ def command_line(args) -> str:
         parts.append("--choice " + " ".join(shlex.quote(c) for c in args.choice))
     if args.grammar is not None:
         parts.append(f"--grammar {shlex.quote(args.grammar)}")
+    if args.structural_tag is not None:
+        parts.append(f"--structural-tag {shlex.quote(args.structural_tag)}")
     if args.threads is not None:
         parts.append(f"--threads {args.threads}")
     return " ".join(parts + [f"--out {args.out}"])

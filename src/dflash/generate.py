@@ -142,18 +142,23 @@ def config_from_args(args, **more):
 
 
 def output_format_from_args(args) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) of --response-format, --json-schema, --regex, --choice or --grammar (one of
-    them)."""
+    """(response_format, json_schema) of --response-format, --json-schema, --regex, --choice, --grammar or
+    --structural-tag (one of them)."""
     from .ebnf import grammar_format
     from .regex_grammar import pattern_format
+    from .structural_tags import structural_tag_format
 
     given = [name for name, value in (("--response-format", args.response_format != "text"),
                                       ("--json-schema", args.json_schema), ("--regex", args.regex),
-                                      ("--choice", args.choice), ("--grammar", args.grammar)) if value]
+                                      ("--choice", args.choice), ("--grammar", args.grammar),
+                                      ("--structural-tag", args.structural_tag)) if value]
     if len(given) > 1:
         raise UserError(f"{' and '.join(given)} each constrain the output: give one")
     if args.grammar is not None:
         return grammar_format(grammar_text(args.grammar))
+    if args.structural_tag is not None:
+        return structural_tag_format(json_option(args.structural_tag, "--structural-tag",
+                                                 "a structural tag's file or its JSON", "{"))
     pattern = pattern_format(args.regex, args.choice)
     if pattern is not None:
         return pattern

@@ -24,6 +24,7 @@ from .models.target import TemplateOptions
 from .prediction import prediction_ids
 from .reasoning import check_parser, split, thinking_of
 from .regex_grammar import pattern_format
+from .structural_tags import structural_tag_format
 from .sampling import SamplingConfig
 from .structured import one_constraint
 from .tools import encode_chat, reply_format, tool_request, tool_style
@@ -62,24 +63,26 @@ class LLM:
                  stop: tuple[str, ...] = (), min_tokens: int = 0,
                  chat: bool = True, response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
-                 logprobs: int | None = None, prediction: str | list[str] | None = None
-                 ) -> GenerationResult | list[GenerationResult]:
+                 structural_tag: dict | None = None, logprobs: int | None = None,
+                 prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
         of these strings; `grammar`: every output is one this grammar allows (EBNF's `root ::= ...` or Lark's
-        `start: ...`, ebnf.py); `logprobs` (0-20): each token's log-probability and that many most likely alternatives, as
-        `result.logprobs`. `min_p`: sample among the tokens at least min_p times as likely as the likeliest;
-        `min_tokens`: no stop token (EOS) before that many new tokens; `prediction`: the text an output is expected
-        to be, or one per prompt (OpenAI's Predicted Outputs: drafted where the output follows it; the output is the
-        same)."""
+        `start: ...`, ebnf.py); `structural_tag`: free text whose triggers open JSON documents between tags
+        ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}, vLLM's; structural_tags.py); `logprobs`
+        (0-20): each token's log-probability and that many most likely alternatives, as `result.logprobs`. `min_p`:
+        sample among the tokens at least min_p times as likely as the likeliest; `min_tokens`: no stop token (EOS)
+        before that many new tokens; `prediction`: the text an output is expected to be, or one per prompt (OpenAI's
+        Predicted Outputs: drafted where the output follows it; the output is the same)."""
         many = not isinstance(prompts, str)
         texts = list(prompts) if many else [prompts]
         if not all(isinstance(p, str) and p.strip() for p in texts):
             raise UserError("every prompt must be a non-empty string")
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
-        response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar)
+        response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar,
+                                                    structural_tag)
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
         config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         results = self._run(ids, self._predicting(config, prediction, len(ids)))
@@ -89,8 +92,8 @@ class LLM:
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: tuple[str, ...] = (), min_tokens: int = 0,
              response_format: str | None = None, json_schema: dict | None = None, regex: str | None = None,
-             choice: list[str] | None = None, grammar: str | None = None, tools: list | None = None,
-             tool_choice: str | dict | None = None,
+             choice: list[str] | None = None, grammar: str | None = None, structural_tag: dict | None = None,
+             tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False, logprobs: int | None = None,
              prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
@@ -101,13 +104,13 @@ class LLM:
         has `result.tool_calls` (OpenAI's layout: a function's arguments as JSON text, a custom tool's input as
         text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
-        turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`: as
-        generate's."""
+        turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`,
+        `structural_tag`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
-                                                                            grammar))
+                                                                            grammar, structural_tag))
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens)
         config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
@@ -149,10 +152,12 @@ class LLM:
 
 
 def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None, choice: list | None,
-                 grammar: str | None = None) -> tuple[str | None, dict | None]:
-    """(response_format, json_schema) of LLM's arguments: a regex, a choice or a grammar in their place where one is
-    given."""
-    if grammar is not None and (regex is not None or choice is not None):
-        raise UserError("send a regex, a choice or a grammar: one of them")
-    pattern = grammar_format(grammar) if grammar is not None else pattern_format(regex, choice)
-    return one_constraint((response_format, json_schema), pattern, "a regex, choice or grammar")
+                 grammar: str | None = None, structural_tag: dict | None = None) -> tuple[str | None, dict | None]:
+    """(response_format, json_schema) of LLM's arguments: a regex, a choice, a grammar or a structural tag in their
+    place where one is given."""
+    given = [value for value in (regex if choice is None else choice, grammar, structural_tag) if value is not None]
+    if len(given) > 1:
+        raise UserError("send a regex, a choice, a grammar or a structural tag: one of them")
+    pattern = grammar_format(grammar) if grammar is not None else structural_tag_format(structural_tag) \
+        if structural_tag is not None else pattern_format(regex, choice)
+    return one_constraint((response_format, json_schema), pattern, "a regex, choice, grammar or structural tag")

@@ -200,7 +200,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
 
 
 def add_pattern_arguments(group) -> None:
-    """--regex, --choice (regex_grammar.py) and --grammar (ebnf.py), beside --response-format and --json-schema."""
+    """--regex, --choice (regex_grammar.py), --grammar (ebnf.py) and --structural-tag (structural_tags.py), beside
+    --response-format and --json-schema."""
     group.add_argument("--regex", default=None, metavar="PATTERN",
                        help="the whole output matches this regular expression (vLLM's structured outputs regex)")
     group.add_argument("--choice", nargs="+", default=None, metavar="TEXT",
@@ -209,6 +210,10 @@ def add_pattern_arguments(group) -> None:
                        help="the whole output is one this grammar allows: EBNF as xgrammar and llama.cpp's GBNF write "
                             "it, `root ::= ...`, or Lark's `start: ...` (a file, or the grammar itself; vLLM's "
                             "structured outputs grammar)")
+    group.add_argument("--structural-tag", default=None, metavar="FILE|JSON",
+                       help="free text in which each trigger opens a JSON document between a structure's begin and "
+                            "end: {\"structures\": [{\"begin\": ..., \"schema\": {...}, \"end\": ...}], "
+                            "\"triggers\": [...]} (a file, or the JSON itself; vLLM's and SGLang's structural_tag)")
 
 
 def _cuda() -> bool:

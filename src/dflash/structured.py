@@ -34,14 +34,17 @@ from .errors import UserError
 from .grammar import JSON_OBJECT, START_STATE, STRING, TEXT, Frame, JsonGrammar, compile_schema
 from .logprobs import BYTE_TOKEN, byte_level_alphabet
 from .regex_grammar import PatternGrammar, pattern_format, pattern_grammar
+from .structural_tags import structural_tag_format, tag_grammar
 
 # "json_schema_framed": documents between tags (a chat template's tool calls, tools.py), its json_schema
 # {"schema": ..., "frame": Frame's fields as text}
 # "regex": the whole output matches json_schema["regex"] (regex_grammar.py: vLLM's structured outputs regex, choice)
 # "grammar": the whole output is one that json_schema["grammar"] (EBNF) allows (ebnf.py: vLLM's structured outputs
 # grammar)
-RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed", "regex",
-                    "grammar")
+# "structural_tag": free text with JSON documents between tags its triggers open (structural_tags.py: vLLM's and
+# SGLang's structural_tag), its json_schema {"structures": [...], "triggers": [...]}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "json_schema_or_text", "json_schema_framed", "structural_tag",
+                    "regex", "grammar")
 MASK_CACHE_BYTES = 64 << 20  # masks kept per vocabulary, as bool tensors
 # ASCII tokens up to this long go through a grammar's table at once (_tabled), a byte position a time; the longer
 # ones, few (SmolLM2: 154 of 49,152 past 16 bytes, mostly runs of spaces), are walked with the rest
@@ -122,7 +125,8 @@ class JsonVocabulary:
             self.by_bytes.setdefault(piece, token)
         self.longest = max(map(len, self.all_keys), default=0)
         self.forced_runs: dict[tuple, list[int]] = {}
-        self.holding: dict[int, list[int]] = {}  # a byte -> the sorted positions of the tokens that hold it
+        self.holding: dict[bytes, list[int]] = {}  # bytes -> the sorted positions of the tokens that hold one
+        self.crossing: dict[bytes, tuple[list, list]] = {}  # closers -> the tokens that hold one before their end
         self.bytes_unknown = [i for i, piece in enumerate(pieces) if piece is None]  # special tokens
         self.ascii_split = None  # the tokens of ASCII bytes laid out for tables (_ascii_split), made at first use
 
@@ -149,6 +153,8 @@ class JsonVocabulary:
             return self._kept(key, self._free_text(grammar, state))
         if grammar.delegate(state) is not None:
             return self._kept(key, self._delegated(grammar, state))
+        if (nested := getattr(grammar, "nested", None)) is not None and (inside := nested(state)) is not None:
+            return self._kept(key, self._nested(grammar, state, *inside))
         if state[0] == STRING:  # plain characters keep a string going; only the others need a walk
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
@@ -203,15 +209,32 @@ class JsonVocabulary:
         return mask
 
     def _free_text(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
-        """The mask of free text that a tag ends (a framed grammar's words, a reasoning model's thinking): every token,
-        but of those that could complete the tag (the ones holding its last byte) only the ones whose bytes after it
-        the grammar takes."""
-        last = grammar.free_text_tag(state)[-1]
-        if last not in self.holding:
-            self.holding[last] = [k for k, piece in enumerate(self.all_keys) if last in piece]
+        """The mask of free text that a tag ends (a framed grammar's words, a reasoning model's thinking; or one of
+        several tags: structural tags' triggers): every token, but of those that could complete a tag (the ones
+        holding its last byte) only the ones whose bytes after it the grammar takes."""
+        tags = grammar.free_text_tag(state)
         mask = torch.ones(self.size, dtype=torch.bool)
-        keys = [self.all_keys[k] for k in self.holding[last]]
-        ids = [self.all_ids[k] for k in self.holding[last]]
+        keys, ids = self._holding(bytes(sorted({tag[-1] for tag in ([tags] if isinstance(tags, bytes) else tags)})))
+        mask[ids] = False
+        mask[self._walk(grammar, state, keys, ids)] = True
+        return mask
+
+    def _holding(self, some: bytes) -> tuple[list[bytes], list[int]]:
+        """The tokens that hold any of the bytes `some`, sorted (for _walk): their keys and ids."""
+        if some not in self.holding:
+            self.holding[some] = [k for k, piece in enumerate(self.all_keys) if any(b in piece for b in some)]
+        return [self.all_keys[k] for k in self.holding[some]], [self.all_ids[k] for k in self.holding[some]]
+
+    def _nested(self, grammar, state: tuple, inner, inner_state: tuple, closers: bytes) -> torch.Tensor:
+        """The mask of a state inside a document of its own grammar (structural_tags.TagGrammar.nested): the inner
+        grammar's mask, but the tokens that hold a closing byte before their last (they may close the document and
+        go on after it) walked from the state."""
+        mask = self.allowed(inner, inner_state).clone()
+        if closers not in self.crossing:
+            keys, ids = self._holding(closers)
+            crossing = [k for k, key in enumerate(keys) if any(b in key[:-1] for b in closers)]
+            self.crossing[closers] = [keys[k] for k in crossing], [ids[k] for k in crossing]
+        keys, ids = self.crossing[closers]
         mask[ids] = False
         mask[self._walk(grammar, state, keys, ids)] = True
         return mask
@@ -453,6 +476,8 @@ def _format_grammar(response_format: str | None, json_schema: dict | None) -> Js
         return pattern_grammar(json_schema["regex"])
     if response_format == "grammar":
         return rules_grammar(json_schema["grammar"])
+    if response_format == "structural_tag":
+        return tag_grammar(json_schema)
     if json_schema is None:
         return None
     if response_format == "json_schema_framed":
@@ -472,23 +497,19 @@ def one_constraint(given: tuple, other: tuple | None, other_name: str) -> tuple:
     return other
 
 
-VLLM_KINDS = ("regex", "choice", "json", "json_object", "grammar")
-VLLM_REFUSED = ("structural_tag",)  # vLLM's, which cannot be enforced here
+VLLM_KINDS = ("regex", "choice", "json", "json_object", "grammar", "structural_tag")
 
 
 def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choice=None, guided_json=None,
                 guided_grammar=None, ebnf=None) -> tuple[str | None, dict | None] | None:
-    """vLLM's structured outputs (`structured_outputs` {"regex"|"choice"|"json"|"json_object"|"grammar": ...}, or
-    its older guided_regex / guided_choice / guided_json / guided_grammar; SGLang's `ebnf`, a grammar too) as
+    """vLLM's structured outputs (`structured_outputs` {"regex"|"choice"|"json"|"json_object"|"grammar"|
+    "structural_tag": ...}, or its older guided_regex / guided_choice / guided_json / guided_grammar; SGLang's
+    `ebnf`, a grammar too) as
     (response_format, json_schema); None where none is given. Its other options (whitespace, fallbacks) change
     nothing here."""
     if structured_outputs is not None and not isinstance(structured_outputs, dict):
         raise UserError("structured_outputs must be an object such as {\"choice\": [...]}")
     given = dict(structured_outputs or {})
-    for kind in VLLM_REFUSED:
-        if given.get(kind) is not None:
-            raise UserError(f"structured_outputs {kind} is not supported here (regex, choice, json, json_object and "
-                            "grammar are)")
     older = {"regex": guided_regex, "choice": guided_choice, "json": guided_json, "grammar": guided_grammar,
              "ebnf": ebnf}
     sent = [(kind, given[kind]) for kind in VLLM_KINDS if given.get(kind) not in (None, False)]
@@ -504,6 +525,8 @@ def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choic
         return "json_object", None
     if kind in ("grammar", "ebnf"):
         return grammar_format(value)
+    if kind == "structural_tag":
+        return structural_tag_format(value)
     try:
         schema = json.loads(value) if isinstance(value, str) else value
     except ValueError:

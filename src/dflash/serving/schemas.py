@@ -65,9 +65,12 @@ def schemas() -> SimpleNamespace:
         strict: bool | None = None
         description: str | None = None
 
-    class ResponseFormat(BaseModel):  # "text", "json_object" (JSON mode) or "json_schema" (structured outputs)
-        type: Literal["text", "json_object", "json_schema"]
+    class ResponseFormat(BaseModel):  # "text", "json_object" (JSON mode), "json_schema" (structured outputs), or
+        # "structural_tag" (an extension, as in vLLM and SGLang: structural_tags.py)
+        type: Literal["text", "json_object", "json_schema", "structural_tag"]
         json_schema: JsonSchemaFormat | None = None
+        structures: list | None = None
+        triggers: list | None = None
 
     class OpenAIFields(BaseModel):
         model_config = ConfigDict(extra="allow")  # kept to be named in the log (Service.prepared), then unused
@@ -261,11 +264,15 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
 def response_format_of(body) -> tuple[str | None, dict | None]:
     """(response_format, json_schema) for GenerationConfig from OpenAI's `response_format`, or vLLM's structured
     outputs (one constraint in all)."""
+    from ..structural_tags import structural_tag_format
+
     given = body.response_format
     openai_format = (None, None) if given is None else (
         given.type, given.json_schema.schema_ if given.json_schema is not None else None)
     if given is not None and given.json_schema is not None and given.json_schema.strict is not True:
         openai_format = (given.type, loosely_held(given.json_schema.schema_))
+    if given is not None and given.type == "structural_tag":
+        openai_format = structural_tag_format({"structures": given.structures, "triggers": given.triggers})
     return one_constraint(openai_format, structured_outputs_of(body), "structured_outputs (or guided_*)")
 
 
