@@ -30,6 +30,14 @@ def grammar_of(given: dict):
     return tag_grammar(structural_tag_format(given)[1])
 
 
+def xgrammar_layout(legacy: dict, **flags) -> dict:
+    """A legacy structural tag in xgrammar's newer layout (triggered_tags of tags with json_schema contents)."""
+    tags = [{"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in legacy["structures"]]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": legacy["triggers"],
+                                                 "tags": tags, **flags}}
+
+
 def accepts(grammar, text: str) -> bool:
     state = grammar.feed_bytes(grammar.initial, text.encode())
     return state is not None and grammar.may_end(state)
@@ -88,6 +96,30 @@ def test_tags_take_what_the_reference_takes():
         assert not accepts(grammar, text), text  # inside a structure; a space before the document; no such begin
 
 
+def test_xgrammars_layout_and_its_flags():
+    newer, rng = grammar_of(xgrammar_layout(CALLS)), random.Random(2)
+    legacy = grammar_of(CALLS)
+    for _ in range(500):
+        text = random_text(rng)
+        assert accepts(newer, text) == accepts(legacy, text), text
+    call = '<function=clock>{}</function>'
+    first = grammar_of(xgrammar_layout(CALLS, at_least_one=True))
+    assert accepts(first, call + " then words " + call) and not accepts(first, "Hi " + call)
+    assert not accepts(first, "") and first.feed_bytes(first.initial, b"<function=c") is not None
+    once = grammar_of(xgrammar_layout(CALLS, stop_after_first=True))
+    assert accepts(once, "Hi " + call) and accepts(once, "Hi") and not accepts(once, call + " more")
+    assert once.finished(once.feed_bytes(once.initial, call.encode()))
+    barred = grammar_of(xgrammar_layout(CALLS, excludes=["</think>", "<|end|>"]))
+    assert accepts(barred, "Hi " + call) and not accepts(barred, "a </think> b") and not accepts(barred, "<|end|>")
+    both = grammar_of(xgrammar_layout(CALLS, at_least_one=True, stop_after_first=True, excludes=["END"]))
+    assert accepts(both, call) and not accepts(both, call + "x") and not accepts(both, "x" + call)
+    texts = [(call + " ok " + call).encode(), b"<function=weather>{\"city\": \"x\"}</function>"]
+    assert_masks_are_fed(first, texts)
+    assert_masks_are_fed(barred, [b"Hi <|en <function=clock>{}</function></thin"])
+    assert_masks_are_fed(both, [call.encode()])
+    assert_masks_are_fed(first.thinking_first("open"), [b"Hmm</think>\n " + call.encode()])
+
+
 def test_the_first_trigger_to_end_opens_its_structure():
     grammar = grammar_of({"structures": [{"begin": "ab{", "schema": {"type": "object"}, "end": "}"},
                                          {"begin": "xabc", "schema": {"type": "object"}, "end": ""},
@@ -116,7 +148,16 @@ def test_masks_are_every_token_fed():
     ({"structures": [{"begin": "<a", "schema": {"type": "string"}, "end": ""}], "triggers": ["<"]},
      "structures[0].schema: a JSON schema for structured output must describe an object"),
     ({"structures": SHORT["structures"], "triggers": ["<", "["]}, "trigger '[' begins none"),
-    ({"format": {"type": "triggered_tags"}}, "newer \"format\" layout is not supported"),
+    ({"format": {"type": "tag", "begin": "<a>", "content": {"type": "any_text"}, "end": "</a>"}},
+     "format 'tag' is not supported here"),
+    ({"format": {"type": "triggered_tags", "triggers": ["<"], "tags": [{"type": "tag", "begin": "<a>", "content": {
+        "type": "json_schema", "json_schema": WEATHER, "style": "qwen_xml"}, "end": "</a>"}]}},
+     "format.tags[0] must be"),
+    ({"format": {"type": "triggered_tags", "triggers": ["<"], "tags": [{"begin": "<a>", "content": {
+        "type": "any_text"}, "end": "</a>"}]}}, "other contents"),
+    ({"format": {**{k: v for k, v in xgrammar_layout(CALLS)["format"].items()}, "at_least_one": "yes"}},
+     "at_least_one and stop_after_first must be true or false"),
+    ({"format": {**xgrammar_layout(CALLS)["format"], "excludes": [""]}}, "excludes must be a list of non-empty"),
     ("{", "a structural tag must be"),
 ])
 def test_tags_that_cannot_be_held_are_refused_in_one_line(given, fragment):
@@ -168,6 +209,10 @@ def test_the_server_takes_a_structural_tag_by_each_name(byte_targets):
         answer = ask(response_format={"type": "structural_tag", **SHORT}).choices[0].message.content
         held = grammar_of(SHORT)  # cut at max_tokens: a prefix of what the grammar takes
         assert "<w>{" in answer and held.feed_bytes(held.initial, answer.encode()) is not None, answer
+        assert ask(response_format=xgrammar_layout(SHORT)).choices[0].message.content == answer
+        once = ask(response_format=xgrammar_layout(SHORT, stop_after_first=True)).choices[0]
+        assert once.finish_reason == "stop" and accepts(grammar_of(xgrammar_layout(SHORT, stop_after_first=True)),
+                                                        once.message.content), once.message.content
         assert ask(extra_body={"structured_outputs": {"structural_tag": json.dumps(SHORT)}}).choices[0] \
             .message.content == answer
         chunks = ask(response_format={"type": "structural_tag", **SHORT}, stream=True)

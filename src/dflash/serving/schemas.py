@@ -71,6 +71,7 @@ def schemas() -> SimpleNamespace:
         json_schema: JsonSchemaFormat | None = None
         structures: list | None = None
         triggers: list | None = None
+        format: dict | None = None  # xgrammar's newer layout of a structural tag
 
     class OpenAIFields(BaseModel):
         model_config = ConfigDict(extra="allow")  # kept to be named in the log (Service.prepared), then unused
@@ -272,7 +273,8 @@ def response_format_of(body) -> tuple[str | None, dict | None]:
     if given is not None and given.json_schema is not None and given.json_schema.strict is not True:
         openai_format = (given.type, loosely_held(given.json_schema.schema_))
     if given is not None and given.type == "structural_tag":
-        openai_format = structural_tag_format({"structures": given.structures, "triggers": given.triggers})
+        openai_format = structural_tag_format({"format": given.format} if given.format is not None else
+                                              {"structures": given.structures, "triggers": given.triggers})
     return one_constraint(openai_format, structured_outputs_of(body), "structured_outputs (or guided_*)")
 
 
