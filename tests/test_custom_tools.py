@@ -9,6 +9,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from dflash.engine import GenerationConfig, SpeculativeDecoder
 from dflash.errors import UserError
@@ -68,6 +69,24 @@ def test_a_string_in_a_grammar_takes_what_the_grammar_matches_however_json_escap
     assert matched > 10
     assert_masks_are_fed(grammar, [json.dumps({"input": example}, ensure_ascii=False).encode(),
                                    json.dumps({"input": example.replace("😀", "")}).encode()])
+
+
+def test_a_held_strings_plain_characters_go_through_a_table_that_feeding_agrees_with():
+    from dflash.structured import JsonVocabulary, token_pieces
+    from dflash.testing import tiny_byte_tokenizer
+
+    grammar = compile_schema(input_schema(**{"x-grammar": ITEMS}))
+    state = grammar.feed_bytes(grammar.initial, b'{"input": "a')
+    table, row = grammar.held_table(state)
+    assert table[row, ord(",")] != 0 and table[row, ord('"')] == 0 and table[row, ord("\\")] == 0  # spelt escaped
+    bounded = compile_schema(input_schema(pattern="^a+$", maxLength=3))
+    assert bounded.held_table(bounded.feed_bytes(bounded.initial, b'{"input": "a')) is None  # counted: walked
+    vocabulary = JsonVocabulary(token_pieces(tiny_byte_tokenizer(320), 320))
+    for text in (b'{"input": "a', b'{"input": "a,b', b'{"input": "'):
+        held = grammar.feed_bytes(grammar.initial, text)
+        fed = torch.tensor([grammar.feed_bytes(held, piece or b"\xff") is not None for piece in vocabulary.pieces])
+        assert torch.equal(vocabulary.allowed(grammar, held), fed), text
+    assert vocabulary.plain_split is not None  # the table was taken
 
 
 def test_a_grammar_beside_other_string_keywords_is_refused_and_a_loose_schema_drops_a_bad_one():

@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+import torch
+
 from .errors import UserError
 from .patterns import FORMATS, INFINITE, Pattern, compile_pattern, format_pattern
 
@@ -48,6 +50,8 @@ QUOTE, BACKSLASH = ord('"'), ord("\\")
 # structured.py forces and drafts free; any other spelling would be a second way at every character.
 HELD_ESCAPES = frozenset(b'"\\bfnrtu')  # not \/
 UNICODE_ESCAPED = ((0, 0x1F), (0x7F, 0xD7FF), (0xE000, 0xFFFF))  # what \u writes in a held string (no surrogates)
+PLAIN_HELD = [byte for byte in range(0x20, 0x7F) if byte not in b'"\\']  # written as themselves in a held string
+MAX_HELD_ROWS = 4096  # pattern state sets a held string's table may hold (JsonGrammar.held_table)
 # a number's modes: byte class -> next mode; the modes where a number may end (the byte then read after the value)
 NUMBER_MOVES = {
     MINUS: {"0": ZERO, "d": INTEGER},
@@ -307,6 +311,7 @@ class JsonGrammar(ByteGrammar):
         self.thinking = thinking
         self.words_after_thought = frame is not None and frame.prose
         self.initial = self.first_state()
+        self._held: dict[int, dict] = {}  # a held string's node -> its table's rows (held_table)
 
     def thinking_first(self, thinking: str | None) -> "JsonGrammar":
         """This grammar after a reasoning model's thinking (`thinking` "open" or "optional"; None: itself)."""
@@ -456,6 +461,43 @@ class JsonGrammar(ByteGrammar):
         high_length = self.nodes[at].max_length
         return self.nodes[at].pattern.can_take(states, low, high, INFINITE if high_length is None
                                                else high_length - count)
+
+    def held_table(self, state: tuple):
+        """Where `state` is inside a held string without a maxLength: a table of the moves its plain ASCII characters
+        make (printable, but `"` and `\\`, which a held string spells one way each, as itself), as
+        regex_grammar.PatternGrammar.ascii_table's: [rows + 1, 128], row n + 1 the pattern's n-th state set met
+        from this string's node, each column the row after that byte (0: refused or not plain); with `state`'s row.
+        None elsewhere, or past MAX_HELD_ROWS state sets (a vocabulary then walks its tokens)."""
+        if state[0] != STRING or state[1] in (0, 1) or state[1][2] is None or self.nodes[state[1][0]].max_length:
+            return None
+        at, _, states = state[1]
+        held = self._held.setdefault(at, {"numbers": {}, "rows": [], "table": None, "full": False})
+        if held["full"]:
+            return None
+        numbers, rows = held["numbers"], held["rows"]
+        todo, grew = [states], False
+        while todo:
+            current = todo.pop()
+            if current in numbers:
+                continue
+            if len(numbers) >= MAX_HELD_ROWS:
+                held["full"] = True  # too many to table: walked from now on
+                return None
+            numbers[current] = len(rows)
+            row = [0] * 0x80
+            rows.append(row)
+            for byte in PLAIN_HELD:
+                following = self.nodes[at].pattern.step(current, byte)
+                if following:
+                    row[byte] = following
+                    todo.append(following)
+            grew = True
+        if grew or held["table"] is None:
+            table = torch.zeros(len(rows) + 1, 0x80, dtype=torch.long)
+            for number, row in enumerate(rows):
+                table[number + 1] = torch.tensor([0 if not cell else numbers[cell] + 1 for cell in row])
+            held["table"] = table
+        return held["table"], numbers[states] + 1
 
     def _may_escape(self, aux: tuple, low: int, high: int) -> bool:
         """Whether a held string may take a character in [low, high] that \\u may write there (UNICODE_ESCAPED)."""

@@ -129,6 +129,7 @@ class JsonVocabulary:
         self.crossing: dict[bytes, tuple[list, list]] = {}  # closers -> the tokens that hold one before their end
         self.bytes_unknown = [i for i, piece in enumerate(pieces) if piece is None]  # special tokens
         self.ascii_split = None  # the tokens of ASCII bytes laid out for tables (_ascii_split), made at first use
+        self.plain_split = None  # those of plain ASCII characters, for held strings' tables
 
     def advance(self, grammar: JsonGrammar, state: tuple | None, token: int) -> tuple | None:
         if state is None:
@@ -159,10 +160,8 @@ class JsonVocabulary:
             mask = self.plain_in_string.clone()
             if state[1] not in (0, 1):  # a checked string
                 at, count, states = state[1]
-                if states is not None:  # a pattern: every token walked
-                    mask[:] = False
-                    mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
-                    return self._kept(key, mask)
+                if states is not None:  # a pattern: its plain characters through a table where it has one
+                    return self._kept(key, self._held(grammar, state))
                 if grammar.nodes[at].max_length is not None:  # the plain tokens that fit what is left
                     mask &= self.plain_characters <= grammar.nodes[at].max_length - count
             mask[self._walk(grammar, state, self.special_keys, self.special_ids)] = True
@@ -182,10 +181,29 @@ class JsonVocabulary:
         found = grammar.ascii_table(state)
         if found is None:
             return None
-        table, row = found
         if self.ascii_split is None:
-            self.ascii_split = _ascii_split(self.all_keys, self.all_ids)
-        ids, columns, counts, other_keys, other_ids = self.ascii_split
+            self.ascii_split = _ascii_split(self.all_keys, self.all_ids, lambda key: key.isascii())
+        return self._through_table(grammar, state, *found, self.ascii_split)
+
+    def _held(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+        """The mask of a state inside a held string (a pattern's, a format's, a grammar's): the tokens of plain
+        ASCII characters through the string's table (JsonGrammar.held_table), the others (a quote, an escape, other
+        characters) walked; every token walked where there is no table."""
+        found = grammar.held_table(state)
+        if found is not None:
+            if self.plain_split is None:
+                self.plain_split = _ascii_split(self.all_keys, self.all_ids, _plain_ascii)
+            mask = self._through_table(grammar, state, *found, self.plain_split)
+            if mask is not None:
+                return mask
+        mask = torch.zeros(self.size, dtype=torch.bool)
+        mask[self._walk(grammar, state, self.all_keys, self.all_ids)] = True
+        return mask
+
+    def _through_table(self, grammar, state: tuple, table: torch.Tensor, row: int, split) -> torch.Tensor | None:
+        """The mask of `state` with the tokens of `split` (_ascii_split's) run through `table` from `row` all at
+        once, a byte position at a time, the others walked; None where a walk would be cheaper."""
+        ids, columns, counts, other_keys, other_ids = split
         if int(table[row, columns[0]].count_nonzero()) * TABLE_SHARE < len(ids):
             return None  # few tokens go on past their first byte: a walk skips the rest sooner
         current = torch.full((len(ids),), row, dtype=torch.long)
@@ -322,10 +340,16 @@ class JsonVocabulary:
         return allowed
 
 
-def _ascii_split(keys: list[bytes], ids: list[int]):
-    """The tokens of up to TABLED_BYTES ASCII bytes, longest first, as (their ids, each byte position's bytes of the
-    tokens that reach it, how many do); and the others' keys and ids (sorted, for a walk)."""
-    tabled = [bool(key) and len(key) <= TABLED_BYTES and key.isascii() for key in keys]
+def _plain_ascii(key: bytes) -> bool:
+    """Printable ASCII but `"` and `\\`: what a held string writes as itself (grammar.PLAIN_HELD)."""
+    return key.isascii() and all(0x20 <= b < 0x7F and b not in b'"\\' for b in key)
+
+
+def _ascii_split(keys: list[bytes], ids: list[int], tabled_key):
+    """The tokens of up to TABLED_BYTES bytes that `tabled_key` takes (ASCII ones), longest first, as (their ids,
+    each byte position's bytes of the tokens that reach it, how many do); and the others' keys and ids (sorted, for
+    a walk)."""
+    tabled = [bool(key) and len(key) <= TABLED_BYTES and tabled_key(key) for key in keys]
     ascii_tokens = sorted(((key, token) for key, token, t in zip(keys, ids, tabled) if t),
                           key=lambda pair: -len(pair[0]))
     longest = len(ascii_tokens[0][0]) if ascii_tokens else 0
