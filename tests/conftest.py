@@ -1,10 +1,17 @@
 import gc
+import importlib
 
 import pytest
 import torch
 
 from dflash import threads
 from dflash.methods.base import Draft, Proposer
+
+# The commands' modules import generate's config_from_args by name, and tests patch it to bias a random model. Each
+# is imported here, before any test: one first imported while a patch holds (the CLI imports every command) would
+# keep the patched function for the rest of the session, and a later test's outputs would not be its own.
+for command in ("dflash.batch", "dflash.chat", "dflash.openai_batch"):
+    importlib.import_module(command)
 
 # Tiny models gain nothing from a second thread, and on a busy CPU threads that wait for each other make every
 # small op many times slower. The real-model tests raise this for themselves.
