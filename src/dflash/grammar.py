@@ -492,11 +492,9 @@ class JsonGrammar(ByteGrammar):
                     row[byte] = following
                     todo.append(following)
             grew = True
-        if grew or held["table"] is None:
-            table = torch.zeros(len(rows) + 1, 0x80, dtype=torch.long)
-            for number, row in enumerate(rows):
-                table[number + 1] = torch.tensor([0 if not cell else numbers[cell] + 1 for cell in row])
-            held["table"] = table
+        if grew:  # row 0: refused
+            held["table"] = torch.tensor([[0] * 0x80] + [[numbers[cell] + 1 if cell else 0 for cell in row]
+                                                          for row in rows], dtype=torch.long)
         return held["table"], numbers[states] + 1
 
     def _may_escape(self, aux: tuple, low: int, high: int) -> bool:

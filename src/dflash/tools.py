@@ -63,6 +63,7 @@ HERMES = {"tag": "<tool_call>", "after_tag": "\n", "closer": "\n</tool_call>", "
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted
 INPUT = "input"  # a custom tool's one argument, as the target writes its calls
 KINDS = ("function", "custom")
+CALL_TEXT = {"function": "arguments", "custom": "input"}  # the field of a call (of each kind) that holds its text
 SYNTAXES = ("lark", "regex")  # a custom tool's grammar
 
 
@@ -240,7 +241,7 @@ def call_delta(name: str, text: str, kind: str = "function") -> dict:
     """A call in OpenAI's layout, with an id of its own: a function's `text` its arguments (JSON), a custom tool's
     its input."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": kind,
-            kind: {"name": name, "input" if kind == "custom" else "arguments": text}}
+            kind: {"name": name, CALL_TEXT[kind]: text}}
 
 
 def call_parts(call: dict) -> tuple[str, str | None, str]:
@@ -248,7 +249,7 @@ def call_parts(call: dict) -> tuple[str, str | None, str]:
     it has one, the text its arguments or input."""
     kind = "custom" if "custom" in call else "function"
     fields = call[kind]
-    return kind, fields.get("name"), fields.get("input" if kind == "custom" else "arguments") or ""
+    return kind, fields.get("name"), fields.get(CALL_TEXT[kind]) or ""
 
 
 def _scan_calls(text: str, at: int, head: re.Pattern, opener: str, separator: str, last: str = "",

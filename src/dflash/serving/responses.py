@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
 from ..jsonl import openai_role
-from ..tools import encode_chat, tool_request
+from ..tools import CALL_TEXT, encode_chat, tool_request
 from .response_store import BackgroundRun, ResponseStore, Stored, listed
 from .schemas import Exchange, event_sse, schemas
 from .streaming import PartsStream, TextDeltas, failure_kind, write_whole
@@ -120,7 +120,8 @@ def input_messages(given) -> list[dict]:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
         elif kind in ("function_call", "custom_tool_call"):
-            tool, text = ("function", "arguments") if kind == "function_call" else ("custom", "input")
+            tool = "function" if kind == "function_call" else "custom"
+            text = CALL_TEXT[tool]
             call = {"id": item.get("call_id") or item.get("id"), "type": tool,
                     tool: {"name": item.get("name"), text: item.get(text, "{}" if tool == "function" else "")}}
             if not isinstance(call[tool]["name"], str) or not isinstance(call[tool][text], str):

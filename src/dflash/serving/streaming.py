@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from ..engine import stop_floor, stop_string_at
 from ..errors import UserError
 from ..reasoning import ThinkingDeltas
-from ..tools import call_delta, call_parts
+from ..tools import CALL_TEXT, call_delta, call_parts
 
 if TYPE_CHECKING:
     from ..tools import ToolRequest
@@ -156,8 +156,7 @@ class ChatChoiceStream:
             if len(shown) > self.streamed[k]:
                 fragment = shown[self.streamed[k]:]
                 self.streamed[k] = len(shown)
-                field = "input" if kind == "custom" else "arguments"
-                yield self._chunk(None, delta={"tool_calls": [{"index": k, kind: {field: fragment}}]})
+                yield self._chunk(None, delta={"tool_calls": [{"index": k, kind: {CALL_TEXT[kind]: fragment}}]})
 
     def _chunk(self, text: str | None, delta: dict | None = None) -> str:
         taken, self.logprobs = self.logprobs, None
