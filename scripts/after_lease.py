@@ -9,7 +9,9 @@ every RUN.tar.part00 in FILES). Steps, the post-lease protocol of docs/TRAINING.
   2. the shipped drafter (WORK/base, a copy: the one the runs started from) and each run scored on the corpus's
      held-out split, one thread: scripts/eval_heldout.py dflash DIR corpus/smollm2-135m 128 float32 0.006
      (~9 minutes each on 2 shared cores);
-  3. the run with the highest held-out decode tau (then surrogate tau) extrapolated along its stage,
+  3. where two or more runs came back, their mean (WORK/mean: every weight averaged, a "model soup" of runs that
+     left one warm start side by side), scored alike;
+  4. the run with the highest held-out decode tau (then surrogate tau) extrapolated along its stage,
      RUN + alpha x (RUN - base) for alpha 0.3, 0.6 and 1.0 (scripts/extrapolate_drafter.py), and scored alike.
 Each score is kept beside its drafter (heldout.txt), so a call after a crash or in the next session scores only what
 is missing. WORK/summary.md and WORK/summary.json hold the table. What ships, and the benches that confirm it, stay
@@ -25,6 +27,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "src/dflash/drafters/smollm2-135m-dflash"
@@ -86,6 +90,23 @@ def extrapolate(run: Path, base: Path, alpha: float, out: Path) -> Path:
     return out
 
 
+def averaged(runs: list[Path], out: Path) -> Path:
+    """Every weight the mean of the runs' (in float32, then in the first run's dtypes), with its config files."""
+    if not (out / "model.safetensors").is_file():
+        configs = {(run / "config.json").read_text() for run in runs}
+        if len(configs) > 1:
+            raise SystemExit(f"the runs {', '.join(map(str, runs))} have different configs: no mean of them")
+        weights = [load_file(run / "model.safetensors") for run in runs]
+        mean = {name: (sum(w[name].float() for w in weights) / len(weights)).to(tensor.dtype)
+                for name, tensor in weights[0].items()}
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "draft_vocab.json", "train_config.json"):
+            if (runs[0] / name).is_file():
+                shutil.copy(runs[0] / name, out / name)
+        save_file(mean, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> int:
     if len(argv) < 2:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
@@ -103,6 +124,11 @@ def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> i
         folder = unpack(files, run, work)
         rows.append({"name": run, "folder": str(folder), "gpu_eval": last_gpu_eval(folder), **scored(folder, evaluate)})
     best = max(rows[1:], key=lambda row: (row["decode"], row["tau"]))
+    if len(runs) > 1:
+        # two runs side by side made 1.86x the steps of one on an H200 (sixty-third session); their mean is one
+        # drafter again, and there it tied the better run (docs/TRAINING.md, stage 17)
+        folder = averaged([Path(row["folder"]) for row in rows[1:]], work / "mean")
+        rows.append({"name": f"mean of {', '.join(runs)}", "folder": str(folder), **scored(folder, evaluate)})
     for alpha in ALPHAS:
         folder = extrapolate(Path(best["folder"]), base, alpha, work / f"{best['name']}-x{alpha}")
         rows.append({"name": f"{best['name']} + {alpha} x ({best['name']} - base)", "folder": str(folder),

@@ -205,8 +205,8 @@ def test_extrapolating_a_drafter_along_its_last_stage(tmp_path):
 
 
 def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, capsys):
-    """scripts/after_lease.py: each run's tar parts joined and unpacked, the shipped drafter, each run and the best
-    run's extrapolations scored (here by a stand-in for the held-out protocol), and nothing scored twice."""
+    """scripts/after_lease.py: each run's tar parts joined and unpacked, the shipped drafter, each run, the runs'
+    mean and the best run's extrapolations scored (here by a stand-in for the held-out protocol), and nothing scored twice."""
     import importlib.util
 
     import torch
@@ -241,12 +241,14 @@ def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, cap
 
     work = tmp_path / "work"
     assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0
-    assert scored == ["base", "ce", "kl", "kl-x0.3", "kl-x0.6", "kl-x1.0"]
+    assert scored == ["base", "ce", "kl", "mean", "kl-x0.3", "kl-x0.6", "kl-x1.0"]
     rows = json.loads((work / "summary.json").read_text())
-    expected = [1.0, 1.5, 2.0, 2.3, 2.6, 3.0]  # kl + alpha x (kl - base), to bf16's precision
+    expected = [1.0, 1.5, 2.0, 1.75, 2.3, 2.6, 3.0]  # the runs' mean; kl + alpha x (kl - base), to bf16's precision
     assert [row["tau"] for row in rows] == pytest.approx(expected, abs=0.01)
     assert rows[2]["gpu_eval"] == {"step": 40, "eval_tau": 2.5, "eval_decode_tau": 1.9}
     assert "| kl + 0.6 x (kl - base) | 2.594 | 1.297 | 3.000 |  |" in (work / "summary.md").read_text()
+    assert "| mean of ce, kl | 1.750 | 0.875 | 3.000 |  |" in (work / "summary.md").read_text()
+    assert load_file(work / "mean" / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
     scored.clear()  # a second call (after a crash, or in the next session) scores nothing again
     assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0 and scored == []
     assert after.main([str(tmp_path / "shipped"), str(work)], evaluate=stand_in, shipped=shipped) == 2
