@@ -206,7 +206,8 @@ def test_extrapolating_a_drafter_along_its_last_stage(tmp_path):
 
 def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, capsys):
     """scripts/after_lease.py: each run's tar parts joined and unpacked, the shipped drafter, each run, the runs'
-    mean and the best run's extrapolations scored (here by a stand-in for the held-out protocol), and nothing scored twice."""
+    mean and the best run's extrapolations scored (here by a stand-in for the held-out protocol), and nothing scored
+    twice."""
     import importlib.util
 
     import torch
