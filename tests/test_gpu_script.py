@@ -253,3 +253,7 @@ def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, cap
     scored.clear()  # a second call (after a crash, or in the next session) scores nothing again
     assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0 and scored == []
     assert after.main([str(tmp_path / "shipped"), str(work)], evaluate=stand_in, shipped=shipped) == 2
+    other = drafter(tmp_path / "other", 1.0)  # runs of two shapes have no mean: one line, no stack trace
+    (other / "config.json").write_text('{"num_hidden_layers": 3}')
+    with pytest.raises(SystemExit, match="different configs"):
+        after.averaged([work / "ce", other], tmp_path / "no-mean")
