@@ -9,8 +9,8 @@ every RUN.tar.part00 in FILES). Steps, the post-lease protocol of docs/TRAINING.
   2. the shipped drafter (WORK/base, a copy: the one the runs started from) and each run scored on the corpus's
      held-out split, one thread: scripts/eval_heldout.py dflash DIR corpus/smollm2-135m 128 float32 0.006
      (~9 minutes each on 2 shared cores);
-  3. where two or more runs came back, their mean (WORK/mean: every weight averaged, a "model soup" of runs that
-     left one warm start side by side), scored alike;
+  3. where two or more runs came back, the mean of the two best (WORK/mean: every weight averaged, a "model soup"
+     of runs that left one warm start side by side), scored alike;
   4. the run with the highest held-out decode tau (then surrogate tau) extrapolated along its stage,
      RUN + alpha x (RUN - base) for alpha 0.3, 0.6 and 1.0 (scripts/extrapolate_drafter.py), and scored alike.
 Each score is kept beside its drafter (heldout.txt), so a call after a crash or in the next session scores only what
@@ -27,8 +27,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "src/dflash/drafters/smollm2-135m-dflash"
@@ -91,20 +89,12 @@ def extrapolate(run: Path, base: Path, alpha: float, out: Path) -> Path:
 
 
 def averaged(runs: list[Path], out: Path) -> Path:
-    """Every weight the mean of the runs' (in float32, then in the first run's dtypes), with its config files."""
-    if not (out / "model.safetensors").is_file():
-        configs = {(run / "config.json").read_text() for run in runs}
-        if len(configs) > 1:
-            raise SystemExit(f"the runs {', '.join(map(str, runs))} have different configs: no mean of them")
-        weights = [load_file(run / "model.safetensors") for run in runs]
-        mean = {name: (sum(w[name].float() for w in weights) / len(weights)).to(tensor.dtype)
-                for name, tensor in weights[0].items()}
-        out.mkdir(parents=True, exist_ok=True)
-        for name in ("config.json", "draft_vocab.json", "train_config.json"):
-            if (runs[0] / name).is_file():
-                shutil.copy(runs[0] / name, out / name)
-        save_file(mean, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    """The two runs' mean, every weight (a + b) / 2, made as a + (-0.5) x (a - b) by scripts/extrapolate_drafter.py
+    (its checks, the same tensors and shapes, come with it)."""
+    first, second = runs
+    if (first / "config.json").read_text() != (second / "config.json").read_text():
+        raise SystemExit(f"the runs {first} and {second} have different configs: no mean of them")
+    return extrapolate(first, second, -0.5, out)
 
 
 def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> int:
@@ -127,8 +117,11 @@ def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> i
     if len(runs) > 1:
         # two runs side by side made 1.86x the steps of one on an H200 (sixty-third session); their mean is one
         # drafter again, and there it tied the better run (docs/TRAINING.md, stage 17)
-        folder = averaged([Path(row["folder"]) for row in rows[1:]], work / "mean")
-        rows.append({"name": f"mean of {', '.join(runs)}", "folder": str(folder), **scored(folder, evaluate)})
+        pair = sorted(rows[1:], key=lambda row: (row["decode"], row["tau"]))[-2:]
+        pair = [row for row in rows[1:] if row in pair]  # in the runs' order
+        folder = averaged([Path(row["folder"]) for row in pair], work / "mean")
+        rows.append({"name": f"mean of {pair[0]['name']}, {pair[1]['name']}", "folder": str(folder),
+                     **scored(folder, evaluate)})
     for alpha in ALPHAS:
         folder = extrapolate(Path(best["folder"]), base, alpha, work / f"{best['name']}-x{alpha}")
         rows.append({"name": f"{best['name']} + {alpha} x ({best['name']} - base)", "folder": str(folder),
