@@ -134,15 +134,40 @@ def test_stream_equals_non_stream(client, url, chat_refs):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [chat_refs[prompt].finish_reason]
     assert chunks[-1].usage.completion_tokens == len(chat_refs[prompt].tokens)
-    live = list(chat(client, prompt, stream=True, stream_options={"include_usage": True,  # vLLM's extension
-                                                                   "continuous_usage_stats": True}))
-    counts = [c.usage.completion_tokens for c in live]  # every chunk has the usage so far
-    assert counts == sorted(counts) and counts[-1] == len(chat_refs[prompt].tokens) and counts[1] < counts[-1]
-    assert {c.usage.prompt_tokens for c in live} == {chunks[-1].usage.prompt_tokens}
     # the raw event stream ends with the OpenAI terminator
     body = {"model": MODEL, "prompt": "w1 w2", "max_tokens": 4, "stream": True, "temperature": 0}
     raw = httpx.post(f"{url}/v1/completions", json=body, timeout=60).text
     assert raw.endswith("data: [DONE]\n\n") and raw.count("data: [DONE]") == 1
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_continuous_usage_counts_the_text_sent(client, chat_refs, monkeypatch, late):
+    """vLLM's continuous_usage_stats: every chunk has the usage up to its text. `late`: the stream starts reading
+    after the engine has finished, as on a busy event loop; the counts must still follow the text, not the engine."""
+    import asyncio
+
+    from dflash.serving import app
+
+    if late:
+        first, next_piece = [True], app.next_piece
+
+        async def after_the_engine(pieces, request):
+            if first.pop() if first else False:
+                await asyncio.sleep(0.5)  # the tiny model makes its 16 tokens in a few milliseconds
+            return await next_piece(pieces, request)
+
+        monkeypatch.setattr(app, "next_piece", after_the_engine)
+    prompt = PROMPTS[1]
+    live = list(chat(client, prompt, stream=True, stream_options={"include_usage": True,  # vLLM's extension
+                                                                   "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in live]  # every chunk has the usage so far
+    assert counts == sorted(counts) and counts[-1] == len(chat_refs[prompt].tokens) and 0 < counts[1] < counts[-1]
+    assert counts[0] == 0  # the role chunk comes before any text
+    assert len({c.usage.prompt_tokens for c in live}) == 1 and live[-1].usage.prompt_tokens > 0
+    two = list(chat(client, prompt, stream=True, n=2, stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in two]
+    assert counts == sorted(counts) and counts[-1] == 2 * len(chat_refs[prompt].tokens)  # both choices, greedy
 
 
 @pytest.mark.parametrize("stream", [False, True])

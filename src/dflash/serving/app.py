@@ -213,7 +213,7 @@ class Service:
         self.worker.submit(jobs)  # queued now, so a busy server answers 503 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream_options and body.stream_options.continuous_usage_stats:
-            live = live_usage([exchange for _, _, exchange in runs], jobs)
+            live = LiveUsage([exchange for _, _, exchange in runs])
             for _, _, exchange in runs:
                 exchange.live_usage = live
         events = self.stream_events(request, jobs, pieces, [exchange for _, _, exchange in runs], include_usage)
@@ -221,6 +221,7 @@ class Service:
 
     async def stream_events(self, request, jobs: list[Job], pieces, exchanges: list[Exchange], include_usage: bool):
         exchange = exchanges[0]  # the request's identity: every choice's chunks carry its id
+        live = None if exchange.scores_only else exchange.live_usage  # a LiveUsage; scores generate nothing
         try:
             if exchange.chat:  # OpenAI opens a chat stream with the role
                 for index in range(len(jobs)):
@@ -232,6 +233,8 @@ class Service:
                     return  # the client went away; `finally` cancels the jobs
                 index, piece = item
                 if piece is not END_OF_STREAM:
+                    if live is not None:
+                        live.advance(index, piece.generated)
                     if piece.prompt:
                         yield exchanges[index].echo_chunk(index, piece.logprobs)
                     elif choices is not None:
@@ -246,6 +249,8 @@ class Service:
                     yield sse({"error": {"message": str(exc), "type": failure_kind(exc, "streamed generation")}})
                     return
                 streaming -= 1
+                if live is not None:  # a stop token has no text, so no piece counted it
+                    live.advance(index, result.stats.new_tokens)
                 finish = "length" if exchange.scores_only else result.finish_reason
                 if choices is not None:
                     for chunk in choices[index].finish(result):
@@ -260,15 +265,20 @@ class Service:
             cancel(jobs, self.metrics)  # a no-op when the generations finished
 
 
-def live_usage(exchanges: list[Exchange], jobs: list[Job]):
-    """The usage of a stream so far (vLLM's continuous_usage_stats): every prompt's tokens, the tokens generated."""
-    prompts = sum({id(exchange): exchange.prompt_tokens for exchange in exchanges}.values())
+class LiveUsage:
+    """The usage of a stream so far (vLLM's continuous_usage_stats): every prompt's tokens, and the tokens generated
+    up to the text sent. Counted from the pieces the stream has taken, not from the engine, whose thread runs ahead."""
 
-    def usage() -> dict:
-        done = sum(len(job.deltas.ids) for job in jobs)
-        return {"prompt_tokens": prompts, "completion_tokens": done, "total_tokens": prompts + done}
+    def __init__(self, exchanges: list[Exchange]):
+        self.prompts = sum({id(exchange): exchange.prompt_tokens for exchange in exchanges}.values())
+        self.generated = [0] * len(exchanges)  # by choice
 
-    return usage
+    def advance(self, index: int, generated: int) -> None:
+        self.generated[index] = max(self.generated[index], generated)
+
+    def __call__(self) -> dict:
+        done = sum(self.generated)
+        return {"prompt_tokens": self.prompts, "completion_tokens": done, "total_tokens": self.prompts + done}
 
 
 async def next_piece(pieces: asyncio.Queue, request: "Request"):

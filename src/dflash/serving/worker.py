@@ -33,11 +33,13 @@ END_OF_STREAM = object()  # what the worker puts on a stream's queue after the l
 
 class Piece(NamedTuple):
     """What a stream sends next: text, and the log-probabilities of the tokens since the last piece (None unless
-    asked for). `prompt`: the prompt has been read, and `logprobs` are its tokens' (for `echo`)."""
+    asked for). `prompt`: the prompt has been read, and `logprobs` are its tokens' (for `echo`). `generated`: how
+    many tokens had been generated when the piece was cut (the engine's thread runs ahead of what was sent)."""
 
     text: str
     logprobs: "list[TokenLogprob] | None" = None
     prompt: bool = False
+    generated: int = 0
 
 
 class ServerBusy(Exception):
@@ -72,7 +74,8 @@ class Job:
             for ids in ([token] for token in new_ids) if self.token_by_token else [new_ids]:
                 piece = self.deltas.push(ids)
                 if piece:
-                    self.emit(Piece(piece, self._new_logprobs(upto=len(self.deltas.ids))))
+                    done = len(self.deltas.ids)
+                    self.emit(Piece(piece, self._new_logprobs(upto=done), generated=done))
         return not self.cancelled.is_set()
 
     def _new_logprobs(self, upto: int | None = None) -> "list[TokenLogprob] | None":
@@ -90,7 +93,7 @@ class Job:
             if result is not None and error is None:
                 tail, logprobs = self.deltas.finish(result.text), self._new_logprobs()
                 if tail or logprobs:
-                    self.emit(Piece(tail, logprobs))
+                    self.emit(Piece(tail, logprobs, generated=len(self.deltas.ids)))
             self.emit(END_OF_STREAM)
 
         def settle() -> None:
