@@ -383,7 +383,9 @@ class Trainer:
         """Gradients of this process's share of the step's sequences, `per_pass` sequences a pass (of similar
         lengths, so that little is padding); returns the step's mean metrics."""
         totals: dict[str, torch.Tensor] = {}
-        mine = self.world.share(indices)
+        mine, weight = self.world.share(indices), 1.0
+        if not mine:  # fewer sequences than processes (an epoch's last step): a pass that counts for nothing, so
+            mine, weight = indices[:1], 0.0  # that every process brings the same metrics to the step's sum
         if per_pass > 1:
             mine = sorted(mine, key=lambda i: len(self.train[i].input_ids))
         for start in range(0, len(mine), per_pass):
@@ -394,10 +396,10 @@ class Trainer:
                 results = (self.objective.losses(examples, rngs) if len(group) > 1
                            else [self.objective.loss(examples[0], rngs[0])])
             # each sequence counts equally, however many anchors it has
-            (sum(loss for loss, _ in results) / len(indices)).backward()
+            (sum(loss for loss, _ in results) * (weight / len(indices))).backward()
             for _, metrics in results:
                 for name, value in metrics.items():
-                    totals[name] = totals.get(name, 0) + value.detach().float() / len(indices)
+                    totals[name] = totals.get(name, 0) + value.detach().float() * (weight / len(indices))
         return totals
 
     def advance(self, consumed: int) -> None:
