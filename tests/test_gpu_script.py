@@ -79,9 +79,9 @@ def test_the_lease_profile_script_prints_where_the_time_went(tmp_path):
 
 def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_path):
     """scripts/lease/train.sh, the lease's one training call (launch.sh, then fetch.sh in the same call), at tiny
-    scale on the CPU with two runs side by side (RUNS, the second with its own flags: an A/B at equal time): each
-    sizes itself to the window (`--minutes`), ends inside it, and comes back as one tar in parts that join into the
-    files it saved."""
+    scale on the CPU with two runs side by side (RUNS, the second with its own flags and two processes: an A/B at
+    equal time): each sizes itself to the window (`--minutes`), ends inside it, and comes back as one tar in parts
+    that join into the files it saved."""
     import tarfile
 
     data = tmp_path / "data"
@@ -99,12 +99,13 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_
     root, out = tmp_path / "root", tmp_path / "out"
     env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu", DTYPE="float32",
                TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1",
-               WINDOW="40", ROOT=str(root), OUT=str(out), RUNS="ce kl", FLAGS_kl="--loss kl")
+               WINDOW="40", ROOT=str(root), OUT=str(out), RUNS="ce kl", FLAGS_kl="--loss kl --grad-accum 2",
+               NPROC_kl="2")  # kl: one drafter trained by two processes (torchrun, gloo)
     started = time.time()
     done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
                           text=True, timeout=300, cwd=SCRIPT.parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
-    for run, flags in (("ce", ""), ("kl", ", flags: --loss kl")):  # each sized to what is left of the 40 s
+    for run, flags in (("ce", ""), ("kl", ", flags: --loss kl --grad-accum 2")):  # each sized to the 40 s left
         launched = re.search(rf"launching a run of ([\d.]+) minutes \(seed 7{flags}\) into .*/{run}\n", done.stdout)
         assert launched and 0.4 < float(launched.group(1)) <= 37 / 60 + 0.001, done.stdout[:500]  # 40 s less a few
     assert "no final drafter yet" not in done.stdout and time.time() - started < 40 + 25
@@ -121,7 +122,9 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_
         for name in ("config.json", "draft_vocab.json", "train_config.json", "log.jsonl", "profile.txt",
                      "stderr.log"):
             assert (folder / name).is_file(), (run, name)
-        sized = re.search(r"steps/s: the schedule ends at step (\d+)", (folder / "stderr.log").read_text())
+        log = (folder / "stderr.log").read_text()
+        assert ("(10 epochs, 2 processes)" in log) == (run == "kl")
+        sized = re.search(r"steps/s: the schedule ends at step (\d+)", log)
         steps = int(sized.group(1))
         config = json.loads((folder / "train_config.json").read_text())
         assert config["max_steps"] == config["schedule_steps"] == steps > 48 and config["init"] == "random"

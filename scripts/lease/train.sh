@@ -4,8 +4,11 @@
 # session lost ~960 steps that way. WINDOW: seconds from now by which the runs must have ended (the call's timeout_s
 # must be at least WINDOW + 40, and 600 at most); each run sizes itself to it (`dflash train --minutes`); the other
 # variables are launch.sh's.
-# RUNS: the runs' names, side by side on the one GPU (default: one, `run`); FLAGS_<name> adds flags to that run only.
+# RUNS: the runs' names, side by side on the one GPU (default: one, `run`); FLAGS_<name> adds flags to that run only,
+# NPROC_<name> gives it that many processes (one drafter, data-parallel over gloo: launch.sh's NPROC).
 # An A/B at equal GPU time: RUNS="ce kl" FLAGS_kl="--loss kl" (both from the same warm start, seed and corpus order).
+# One drafter on two processes beside a lone one: RUNS="a b" NPROC_b=2 FLAGS_b="--grad-accum 16" (b: twice a's batch,
+# each of its processes the step's 8 sequences a lone run takes).
 # Each comes back as $OUT/<name>.tar.partNN (fetch.sh), two files a run: four runs at most.
 # CPU check at tiny scale: PATH=$PWD/.venv/bin:$PATH DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 \
 #   WINDOW=40 ROOT=/tmp/x OUT=/tmp/out bash scripts/lease/train.sh
@@ -14,15 +17,21 @@ set -uo pipefail
 WINDOW=${WINDOW:-520}; RUNS=${RUNS:-run}; runs=$(echo $RUNS | wc -w)
 [ "$runs" -le 4 ] || { echo "RUNS: four runs at most (\$OUT brings back 8 files, two a run)"; exit 2; }
 export DEADLINE=$(( $(date +%s) + WINDOW ))
-# side by side, each run's torch takes its share of the cores: a process's idle threads spin for a while after each
+# side by side, each process's torch takes its share of the cores: a process's idle threads spin for a while after each
 # parallel operation, and on cores the other run's host work needs (both steps are partly bound by their host)
-[ "$runs" -gt 1 ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / runs > 0 ? $(nproc) / runs : 1 ))}
+processes=0
 for run in $RUNS; do  # every name checked before any run starts
   [[ "$run" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || { echo "RUNS: '$run' is not a name (letters, digits, _)"; exit 2; }
+  nproc_of="NPROC_$run"; n=${!nproc_of:-${NPROC:-1}}
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || { echo "$nproc_of: '$n' is not a number of processes"; exit 2; }
+  processes=$(( processes + n ))
 done
+share=$(( $(nproc) / processes > 0 ? $(nproc) / processes : 1 ))
+[ "$processes" -gt 1 ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$share}
 for run in $RUNS; do
-  extra="FLAGS_$run"
-  RUN=$run FLAGS="$(echo ${FLAGS:-} ${!extra:-})" bash scripts/lease/launch.sh || exit $?
+  extra="FLAGS_$run"; nproc_of="NPROC_$run"
+  RUN=$run NPROC=${!nproc_of:-${NPROC:-1}} FLAGS="$(echo ${FLAGS:-} ${!extra:-})" bash scripts/lease/launch.sh ||
+    exit $?
 done
 failed=0
 for run in $RUNS; do
