@@ -81,7 +81,7 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_
     """scripts/lease/train.sh, the lease's one training call (launch.sh, then fetch.sh in the same call), at tiny
     scale on the CPU with two runs side by side (RUNS, the second with its own flags and two processes: an A/B at
     equal time): each sizes itself to the window (`--minutes`), ends inside it, and comes back as one tar in parts
-    that join into the files it saved."""
+    that join into the files it saved. TESTS=1 runs the (here CPU) device tests beside them, their log sent back."""
     import tarfile
 
     data = tmp_path / "data"
@@ -100,7 +100,8 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_
     env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu", DTYPE="float32",
                TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1",
                WINDOW="40", ROOT=str(root), OUT=str(out), RUNS="ce kl", FLAGS_kl="--loss kl --grad-accum 2",
-               NPROC_kl="2")  # kl: one drafter trained by two processes (torchrun, gloo)
+               NPROC_kl="2",  # kl: one drafter trained by two processes (torchrun, gloo)
+               TESTS="1", TEST_FILES="tests/test_devices.py")  # beside the runs: on a GPU the CUDA tests
     started = time.time()
     done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
                           text=True, timeout=300, cwd=SCRIPT.parent.parent)
@@ -110,6 +111,9 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_
         assert launched and 0.4 < float(launched.group(1)) <= 37 / 60 + 0.001, done.stdout[:500]  # 40 s less a few
     assert "no final drafter yet" not in done.stdout and time.time() - started < 40 + 25
     assert len(list(out.iterdir())) <= 8  # what $OUT can bring back
+    tests = (out / "cuda-tests.txt").read_text()
+    assert "test_devices.py::test_the_target_is_on_the_case_device[cpu-llama] PASSED" in tests
+    assert re.search(r"CUDA tests rc=0: [1-9]\d* passed, 0 failed or errors", done.stdout), done.stdout[-1500:]
     for run, loss in (("ce", "ce"), ("kl", "kl")):
         parts = sorted(out.glob(f"{run}.tar.part*"))
         assert parts, run

@@ -21,16 +21,10 @@ ROOT="$ROOT" bash scripts/lease/join.sh || exit 3
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-  if [ "$DEVICE" = cuda ]; then  # the graph tests capture for real only where CUDA is
-    # test_devices.py first (it has never run on CUDA), the compiling tests of test_graphs.py last: in the
-    # thirty-eighth session the three files ran out of 85 s at test_graphs.py's first compile. -v: a test cut off
-    # by the timeout is the one after the last line shown; the whole log opens logs.txt (the sixty-third session's
-    # tail of 40 lines lost test_devices.py's). TEST_SHARE: the fraction of BUDGET they get (1/TEST_SHARE)
-    timeout $(($(left) / ${TEST_SHARE:-3})) "$PY" -m pytest -v -rf --tb=line -p no:cacheprovider \
-      tests/test_devices.py tests/test_trees.py tests/test_graphs.py 2>&1 | grep -v "^$" > "$OUT/logs.txt"
-    echo "CUDA tests rc=${PIPESTATUS[0]}: $(grep -c PASSED "$OUT/logs.txt") passed," \
-      "$(grep -c "FAILED\|ERROR" "$OUT/logs.txt") failed or errors (the whole log heads logs.txt)"
-    tail -5 "$OUT/logs.txt"
+  if [ "$DEVICE" = cuda ] && [ "${TESTS:-1}" = 1 ]; then  # the graph tests capture for real only where CUDA is
+    # TESTS=0 where train.sh ran them beside its training (TESTS=1 there); TEST_SHARE: their share of BUDGET
+    # (1/TEST_SHARE); the whole log opens logs.txt (the sixty-third session's tail of 40 lines lost test_devices.py's)
+    LOG="$OUT/logs.txt" LIMIT=$(($(left) / ${TEST_SHARE:-3})) PY="$PY" bash scripts/lease/cuda_tests.sh
   fi
 } > "$OUT/env-and-tests.txt" 2>&1
 cat "$OUT/env-and-tests.txt"
