@@ -1,6 +1,6 @@
 """After a lease: from the runs' tars to one table of candidate drafters scored on the held-out split, resumable.
 
-Usage: .venv/bin/python scripts/after_lease.py FILES WORK [RUN ...]
+Usage: .venv/bin/python scripts/after_lease.py [--jobs N] FILES WORK [RUN ...]
 
 FILES is the folder a lease's $OUT came back to (RUN.tar.part00, RUN.tar.part01, ... from scripts/lease/fetch.sh),
 WORK where the runs are unpacked and the candidates made (e.g. runs/after-lease), RUN the runs to read (default:
@@ -14,8 +14,10 @@ every RUN.tar.part00 in FILES). Steps, the post-lease protocol of docs/TRAINING.
   4. the run with the highest held-out decode tau (then surrogate tau) extrapolated along its stage,
      RUN + alpha x (RUN - base) for alpha 0.3, 0.6 and 1.0 (scripts/extrapolate_drafter.py), and scored alike.
 Each score is kept beside its drafter (heldout.txt), so a call after a crash or in the next session scores only what
-is missing. WORK/summary.md and WORK/summary.json hold the table. What ships, and the benches that confirm it, stay
-with you (docs/TRAINING.md).
+is missing. Steps 2 and 3-4 score their drafters N at a time (--jobs, default: one per core; each scoring runs on
+one thread, so its figures do not depend on N): on 2 cores the seven drafters of a two-run lease take ~36 minutes
+instead of ~63, and the benches of what ships wait on them. WORK/summary.md and WORK/summary.json hold the table.
+What ships, and the benches that confirm it, stay with you (docs/TRAINING.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +58,12 @@ def scored(folder: Path, evaluate) -> dict:
     if match is None:
         raise SystemExit(f"{kept} holds no held-out figures: delete it to score {folder} again")
     return {key: float(value) for key, value in match.groupdict().items()}
+
+
+def scored_all(folders: list[Path], evaluate, jobs: int) -> list[dict]:
+    """`scored` of each folder, `jobs` at a time (each scoring is a process of its own: threads only wait on them)."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(lambda folder: scored(folder, evaluate), folders))
 
 
 def unpack(files: Path, run: str, work: Path) -> Path:
@@ -98,7 +107,10 @@ def averaged(runs: list[Path], out: Path) -> Path:
 
 
 def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> int:
-    if len(argv) < 2:
+    jobs = os.cpu_count() or 1
+    if argv[:1] == ["--jobs"] and len(argv) > 1 and argv[1].isdigit() and int(argv[1]) >= 1:
+        jobs, argv = int(argv[1]), argv[2:]
+    if len(argv) < 2 or argv[0].startswith("--"):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     files, work = Path(argv[0]), Path(argv[1])
@@ -109,23 +121,25 @@ def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> i
     base = work / "base"
     if not (base / "model.safetensors").is_file():
         shutil.copytree(shipped, base, dirs_exist_ok=True)
-    rows = [{"name": "base (shipped)", "folder": str(base), **scored(base, evaluate)}]
-    for run in runs:
-        folder = unpack(files, run, work)
-        rows.append({"name": run, "folder": str(folder), "gpu_eval": last_gpu_eval(folder), **scored(folder, evaluate)})
+    folders = [unpack(files, run, work) for run in runs]
+    scores = scored_all([base, *folders], evaluate, jobs)
+    rows = [{"name": "base (shipped)", "folder": str(base), **scores[0]}]
+    rows += [{"name": run, "folder": str(folder), "gpu_eval": last_gpu_eval(folder), **score}
+             for run, folder, score in zip(runs, folders, scores[1:])]
     best = max(rows[1:], key=lambda row: (row["decode"], row["tau"]))
+    candidates = []  # (name, folder): made from the runs' scores, then scored together
     if len(runs) > 1:
         # two runs side by side made 1.86x the steps of one on an H200 (sixty-third session); their mean is one
         # drafter again, and there it tied the better run (docs/TRAINING.md, stage 17)
         pair = sorted(rows[1:], key=lambda row: (row["decode"], row["tau"]))[-2:]
         pair = [row for row in rows[1:] if row in pair]  # in the runs' order
-        folder = averaged([Path(row["folder"]) for row in pair], work / "mean")
-        rows.append({"name": f"mean of {pair[0]['name']}, {pair[1]['name']}", "folder": str(folder),
-                     **scored(folder, evaluate)})
+        candidates.append((f"mean of {pair[0]['name']}, {pair[1]['name']}",
+                           averaged([Path(row["folder"]) for row in pair], work / "mean")))
     for alpha in ALPHAS:
-        folder = extrapolate(Path(best["folder"]), base, alpha, work / f"{best['name']}-x{alpha}")
-        rows.append({"name": f"{best['name']} + {alpha} x ({best['name']} - base)", "folder": str(folder),
-                     **scored(folder, evaluate)})
+        candidates.append((f"{best['name']} + {alpha} x ({best['name']} - base)",
+                           extrapolate(Path(best["folder"]), base, alpha, work / f"{best['name']}-x{alpha}")))
+    scores = scored_all([folder for _, folder in candidates], evaluate, jobs)
+    rows += [{"name": name, "folder": str(folder), **score} for (name, folder), score in zip(candidates, scores)]
     (work / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     table = ["| drafter | held-out surrogate tau | decode tau | loss | the run's own last eval (GPU) |",
              "|---|---:|---:|---:|---|"]

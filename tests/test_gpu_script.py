@@ -216,6 +216,7 @@ def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, cap
     mean and the best run's extrapolations scored (here by a stand-in for the held-out protocol), and nothing scored
     twice."""
     import importlib.util
+    import threading
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -240,16 +241,21 @@ def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, cap
         half = len(tar) // 2  # two parts, as fetch.sh splits them
         (files / f"{run}.tar.part00").write_bytes(tar[:half])
         (files / f"{run}.tar.part01").write_bytes(tar[half:])
-    scored = []
+    scored, together = [], threading.Barrier(2, timeout=30)
 
     def stand_in(folder):
-        scored.append(folder.name)
+        if len(scored) < 2:  # --jobs 2: the first two score at once (one at a time, the first would wait in vain)
+            scored.append(folder.name)
+            together.wait()
+        else:
+            scored.append(folder.name)
         w = load_file(folder / "model.safetensors")["fc.weight"].float().mean().item()
         return f"dflash {folder}: 93 held-out sequences, eval_tau {w:.3f}, eval_decode_tau {w / 2:.3f}, eval_loss 3.0"
 
     work = tmp_path / "work"
-    assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0
-    assert scored == ["base", "ce", "kl", "mean", "kl-x0.3", "kl-x0.6", "kl-x1.0"]
+    assert after.main(["--jobs", "2", str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0
+    assert sorted(scored[:3]) == ["base", "ce", "kl"]  # the runs first, then what their scores choose
+    assert sorted(scored[3:]) == ["kl-x0.3", "kl-x0.6", "kl-x1.0", "mean"]
     rows = json.loads((work / "summary.json").read_text())
     expected = [1.0, 1.5, 2.0, 1.75, 2.3, 2.6, 3.0]  # the runs' mean; kl + alpha x (kl - base), to bf16's precision
     assert [row["tau"] for row in rows] == pytest.approx(expected, abs=0.01)
@@ -260,6 +266,7 @@ def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, cap
     scored.clear()  # a second call (after a crash, or in the next session) scores nothing again
     assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0 and scored == []
     assert after.main([str(tmp_path / "shipped"), str(work)], evaluate=stand_in, shipped=shipped) == 2
+    assert after.main(["--jobs", "x", str(files), str(work)], evaluate=stand_in, shipped=shipped) == 2
     other = drafter(tmp_path / "other", 1.0)  # runs of two shapes have no mean: one line, no stack trace
     (other / "config.json").write_text('{"num_hidden_layers": 3}')
     with pytest.raises(SystemExit, match="different configs"):
