@@ -22,6 +22,7 @@ What ships, and the benches that confirm it, stay with you (docs/TRAINING.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -48,12 +49,17 @@ def heldout_scores(folder: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def digest(folder: Path) -> str:
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+
 def scored(folder: Path, evaluate) -> dict:
-    """{tau, decode, loss} of `folder`, from its heldout.txt when an earlier call left one."""
+    """{tau, decode, loss} of `folder`, from its heldout.txt when an earlier call left one for these weights (the
+    shipped drafter's folder carries its own: one drafter less to score after every lease)."""
     kept = folder / SCORE_FILE
-    if not kept.is_file():
+    if not kept.is_file() or f"sha256 {digest(folder)}" not in kept.read_text():
         print(f"scoring {folder} on the held-out split ...", flush=True)
-        kept.write_text(evaluate(folder) + "\n")
+        kept.write_text(f"{evaluate(folder)}\nmodel.safetensors sha256 {digest(folder)}\n")
     match = LINE.search(kept.read_text())
     if match is None:
         raise SystemExit(f"{kept} holds no held-out figures: delete it to score {folder} again")
@@ -121,6 +127,10 @@ def main(argv: list[str], evaluate=heldout_scores, shipped: Path = SHIPPED) -> i
     base = work / "base"
     if not (base / "model.safetensors").is_file():
         shutil.copytree(shipped, base, dirs_exist_ok=True)
+    elif digest(base) != digest(shipped):  # the runs started from the shipped drafter: extrapolate from it
+        print(f"{work} holds an earlier lease's drafters (its base is not the shipped drafter): give a new WORK",
+              file=sys.stderr)
+        return 2
     folders = [unpack(files, run, work) for run in runs]
     scores = scored_all([base, *folders], evaluate, jobs)
     rows = [{"name": "base (shipped)", "folder": str(base), **scores[0]}]

@@ -267,6 +267,18 @@ def test_after_a_lease_one_call_scores_every_candidate_and_resumes(tmp_path, cap
     assert after.main([str(files), str(work)], evaluate=stand_in, shipped=shipped) == 0 and scored == []
     assert after.main([str(tmp_path / "shipped"), str(work)], evaluate=stand_in, shipped=shipped) == 2
     assert after.main(["--jobs", "x", str(files), str(work)], evaluate=stand_in, shipped=shipped) == 2
+    # the shipped drafter's own heldout.txt spares its scoring, as long as it is about these weights
+    (shipped / "heldout.txt").write_text((work / "base" / "heldout.txt").read_text())
+    scored.clear()
+    assert after.main(["--jobs", "2", str(files), str(tmp_path / "work2")], evaluate=stand_in, shipped=shipped) == 0
+    assert sorted(scored) == ["ce", "kl", "kl-x0.3", "kl-x0.6", "kl-x1.0", "mean"]
+    retrained = drafter(tmp_path / "retrained", 1.25)  # shipped later, with the old drafter's heldout.txt copied
+    (retrained / "heldout.txt").write_text((shipped / "heldout.txt").read_text())
+    scored.clear()
+    assert after.main(["--jobs", "2", str(files), str(tmp_path / "work3")], evaluate=stand_in, shipped=retrained) == 0
+    assert "base" in scored
+    # a WORK left by an earlier lease (its base another drafter) would extrapolate from the wrong start: refused
+    assert after.main([str(files), str(work)], evaluate=stand_in, shipped=retrained) == 2
     other = drafter(tmp_path / "other", 1.0)  # runs of two shapes have no mean: one line, no stack trace
     (other / "config.json").write_text('{"num_hidden_layers": 3}')
     with pytest.raises(SystemExit, match="different configs"):
