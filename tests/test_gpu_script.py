@@ -77,11 +77,13 @@ def test_the_lease_profile_script_prints_where_the_time_went(tmp_path):
     assert "Self CPU time total" in profile and "aten::" in profile and "| ngram |" in profile
 
 
-def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_path):
-    """scripts/lease/train.sh, the lease's one training call (launch.sh, then fetch.sh in the same call), at tiny
-    scale on the CPU with two runs side by side (RUNS, the second with its own flags and two processes: an A/B at
-    equal time): each sizes itself to the window (`--minutes`), ends inside it, and comes back as one tar in parts
-    that join into the files it saved. TESTS=1 runs the (here CPU) device tests beside them, their log sent back."""
+def test_the_lease_training_calls_launch_outlast_a_call_and_send_the_drafters_back(tmp_path):
+    """scripts/lease/train.sh, the lease's training call (launch.sh for each run), with a window longer than the
+    call (CALL), then scripts/lease/collect.sh in the next call, at tiny scale on the CPU with two runs side by side
+    (RUNS, the second with its own flags and two processes: an A/B at equal time): each sizes itself to the window
+    (`--minutes`), the first call sends each run's newest checkpoint back (insurance), and the second waits for the
+    runs to end inside the window and sends each back as one tar in parts that join into the files it saved.
+    TESTS=1 runs the (here CPU) device tests beside them, their log sent back at the end."""
     import tarfile
 
     data = tmp_path / "data"
@@ -96,20 +98,30 @@ def test_the_lease_training_call_launches_waits_and_sends_the_drafters_back(tmp_
         made = subprocess.run([sys.executable, "-m", "dflash", *command], env=env, capture_output=True, text=True,
                               timeout=300)
         assert made.returncode == 0, made.stderr[-2000:]
-    root, out = tmp_path / "root", tmp_path / "out"
+    root, first, out = tmp_path / "root", tmp_path / "first", tmp_path / "out"
     env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu", DTYPE="float32",
                TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1",
-               WINDOW="40", ROOT=str(root), OUT=str(out), RUNS="ce kl", FLAGS_kl="--loss kl --grad-accum 2",
+               WINDOW="50", CALL="36", SAVE_MINUTES="0.05", ROOT=str(root), OUT=str(first), RUNS="ce kl",
+               FLAGS_kl="--loss kl --grad-accum 2",
                NPROC_kl="2",  # kl: one drafter trained by two processes (torchrun, gloo)
                TESTS="1", TEST_FILES="tests/test_devices.py")  # beside the runs: on a GPU the CUDA tests
     started = time.time()
     done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
                           text=True, timeout=300, cwd=SCRIPT.parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
-    for run, flags in (("ce", ""), ("kl", ", flags: --loss kl --grad-accum 2")):  # each sized to the 40 s left
+    for run, flags in (("ce", ""), ("kl", ", flags: --loss kl --grad-accum 2")):  # each sized to the 50 s left
         launched = re.search(rf"launching a run of ([\d.]+) minutes \(seed 7{flags}\) into .*/{run}\n", done.stdout)
-        assert launched and 0.4 < float(launched.group(1)) <= 37 / 60 + 0.001, done.stdout[:500]  # 40 s less a few
-    assert "no final drafter yet" not in done.stdout and time.time() - started < 40 + 25
+        assert launched and 0.55 < float(launched.group(1)) <= 47 / 60 + 0.001, done.stdout[:500]  # 50 s less a few
+    assert 14 < time.time() - started < 36 + 10 and "the very next call: OUT=$OUT bash" in done.stdout
+    for run in ("ce", "kl"):  # the insurance: a checkpoint (float32) of each run, in case the next call is late
+        assert f"{run}: no final drafter yet" in done.stdout and f"{run}: sending {root / run}/checkpoints/step-" in \
+            done.stdout, done.stdout[-1500:]
+        assert sorted(first.glob(f"{run}.tar.part*")), run
+    assert not (first / "cuda-tests.txt").exists()  # the tests go on beside the runs
+    done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "collect.sh")], env={**env, "OUT": str(out)},
+                          capture_output=True, text=True, timeout=300, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no final drafter yet" not in done.stdout and time.time() - started < 50 + 25
     assert len(list(out.iterdir())) <= 8  # what $OUT can bring back
     tests = (out / "cuda-tests.txt").read_text()
     assert "test_devices.py::test_the_target_is_on_the_case_device[cpu-llama] PASSED" in tests

@@ -6,6 +6,7 @@
 # process left an H100 47% busy). Each DFlash run times its first step at one sequence per pass and at all of a
 # step's (the log says which won); SEQS=N fixes it instead (--seqs-per-pass). FLAGS adds training flags to the run,
 # e.g. FLAGS="--anchors decoded" (train.sh launches each of its RUNS with FLAGS and its own FLAGS_<name>).
+# SAVE_MINUTES: minutes between checkpoints (default 3; the newest is what comes back of a run cut short).
 # CPU check at tiny scale: DEVICE=cpu DTYPE=float32 ANCHORS=8 ACCUM=1 ROOT=/tmp/x DEADLINE=$(($(date +%s)+60))
 # TARGET, DATA (a packed corpus) and INIT (empty: from scratch) default to SmolLM2, its committed corpus and its
 # shipped drafter (tests/test_gpu_script.py runs train.sh through here on a tiny target and corpus).
@@ -39,5 +40,5 @@ COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-fr
 minutes=$(python3 -c "import time; print(round(($DEADLINE - time.time() - 3) / 60, 3))")
 echo "launching a run of $minutes minutes (seed $SEED${FLAGS:+, flags: $FLAGS}) into $ROOT/$RUN"
 setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --minutes "$minutes" \
-  --log-every 20 --eval-every 500 --save-every 100000 --save-minutes 3 > "$ROOT/$RUN.log" 2>&1 < /dev/null &
+  --log-every 20 --eval-every 500 --save-every 100000 --save-minutes "${SAVE_MINUTES:-3}" > "$ROOT/$RUN.log" 2>&1 < /dev/null &
 echo $! > "$ROOT/$RUN.pid"  # fetch.sh stops waiting when it is gone
