@@ -535,6 +535,19 @@ def test_automatic_sequences_per_pass(target, monkeypatch):
         # Adam's first step divides each gradient by its own size, so where one sits near Adam's eps, sums in another
         # order move that weight by a small share of lr (1e-2): 1.2e-5 on one weight of 8192 on an AVX-512 CPU
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    # on a GPU shared with other runs the wider pass may not fit: it is left out, and the run goes on at one
+    squeezed, said = new_trainer(), []
+    squeezed.per_pass, squeezed.say, timed_accumulate = None, said.append, squeezed.timed_accumulate
+
+    def out_of_memory_when_wide(indices, per_pass):
+        if per_pass > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return timed_accumulate(indices, per_pass)
+
+    monkeypatch.setattr(squeezed, "timed_accumulate", out_of_memory_when_wide)
+    torch.testing.assert_close(squeezed.train_step(indices)["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
+    assert squeezed.per_pass == 1 and "[dflash] 4 sequences a pass ran out of GPU memory here, left out" in said
+    assert any(line.startswith("[dflash] sequences per pass: 1 (1: ") and "4: left out" in line for line in said)
 
 
 def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):

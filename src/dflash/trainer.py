@@ -303,12 +303,20 @@ class Trainer:
             return choices[0]
         seconds = {}
         for per_pass in choices:
-            self.timed_accumulate(indices, per_pass)  # warms the kernels up
-            seconds[per_pass] = self.timed_accumulate(indices, per_pass)[0]
+            try:
+                self.timed_accumulate(indices, per_pass)  # warms the kernels up
+                seconds[per_pass] = self.timed_accumulate(indices, per_pass)[0]
+            except torch.OutOfMemoryError:  # a GPU shared with other runs: the wider pass may not fit
+                if per_pass == choices[0]:
+                    raise  # one sequence a pass is the floor: nothing narrower would fit either
+                seconds[per_pass] = math.inf
+                self.say(f"[dflash] {per_pass} sequences a pass ran out of GPU memory here, left out")
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
         self.optimizer.zero_grad(set_to_none=True)
         best = min(seconds, key=seconds.get)
         best = int(self.main_value(best))  # one choice for every process (each timed its own share): process 0's
-        timing = ", ".join(f"{k}: {v:.2f} s" for k, v in seconds.items())
+        timing = ", ".join(f"{k}: left out" if v == math.inf else f"{k}: {v:.2f} s" for k, v in seconds.items())
         self.say(f"[dflash] sequences per pass: {best} ({timing} for one step's sequences)")
         return best
 
