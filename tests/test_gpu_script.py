@@ -77,15 +77,9 @@ def test_the_lease_profile_script_prints_where_the_time_went(tmp_path):
     assert "Self CPU time total" in profile and "aten::" in profile and "| ngram |" in profile
 
 
-def test_the_lease_training_calls_launch_outlast_a_call_and_send_the_drafters_back(tmp_path):
-    """scripts/lease/train.sh, the lease's training call (launch.sh for each run), with a window longer than the
-    call (CALL), then scripts/lease/collect.sh in the next call, at tiny scale on the CPU with two runs side by side
-    (RUNS, the second with its own flags and two processes: an A/B at equal time): each sizes itself to the window
-    (`--minutes`), the first call sends each run's newest checkpoint back (insurance), and the second waits for the
-    runs to end inside the window and sends each back as one tar in parts that join into the files it saved.
-    TESTS=1 runs the (here CPU) device tests beside them, their log sent back at the end."""
-    import tarfile
-
+def tiny_lease(tmp_path) -> dict:
+    """The environment of a lease's training call at tiny scale on the CPU: a corpus the tiny Llama regenerated, no
+    warm start, 8 anchors, one sequence a step."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "mine.jsonl").write_text(
@@ -98,10 +92,23 @@ def test_the_lease_training_calls_launch_outlast_a_call_and_send_the_drafters_ba
         made = subprocess.run([sys.executable, "-m", "dflash", *command], env=env, capture_output=True, text=True,
                               timeout=300)
         assert made.returncode == 0, made.stderr[-2000:]
-    root, first, out = tmp_path / "root", tmp_path / "first", tmp_path / "out"
     env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", DEVICE="cpu", DTYPE="float32",
-               TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1",
-               WINDOW="50", CALL="36", SAVE_MINUTES="0.05", ROOT=str(root), OUT=str(first), RUNS="ce kl",
+               TARGET="tiny-llama", DATA=str(tmp_path / "corpus"), INIT="", ANCHORS="8", ACCUM="1")
+    return env
+
+
+def test_the_lease_training_calls_launch_outlast_a_call_and_send_the_drafters_back(tmp_path):
+    """scripts/lease/train.sh, the lease's training call (launch.sh for each run), with a window longer than the
+    call (CALL), then scripts/lease/collect.sh in the next call, at tiny scale on the CPU with two runs side by side
+    (RUNS, the second with its own flags and two processes: an A/B at equal time): each sizes itself to the window
+    (`--minutes`), the first call sends each run's newest checkpoint back (insurance), and the second waits for the
+    runs to end inside the window and sends each back as one tar in parts that join into the files it saved.
+    TESTS=1 runs the (here CPU) device tests beside them, their log sent back at the end."""
+    import tarfile
+
+    env = tiny_lease(tmp_path)
+    root, first, out = tmp_path / "root", tmp_path / "first", tmp_path / "out"
+    env.update(WINDOW="50", CALL="36", SAVE_MINUTES="0.05", ROOT=str(root), OUT=str(first), RUNS="ce kl",
                FLAGS_kl="--loss kl --grad-accum 2",
                NPROC_kl="2",  # kl: one drafter trained by two processes (torchrun, gloo)
                TESTS="1", TEST_FILES="tests/test_devices.py")  # beside the runs: on a GPU the CUDA tests
@@ -148,6 +155,22 @@ def test_the_lease_training_calls_launch_outlast_a_call_and_send_the_drafters_ba
         last = json.loads((folder / "log.jsonl").read_text().splitlines()[-1])["step"]  # the last evaluation's
         # on schedule, or stopped early because this shared CPU slowed down after the pace was timed (keep_time)
         assert last == steps or 48 < last < steps and "out of time" in (folder / "stderr.log").read_text()
+
+
+def test_a_world_that_ends_before_its_first_step_trains_again_as_one_process(tmp_path):
+    """A run on several processes (NPROC_<name>) whose world ends before its first step (here: a global batch of
+    one for two processes, which the trainer refuses) is launched again as one process in the same window, and comes
+    back; the world's log is kept beside it."""
+    env = tiny_lease(tmp_path)
+    root, out = tmp_path / "root", tmp_path / "out"
+    env.update(WINDOW="35", ROOT=str(root), OUT=str(out), RUNS="solo", NPROC_solo="2")
+    done = subprocess.run(["bash", str(SCRIPT.parent / "lease" / "train.sh")], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=SCRIPT.parent.parent)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "solo: its world ended before its first step; launching it again as one process" in done.stdout
+    assert "grad-accum" in (root / "solo.world.log").read_text()
+    assert "no final drafter yet" not in done.stdout and sorted(out.glob("solo.tar.part*"))
+    assert "2 processes" not in (root / "solo.log").read_text()
 
 
 def test_the_lease_training_call_stops_waiting_when_its_run_dies(tmp_path):

@@ -9,7 +9,8 @@
 # those are what is left), then `OUT=$OUT bash scripts/lease/collect.sh` must be the very next call (timeout_s: the
 # rest of the window plus 40). The other variables are launch.sh's.
 # RUNS: the runs' names, side by side on the one GPU (default: one, `run`); FLAGS_<name> adds flags to that run only,
-# NPROC_<name> gives it that many processes (one drafter, data-parallel over gloo: launch.sh's NPROC).
+# NPROC_<name> gives it that many processes (one drafter, data-parallel over gloo: launch.sh's NPROC); should their
+# world end before its first step, the run is launched again as one process (FALLBACK=0: not).
 # An A/B at equal GPU time: RUNS="ce kl" FLAGS_kl="--loss kl" (both from the same warm start, seed and corpus order).
 # One drafter on two processes beside a lone one: RUNS="a b" NPROC_b=2 FLAGS_b="--grad-accum 16" (b: twice a's batch,
 # each of its processes the step's 8 sequences a lone run takes).
@@ -51,8 +52,21 @@ for run in $RUNS; do
   RUN=$run NPROC=${!nproc_of:-${NPROC:-1}} FLAGS="$(echo ${FLAGS:-} ${!extra:-})" bash scripts/lease/launch.sh ||
     exit $?
 done
+# a run on several processes whose world ends before its first step (a shared-GPU world has not run on a GPU yet)
+# is launched again as one process (FALLBACK=0: not), so that the lease still trains it
+started_training() { grep -q "steps/s: the schedule ends" "$ROOT/$1.log" 2>/dev/null; }
+running() { kill -0 "$(cat "$ROOT/$1.pid")" 2>/dev/null; }
+for run in $RUNS; do
+  nproc_of="NPROC_$run"; extra="FLAGS_$run"
+  [ "${FALLBACK:-1}" = 1 ] && [ "${!nproc_of:-${NPROC:-1}}" -gt 1 ] || continue
+  while ! started_training "$run" && running "$run" && [ "$(date +%s)" -lt $((started + 240)) ]; do sleep 3; done
+  started_training "$run" || running "$run" && continue
+  echo "$run: its world ended before its first step; launching it again as one process. Its log's tail:"
+  tail -5 "$ROOT/$run.log"; mv "$ROOT/$run.log" "$ROOT/$run.world.log"
+  RUN=$run NPROC=1 FLAGS="$(echo ${FLAGS:-} ${!extra:-})" bash scripts/lease/launch.sh || exit $?
+done
 [ "$CALL" -ge $((WINDOW + 25)) ] && exec bash scripts/lease/collect.sh
-alive() { for run in $RUNS; do kill -0 "$(cat "$ROOT/$run.pid")" 2>/dev/null && return 0; done; return 1; }
+alive() { for run in $RUNS; do running "$run" && return 0; done; return 1; }
 while [ "$(date +%s)" -lt $((started + CALL - 20)) ] && alive; do sleep 5; done
 for run in $RUNS; do  # the insurance: each run's newest checkpoint (or its final drafter, if it has ended)
   RUN=$run GIVEUP=0 OUT="$OUT" bash scripts/lease/fetch.sh || true
