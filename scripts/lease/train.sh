@@ -54,12 +54,13 @@ for run in $RUNS; do
 done
 # a run on several processes whose world ends before its first step (a shared-GPU world has not run on a GPU yet)
 # is launched again as one process (FALLBACK=0: not), so that the lease still trains it
-started_training() { grep -q "steps/s: the schedule ends" "$ROOT/$1.log" 2>/dev/null; }
+started_training() { [ -s "$ROOT/$1/log.jsonl" ]; }  # its first record: 20 steps, each summed over the world
 running() { kill -0 "$(cat "$ROOT/$1.pid")" 2>/dev/null; }
+watch_until=$(( started + (CALL - 30 < 240 ? CALL - 30 : 240) ))  # within this call, leaving it time to go on
 for run in $RUNS; do
   nproc_of="NPROC_$run"; extra="FLAGS_$run"
   [ "${FALLBACK:-1}" = 1 ] && [ "${!nproc_of:-${NPROC:-1}}" -gt 1 ] || continue
-  while ! started_training "$run" && running "$run" && [ "$(date +%s)" -lt $((started + 240)) ]; do sleep 3; done
+  while ! started_training "$run" && running "$run" && [ "$(date +%s)" -lt "$watch_until" ]; do sleep 3; done
   started_training "$run" || running "$run" && continue
   echo "$run: its world ended before its first step; launching it again as one process. Its log's tail:"
   tail -5 "$ROOT/$run.log"; mv "$ROOT/$run.log" "$ROOT/$run.world.log"
