@@ -548,6 +548,18 @@ def test_automatic_sequences_per_pass(target, monkeypatch):
     torch.testing.assert_close(squeezed.train_step(indices)["loss"], expected["loss"], atol=1e-6, rtol=1e-5)
     assert squeezed.per_pass == 1 and "[dflash] 4 sequences a pass ran out of GPU memory here, left out" in said
     assert any(line.startswith("[dflash] sequences per pass: 1 (1: ") and "4: left out" in line for line in said)
+    # several processes agree: process 0's timing, unless any of them had to leave a choice out
+    from dflash.distributed import World
+
+    class SecondOfTwo(World):  # process 1 of 2, whose sums add what process 0 sends
+        def sum_(self, tensors):
+            tensors[0] += sent
+
+    squeezed.world = SecondOfTwo(rank=1, size=2, local_rank=1)
+    for sent, choice, left_out, agreed in ((torch.tensor([4.0, 0.0]), 1, False, 4),  # process 0 timed 4 faster
+                                           (torch.tensor([4.0, 0.0]), 1, True, 1),  # 4 did not fit here
+                                           (torch.tensor([1.0, 1.0]), 4, False, 1)):  # nor there
+        assert squeezed.agreed_choice(choice, left_out, floor=1) == agreed
 
 
 def test_trained_drafter_predicts_and_stays_lossless(target, tmp_path):

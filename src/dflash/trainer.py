@@ -314,8 +314,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
         self.optimizer.zero_grad(set_to_none=True)
-        best = min(seconds, key=seconds.get)
-        best = int(self.main_value(best))  # one choice for every process (each timed its own share): process 0's
+        best = self.agreed_choice(min(seconds, key=seconds.get), math.inf in seconds.values(), choices[0])
         timing = ", ".join(f"{k}: left out" if v == math.inf else f"{k}: {v:.2f} s" for k, v in seconds.items())
         self.say(f"[dflash] sequences per pass: {best} ({timing} for one step's sequences)")
         return best
@@ -531,6 +530,17 @@ class Trainer:
     def say(self, text: str) -> None:
         if self.world.main:
             print(text, file=sys.stderr)
+
+    def agreed_choice(self, choice: int, left_out: bool, floor: int) -> int:
+        """One choice of sequences per pass for every process (each timed its own share): process 0's, or `floor`
+        where any process had to leave a choice out (on a GPU the world's processes share, one may find memory
+        short that another has just taken)."""
+        if self.world.size == 1:
+            return choice
+        votes = torch.tensor([float(choice) if self.world.main else 0.0, float(left_out)],
+                             device=self.params[0].device)
+        self.world.sum_([votes])
+        return floor if votes[1].item() > 0 else int(votes[0].item())
 
     def main_value(self, value: float) -> float:
         """Process 0's `value` in every process (one clock decides for all)."""
