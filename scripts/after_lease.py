@@ -8,16 +8,17 @@ every RUN.tar.part00 in FILES). Steps, the post-lease protocol of docs/TRAINING.
   1. each run's tar joined and unpacked into WORK/RUN, and its log's last held-out figures (eval_tau, the GPU's);
   2. the shipped drafter (WORK/base, a copy: the one the runs started from) and each run scored on the corpus's
      held-out split, one thread: scripts/eval_heldout.py dflash DIR corpus/smollm2-135m 128 float32 0.006
-     (~9 minutes each on 2 shared cores);
+     (286 s alone on the AMD EPYC Zen 4 of the sixty-fourth session);
   3. where two or more runs came back, the mean of the two best (WORK/mean: every weight averaged, a "model soup"
      of runs that left one warm start side by side), scored alike;
   4. the run with the highest held-out decode tau (then surrogate tau) extrapolated along its stage,
      RUN + alpha x (RUN - base) for alpha 0.3, 0.6 and 1.0 (scripts/extrapolate_drafter.py), and scored alike.
 Each score is kept beside its drafter (heldout.txt), so a call after a crash or in the next session scores only what
-is missing. Steps 2 and 3-4 score their drafters N at a time (--jobs, default: one per core; each scoring runs on
-one thread, so its figures do not depend on N): on 2 cores the seven drafters of a two-run lease take ~36 minutes
-instead of ~63, and the benches of what ships wait on them. WORK/summary.md and WORK/summary.json hold the table.
-What ships, and the benches that confirm it, stay with you (docs/TRAINING.md).
+is missing (the shipped drafter's folder carries its own). Steps 2 and 3-4 score their drafters N at a time (--jobs,
+default: one per core; each scoring runs on one thread, so its figures do not depend on N): two at once took 312 and
+314 s there, so on 2 cores the candidates take about half as long, and the benches of what ships wait on them.
+WORK/summary.md and WORK/summary.json hold the table. What ships, and the benches that confirm it, stay with you
+(docs/TRAINING.md).
 """
 
 from __future__ import annotations

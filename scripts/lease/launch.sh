@@ -40,5 +40,6 @@ COMMON=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" ${INIT:+--init-fr
 minutes=$(python3 -c "import time; print(round(($DEADLINE - time.time() - 3) / 60, 3))")
 echo "launching a run of $minutes minutes (seed $SEED${FLAGS:+, flags: $FLAGS}) into $ROOT/$RUN"
 setsid nohup "${TRAIN[@]}" "${COMMON[@]}" --out "$ROOT/$RUN" --minutes "$minutes" \
-  --log-every 20 --eval-every 500 --save-every 100000 --save-minutes "${SAVE_MINUTES:-3}" > "$ROOT/$RUN.log" 2>&1 < /dev/null &
+  --log-every 20 --eval-every 500 --save-every 100000 --save-minutes "${SAVE_MINUTES:-3}" \
+  > "$ROOT/$RUN.log" 2>&1 < /dev/null &
 echo $! > "$ROOT/$RUN.pid"  # fetch.sh stops waiting when it is gone
