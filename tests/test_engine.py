@@ -443,7 +443,7 @@ def test_deferred_logits_choose_what_full_logits_choose(tiny_targets, arch, monk
     that accepted them all) picks the same tokens and accepts the same drafts as one head over every position, for
     greedy and seeded sampled rows batched together; and it leaves out the rows after early rejections. (Tiny
     targets are not timed, so their engines step the head in every wide round.)"""
-    from dflash.engine import FIRST_LOGITS, Engine
+    from dflash.engine import Engine
 
     target = tiny_targets[arch]
     assert target.defers_logits
@@ -574,3 +574,31 @@ def test_the_longest_match_wins_and_labels_its_drafts():
     draft = NgramProposer(max_draft=2, max_ngram=3).propose(sequence)
     assert (draft.tokens, draft.label) == ([80, 1], 3)  # the latest 3-token match
     assert NgramProposer().max_ngram == ngram.MAX_MATCH == 5
+
+
+def test_stop_strings_far_into_a_long_output(byte_targets):
+    """A stop string first written hundreds of tokens in (where the output's text is decoded only at its end,
+    detokenize.py) cuts the output where decoding the whole output finds it, for the engine and the streamed text."""
+    from dflash.serving.streaming import TextDeltas
+
+    target = byte_targets["llama"]
+    prompt = target.encode_prompt("Go on.")
+    sampled = SamplingConfig(temperature=1.0, seed=3)  # random bytes: partial characters, invalid UTF-8
+    free = SpeculativeDecoder(target).generate(prompt, GenerationConfig(400, ignore_eos=True, sampling=sampled))
+    text = free.text
+    late = [text[i: i + 2] for i in range(len(text) // 2, len(text) - 2)
+            if text[i: i + 2].isascii() and text[i: i + 2].isprintable() and text[i: i + 2] not in text[: i + 1]]
+    assert late, "no two printable characters first written in the output's second half"
+    stop = late[0]
+    cut = text.index(stop)
+    for least in (0, 150):
+        config = GenerationConfig(400, sampling=replace(sampled, min_tokens=least), stop_strings=(stop,),
+                                  ignore_eos=True)
+        for proposer in (None, NgramProposer(max_draft=7)):
+            result = SpeculativeDecoder(target, proposer).generate(prompt, config)
+            assert result.text == text[:cut] and result.finish_reason == "stop"
+            assert result.tokens == free.tokens[: len(result.tokens)] and len(result.tokens) > 100
+        deltas = TextDeltas.of(target, config)
+        pieces = [deltas.push(result.tokens[i: i + 3]) for i in range(0, len(result.tokens), 3)]
+        assert "".join(pieces) + deltas.finish(result.text) == result.text
+        assert deltas.text.settled  # the streamed text was decoded at its end too

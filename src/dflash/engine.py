@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .control import Calibration, CostModel, DraftController, TreeCalibration, batch_width, expected_accepted
+from .detokenize import GrowingText, growing_text
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import GRAMMAR_LABEL, TABLE_LABEL, Draft, Proposer
@@ -214,6 +215,8 @@ class Sequence:
     features: list[torch.Tensor] = field(default_factory=list)  # of the cached tokens, kept for the prefix cache
     finish: str | None = None
     result: GenerationResult | None = None
+    text: GrowingText | None = None  # the output's text, for its stop strings (made at the first check)
+    floor: int | None = None  # where its stop strings may end (stop_floor), once min_tokens are written
 
 
 class Engine:
@@ -821,17 +824,20 @@ class Engine:
     def _check_stops(self, seq: Sequence, new_tokens: list[int]) -> tuple[list[int], str | None]:
         """Cut `new_tokens` at the first stop id, the length limit or a completed stop string (one that ends past
         the first min_tokens - 1 tokens' text, stop_floor)."""
-        output, stop_strings, decode = seq.output, seq.config.stop_strings, self.target.decode
+        output, stop_strings = seq.output, seq.config.stop_strings
         for i, tok in enumerate(new_tokens):
             if tok in seq.stop_ids:
                 return new_tokens[: i + 1], "stop"
             if len(output) + i + 1 >= seq.max_new:
                 return new_tokens[: i + 1], "length"
+        if not stop_strings:
+            return new_tokens, None
         least = seq.config.sampling.min_tokens
-        floor = stop_floor(decode, output + new_tokens, least) if stop_strings else None
-        if floor is not None and stop_string_at(decode(output + new_tokens), stop_strings, floor) >= 0:
+        text = seq.text = seq.text or growing_text(self.target)
+        floor = seq.floor = seq.floor if seq.floor is not None else stop_floor(text, output + new_tokens, least)
+        if floor is not None and stop_string_at(text(output + new_tokens), stop_strings, floor) >= 0:
             for i in range(max(0, least - len(output) - 1), len(new_tokens)):
-                if stop_string_at(decode(output + new_tokens[: i + 1]), stop_strings, floor) >= 0:
+                if stop_string_at(text(output + new_tokens[: i + 1]), stop_strings, floor) >= 0:
                     return new_tokens[: i + 1], "stop"
         return new_tokens, None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from ..detokenize import GrowingText, byte_tokens
 from ..engine import stop_floor, stop_string_at
 from ..errors import UserError
 from ..reasoning import ThinkingDeltas
@@ -22,24 +23,27 @@ class TextDeltas:
     grow into a stop string, and a trailing partial UTF-8 character. A trailing stop token (EOS) is not text."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], stop_ids: set[int],
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, byte_ids: frozenset[int] = frozenset()):
         self.decode, self.stop_strings, self.stop_ids = decode, tuple(s for s in stop_strings if s), stop_ids
         self.min_tokens = min_tokens  # no stop string ends the text before (engine.stop_floor)
         self.ids: list[int] = []
+        self.text = GrowingText(decode, byte_ids)  # decodes only the end of a long generation (byte_tokens)
+        self.floor: int | None = None  # where a stop string may end, once min_tokens are written
         self.sent = ""
 
     @classmethod
     def of(cls, target, config) -> "TextDeltas":
         """The deltas of a generation with `config` (engine.GenerationConfig) by `target`."""
         return cls(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids),
-                   config.sampling.min_tokens)
+                   config.sampling.min_tokens, byte_tokens(target.tokenizer))
 
     def push(self, new_ids: list[int]) -> str:
         self.ids += new_ids
         ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
-        text = self.decode(ids)
-        floor = stop_floor(self.decode, self.ids, self.min_tokens) if self.stop_strings else None
-        cut = -1 if floor is None else stop_string_at(text, self.stop_strings, floor)
+        text = self.text(ids)
+        if self.stop_strings and self.floor is None:
+            self.floor = stop_floor(self.decode, self.ids, self.min_tokens)
+        cut = -1 if self.floor is None else stop_string_at(text, self.stop_strings, self.floor)
         text = text[:cut] if cut >= 0 else text[: len(text) - self._unsettled_tail(text)]
         return self._advance(text)
 
