@@ -578,7 +578,8 @@ def test_the_longest_match_wins_and_labels_its_drafts():
 
 def test_stop_strings_far_into_a_long_output(byte_targets):
     """A stop string first written hundreds of tokens in (where the output's text is decoded only at its end,
-    detokenize.py) cuts the output where decoding the whole output finds it, for the engine and the streamed text."""
+    detokenize.py) cuts the output where decoding the whole output finds it, for the engine and the streamed text;
+    after it where the config keeps it (include_stop_str_in_output)."""
     from dflash.serving.streaming import TextDeltas
 
     target = byte_targets["llama"]
@@ -591,14 +592,48 @@ def test_stop_strings_far_into_a_long_output(byte_targets):
     assert late, "no two printable characters first written in the output's second half"
     stop = late[0]
     cut = text.index(stop)
-    for least in (0, 150):
+    for least, include in ((0, False), (150, False), (0, True)):
         config = GenerationConfig(400, sampling=replace(sampled, min_tokens=least), stop_strings=(stop,),
-                                  ignore_eos=True)
+                                  ignore_eos=True, include_stop_strings=include)
         for proposer in (None, NgramProposer(max_draft=7)):
             result = SpeculativeDecoder(target, proposer).generate(prompt, config)
-            assert result.text == text[:cut] and result.finish_reason == "stop"
+            assert result.text == text[: cut + len(stop) * include] and result.finish_reason == "stop"
             assert result.tokens == free.tokens[: len(result.tokens)] and len(result.tokens) > 100
         deltas = TextDeltas.of(target, config)
         pieces = [deltas.push(result.tokens[i: i + 3]) for i in range(0, len(result.tokens), 3)]
         assert "".join(pieces) + deltas.finish(result.text) == result.text
         assert deltas.text.settled  # the streamed text was decoded at its end too
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_allowed_token_ids_hold_every_method_to_the_same_output(tiny_targets, arch):
+    """vLLM's allowed_token_ids: greedy, the argmax of the target's logits over the allowed tokens at every step
+    (checked against the target's own forward), and the same tokens through every proposer; sampled with a seed,
+    the same sequence through every proposer, each token an allowed one."""
+    target = tiny_targets[arch]
+    ids = target.encode_prompt(PROMPTS[0])
+    allowed = tuple(range(7, 40, 2))
+    proposers = (Proposer(), NgramProposer(max_draft=7), RandomProposer(target.vocab_size, 7))
+    greedy = GenerationConfig(MAX_NEW, ignore_eos=True, sampling=SamplingConfig(allowed_token_ids=allowed))
+    results = [SpeculativeDecoder(target, p).generate(ids, greedy).tokens for p in proposers]
+    assert results == [results[0]] * 3
+    mask = torch.full((target.vocab_size,), float("-inf"))
+    mask[list(allowed)] = 0
+    context = list(ids)
+    with torch.no_grad():
+        for token in results[0]:
+            logits = target.model(torch.tensor([context])).logits[0, -1].float()
+            assert token == int((logits + mask).argmax())
+            context.append(token)
+    sampled = replace(greedy, sampling=SamplingConfig(temperature=1.0, seed=11, allowed_token_ids=allowed))
+    results = [SpeculativeDecoder(target, p).generate(ids, sampled).tokens for p in proposers]
+    assert results == [results[0]] * 3 and set(results[0]) <= set(allowed)
+    assert len(set(results[0])) > 3  # sampled, not one token over and over
+    decoder = SpeculativeDecoder(target)
+    with pytest.raises(UserError, match="allowed_token_ids"):
+        decoder.generate(ids, replace(greedy, sampling=SamplingConfig(allowed_token_ids=(target.vocab_size,))))
+    eos = tuple(target.eos_token_ids)
+    with pytest.raises(UserError, match="min_tokens"):
+        decoder.generate(ids, GenerationConfig(8, sampling=SamplingConfig(min_tokens=2, allowed_token_ids=eos)))
+    with pytest.raises(UserError, match="response format"):
+        decoder.generate(ids, replace(greedy, response_format="json_object"))

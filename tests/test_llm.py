@@ -76,6 +76,12 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
     word = whole.split()[2]
     cut = llm.generate("w1 w2", max_new_tokens=16, stop=(word,))
     assert cut.text == whole[:whole.index(word)] and cut.finish_reason == "stop"
+    kept = llm.generate("w1 w2", max_new_tokens=16, stop=(word,), include_stop_str_in_output=True)
+    assert kept.text == whole[:whole.index(word) + len(word)] and kept.tokens == cut.tokens
+    allowed = sorted(set(greedy[::2]))  # vLLM's allowed_token_ids: the output holds only these
+    held = llm.chat([{"role": "user", "content": "w1 w2"}], max_new_tokens=16, allowed_token_ids=allowed,
+                    temperature=1.0, seed=3)
+    assert set(held.tokens) <= set(allowed)
 
 
 def test_bad_requests_are_user_errors_before_anything_runs():

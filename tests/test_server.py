@@ -188,6 +188,30 @@ def test_stop_strings_cut_the_text(client, target, reference, chat_refs, stream)
         assert response.choices[0].finish_reason == "stop"
         text = response.choices[0].message.content
     assert text == expected
+    kept = chat(client, prompt, stop=["w999", stop], stream=stream, extra_body={"include_stop_str_in_output": True})
+    kept = "".join(c.choices[0].delta.content or "" for c in kept if c.choices) if stream \
+        else kept.choices[0].message.content
+    assert kept == expected + stop  # vLLM's include_stop_str_in_output
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_token_ids_hold_the_output(client, target, reference, stream):
+    """vLLM's allowed_token_ids: the output is the engine's with every other token's logit at -inf, greedy and
+    seeded; ids outside the vocabulary are refused."""
+    prompt = PROMPTS[1]
+    allowed = sorted(set(range(10, 40, 3)) | set(target.eos_token_ids))
+    prompt_ids = target.encode_messages([{"role": "user", "content": prompt}])
+    for temperature, seed in ((0.0, None), (0.9, 5)):
+        ref = reference(prompt_ids, temperature=temperature, seed=seed, allowed_token_ids=tuple(allowed))
+        assert set(ref.tokens) <= set(allowed) and ref.tokens
+        response = chat(client, prompt, stream=stream, temperature=temperature, seed=seed,
+                        extra_body={"allowed_token_ids": allowed})
+        text = "".join(c.choices[0].delta.content or "" for c in response if c.choices) if stream \
+            else response.choices[0].message.content
+        assert text == ref.text
+    for wrong in ([], [target.vocab_size]):
+        with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+            chat(client, prompt, extra_body={"allowed_token_ids": wrong})
 
 
 # ---- log-probabilities and several choices ----------------------------------------------------------------------

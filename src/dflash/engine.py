@@ -63,6 +63,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_token_ids: tuple[int, ...] = ()  # in addition to the target's EOS ids
     stop_strings: tuple[str, ...] = ()
+    include_stop_strings: bool = False  # the text keeps the stop string that ended it (include_stop_str_in_output)
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
     logprobs: int | None = None
@@ -93,6 +94,8 @@ class GenerationConfig:
                             f"({self.max_new_tokens})")
         if self.sampling.min_tokens and self.response_format is not None:
             raise UserError("min_tokens cannot be combined with a response format: its document may end before")
+        if self.sampling.allowed_token_ids and self.response_format is not None:
+            raise UserError("allowed_token_ids cannot be combined with a response format: the format may need others")
         self.grammar()
         self.sampling.validate()
 
@@ -272,6 +275,12 @@ class Engine:
             raise UserError("the prompt is empty")
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = config.stop_ids(self.target.eos_token_ids)
+        allowed = set(config.sampling.allowed_token_ids)
+        if any(token >= self.target.vocab_size for token in allowed):
+            raise UserError(f"allowed_token_ids must be token ids in [0, {self.target.vocab_size})")
+        if allowed and not allowed - (stop_ids if config.sampling.min_tokens else set()):
+            raise UserError("allowed_token_ids holds only stop tokens, which min_tokens holds back: the output would "
+                            "have no token to write")
         if config.sampling.min_tokens:  # the stop tokens min_tokens holds back
             config = replace(config, sampling=replace(config.sampling, held_back=tuple(sorted(stop_ids))))
         stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.proposer.max_draft + 1)
@@ -814,7 +823,8 @@ class Engine:
         ends_with_stop_id = finish == "stop" and output and output[-1] in seq.stop_ids
         text = self.target.decode(output[:-1] if ends_with_stop_id else output)
         floor = stop_floor(self.target.decode, output, seq.config.sampling.min_tokens)
-        cut = -1 if floor is None else stop_string_at(text, seq.config.stop_strings, floor)
+        cut = -1 if floor is None else stop_string_at(text, seq.config.stop_strings, floor,
+                                                      seq.config.include_stop_strings)
         text = text if cut < 0 else text[:cut]
         logprobs = seq.logprobs if seq.config.logprobs is not None else None
         seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs,
@@ -954,10 +964,14 @@ def grammar_masked(logits: torch.Tensor, seq: Sequence, past: list[int]) -> torc
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
-def stop_string_at(text: str, stop_strings, floor: int = 0) -> int:
-    """Where `text` is cut for its first stop string that ends past its first `floor` characters; -1 for none."""
-    found = [at for s in stop_strings if s and (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
-    return min(found, default=-1)
+def stop_string_at(text: str, stop_strings, floor: int = 0, include: bool = False) -> int:
+    """Where `text` is cut for its first stop string that ends past its first `floor` characters: where that
+    begins, or with `include` where it ends (vLLM's include_stop_str_in_output); -1 for none."""
+    found = [(at, at + len(s)) for s in stop_strings if s and (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    if not found:
+        return -1
+    begins, ends = min(found)
+    return ends if include else begins
 
 
 def stop_floor(decode, tokens: list[int], min_tokens: int) -> int | None:

@@ -7,8 +7,8 @@ rejection sampling, so the output has the target's distribution. Top-k, top-p an
 distribution the same way in every method.
 
 Penalties (OpenAI's presence and frequency penalties over the generated tokens, the repetition penalty of
-transformers and vLLM over prompt and generated tokens), OpenAI's logit_bias and vLLM's min_tokens (no stop token
-before that many new tokens) change the target's logits before anything else. At each
+transformers and vLLM over prompt and generated tokens), OpenAI's logit_bias, vLLM's allowed_token_ids and its
+min_tokens (no stop token before that many new tokens) change the target's logits before anything else. At each
 position of a verify block they count the tokens before it, the block's drafts included: a draft after that
 position only matters if every draft up to it is accepted, so the counts are exactly those a plain step would see.
 
@@ -39,6 +39,7 @@ class SamplingConfig:
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to these tokens' logits (OpenAI's logit_bias)
     min_p: float = 0.0  # 0 = off; keeps the tokens at least min_p times as likely as the likeliest (vLLM's min_p)
     min_tokens: int = 0  # no stop token (EOS, stop_token_ids) before this many new tokens (vLLM's min_tokens)
+    allowed_token_ids: tuple[int, ...] = ()  # where given, the only tokens the output may have (vLLM's)
     held_back: tuple[int, ...] = ()  # those stop tokens: the engine fills them in (Engine.submit)
 
     def validate(self) -> None:
@@ -60,6 +61,8 @@ class SamplingConfig:
             raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.min_tokens < 0:
             raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(token < 0 for token in self.allowed_token_ids):
+            raise UserError(f"allowed_token_ids takes token ids >= 0, got {list(self.allowed_token_ids)}")
 
     @property
     def greedy(self) -> bool:
@@ -69,7 +72,8 @@ class SamplingConfig:
         """Whether the target's logits are changed (penalized_logits) once `generated` tokens are written: by the
         penalties and biases always, by min_tokens's held-back stop tokens only before it."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or (generated < self.min_tokens and bool(self.held_back)))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids)
+                or (generated < self.min_tokens and bool(self.held_back)))
 
 
 def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[int], prompt_len: int,
@@ -93,6 +97,10 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
     for token, bias in cfg.logit_bias.items():
         if token < vocab:
             logits[:, token] += bias
+    if cfg.allowed_token_ids:
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=device)
+        allowed[[token for token in cfg.allowed_token_ids if token < vocab]] = True
+        logits = logits.masked_fill(~allowed, float("-inf"))
     early = min(n, cfg.min_tokens - (len(history) - prompt_len))  # positions before the min_tokens-th new token
     held = [token for token in cfg.held_back if token < vocab]
     if early > 0 and held:

@@ -90,6 +90,8 @@ def schemas() -> SimpleNamespace:
         stream_options: StreamOptions | None = None
         ignore_eos: bool = False  # extension: fixed-length outputs for benchmarks
         stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the generation too
+        include_stop_str_in_output: bool = False  # extension (as in vLLM): the text keeps the stop string
+        allowed_token_ids: list[int] | None = None  # extension (as in vLLM): the only tokens the output may have
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         repetition_penalty: float = 1.0  # extension (as in vLLM and transformers); 1 = off
@@ -243,9 +245,13 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
         if not ok:
             raise UserError(message)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    allowed = tuple(body.allowed_token_ids or ())
+    if any(not 0 <= t < vocab_size for t in allowed) or body.allowed_token_ids == []:
+        raise UserError(f"allowed_token_ids must be token ids in [0, {vocab_size}), at least one, got "
+                        f"{list(allowed)[:20]}")
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
                               body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size),
-                              body.min_p, body.min_tokens)
+                              body.min_p, body.min_tokens, allowed_token_ids=allowed)
     top = requested_logprobs(body)
     response_format, json_schema = reply_format(tools, *response_format_of(body))
     stop_ids = tuple(body.stop_token_ids or ())
@@ -254,7 +260,7 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
     config = GenerationConfig(
         # scoring alone still runs the prefill's step, whose token is dropped
         max_new_tokens=max(1, default_max_tokens if max_tokens is None else max_tokens), sampling=sampling,
-        stop_strings=tuple(stop), stop_token_ids=stop_ids,
+        stop_strings=tuple(stop), stop_token_ids=stop_ids, include_stop_strings=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
         response_format=response_format, json_schema=json_schema,
     )

@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 class TextDeltas:
     """Turns a growing list of generated tokens into text pieces that are safe to send.
 
-    Held back until more tokens decide: a completed stop string and everything after it, a tail that could still
-    grow into a stop string, and a trailing partial UTF-8 character. A trailing stop token (EOS) is not text."""
+    Held back until more tokens decide: a completed stop string (sent where `include_stop`) and everything after
+    it, a tail that could still grow into a stop string, and a trailing partial UTF-8 character. A trailing stop
+    token (EOS) is not text."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...], stop_ids: set[int],
-                 min_tokens: int = 0, byte_ids: frozenset[int] = frozenset()):
+                 min_tokens: int = 0, byte_ids: frozenset[int] = frozenset(), include_stop: bool = False):
         self.decode, self.stop_strings, self.stop_ids = decode, tuple(s for s in stop_strings if s), stop_ids
         self.min_tokens = min_tokens  # no stop string ends the text before (engine.stop_floor)
+        self.include_stop = include_stop  # the text keeps the stop string that ends it
         self.ids: list[int] = []
         self.text = GrowingText(decode, byte_ids)  # decodes only the end of a long generation (byte_tokens)
         self.floor: int | None = None  # where a stop string may end, once min_tokens are written
@@ -35,7 +37,7 @@ class TextDeltas:
     def of(cls, target, config) -> "TextDeltas":
         """The deltas of a generation with `config` (engine.GenerationConfig) by `target`."""
         return cls(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids),
-                   config.sampling.min_tokens, byte_tokens(target.tokenizer))
+                   config.sampling.min_tokens, byte_tokens(target.tokenizer), config.include_stop_strings)
 
     def push(self, new_ids: list[int]) -> str:
         self.ids += new_ids
@@ -43,7 +45,7 @@ class TextDeltas:
         text = self.text(ids)
         if self.stop_strings and self.floor is None:
             self.floor = stop_floor(self.decode, self.ids, self.min_tokens)
-        cut = -1 if self.floor is None else stop_string_at(text, self.stop_strings, self.floor)
+        cut = -1 if self.floor is None else stop_string_at(text, self.stop_strings, self.floor, self.include_stop)
         text = text[:cut] if cut >= 0 else text[: len(text) - self._unsettled_tail(text)]
         return self._advance(text)
 
