@@ -57,6 +57,24 @@ def test_ignore_eos_generates_past_the_end_of_sequence(capsys, monkeypatch):
     assert kept_on["finish_reason"] == "length" and kept_on["tokens"] == free
 
 
+def test_stops_and_allowed_tokens_reach_the_engine(capsys):
+    args = ["--method", "ngram", "--max-new-tokens", "12", "--json", "--no-chat", "w5 w9"]
+    free = json.loads(run(capsys, *args)[1])
+    word = free["text"].split()[3]
+    cut = json.loads(run(capsys, "--stop", "w999", "--stop", word, *args)[1])
+    kept = json.loads(run(capsys, "--stop", word, "--include-stop-str", *args)[1])
+    assert cut["text"] == free["text"][: free["text"].index(word)] and cut["finish_reason"] == "stop"
+    assert kept["text"] == free["text"][: free["text"].index(word) + len(word)]
+    by_id = json.loads(run(capsys, "--stop-token-ids", str(free["tokens"][2]), *args)[1])
+    assert by_id["tokens"] == free["tokens"][: free["tokens"].index(free["tokens"][2]) + 1]
+    allowed = sorted(set(range(10, 30)) - set(free["tokens"]))
+    held = json.loads(run(capsys, "--allowed-token-ids", ",".join(map(str, allowed)), *args)[1])
+    assert held["tokens"] and set(held["tokens"]) <= set(allowed)
+    with pytest.raises(SystemExit):  # argparse's own one-line error
+        run(capsys, "--allowed-token-ids", "5 7", *args)
+    assert "token ids are integers separated by commas, got '5 7'" in capsys.readouterr().err
+
+
 def test_penalties_reach_the_engine(capsys):
     from dflash.engine import GenerationConfig, SpeculativeDecoder
     from dflash.sampling import SamplingConfig
@@ -127,6 +145,9 @@ def test_the_prompt_may_come_from_standard_input(capsys, monkeypatch):
     (["--presence-penalty", "3", "w1"], "presence_penalty"),
     (["--temperature", "1", "--min-p", "2", "w1"], "min_p"),
     (["--max-new-tokens", "4", "--min-tokens", "5", "w1"], "min_tokens"),
+    (["--include-stop-str", "w1"], "give --stop"),
+    (["--stop-token-ids", "64", "w1"], "stop_token_ids must be token ids in [0, 64)"),
+    (["--allowed-token-ids", "-1", "w1"], "allowed_token_ids"),
     (["--method", "dflash", "--block-size", "64", "w1"], "block size"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):

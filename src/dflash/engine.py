@@ -275,9 +275,12 @@ class Engine:
             raise UserError("the prompt is empty")
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = config.stop_ids(self.target.eos_token_ids)
+        vocab = self.target.vocab_size
+        for name, ids in (("stop_token_ids", config.stop_token_ids),
+                          ("allowed_token_ids", config.sampling.allowed_token_ids)):
+            if any(not 0 <= token < vocab for token in ids):
+                raise UserError(f"{name} must be token ids in [0, {vocab}), got {sorted(ids)[:20]}")
         allowed = set(config.sampling.allowed_token_ids)
-        if any(token >= self.target.vocab_size for token in allowed):
-            raise UserError(f"allowed_token_ids must be token ids in [0, {self.target.vocab_size})")
         if allowed and not allowed - (stop_ids if config.sampling.min_tokens else set()):
             raise UserError("allowed_token_ids holds only stop tokens, which min_tokens holds back: the output would "
                             "have no token to write")

@@ -137,7 +137,11 @@ def config_from_args(args, **more):
     from .engine import GenerationConfig
 
     response_format, json_schema = output_format_from_args(args)
+    if args.include_stop_str and not args.stop:
+        raise UserError("--include-stop-str keeps the --stop string that ended the output: give --stop")
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
+                            stop_strings=tuple(args.stop or ()), include_stop_strings=args.include_stop_str,
+                            stop_token_ids=tuple(args.stop_token_ids or ()),
                             response_format=response_format, json_schema=json_schema, **more)
 
 
@@ -243,7 +247,7 @@ def sampling_from_args(args):
 
     return SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
                           args.frequency_penalty, args.repetition_penalty, min_p=args.min_p,
-                          min_tokens=args.min_tokens)
+                          min_tokens=args.min_tokens, allowed_token_ids=tuple(args.allowed_token_ids or ()))
 
 
 def load_method(args, config):

@@ -184,6 +184,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
                        help="no stop token (EOS, stop ids) before this many new tokens; stop strings still end the "
                             "output (default: 0)")
     group.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="a string that ends the output, itself left out (repeat for several)")
+    group.add_argument("--include-stop-str", action="store_true",
+                       help="keep the stop string that ended the output (vLLM's include_stop_str_in_output)")
+    group.add_argument("--stop-token-ids", type=token_ids, default=None, metavar="ID,ID,...",
+                       help="token ids that end the output too, beside the target's EOS")
+    group.add_argument("--allowed-token-ids", type=token_ids, default=None, metavar="ID,ID,...",
+                       help="the only tokens the output may have (vLLM's allowed_token_ids)")
     group.add_argument("--presence-penalty", type=float, default=0.0,
                        help="subtracted from the logit of every token generated so far, in [-2, 2] (default: 0)")
     group.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -197,6 +205,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
     group.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                        help="the output is always an object this JSON Schema allows (a file, or the schema itself)")
     add_pattern_arguments(group)
+
+
+def token_ids(text: str) -> tuple[int, ...]:
+    """Token ids as one argument, "5,17,42" (several arguments would swallow the prompt after them)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids are integers separated by commas, got {text!r}") from None
 
 
 def add_pattern_arguments(group) -> None:
