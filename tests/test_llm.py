@@ -82,6 +82,9 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
     held = llm.chat([{"role": "user", "content": "w1 w2"}], max_new_tokens=16, allowed_token_ids=allowed,
                     temperature=1.0, seed=3)
     assert set(held.tokens) <= set(allowed)
+    barred = llm.generate("w1 w2", max_new_tokens=16, bad_words=[word])  # vLLM's bad_words
+    before = whole.split().index(word)  # the words before its first are written as they were
+    assert word not in barred.text.split() and barred.text.split()[:before] == whole.split()[:before]
 
 
 def test_bad_requests_are_user_errors_before_anything_runs():

@@ -111,3 +111,40 @@ def test_a_block_counts_its_own_drafts():
 def test_bad_penalties_are_clear_errors(tiny_targets, bad, message):
     with pytest.raises(UserError, match=message):
         SpeculativeDecoder(tiny_targets["llama"]).generate([3, 5], GenerationConfig(sampling=SamplingConfig(**bad)))
+
+
+def test_bad_words_bar_the_token_that_would_complete_them():
+    """vLLM's bad_words: a word's last token is barred at a position whose generated tokens before it (a block's
+    drafts included, the prompt's not) are the rest of the word; a one-token word everywhere."""
+    cfg = SamplingConfig(bad_word_ids=((5, 6), (7,), (1, 2, 3)))
+    out = penalized_logits(torch.zeros(4, 10), cfg, history=[5, 9, 1, 2], prompt_len=1, block=[5, 1, 2])
+    barred = [torch.isinf(row).nonzero().flatten().tolist() for row in out]
+    assert barred == [[3, 7], [6, 7], [7], [3, 7]]
+    out = penalized_logits(torch.zeros(1, 10), cfg, history=[1, 2], prompt_len=2, block=[])
+    assert torch.isinf(out[0]).nonzero().flatten().tolist() == [7]  # the prompt's "1 2" is not the output's
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bad_words_give_every_proposer_a_plain_loops_output(tiny_targets, arch):
+    """Greedy with bad words: the tokens of a plain loop that bars them token by token, through every proposer;
+    the output never spells one."""
+    target = tiny_targets[arch]
+    prompt_ids = target.encode_prompt(PROMPTS[2])
+    free = SpeculativeDecoder(target).generate(prompt_ids, GenerationConfig(MAX_NEW, ignore_eos=True)).tokens
+    words = ((free[4], free[5]), (free[9],))  # a pair the free output writes, and one of its tokens
+    sequence = list(prompt_ids)
+    for _ in range(MAX_NEW):
+        with torch.no_grad():
+            logits = target.model(torch.tensor([sequence])).logits[0, -1].float()
+        generated = sequence[len(prompt_ids):]
+        for word in words:
+            if len(generated) >= len(word) - 1 and tuple(generated[len(generated) - len(word) + 1:]) == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        sequence.append(int(logits.argmax()))
+    expected = sequence[len(prompt_ids):]
+    assert expected != free and words[1][0] not in expected
+    assert all((a, b) != words[0] for a, b in zip(expected, expected[1:]))
+    config = GenerationConfig(MAX_NEW, sampling=SamplingConfig(bad_word_ids=words), ignore_eos=True)
+    for name, proposer in proposers(target, expected, len(prompt_ids)).items():
+        result = SpeculativeDecoder(target, proposer, adaptive=False).generate(prompt_ids, config)
+        assert result.tokens == expected, name

@@ -214,6 +214,21 @@ def test_allowed_token_ids_hold_the_output(client, target, reference, stream):
             chat(client, prompt, extra_body={"allowed_token_ids": wrong})
 
 
+def test_bad_words_are_never_written(client, target, reference, chat_refs):
+    """vLLM's bad_words: words of the greedy reply, barred, are not in the new reply, which is the engine's with
+    their tokens barred (sampling.bad_word_ids)."""
+    from dflash.sampling import bad_word_ids
+
+    prompt = PROMPTS[1]
+    words = chat_refs[prompt].text.split()[2:4]
+    prompt_ids = target.encode_messages([{"role": "user", "content": prompt}])
+    ref = reference(prompt_ids, bad_word_ids=bad_word_ids(target.tokenizer, words))
+    reply = chat(client, prompt, extra_body={"bad_words": words}).choices[0].message.content
+    assert reply == ref.text and not set(words) & set(reply.split())
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        chat(client, prompt, extra_body={"bad_words": [" "]})
+
+
 # ---- log-probabilities and several choices ----------------------------------------------------------------------
 def test_chat_logprobs_are_the_engines_streamed_or_not(client, target, reference):
     prompt = PROMPTS[3]

@@ -94,8 +94,11 @@ class GenerationConfig:
                             f"({self.max_new_tokens})")
         if self.sampling.min_tokens and self.response_format is not None:
             raise UserError("min_tokens cannot be combined with a response format: its document may end before")
-        if self.sampling.allowed_token_ids and self.response_format is not None:
-            raise UserError("allowed_token_ids cannot be combined with a response format: the format may need others")
+        barring = [name for name, given in (("allowed_token_ids", self.sampling.allowed_token_ids),
+                                            ("bad_words", self.sampling.bad_word_ids)) if given]
+        if barring and self.response_format is not None:
+            raise UserError(f"{barring[0]} cannot be combined with a response format: the format may need the tokens "
+                            "it bars")
         self.grammar()
         self.sampling.validate()
 

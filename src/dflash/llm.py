@@ -25,7 +25,7 @@ from .prediction import prediction_ids
 from .reasoning import check_parser, split, thinking_of
 from .regex_grammar import pattern_format
 from .structural_tags import structural_tag_format
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, bad_word_ids
 from .structured import one_constraint
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
@@ -61,14 +61,15 @@ class LLM:
     def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0,
-                 allowed_token_ids: list[int] | None = None, chat: bool = True, response_format: str | None = None,
-                 json_schema: dict | None = None,
+                 allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None, chat: bool = True,
+                 response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
                  structural_tag: dict | None = None, logprobs: int | None = None,
                  prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
         template (where the tokenizer has one); `stop`: strings that end a generation (not included, unless
-        `include_stop_str_in_output`); `allowed_token_ids`: the only tokens an output may have (vLLM's);
+        `include_stop_str_in_output`); `allowed_token_ids`: the only tokens an output may have; `bad_words`:
+        words an output never completes (both vLLM's);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
         output is an object the schema allows; `regex`: every output matches it whole; `choice`: every output is one
         of these strings; `grammar`: every output is one this grammar allows (EBNF's `root ::= ...` or Lark's
@@ -86,7 +87,8 @@ class LLM:
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar,
                                                     structural_tag)
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens,
-                                  allowed_token_ids=tuple(allowed_token_ids or ()))
+                                  allowed_token_ids=tuple(allowed_token_ids or ()),
+                                  bad_word_ids=bad_word_ids(self.target.tokenizer, bad_words or ()))
         config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs,
                               include_stop_str_in_output)
         results = self._run(ids, self._predicting(config, prediction, len(ids)))
@@ -95,8 +97,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 128, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0,
-             allowed_token_ids: list[int] | None = None, response_format: str | None = None,
-             json_schema: dict | None = None, regex: str | None = None,
+             allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
+             response_format: str | None = None, json_schema: dict | None = None, regex: str | None = None,
              choice: list[str] | None = None, grammar: str | None = None, structural_tag: dict | None = None,
              tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
@@ -110,14 +112,15 @@ class LLM:
         text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
         turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`,
-        `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`: as generate's."""
+        `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
                                                                             grammar, structural_tag))
         sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens,
-                                  allowed_token_ids=tuple(allowed_token_ids or ()))
+                                  allowed_token_ids=tuple(allowed_token_ids or ()),
+                                  bad_word_ids=bad_word_ids(self.target.tokenizer, bad_words or ()))
         config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs,
                               include_stop_str_in_output)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)

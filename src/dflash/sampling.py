@@ -7,8 +7,8 @@ rejection sampling, so the output has the target's distribution. Top-k, top-p an
 distribution the same way in every method.
 
 Penalties (OpenAI's presence and frequency penalties over the generated tokens, the repetition penalty of
-transformers and vLLM over prompt and generated tokens), OpenAI's logit_bias, vLLM's allowed_token_ids and its
-min_tokens (no stop token before that many new tokens) change the target's logits before anything else. At each
+transformers and vLLM over prompt and generated tokens), OpenAI's logit_bias, vLLM's allowed_token_ids, bad_words
+and min_tokens (no stop token before that many new tokens) change the target's logits before anything else. At each
 position of a verify block they count the tokens before it, the block's drafts included: a draft after that
 position only matters if every draft up to it is accepted, so the counts are exactly those a plain step would see.
 
@@ -40,6 +40,9 @@ class SamplingConfig:
     min_p: float = 0.0  # 0 = off; keeps the tokens at least min_p times as likely as the likeliest (vLLM's min_p)
     min_tokens: int = 0  # no stop token (EOS, stop_token_ids) before this many new tokens (vLLM's min_tokens)
     allowed_token_ids: tuple[int, ...] = ()  # where given, the only tokens the output may have (vLLM's)
+    # vLLM's bad_words as token sequences (bad_word_ids): a sequence's last token is barred where the output's last
+    # tokens are the rest of it
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     held_back: tuple[int, ...] = ()  # those stop tokens: the engine fills them in (Engine.submit)
 
     def validate(self) -> None:
@@ -72,7 +75,7 @@ class SamplingConfig:
         """Whether the target's logits are changed (penalized_logits) once `generated` tokens are written: by the
         penalties and biases always, by min_tokens's held-back stop tokens only before it."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias) or bool(self.allowed_token_ids)
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_word_ids)
                 or (generated < self.min_tokens and bool(self.held_back)))
 
 
@@ -101,6 +104,15 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
         allowed = torch.zeros(vocab, dtype=torch.bool, device=device)
         allowed[[token for token in cfg.allowed_token_ids if token < vocab]] = True
         logits = logits.masked_fill(~allowed, float("-inf"))
+    if cfg.bad_word_ids:
+        start = max(prompt_len, len(history) - max(len(word) for word in cfg.bad_word_ids))  # generated only
+        written = history[start:] + list(block[: n - 1])
+        before = len(history) - start  # position j follows written[:before + j]
+        for j in range(n):
+            for word in cfg.bad_word_ids:
+                end, rest = before + j, len(word) - 1
+                if word[-1] < vocab and end >= rest and written[end - rest: end] == list(word[:-1]):
+                    logits[j, word[-1]] = float("-inf")
     early = min(n, cfg.min_tokens - (len(history) - prompt_len))  # positions before the min_tokens-th new token
     held = [token for token in cfg.held_back if token < vocab]
     if early > 0 and held:
@@ -194,3 +206,17 @@ def accept_length(draft_tokens: list[int], target_tokens: list[int]) -> int:
             break
         accepted += 1
     return accepted
+
+
+def bad_word_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as the token sequences that spell them, each word alone and after a space (a word inside a
+    sentence is usually another token than the same word at its start)."""
+    sequences = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise UserError(f"bad_words are non-empty strings, got {word!r}")
+        for spelled in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(spelled, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return tuple(sequences)

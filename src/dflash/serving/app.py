@@ -117,7 +117,7 @@ class Service:
         for key, value in self.sampling_defaults.items():
             if key not in body.model_fields_set and key in type(body).model_fields:
                 setattr(body, key, value)
-        return choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target.vocab_size, tools)
+        return choice_configs(body, self.default_max_tokens, self.worker.max_queue, self.target, tools)
 
     def answering_as(self, requested: str | None) -> str:
         """The model id a reply names: the one the request sent (one of the served names), else the first."""

@@ -92,6 +92,7 @@ def schemas() -> SimpleNamespace:
         stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the generation too
         include_stop_str_in_output: bool = False  # extension (as in vLLM): the text keeps the stop string
         allowed_token_ids: list[int] | None = None  # extension (as in vLLM): the only tokens the output may have
+        bad_words: list[str] | None = None  # extension (as in vLLM): words the output never completes
         presence_penalty: float = 0.0
         frequency_penalty: float = 0.0
         repetition_penalty: float = 1.0  # extension (as in vLLM and transformers); 1 = off
@@ -181,13 +182,13 @@ def schemas() -> SimpleNamespace:
                            JsonSchemaFormat=JsonSchemaFormat)
 
 
-def choice_configs(body, default_max_tokens: int, max_choices: int, vocab_size: int,
+def choice_configs(body, default_max_tokens: int, max_choices: int, target,
                    tools: "ToolRequest | None" = None) -> "list[GenerationConfig]":
     """The engine's config for each of the request's `n` choices. Seeded choices sample with seed, seed + 1, ...
     (as vLLM seeds them), so each is reproducible and they differ; greedy ones are all the same."""
     if not 1 <= body.n <= max_choices:
         raise UserError(f"n must be in [1, {max_choices}] (the server's queue), got {body.n}")
-    config = generation_config(body, default_max_tokens, vocab_size, tools)
+    config = generation_config(body, default_max_tokens, target, tools)
     configs = [config]
     for i in range(1, body.n):
         configs.append(copy.deepcopy(config))
@@ -219,12 +220,14 @@ def logit_bias(body, vocab_size: int) -> dict[int, float]:
     return bias
 
 
-def generation_config(body, default_max_tokens: int, vocab_size: int,
+def generation_config(body, default_max_tokens: int, target,
                       tools: "ToolRequest | None" = None) -> "GenerationConfig":
-    """Check the OpenAI fields (errors name them as OpenAI does) and build the engine's config; `tools`: the
-    request's (tools.tool_request), whose calls the reply's grammar holds."""
+    """Check the OpenAI fields (errors name them as OpenAI does) and build the engine's config for `target`;
+    `tools`: the request's (tools.tool_request), whose calls the reply's grammar holds."""
     from ..engine import GenerationConfig
-    from ..sampling import SamplingConfig
+    from ..sampling import SamplingConfig, bad_word_ids
+
+    vocab_size = target.vocab_size
 
     max_tokens = getattr(body, "max_completion_tokens", None)
     max_tokens = body.max_tokens if max_tokens is None else max_tokens
@@ -251,7 +254,8 @@ def generation_config(body, default_max_tokens: int, vocab_size: int,
                         f"{list(allowed)[:20]}")
     sampling = SamplingConfig(body.temperature, body.top_k, body.top_p, body.seed, body.presence_penalty,
                               body.frequency_penalty, body.repetition_penalty, logit_bias(body, vocab_size),
-                              body.min_p, body.min_tokens, allowed_token_ids=allowed)
+                              body.min_p, body.min_tokens, allowed_token_ids=allowed,
+                              bad_word_ids=bad_word_ids(target.tokenizer, body.bad_words or ()))
     top = requested_logprobs(body)
     response_format, json_schema = reply_format(tools, *response_format_of(body))
     stop_ids = tuple(body.stop_token_ids or ())
