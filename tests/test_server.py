@@ -690,3 +690,65 @@ def test_fields_this_server_does_not_read_are_named_in_the_log(client, caplog):
         reply = chat(client, PROMPTS[0], extra_body={"functions": [{"name": "f", "parameters": {}}], "x_custom": 1})
     assert reply.choices[0].message.content is not None
     assert any("functions, x_custom" in record.getMessage() for record in caplog.records)
+
+
+def test_allowed_origins_answer_a_browsers_preflight_before_the_api_key(target, proposer):
+    """--allowed-origins (CORS, as vLLM's): a page of an allowed origin may call the server (its preflight needs no
+    key, and even a 401 is readable there); other origins get no CORS headers, and without the option none do."""
+    page = {"Origin": "http://ui.example"}
+    preflight = {**page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    app = create_app(target, proposer, MODEL, api_key="sesame", allowed_origins=["http://ui.example"])
+    with BackgroundServer(app) as base:
+        answer = httpx.options(f"{base}/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://ui.example"
+        refused = httpx.get(f"{base}/v1/models", headers=page)
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "http://ui.example"
+        keyed = httpx.get(f"{base}/v1/models", headers={**page, "Authorization": "Bearer sesame"})
+        assert keyed.status_code == 200 and keyed.headers["access-control-allow-origin"] == "http://ui.example"
+        other = httpx.get(f"{base}/health", headers={"Origin": "http://elsewhere.example"})
+        assert "access-control-allow-origin" not in other.headers
+    with BackgroundServer(create_app(target, proposer, MODEL)) as base:
+        assert "access-control-allow-origin" not in httpx.get(f"{base}/health", headers=page).headers
+
+
+def test_https_with_a_key_and_certificate(target, proposer, tmp_path):
+    """--ssl-keyfile and --ssl-certfile: the server answers over TLS with that certificate; a missing or broken pair
+    is a one-line error before the model loads (tls_options)."""
+    import shutil
+    import ssl
+    import subprocess
+
+    from dflash.errors import UserError
+    from dflash.serving.app import tls_options
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    options = tls_options(str(key), str(cert))
+    with BackgroundServer(create_app(target, proposer, MODEL), **options) as base:
+        assert base.startswith("https://")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert))))
+        assert chat(client, PROMPTS[0]).choices[0].message.content
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
+            httpx.get(f"{base}/health")
+    for given, message in (((str(key), None), "both"), (("/nope.pem", str(cert)), "no such file"),
+                           ((str(cert), str(cert)), "not a PEM certificate and its key")):
+        with pytest.raises(UserError, match=message):
+            tls_options(*given)
+
+
+def test_serve_refuses_half_a_tls_pair_before_the_model_loads(capsys, monkeypatch):
+    import dflash.loading
+    from dflash.cli import main
+
+    def no_loading(*_, **__):
+        raise AssertionError("the target loaded before the options were checked")
+
+    monkeypatch.setattr(dflash.loading, "target_from_args", no_loading)
+    code = main(["serve", "--target", "tiny-llama", "--port", "0", "--ssl-keyfile", "key.pem"])
+    err = capsys.readouterr().err
+    assert code == 2 and "HTTPS needs both --ssl-keyfile and --ssl-certfile" in err and "Traceback" not in err

@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -317,14 +318,15 @@ def create_app(target, proposer, model_name: str | list[str], *, default_max_tok
                max_queue: int = 256, max_batch_size: int = DEFAULT_MAX_BATCH, adaptive: bool = True,
                prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, api_key: str | None = None,
                tool_format: str = "auto", reasoning_parser: str | None = None,
-               sampling_defaults: dict | None = None) -> "FastAPI":
+               sampling_defaults: dict | None = None, allowed_origins: list[str] | None = None) -> "FastAPI":
     """The ASGI app serving `target` with `proposer` under the name `model_name` (or several names, the first the
     default): up to `max_batch_size` requests
     decode together (continuous batching), up to `max_queue` are accepted in all before answering 503; prompts'
     keys and values are kept up to `prefix_cache_mb` for prompts that start alike (prefixes.py); tool calls in
     `tool_format` (tools.tool_style); `reasoning_parser` "think" (or vLLM's names for it): chat replies' thinking
     apart from their answers (reasoning.py); `sampling_defaults`: temperature, top_p, ... for the requests that set
-    none (TargetModel.sampling_defaults, the model's own)."""
+    none (TargetModel.sampling_defaults, the model's own); `allowed_origins`: the web pages' origins whose scripts
+    may call it (CORS; ["*"] for any)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -357,6 +359,10 @@ def create_app(target, proposer, model_name: str | list[str], *, default_max_tok
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if allowed_origins:  # outermost: a browser's preflight carries no API key, and a 401 must be readable too
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
     add_error_handlers(app)
 
     @app.post("/v1/chat/completions")
@@ -511,21 +517,23 @@ def listen(host: str, port: int) -> socket.socket:
         raise UserError(f"cannot listen on {host}:{port}: {reason}") from exc
 
 
-def uvicorn_server(app, log_level: str = "info"):
+def uvicorn_server(app, log_level: str = "info", **options):
+    """`options`: uvicorn.Config's own (ssl_keyfile, ssl_certfile, root_path)."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **options)
     return uvicorn.Server(config)
 
 
 class BackgroundServer:
     """Serves `app` on a background thread, for tests and the load test: `with BackgroundServer(app) as url:`."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **options):
         self.sock = listen(host, port)
-        self.server = uvicorn_server(app, log_level)
+        self.server = uvicorn_server(app, log_level, **options)
         bound = self.sock.getsockname()
-        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
+        scheme = "https" if options.get("ssl_certfile") else "http"
+        self.url = f"{scheme}://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> str:
@@ -571,6 +579,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: the sampling settings the model's generation_config.json sets (temperature, top_p, "
                         "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
                         "vLLM's --generation-config auto; none: OpenAI's defaults (temperature 1, top_p 1)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="web pages whose scripts may call the server (CORS), e.g. http://localhost:3000, or * for "
+                        "any (default: none)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key ...")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="... and this certificate (PEM files)")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a proxy in front of the server adds, e.g. /dflash (default: none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -587,6 +602,7 @@ def run(args) -> int:
         raise UserError("--default-max-tokens, --max-queue and --max-batch-size must be >= 1")
     if args.prefix_cache_mb < 0:
         raise UserError("--prefix-cache-mb must be >= 0")
+    tls = tls_options(args.ssl_keyfile, args.ssl_certfile)
     check_drafter_folders(args.drafter, [args.method])
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
@@ -605,9 +621,29 @@ def run(args) -> int:
     app = create_app(target, proposer, names, default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                      max_batch_size=args.max_batch_size, adaptive=not args.whole_blocks,
                      prefix_cache_mb=args.prefix_cache_mb, api_key=args.api_key, tool_format=args.tool_format,
-                     reasoning_parser=args.reasoning_parser, sampling_defaults=defaults)
+                     reasoning_parser=args.reasoning_parser, sampling_defaults=defaults,
+                     allowed_origins=args.allowed_origins)
     port = sock.getsockname()[1]
     served = " / ".join(map(repr, names))
-    print(f"[dflash] serving {served} ({args.method}) at http://{args.host}:{port}/v1", file=sys.stderr)
-    uvicorn_server(app, args.log_level).run(sockets=[sock])
+    scheme = "https" if tls else "http"
+    print(f"[dflash] serving {served} ({args.method}) at {scheme}://{args.host}:{port}{args.root_path}/v1",
+          file=sys.stderr)
+    uvicorn_server(app, args.log_level, root_path=args.root_path, **tls).run(sockets=[sock])
     return 0
+
+
+def tls_options(keyfile: str | None, certfile: str | None) -> dict:
+    """uvicorn's options for HTTPS, checked before the model loads: both files or neither."""
+    if (keyfile is None) != (certfile is None):
+        raise UserError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if keyfile is None:
+        return {}
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if not os.path.isfile(path):
+            raise UserError(f"{flag} {path}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as exc:
+        raise UserError(f"--ssl-certfile {certfile} and --ssl-keyfile {keyfile} are not a PEM certificate and its "
+                        f"key: {exc}") from None
+    return {"ssl_keyfile": keyfile, "ssl_certfile": certfile}
