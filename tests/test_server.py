@@ -752,3 +752,11 @@ def test_serve_refuses_half_a_tls_pair_before_the_model_loads(capsys, monkeypatc
     code = main(["serve", "--target", "tiny-llama", "--port", "0", "--ssl-keyfile", "key.pem"])
     err = capsys.readouterr().err
     assert code == 2 and "HTTPS needs both --ssl-keyfile and --ssl-certfile" in err and "Traceback" not in err
+
+
+def test_a_root_path_is_the_prefix_a_proxy_serves_it_under(target, proposer):
+    """--root-path (uvicorn's): the proxy strips its prefix, so the routes stay where they are, and the pages the
+    server writes (its API docs) link under the prefix."""
+    with BackgroundServer(create_app(target, proposer, MODEL), root_path="/dflash") as base:
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == MODEL
+        assert "/dflash/openapi.json" in httpx.get(f"{base}/docs").text
