@@ -532,3 +532,21 @@ def test_a_gguf_llama_cpp_cannot_load_is_a_user_error(tmp_path, stub_llama_cpp, 
     code, _ = bench(tmp_path, data, "ar,llamacpp", "--llamacpp-gguf", str(stub_llama_cpp))
     err = capsys.readouterr().err
     assert code == 2 and "llama.cpp could not load" in err and "not a GGUF file" in err and "Traceback" not in err
+
+
+def test_a_bench_folders_plots_are_drawn_again_from_its_json(tmp_path):
+    """scripts/replot_bench.py: the bench folders under docs/data keep results.json, not their PNGs."""
+    import importlib.util
+    import shutil
+
+    pytest.importorskip("matplotlib")
+    script = Path(__file__).resolve().parent.parent / "scripts/replot_bench.py"
+    spec = importlib.util.spec_from_file_location("replot_bench", script)
+    replot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replot)
+    kept = script.parent.parent / "docs/data/session48/bench_bf16_gsm8k/results.json"
+    shutil.copy(kept, tmp_path / "results.json")
+    assert replot.main([str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["per_position_acceptance.png", "speedup.png",
+                                                              "tau_histogram.png"]
+    assert replot.main([str(tmp_path / "missing")]) == 2
