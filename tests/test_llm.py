@@ -88,7 +88,11 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
 
 
 def test_bad_requests_are_user_errors_before_anything_runs():
+    capped = LLM("tiny-qwen2", "ngram", device="cpu", max_model_len=64)  # vLLM's max_model_len
+    with pytest.raises(UserError, match="context of 64"):
+        capped.generate("w1 " * 70)
     llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    assert llm.target.max_context > 64  # the shared target has its own context again
     with pytest.raises(UserError, match="max_new_tokens"):
         llm.generate("w1", max_new_tokens=0)
     with pytest.raises(UserError, match="non-empty"):

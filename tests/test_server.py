@@ -760,3 +760,29 @@ def test_a_root_path_is_the_prefix_a_proxy_serves_it_under(target, proposer):
     with BackgroundServer(create_app(target, proposer, MODEL), root_path="/dflash") as base:
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == MODEL
         assert "/dflash/openapi.json" in httpx.get(f"{base}/docs").text
+
+
+def test_max_model_len_caps_prompt_and_output_together(target, proposer):
+    """--max-model-len (vLLM's): a shorter context than the model's, for every request: a prompt that does not fit
+    gets a 400, an output stops where prompt and output fill it, /tokenize says the cap; None gives the model's back."""
+    from dflash.errors import UserError
+
+    native = target.max_context
+    target.limit_context(96)
+    try:
+        with BackgroundServer(create_app(target, proposer, MODEL)) as base:
+            assert httpx.post(f"{base}/tokenize", json={"prompt": "w1"}).json()["max_model_len"] == 96
+            long = httpx.post(f"{base}/v1/completions", json={"prompt": "w1 " * 100, "max_tokens": 4})
+            assert long.status_code == 400 and "context of 96" in long.text
+            prompt = "w1 " * 60
+            filled = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 500, "temperature": 0,
+                                                                "ignore_eos": True}).json()
+            assert filled["choices"][0]["finish_reason"] == "length"
+            assert 60 + filled["usage"]["completion_tokens"] <= 96 < 60 + 500
+    finally:
+        target.limit_context(None)
+    assert target.max_context == native
+    for wrong in (8, native + 1):
+        with pytest.raises(UserError, match="max_model_len must be in"):
+            target.limit_context(wrong)
+    assert target.max_context == native

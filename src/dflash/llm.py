@@ -37,12 +37,13 @@ class LLM:
     keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes tool
     calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes";
     `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
-    `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it."""
+    `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it.
+    `max_model_len`: prompt and output together stay within that many tokens (vLLM's; default: the model's context)."""
 
     def __init__(self, target: str = "smollm2-135m", method: str = "dflash+ngram", *, dtype: str = "float32",
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
                  adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, max_model_len: int | None = None):
         import torch
 
         from .loading import build_proposer, load_target_cached, settle_heap
@@ -50,6 +51,7 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         options = MethodOptions(drafter=drafter, block_size=block_size)
         self.target = load_target_cached(target, dtype, device, release_plain=True)
+        self.target.limit_context(max_model_len)
         self.tool_style = tool_style(self.target.tokenizer, tool_format)
         self.reasoning_parser = check_parser(reasoning_parser)
         self.proposer, self.note = build_proposer(method, self.target, options)  # note: an untrained drafter

@@ -95,6 +95,7 @@ class TargetModel:
     screen_greedy: bool | None = None  # greedy tokens through the head's screen (None: not decided; engine.py times it)
     screen_kind: str = "bfloat16"  # which screen (models/screening.py KINDS), chosen with screen_greedy
     int8: bool = False  # its decoder layers' weights are int8 (quantize_int8)
+    context_limit: int | None = None  # a shorter context than the model's (serve's --max-model-len; limit_context)
     _step_ms_now: float | None = field(default=None, repr=False)  # a 1-token pass timed in this process (cached_timing)
 
     def __post_init__(self):
@@ -119,8 +120,20 @@ class TargetModel:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
-    def max_context(self) -> int:
+    def native_context(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def max_context(self) -> int:
+        return self.native_context if self.context_limit is None else min(self.native_context, self.context_limit)
+
+    def limit_context(self, tokens: int | None) -> None:
+        """Prompt and output together stay within `tokens` (vLLM's --max-model-len: a cap on each request's cache
+        memory); None: the model's own context."""
+        if tokens is not None and not 64 <= tokens <= self.native_context:
+            raise UserError(f"max_model_len must be in [64, {self.native_context}] (the model's context), got "
+                            f"{tokens}")
+        self.context_limit = tokens
 
     def _output_embeddings(self) -> nn.Module:
         """The model's LM head module, looked up once per model: transformers' lookup walks the model (~10 us), and

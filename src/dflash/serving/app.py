@@ -562,7 +562,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(as vLLM's; e.g. a name your client is set to ask for; default: --target)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens for requests that set none")
-    p.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH,
+    p.add_argument("--max-batch-size", "--max-num-seqs", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"requests decoded together in one target pass (continuous batching; default "
                         f"{DEFAULT_MAX_BATCH}); more takes more memory for the KV cache")
     p.add_argument("--max-queue", type=int, default=256, help="requests queued or running before answering 503")
@@ -579,6 +579,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: the sampling settings the model's generation_config.json sets (temperature, top_p, "
                         "top_k, min_p, repetition_penalty) are the defaults of requests that leave them out, as "
                         "vLLM's --generation-config auto; none: OpenAI's defaults (temperature 1, top_p 1)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="prompt and output together stay within this many tokens, as vLLM's (a cap on each "
+                        "request's cache memory; longer prompts get a 400; default: the model's context)")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages whose scripts may call the server (CORS), e.g. http://localhost:3000, or * for "
                         "any (default: none)")
@@ -607,6 +610,7 @@ def run(args) -> int:
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
     target = target_from_args(args, many_rows=True, release_plain=True)
+    target.limit_context(args.max_model_len)
     proposer, note = build_proposer(args.method, target, options)
     if note:
         print(f"[dflash] {note}", file=sys.stderr)
