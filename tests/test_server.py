@@ -772,6 +772,7 @@ def test_max_model_len_caps_prompt_and_output_together(target, proposer):
     try:
         with BackgroundServer(create_app(target, proposer, MODEL)) as base:
             assert httpx.post(f"{base}/tokenize", json={"prompt": "w1"}).json()["max_model_len"] == 96
+            assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 96  # vLLM's model card
             long = httpx.post(f"{base}/v1/completions", json={"prompt": "w1 " * 100, "max_tokens": 4})
             assert long.status_code == 400 and "context of 96" in long.text
             prompt = "w1 " * 60

@@ -461,7 +461,9 @@ def create_app(target, proposer, model_name: str | list[str], *, default_max_tok
 
 
 def model_card(service: Service, name: str) -> dict:
+    """OpenAI's model object, with vLLM's max_model_len (clients size their prompts by it)."""
     return {"id": name, "object": "model", "created": 0, "owned_by": "dflash",
+            "max_model_len": service.target.max_context,
             "dflash": {"method": service.proposer.name, "block_size": service.proposer.max_draft + 1,
                        "max_context": service.target.max_context, "max_batch_size": service.worker.engine.max_batch}}
 
