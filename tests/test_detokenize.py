@@ -41,14 +41,16 @@ def utf8_heavy_ids(tokenizer, rng: random.Random, count: int) -> list[int]:
     return ids
 
 
+@pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("kind", sorted(TOKENIZERS))
-def test_growing_text_equals_decoding_the_whole_list(kind):
+def test_growing_text_equals_decoding_the_whole_list(kind, skip):
+    """Random tokens, special ones among them, kept or left out of the text (skip_special_tokens)."""
     tokenizer = TOKENIZERS[kind]()
 
     def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        return tokenizer.decode(ids, skip_special_tokens=skip)
 
-    rng = random.Random(kind)
+    rng = random.Random(f"{kind}{skip}")
     for trial in range(3):
         ids = utf8_heavy_ids(tokenizer, rng, 600)
         text, length, calls = GrowingText(decode, byte_tokens(tokenizer)), 0, 0

@@ -787,3 +787,31 @@ def test_max_model_len_caps_prompt_and_output_together(target, proposer):
         with pytest.raises(UserError, match="max_model_len must be in"):
             target.limit_context(wrong)
     assert target.max_context == native
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_skip_special_tokens_leaves_them_out_of_the_text(client, target, reference, stream):
+    """vLLM's skip_special_tokens (its default; here kept unless asked): the text is the tokens decoded without
+    their special tokens, and stop strings are looked for in that text."""
+    prompt = PROMPTS[0]
+    mask = target.tokenizer.convert_tokens_to_ids("<mask>")
+    sampled = dict(temperature=1.0, seed=3, max_tokens=24, logit_bias={str(mask): 1.0},
+                   extra_body={"ignore_eos": True})
+    prompt_ids = target.encode_messages([{"role": "user", "content": prompt}])
+    ref = reference(prompt_ids, max_tokens=24, temperature=1.0, seed=3, logit_bias={mask: 1.0})
+    kept = target.tokenizer.decode(ref.tokens, skip_special_tokens=False)
+    left_out = target.tokenizer.decode(ref.tokens, skip_special_tokens=True)
+    assert "<mask>" in kept and "<" not in left_out
+
+    def text(**more):
+        extra = {**sampled["extra_body"], **more.pop("extra_body", {})}
+        response = chat(client, prompt, stream=stream, **{**sampled, "extra_body": extra}, **more)
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in response if c.choices)
+        return response.choices[0].message.content
+
+    assert text() == kept
+    assert text(extra_body={"skip_special_tokens": True}) == left_out
+    stop = left_out.split()[5]  # a word whose text moves when the special tokens go
+    cut = text(extra_body={"skip_special_tokens": True}, stop=[stop])
+    assert cut == left_out[: left_out.index(stop)]

@@ -76,8 +76,3 @@ def byte_tokens(tokenizer) -> frozenset[int]:
     """The ids of a byte-fallback vocabulary's byte tokens ("<0x0A>"): GrowingText's `fragile` for its tokenizer.
     Read once per tokenizer (a 262K vocabulary takes a while)."""
     return frozenset(i for token, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(token))
-
-
-def growing_text(target) -> GrowingText:
-    """A GrowingText of `target`'s decoding."""
-    return GrowingText(target.decode, byte_tokens(target.tokenizer))

@@ -16,6 +16,7 @@ free row); a finished one leaves and the last row moves into its place, so the b
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 
 from .control import Calibration, CostModel, DraftController, TreeCalibration, batch_width, expected_accepted
-from .detokenize import GrowingText, growing_text
+from .detokenize import GrowingText, byte_tokens
 from .errors import UserError
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .methods.base import GRAMMAR_LABEL, TABLE_LABEL, Draft, Proposer
@@ -64,6 +65,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the target's EOS ids
     stop_strings: tuple[str, ...] = ()
     include_stop_strings: bool = False  # the text keeps the stop string that ended it (include_stop_str_in_output)
+    skip_special_tokens: bool = False  # the text leaves special tokens out (vLLM's; there True by default)
     ignore_eos: bool = False
     # None: no log-probabilities; k >= 0: each emitted token's, with the k most likely at its position (logprobs.py)
     logprobs: int | None = None
@@ -78,6 +80,11 @@ class GenerationConfig:
     # the output the request expects, as token ids (OpenAI's Predicted Outputs, prediction.py): drafted where the
     # output follows it
     prediction: tuple[int, ...] = ()
+
+    def decoder(self, target) -> Callable[[list[int]], str]:
+        """How the output's tokens become its text, stop strings looked for in it (skip_special_tokens)."""
+        return functools.partial(target.decode, skip_special_tokens=True) if self.skip_special_tokens \
+            else target.decode
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The token ids that end a generation: its own stop ids, and the target's EOS ids unless ignore_eos."""
@@ -827,8 +834,9 @@ class Engine:
         stats.new_tokens = len(seq.output)
         output = seq.output
         ends_with_stop_id = finish == "stop" and output and output[-1] in seq.stop_ids
-        text = self.target.decode(output[:-1] if ends_with_stop_id else output)
-        floor = stop_floor(self.target.decode, output, seq.config.sampling.min_tokens)
+        decode = seq.config.decoder(self.target)
+        text = decode(output[:-1] if ends_with_stop_id else output)
+        floor = stop_floor(decode, output, seq.config.sampling.min_tokens)
         cut = -1 if floor is None else stop_string_at(text, seq.config.stop_strings, floor,
                                                       seq.config.include_stop_strings)
         text = text if cut < 0 else text[:cut]
@@ -849,7 +857,7 @@ class Engine:
         if not stop_strings:
             return new_tokens, None
         least = seq.config.sampling.min_tokens
-        text = seq.text = seq.text or growing_text(self.target)
+        text = seq.text = seq.text or GrowingText(seq.config.decoder(self.target), byte_tokens(self.target.tokenizer))
         floor = seq.floor = seq.floor if seq.floor is not None else stop_floor(text, output + new_tokens, least)
         if floor is not None and stop_string_at(text(output + new_tokens), stop_strings, floor) >= 0:
             for i in range(max(0, least - len(output) - 1), len(new_tokens)):

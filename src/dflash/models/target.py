@@ -391,10 +391,10 @@ class TargetModel:
             raise UserError(f"the chat template refused these messages: {error}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def decode(self, ids: list[int]) -> str:
-        # Keep special tokens the target chose itself (a generated mask id is real output); stop tokens are cut
-        # by the decoding loop before we get here.
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        # By default keep special tokens the target chose itself (a generated mask id is real output); stop tokens
+        # are cut by the decoding loop before we get here.
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def own_storage(model: nn.Module) -> None:

@@ -91,6 +91,7 @@ def schemas() -> SimpleNamespace:
         ignore_eos: bool = False  # extension: fixed-length outputs for benchmarks
         stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the generation too
         include_stop_str_in_output: bool = False  # extension (as in vLLM): the text keeps the stop string
+        skip_special_tokens: bool = False  # extension (as in vLLM, where True is the default): no special tokens
         allowed_token_ids: list[int] | None = None  # extension (as in vLLM): the only tokens the output may have
         bad_words: list[str] | None = None  # extension (as in vLLM): words the output never completes
         presence_penalty: float = 0.0
@@ -265,6 +266,7 @@ def generation_config(body, default_max_tokens: int, target,
         # scoring alone still runs the prefill's step, whose token is dropped
         max_new_tokens=max(1, default_max_tokens if max_tokens is None else max_tokens), sampling=sampling,
         stop_strings=tuple(stop), stop_token_ids=stop_ids, include_stop_strings=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         ignore_eos=body.ignore_eos, logprobs=top, prompt_logprobs=top if getattr(body, "echo", False) else None,
         response_format=response_format, json_schema=json_schema,
     )

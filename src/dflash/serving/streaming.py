@@ -36,7 +36,7 @@ class TextDeltas:
     @classmethod
     def of(cls, target, config) -> "TextDeltas":
         """The deltas of a generation with `config` (engine.GenerationConfig) by `target`."""
-        return cls(target.decode, config.stop_strings, config.stop_ids(target.eos_token_ids),
+        return cls(config.decoder(target), config.stop_strings, config.stop_ids(target.eos_token_ids),
                    config.sampling.min_tokens, byte_tokens(target.tokenizer), config.include_stop_strings)
 
     def push(self, new_ids: list[int]) -> str:
