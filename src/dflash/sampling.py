@@ -43,6 +43,8 @@ class SamplingConfig:
     # vLLM's bad_words as token sequences (bad_word_ids): a sequence's last token is barred where the output's last
     # tokens are the rest of it
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # the allowed tokens' mask per (vocab, device), made at its first use: a long list costs ms a round to index
+    _allowed_masks: dict = field(default_factory=dict, repr=False, compare=False)
     held_back: tuple[int, ...] = ()  # those stop tokens: the engine fills them in (Engine.submit)
 
     def validate(self) -> None:
@@ -66,6 +68,15 @@ class SamplingConfig:
             raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if any(token < 0 for token in self.allowed_token_ids):
             raise UserError(f"allowed_token_ids takes token ids >= 0, got {list(self.allowed_token_ids)}")
+
+    def barred_by_allowed(self, vocab: int, device) -> torch.Tensor:
+        """True for the tokens allowed_token_ids leaves out, [vocab]."""
+        key = (vocab, str(device))
+        if key not in self._allowed_masks:
+            barred = torch.ones(vocab, dtype=torch.bool)
+            barred[[token for token in self.allowed_token_ids if token < vocab]] = False
+            self._allowed_masks[key] = barred.to(device)
+        return self._allowed_masks[key]
 
     @property
     def greedy(self) -> bool:
@@ -101,9 +112,7 @@ def penalized_logits(logits: torch.Tensor, cfg: SamplingConfig, history: list[in
         if token < vocab:
             logits[:, token] += bias
     if cfg.allowed_token_ids:
-        allowed = torch.zeros(vocab, dtype=torch.bool, device=device)
-        allowed[[token for token in cfg.allowed_token_ids if token < vocab]] = True
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        logits = logits.masked_fill(cfg.barred_by_allowed(vocab, device), float("-inf"))
     if cfg.bad_word_ids:
         start = max(prompt_len, len(history) - max(len(word) for word in cfg.bad_word_ids))  # generated only
         written = history[start:] + list(block[: n - 1])
