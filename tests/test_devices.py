@@ -93,3 +93,21 @@ def test_seeded_sampling_is_the_same_for_every_method(target):
     for name, proposer, adaptive in proposers(target, reference, len(ids)):
         result = SpeculativeDecoder(target, proposer, adaptive=adaptive).generate(ids, config)
         assert result.tokens == reference, f"{name} sampled other tokens than plain sampling"
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 5)])
+def test_allowed_and_barred_tokens_give_every_method_the_same_output(target, temperature, seed):
+    """vLLM's allowed_token_ids and bad_words (sampling.py's masks) on the device: every method keeps plain
+    decoding's tokens, each an allowed one, no barred word completed."""
+    ids = target.encode_prompt(PROMPTS[1])
+    free = SpeculativeDecoder(target).generate(ids, GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)).tokens
+    allowed = tuple(sorted(set(range(5, target.vocab_size, 2)) | set(free)))
+    words = ((free[3], free[4]), (free[7],))
+    sampling = SamplingConfig(temperature=temperature, seed=seed, allowed_token_ids=allowed, bad_word_ids=words)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True, sampling=sampling)
+    reference = SpeculativeDecoder(target).generate(ids, config).tokens
+    assert set(reference) <= set(allowed) and words[1][0] not in reference
+    assert all(pair != words[0] for pair in zip(reference, reference[1:]))
+    for name, proposer, adaptive in proposers(target, reference, len(ids)):
+        result = SpeculativeDecoder(target, proposer, adaptive=adaptive).generate(ids, config)
+        assert result.tokens == reference, f"{name} changed the output under allowed and barred tokens"
