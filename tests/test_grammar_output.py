@@ -150,6 +150,26 @@ def test_lark_ignores_between_terminals_and_around_the_output():
     assert matches(words, " ab \n cd ") and not matches(words, "a1")
 
 
+def test_lark_ignores_whitespace_in_runs_of_at_most_max_spaces():
+    """A small model under a mask pads with newlines where nothing bounds them: %ignore's whitespace comes at most
+    MAX_SPACES characters at a place (the other ignored terminals between such runs, unbounded), always inside the
+    grammar's own language."""
+    from dflash.lark_grammar import MAX_SPACES
+
+    words = RulesGrammar('start: WORD+\n%import common (WORD, WS)\n%ignore WS')
+    most = " \n\t" * (MAX_SPACES // 3) + " " * (MAX_SPACES % 3)
+    assert matches(words, f"{most}ab{most}cd{most}") and not matches(words, f"ab{most} cd")
+    assert words.feed_bytes(words.initial, f"ab{most} ".encode()) is None  # refused at the first one too many
+    commented = RulesGrammar('start: WORD+\nCOMMENT: /#[^\\n]*/\n%import common (WORD, WS_INLINE)\n'
+                             '%ignore WS_INLINE\n%ignore COMMENT\n%ignore " "')
+    long_comment = "#" + "x" * 100
+    assert matches(commented, f"ab{' ' * MAX_SPACES}{long_comment}{' ' * MAX_SPACES}cd")
+    assert matches(commented, f"ab {long_comment}{long_comment} cd") and not matches(commented, "ab\ncd")
+    assert not matches(commented, f"ab{' ' * (MAX_SPACES + 1)}cd")
+    underscores = RulesGrammar('start: "a" "b"\n%ignore "_"')  # not whitespace: as Lark reads it
+    assert matches(underscores, "a" + "_" * 100 + "b")
+
+
 def test_long_chains_of_rules_compile_and_match():
     """What compiling finds by fixpoints and components, over chains of 500 rules: each rule can finish only
     through the next, each may be empty only through the next, each starts with the next (left recursion through
@@ -273,7 +293,7 @@ def test_the_server_takes_a_grammar_by_each_name(byte_targets):
                                              extra_body=extra).choices[0].text
 
         lark = 'start: "It is " INT ("kg" | "g") "."\n%import common.INT\n%ignore " "'
-        held = RulesGrammar(lark)  # what %ignore skips is the grammar's own to bound: this target pads with it
+        held = RulesGrammar(lark)  # this target pads with what %ignore skips (up to MAX_SPACES at a place)
         assert held.feed_bytes(held.initial, ask({"structured_outputs": {"grammar": lark}}).encode()) is not None
         for endpoint in ("chat", "completions", "responses"):
             answer = ask({"structured_outputs": {"grammar": grammar_text}}, endpoint)

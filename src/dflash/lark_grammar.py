@@ -30,6 +30,8 @@ from .patterns import CharSet, _Parser
 
 LARK_LINE = re.compile(r"^[ \t]*(?:[?!]?[A-Za-z_]\w*(?:\.-?\d+)?[ \t]*:(?!:)|%(?:import|ignore))", re.MULTILINE)
 IGNORED = "%ignore"  # the rule of what %ignore skips (a name no grammar's rule can have)
+MAX_SPACES = 32  # whitespace %ignore skips at one place, at most: grammar.py's cap on JSON's runs, for its reason
+SPACE_CODES = frozenset(map(ord, " \t\n\r\f\v"))
 START = "%start"  # the output: what is ignored, then `start`
 TOKEN = re.compile(r"""
     (?P<space>[ \t\f\r]+|\\\n)
@@ -292,9 +294,66 @@ class _LarkReader:
         trees = {name: _with_ignored(tree, ignoring) for name, tree in definitions.items()}
         if not ignoring:
             return trees, "start"
-        trees[IGNORED] = ("repeat", ("alt", self.ignored) if len(self.ignored) > 1 else self.ignored[0], 0, None)
+        trees[IGNORED] = ignored_tree(self.ignored, definitions)
         trees[START] = ("seq", [("ref", IGNORED, 0), ("ref", "start", 0)])
         return trees, START
+
+
+def ignored_tree(ignored: list[tuple], definitions: dict) -> tuple:
+    """What %ignore skips at one place: any run of what it names, but whitespace at most MAX_SPACES characters
+    at a time. A small model under a mask pads with newlines until it runs out of tokens where nothing bounds them
+    (as under JSON's, grammar.py); a terminal of whitespace characters (WS, WS_INLINE, " ") is read as up to
+    MAX_SPACES of them, and the others (a comment) come between such runs, never two runs side by side. What is
+    taken stays in the grammar's language."""
+    spaces = [space_class(item, definitions) for item in ignored]
+    others = [item for item, space in zip(ignored, spaces) if space is None]
+    found = [space for space in spaces if space is not None]
+    if not found:
+        return ("repeat", ("alt", others) if len(others) > 1 else others[0], 0, None)
+    run = ("repeat", ("chars", CharSet(tuple(pair for space in found for pair in space.ranges))), 0, MAX_SPACES)
+    if not others:
+        return run
+    return ("seq", [run, ("repeat", ("seq", [("alt", others) if len(others) > 1 else others[0], run]), 0, None)])
+
+
+def space_class(tree: tuple, definitions: dict) -> CharSet | None:
+    """The whitespace characters C where `tree` matches one of them, or a run of them (C, C+, C*); None for any
+    other tree."""
+    tree = _unwrapped(tree, definitions)
+    if tree is not None and tree[0] == "repeat" and tree[2] <= 1 and tree[3] is None:
+        return _one_space(tree[1], definitions)
+    return _one_space(tree, definitions)
+
+
+def _one_space(tree: tuple | None, definitions: dict) -> CharSet | None:
+    """The whitespace characters C where `tree` matches exactly one character, one of C."""
+    tree = _unwrapped(tree, definitions)
+    if tree is None:
+        return None
+    if tree[0] == "chars":
+        chars = tree[1]
+        spaces = not chars.negated and chars.ranges and all(
+            low in SPACE_CODES and high - low < 32 and all(c in SPACE_CODES for c in range(low, high + 1))
+            for low, high in chars.ranges)
+        return chars if spaces else None
+    if tree[0] == "alt":
+        parts = [_one_space(branch, definitions) for branch in tree[1]]
+        if parts and all(part is not None for part in parts):
+            return CharSet(tuple(pair for part in parts for pair in part.ranges))
+    return None
+
+
+def _unwrapped(tree: tuple | None, definitions: dict, depth: int = 0) -> tuple | None:
+    """`tree` without sequences of one item and with a terminal's name read as its definition."""
+    while tree is not None and depth < 64:
+        if tree[0] == "seq" and len(tree[1]) == 1:
+            tree = tree[1][0]
+        elif tree[0] == "ref":
+            tree = definitions.get(tree[1])
+        else:
+            return tree
+        depth += 1
+    return None
 
 
 def _with_ignored(tree: tuple, ignoring: bool) -> tuple:
