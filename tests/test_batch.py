@@ -60,7 +60,35 @@ def test_the_same_command_resumes_and_a_cut_line_is_written_again(tmp_path, caps
     assert sorted(row["id"] for row in rows) == sorted(whole) and {r["id"]: r["text"] for r in rows} == whole
 
 
+def test_a_rows_own_settings_take_the_command_lines_place(tmp_path):
+    """A row's max_tokens, stop, temperature and seed (OpenAI's names) hold its answer alone."""
+    from dflash.sampling import SamplingConfig
+
+    target = tiny_target("qwen2", logit_scale=4.0)
+    ids = target.encode_messages([{"role": "user", "content": "w1 w2 w3"}])
+
+    def plain(max_new, **sampling):
+        config = GenerationConfig(max_new_tokens=max_new, sampling=SamplingConfig(**sampling))
+        return SpeculativeDecoder(target).generate(ids, config).text
+
+    free = plain(8)
+    word = free.split()[4]
+    rows = [{"id": "short", "prompt": "w1 w2 w3", "max_tokens": 3},
+            {"id": "stopped", "prompt": "w1 w2 w3", "stop": word},
+            {"id": "sampled", "prompt": "w1 w2 w3", "temperature": 1.0, "seed": 4, "top_k": 20},
+            {"id": "plain", "prompt": "w1 w2 w3"}]
+    assert batch(tmp_path, "--method", "ngram", rows=rows) == 0
+    got = {row["id"]: row for row in answers(tmp_path)}
+    assert got["short"]["text"] == plain(3) and got["short"]["new_tokens"] == 3
+    assert got["stopped"]["text"] == free[: free.index(word)] and got["stopped"]["finish_reason"] == "stop"
+    assert got["sampled"]["text"] == plain(8, temperature=1.0, seed=4, top_k=20) != free
+    assert got["plain"]["text"] == free
+
+
 @pytest.mark.parametrize("rows, message", [
+    ([{"id": "a", "prompt": "w1", "max_tokens": "many"}], "in.jsonl:1: max_tokens must be an integer"),
+    ([{"id": "a", "prompt": "w1", "temperature": -1}], "in.jsonl:1: temperature must be >= 0"),
+    ([{"id": "a", "prompt": "w1", "stop": [1]}], "stop must be a string or a list of strings"),
     ([{"id": "a", "prompt": "w1"}, {"id": "a", "prompt": "w2"}], "repeats the id 'a'"),
     ([{"id": "a", "text": "w1"}], "in.jsonl:1 needs a prompt"),
     ([{"id": "a", "turns": ["w1", "w2"]}], "`turns` one turn"),

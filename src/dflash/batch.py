@@ -7,8 +7,10 @@ Rows come in any layout `dflash bench` reads; a chat (`messages`, `conversations
 turn, its earlier assistant turns included (jsonl.conversation_of). A row's own `response_format`, or `tools` and
 `tool_choice` (OpenAI's; its answer then holds `tool_calls` where it called them, tools.py), and its
 `chat_template_kwargs` (the command line's otherwise), hold its answer alone; its `prediction` (OpenAI's Predicted
-Outputs, prediction.py) is drafted where its answer follows it. With --reasoning-parser an answer
-holds its `reasoning` and `content` apart (reasoning.py). Greedy answers are the target's own, token for token."""
+Outputs, prediction.py) is drafted where its answer follows it. A row's own `max_tokens`, `temperature`, `top_p`,
+`top_k`, `min_p`, `seed` and `stop` (OpenAI's names) take the command line's place for it. With --reasoning-parser
+an answer holds its `reasoning` and `content` apart (reasoning.py). Greedy answers are the target's own, token for
+token."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import UserError
 from .generate import config_from_args, load_method, template_options_from_args
@@ -28,6 +31,9 @@ from .options import (add_method_arguments, add_reasoning_argument, add_sampling
 from .prediction import prediction_ids, prediction_text
 from .reasoning import check_parser, split, thinking_of
 from .tools import ToolRequest, encode_chat, for_target, reply_format, tool_request
+
+if TYPE_CHECKING:
+    from .engine import GenerationConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the chat template's own variables for every row without its own `chat_template_kwargs`")
     p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
                    "a row's `response_format` (or vLLM's `structured_outputs`), or `tools` and `tool_choice` "
-                   "(OpenAI's), and `chat_template_kwargs` hold its answer alone. Or a file in OpenAI's batch format "
+                   "(OpenAI's), `chat_template_kwargs`, and `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, "
+                   "`seed`, `stop` hold its answer alone. Or a file in OpenAI's batch format "
                    "(custom_id, method, url, body; as vLLM's run-batch reads it): each body answered as `dflash "
                    "serve` would, in OpenAI's batch output format")
     p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
@@ -57,6 +64,7 @@ class BatchRow:
     tools: ToolRequest | None
     template_kwargs: dict | None  # its chat_template_kwargs; None: the command line's
     prediction: str = ""  # its prediction's text (prediction.prediction_text)
+    settings: dict = field(default_factory=dict)  # its own sampling settings (row_settings), by OpenAI's names
 
 
 def read_requests(path: Path) -> list[BatchRow]:
@@ -80,9 +88,10 @@ def read_requests(path: Path) -> list[BatchRow]:
             reply_format(tools, *(own or (None, None)))
             TemplateOptions(kwargs or {}).check(messages)
             prediction = prediction_text(row.get("prediction"))
+            settings = row_settings(row)
         except UserError as error:
             raise UserError(f"{where}: {error}") from None
-        requests.append(BatchRow(rid, messages, own, tools, kwargs, prediction))
+        requests.append(BatchRow(rid, messages, own, tools, kwargs, prediction, settings))
     if not requests:
         raise UserError(f"{path} holds no prompts")
     return requests
@@ -127,10 +136,40 @@ def row_tools(row: dict, where: str) -> ToolRequest | None:
         raise UserError(f"{where}: {error}") from None
 
 
-def row_config(config, own: tuple | None, tools: ToolRequest | None):
-    """The command line's config with a row's own output format, or its tools' calls."""
+ROW_SETTINGS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
+                "stop": list}
+
+
+def row_settings(row: dict) -> dict:
+    """A row's own sampling settings (ROW_SETTINGS, OpenAI's names; `stop` a string or a list of them), checked
+    before the target loads."""
+    settings = {key: row[key] for key in ROW_SETTINGS if row.get(key) is not None}
+    if isinstance(settings.get("stop"), str):
+        settings["stop"] = [settings["stop"]]
+    for key, value in settings.items():
+        kind = ROW_SETTINGS[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind) or (
+                key == "stop" and not all(isinstance(stop, str) for stop in value)):
+            expected = {int: "an integer", float: "a number", list: "a string or a list of strings"}[kind]
+            raise UserError(f"{key} must be {expected}, got {value!r}")
+    from .engine import GenerationConfig
+
+    with_settings(GenerationConfig(), settings).validate()
+    return settings
+
+
+def with_settings(config: "GenerationConfig", settings: dict) -> "GenerationConfig":
+    """`config` with a row's own sampling settings in place of its own."""
+    sampling = replace(config.sampling, **{key: settings[key] for key in ("temperature", "top_p", "top_k", "min_p",
+                                                                         "seed") if key in settings})
+    return replace(config, sampling=sampling, max_new_tokens=settings.get("max_tokens", config.max_new_tokens),
+                   stop_strings=tuple(settings.get("stop", config.stop_strings)))
+
+
+def row_config(config, own: tuple | None, tools: ToolRequest | None, settings: dict | None = None):
+    """The command line's config with a row's own output format (or its tools' calls) and sampling settings."""
     response_format, json_schema = reply_format(tools, *(own or (config.response_format, config.json_schema)))
-    return replace(config, response_format=response_format, json_schema=json_schema)
+    return with_settings(replace(config, response_format=response_format, json_schema=json_schema), settings or {})
 
 
 def answered_ids(output: Path, key: str = "id") -> set[str]:
@@ -198,7 +237,7 @@ def run(args) -> int:
     tools_of = {row.rid: for_target(row.tools, target.tokenizer, args.tool_format) for row in todo}
     ids = {row.rid: encode(target, row.messages, not args.no_chat, tools_of[row.rid],
                            TemplateOptions(row.template_kwargs or kwargs or {})) for row in todo}
-    configs = {row.rid: replace(row_config(config, row.own_format, tools_of[row.rid]),
+    configs = {row.rid: replace(row_config(config, row.own_format, tools_of[row.rid], row.settings),
                                 thinking=thinking_of(target, ids[row.rid], parser),
                                 prediction=prediction_ids(target.tokenizer, row.prediction)) for row in todo}
     for rid, prompt in ids.items():
