@@ -70,6 +70,8 @@ def test_stops_and_allowed_tokens_reach_the_engine(capsys):
     allowed = sorted(set(range(10, 30)) - set(free["tokens"]))
     held = json.loads(run(capsys, "--allowed-token-ids", ",".join(map(str, allowed)), *args)[1])
     assert held["tokens"] and set(held["tokens"]) <= set(allowed)
+    barred = json.loads(run(capsys, "--bad-words", word, *args)[1])
+    assert word not in barred["text"].split() and barred["tokens"] != free["tokens"]
     with pytest.raises(SystemExit):  # argparse's own one-line error
         run(capsys, "--allowed-token-ids", "5 7", *args)
     assert "token ids are integers separated by commas, got '5 7'" in capsys.readouterr().err
@@ -148,6 +150,7 @@ def test_the_prompt_may_come_from_standard_input(capsys, monkeypatch):
     (["--include-stop-str", "w1"], "give --stop"),
     (["--stop-token-ids", "64", "w1"], "stop_token_ids must be token ids in [0, 64)"),
     (["--allowed-token-ids", "-1", "w1"], "allowed_token_ids"),
+    (["--bad-words", " ", "w1"], "--bad-words takes non-empty words"),
     (["--method", "dflash", "--block-size", "64", "w1"], "block size"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, args, message):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import UserError
-from .generate import config_from_args, load_method, template_options_from_args
+from .generate import config_from_args, load_method, template_options_from_args, with_bad_words
 from .jsonl import conversation_of, iter_jsonl, layouts_hint
 from .models.target import TemplateOptions
 from .options import (add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments,
@@ -232,6 +232,7 @@ def run(args) -> int:
         return 0
     config = config_from_args(args)
     target, proposer = load_method(args, config)
+    config = with_bad_words(config, target, args)
     engine = Engine(target, proposer, max_batch=args.max_batch, adaptive=not args.whole_blocks)
     settle_heap()
     tools_of = {row.rid: for_target(row.tools, target.tokenizer, args.tool_format) for row in todo}

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .errors import UserError
-from .generate import (WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method,
+from .generate import (WARM_UP_TOKENS, LiveText, config_from_args, figures_line, load_method, with_bad_words,
                        template_options_from_args)
 from .options import add_method_arguments, add_reasoning_argument, add_sampling_arguments, add_target_arguments
 from .reasoning import check_parser, split, thinking_of
@@ -108,6 +108,7 @@ def run(args) -> int:
     options = template_options_from_args(args)
     parser = check_parser(args.reasoning_parser)
     target, proposer = load_method(args, config)
+    config = with_bad_words(config, target, args)
     encode = functools.partial(target.encode_messages, options=options)
     decoder = SpeculativeDecoder(target, proposer, adaptive=not args.whole_blocks,
                                  prefix_cache_bytes=PREFIX_CACHE_MB << 20)

@@ -71,6 +71,7 @@ def run(args) -> int:
     response_format, json_schema = reply_format(tools, config.response_format, config.json_schema)
     config = replace(config, response_format=response_format, json_schema=json_schema)
     target, proposer = load_method(args, config)
+    config = with_bad_words(config, target, args)
     if tools is not None:  # in the target's call format, known now that it has loaded
         tools = for_target(tools, target.tokenizer, args.tool_format)
         config = replace(config, **dict(zip(("response_format", "json_schema"), tools.output_format())))
@@ -139,6 +140,8 @@ def config_from_args(args, **more):
     response_format, json_schema = output_format_from_args(args)
     if args.include_stop_str and not args.stop:
         raise UserError("--include-stop-str keeps the --stop string that ended the output: give --stop")
+    if any(not word.strip() for word in args.bad_words or ()):
+        raise UserError("--bad-words takes non-empty words")
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling_from_args(args),
                             stop_strings=tuple(args.stop or ()), include_stop_strings=args.include_stop_str,
                             stop_token_ids=tuple(args.stop_token_ids or ()),
@@ -248,6 +251,16 @@ def sampling_from_args(args):
     return SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, args.presence_penalty,
                           args.frequency_penalty, args.repetition_penalty, min_p=args.min_p,
                           min_tokens=args.min_tokens, allowed_token_ids=tuple(args.allowed_token_ids or ()))
+
+
+def with_bad_words(config, target, args):
+    """`config` with --bad-words spelt in the target's tokens (known once it has loaded)."""
+    from .sampling import bad_word_ids
+
+    if not args.bad_words:
+        return config
+    return replace(config, sampling=replace(config.sampling, bad_word_ids=bad_word_ids(target.tokenizer,
+                                                                                         args.bad_words)))
 
 
 def load_method(args, config):

@@ -192,6 +192,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int = 128
                        help="token ids that end the output too, beside the target's EOS")
     group.add_argument("--allowed-token-ids", type=token_ids, default=None, metavar="ID,ID,...",
                        help="the only tokens the output may have (vLLM's allowed_token_ids)")
+    group.add_argument("--bad-words", action="append", default=None, metavar="WORD",
+                       help="a word the output never completes (vLLM's bad_words; repeat for several)")
     group.add_argument("--presence-penalty", type=float, default=0.0,
                        help="subtracted from the logit of every token generated so far, in [-2, 2] (default: 0)")
     group.add_argument("--frequency-penalty", type=float, default=0.0,
