@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.models import native, screening
-from dflash.models.screening import KINDS, ScreenedHead, bound_factors
+from dflash.models.screening import ScreenedHead, bound_factors
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels: {native.why_not}")
 
