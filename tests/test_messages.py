@@ -227,3 +227,22 @@ def test_an_api_key_is_taken_from_x_api_key(byte_targets):
         with pytest.raises(anthropic.AuthenticationError, match="x-api-key") as caught:
             wrong.messages.create(model="tiny", max_tokens=2, messages=HI)
         assert caught.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_stop_sequence_is_named_in_the_text_without_special_tokens(servers, byte_targets):
+    """With skip_special_tokens (vLLM's field, which the server takes here too) the stop sequence that ended the
+    reply is found in the text the reply is, special tokens left out."""
+    client, chat_client = servers
+    ids = byte_targets["llama"].tokenizer.convert_tokens_to_ids
+    letters = {str(ids(c)): 4.0 for c in "abcdefghijklmnopqrstuvwxyz"}
+    sampled = {"logit_bias": {**letters, str(ids("<mask>")): 6.0}, "seed": 7, "temperature": 1.0}
+    kept = chat(chat_client, HI, max_tokens=40, **sampled).choices[0].message.content
+    bare = chat(chat_client, HI, max_tokens=40, **sampled, extra_body={"skip_special_tokens": True})
+    bare = bare.choices[0].message.content
+    assert "<mask>" in kept and bare == kept.replace("<mask>", "")
+    at = next(k for k in range(1, len(bare) - 1) if bare.find(bare[k:k + 2]) == k and bare[k:k + 2] not in kept)
+    sequence = bare[at:at + 2]  # spans a special token the text leaves out
+    message = client.messages.create(model="tiny", max_tokens=40, messages=HI, stop_sequences=[sequence],
+                                     extra_body={**sampled, "skip_special_tokens": True})
+    assert texts(message) == bare[:at]
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", sequence)

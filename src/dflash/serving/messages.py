@@ -248,7 +248,7 @@ class Messages:
         if not isinstance(results, list):
             return results
         blocks = write_whole(exchange, results[0].text, ContentBlocks()).blocks
-        reason, sequence = stop_reason(results[0], blocks, config, target.decode)
+        reason, sequence = stop_reason(results[0], blocks, config, config.decoder(target))
         return {**self.envelope(exchange, blocks), "stop_reason": reason, "stop_sequence": sequence,
                 "usage": usage(exchange, results[0]), "dflash": exchange.extension(job.queue_s, results)}
 
@@ -293,7 +293,7 @@ class Messages:
                 return
             for events in [*reply.finish(result), reply.parts.close()]:
                 yield "".join(map(event_sse, events))
-            reason, sequence = stop_reason(result, reply.parts.blocks, config, self.service.target.decode)
+            reason, sequence = stop_reason(result, reply.parts.blocks, config, config.decoder(self.service.target))
             spent = usage(exchange, result)
             yield event_sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                              "usage": {"output_tokens": spent["output_tokens"]}})
