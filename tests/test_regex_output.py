@@ -179,6 +179,8 @@ def test_the_server_takes_vllms_structured_outputs(byte_targets):
             assert ask({"guided_choice": colours}, endpoint) == ask({"structured_outputs": {"choice": colours}},
                                                                      endpoint)
             assert re.fullmatch(r"\d{2}-\d{2}", ask({"guided_regex": r"\d{2}-\d{2}"}, endpoint))
+            sglang = ask({"regex": r"\d{2}-\d{2}"}, endpoint)  # SGLang's field
+            assert sglang == ask({"guided_regex": r"\d{2}-\d{2}"}, endpoint)
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
         via_openai = ask({}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
         assert ask({"structured_outputs": {"json": schema}}) == ask({"guided_json": json.dumps(schema)}) == via_openai
@@ -186,6 +188,7 @@ def test_the_server_takes_vllms_structured_outputs(byte_targets):
         for extra, kwargs, fragment in [
             ({"structured_outputs": {"structural_tag": {"x": 1}}}, {}, "triggers must be a non-empty list"),
             ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, {}, "one constraint"),
+            ({"regex": "a", "guided_regex": "a"}, {}, "one constraint"),
             ({"guided_regex": "(?=a)"}, {}, "lookaround"),
             ({"guided_choice": ["a"]}, {"response_format": {"type": "json_object"}}, "each constrain"),
             ({"guided_json": "{"}, {}, "must be a JSON Schema"),

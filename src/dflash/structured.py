@@ -525,19 +525,19 @@ VLLM_KINDS = ("regex", "choice", "json", "json_object", "grammar", "structural_t
 
 
 def vllm_format(structured_outputs: dict | None, guided_regex=None, guided_choice=None, guided_json=None,
-                guided_grammar=None, ebnf=None) -> tuple[str | None, dict | None] | None:
+                guided_grammar=None, ebnf=None, regex=None) -> tuple[str | None, dict | None] | None:
     """vLLM's structured outputs (`structured_outputs` {"regex"|"choice"|"json"|"json_object"|"grammar"|
     "structural_tag": ...}, or its older guided_regex / guided_choice / guided_json / guided_grammar; SGLang's
-    `ebnf`, a grammar too) as
+    `ebnf`, a grammar too, and `regex`) as
     (response_format, json_schema); None where none is given. Its other options (whitespace, fallbacks) change
     nothing here."""
     if structured_outputs is not None and not isinstance(structured_outputs, dict):
         raise UserError("structured_outputs must be an object such as {\"choice\": [...]}")
     given = dict(structured_outputs or {})
-    older = {"regex": guided_regex, "choice": guided_choice, "json": guided_json, "grammar": guided_grammar,
-             "ebnf": ebnf}
+    older = [("regex", guided_regex), ("choice", guided_choice), ("json", guided_json), ("grammar", guided_grammar),
+             ("ebnf", ebnf), ("regex", regex)]
     sent = [(kind, given[kind]) for kind in VLLM_KINDS if given.get(kind) not in (None, False)]
-    sent += [(kind, value) for kind, value in older.items() if value is not None]
+    sent += [(kind, value) for kind, value in older if value is not None]
     if not sent:
         return None
     if len(sent) > 1:

@@ -108,6 +108,7 @@ def schemas() -> SimpleNamespace:
         guided_json: dict | str | None = None
         guided_grammar: str | None = None
         ebnf: str | None = None  # SGLang's name for a grammar
+        regex: str | None = None  # SGLang's field for a regular expression
         tools: list | None = None  # chat's functions (tools.py); a completion's are refused
         tool_choice: str | dict | None = None
         parallel_tool_calls: bool = True
@@ -308,7 +309,7 @@ def loosely_held(schema):
 def structured_outputs_of(body) -> tuple[str | None, dict | None] | None:
     """vLLM's structured outputs of a request (structured.vllm_format); None where it sends none."""
     return vllm_format(body.structured_outputs, body.guided_regex, body.guided_choice, body.guided_json,
-                       body.guided_grammar, body.ebnf)
+                       body.guided_grammar, body.ebnf, body.regex)
 
 
 def completion_prompts(prompt) -> list:
