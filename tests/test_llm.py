@@ -102,3 +102,28 @@ def test_bad_requests_are_user_errors_before_anything_runs():
     assert not llm.engine.busy  # the short prompt was not left queued
     with pytest.raises(UserError):
         LLM("tiny-nothing")
+
+
+def test_vllm_style_calls_with_sampling_params():
+    """Code written against vLLM's LLM: `llm.generate(prompts, SamplingParams(...))`, each result's
+    `outputs[0].text` and `.token_ids`; the same outputs as our keywords give."""
+    from dflash import SamplingParams
+
+    llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    greedy = llm.generate(["w1 w2", "w3"], SamplingParams(temperature=0, max_tokens=12), chat=False)
+    plain = llm.generate(["w1 w2", "w3"], max_new_tokens=12, chat=False)
+    assert [r.outputs[0].token_ids for r in greedy] == [r.tokens for r in plain]
+    special = llm.target.tokenizer.decode  # vLLM's default leaves special tokens out of the text
+    assert [r.outputs[0].text for r in greedy] == [special(r.tokens, skip_special_tokens=True) for r in plain]
+    kept = llm.generate(["w1 w2", "w3"], SamplingParams(temperature=0, max_tokens=12, skip_special_tokens=False),
+                        chat=False)
+    assert [r.text for r in kept] == [r.text for r in plain] != [r.text for r in greedy]
+    default = llm.generate("w1 w2", SamplingParams(seed=3))  # vLLM's defaults: temperature 1, 16 tokens
+    assert default.tokens == llm.generate("w1 w2", max_new_tokens=16, temperature=1.0, seed=3).tokens
+    word = plain[0].text.split()[3]
+    cut = llm.chat([{"role": "user", "content": "w1"}], SamplingParams(temperature=0, stop=word, max_tokens=None))
+    assert word not in cut.text and cut.finish_reason in ("stop", "length")
+    with pytest.raises(UserError, match="not both: temperature"):
+        llm.generate("w1", SamplingParams(), temperature=0.5)
+    with pytest.raises(UserError, match="SamplingParams.n is 2"):
+        llm.generate("w1", SamplingParams(n=2))

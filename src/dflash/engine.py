@@ -190,6 +190,16 @@ class GenerationResult:
     reasoning: str | None = None  # a chat reply's thinking, apart from its answer (LLM's reasoning_parser)
     content: str | None = None  # ... and the answer after it (LLM.chat fills both; text holds them as written)
 
+    @property
+    def outputs(self) -> list["GenerationResult"]:
+        """vLLM's RequestOutput.outputs: this result, its one output (`outputs[0].text`, `.token_ids`)."""
+        return [self]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """vLLM's name for `tokens`."""
+        return self.tokens
+
 
 @dataclass
 class Plan:

@@ -12,7 +12,7 @@ distribution), with the acceptance and speed figures in `result.stats`."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .ebnf import grammar_format
 from .engine import Engine, GenerationConfig, GenerationResult
@@ -28,6 +28,63 @@ from .structural_tags import structural_tag_format
 from .sampling import SamplingConfig, bad_word_ids
 from .structured import one_constraint
 from .tools import encode_chat, reply_format, tool_request, tool_style
+
+
+UNBOUNDED = 2**31  # max_tokens None: as many as the context takes (the engine's budget caps every request)
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's SamplingParams, by its names and with its defaults (temperature 1, max_tokens 16, special tokens left
+    out of the text), for code written against vLLM's LLM: `llm.generate(prompts, SamplingParams(temperature=0,
+    max_tokens=64))`, each result's `outputs[0].text` as vLLM's RequestOutput reads. One output a prompt (`n` 1)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: as many as the context takes
+    min_tokens: int = 0
+    logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+
+    def config(self, tokenizer, response_format: str | None = None, json_schema: dict | None = None
+               ) -> GenerationConfig:
+        if self.n != 1:
+            raise UserError(f"SamplingParams.n is {self.n}: one output a prompt here (send the prompt n times, with "
+                            "seeds apart)")
+        sampling = SamplingConfig(self.temperature, max(0, self.top_k), self.top_p, self.seed, self.presence_penalty,
+                                  self.frequency_penalty, self.repetition_penalty, dict(self.logit_bias or {}),
+                                  self.min_p, self.min_tokens, allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                                  bad_word_ids=bad_word_ids(tokenizer, self.bad_words or ()))
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        config = GenerationConfig(
+            max_new_tokens=UNBOUNDED if self.max_tokens is None else self.max_tokens, sampling=sampling,
+            stop_token_ids=tuple(self.stop_token_ids or ()), stop_strings=tuple(stop),
+            include_stop_strings=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+            response_format="json_schema" if json_schema is not None and response_format is None else response_format,
+            json_schema=json_schema)
+        config.validate()
+        return config
+
+
+# generate's and chat's sampling keywords and their defaults: with a SamplingParams in their place, none may be set
+KEYWORD_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": (),
+                    "include_stop_str_in_output": False, "min_tokens": 0, "allowed_token_ids": None,
+                    "bad_words": None, "logprobs": None}
 
 
 class LLM:
@@ -60,7 +117,8 @@ class LLM:
                              prefix_cache_bytes=int(prefix_cache_mb * 2**20))
         settle_heap()
 
-    def generate(self, prompts: str | list[str], max_new_tokens: int = 128, *, temperature: float = 0.0,
+    def generate(self, prompts: str | list[str], max_new_tokens: "int | SamplingParams" = 128, *,
+                 temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0,
                  allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None, chat: bool = True,
@@ -68,8 +126,10 @@ class LLM:
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
                  structural_tag: dict | None = None, logprobs: int | None = None,
                  prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
-        """One result for a prompt, a list in order for a list of prompts. `chat`: wrap each prompt in the chat
-        template (where the tokenizer has one); `stop`: strings that end a generation (not included, unless
+        """One result for a prompt, a list in order for a list of prompts. In max_new_tokens' place a
+        SamplingParams (vLLM's names and defaults) may hold the sampling settings instead of the keywords below.
+        `chat`: wrap each prompt in the chat template (where the tokenizer has one; vLLM's generate sends prompts
+        raw: chat=False); `stop`: strings that end a generation (not included, unless
         `include_stop_str_in_output`); `allowed_token_ids`: the only tokens an output may have; `bad_words`:
         words an output never completes (both vLLM's);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
@@ -88,15 +148,12 @@ class LLM:
         ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar,
                                                     structural_tag)
-        sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens,
-                                  allowed_token_ids=tuple(allowed_token_ids or ()),
-                                  bad_word_ids=bad_word_ids(self.target.tokenizer, bad_words or ()))
-        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs,
-                              include_stop_str_in_output)
+        config = self._generation_config(max_new_tokens, locals(), response_format, json_schema)
         results = self._run(ids, self._predicting(config, prediction, len(ids)))
         return results if many else results[0]
 
-    def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: int = 128, *, temperature: float = 0.0,
+    def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: "int | SamplingParams" = 128, *,
+             temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0,
              allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
@@ -120,11 +177,7 @@ class LLM:
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
                                                                             grammar, structural_tag))
-        sampling = SamplingConfig(temperature, top_k, top_p, seed, min_p=min_p, min_tokens=min_tokens,
-                                  allowed_token_ids=tuple(allowed_token_ids or ()),
-                                  bad_word_ids=bad_word_ids(self.target.tokenizer, bad_words or ()))
-        config = self._config(max_new_tokens, sampling, stop, response_format, json_schema, logprobs,
-                              include_stop_str_in_output)
+        config = self._generation_config(max_new_tokens, locals(), response_format, json_schema)
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]
@@ -135,6 +188,22 @@ class LLM:
             result.reasoning, result.content = split(result.text, state)
             result.tool_calls = request.calls(result.content) if request is not None else None
         return results if many else results[0]
+
+    def _generation_config(self, max_new_tokens, scope: dict, response_format, json_schema) -> GenerationConfig:
+        """The config of generate's or chat's settings (`scope`: their locals): a SamplingParams in max_new_tokens'
+        place (vLLM's call), or the keywords."""
+        if isinstance(max_new_tokens, SamplingParams):
+            given = [name for name, default in KEYWORD_DEFAULTS.items() if scope[name] != default]
+            if given:
+                raise UserError(f"sampling settings go in the SamplingParams or as keywords, not both: "
+                                f"{', '.join(given)}")
+            return max_new_tokens.config(self.target.tokenizer, response_format, json_schema)
+        k = scope
+        sampling = SamplingConfig(k["temperature"], k["top_k"], k["top_p"], k["seed"], min_p=k["min_p"],
+                                  min_tokens=k["min_tokens"], allowed_token_ids=tuple(k["allowed_token_ids"] or ()),
+                                  bad_word_ids=bad_word_ids(self.target.tokenizer, k["bad_words"] or ()))
+        return self._config(max_new_tokens, sampling, k["stop"], response_format, json_schema, k["logprobs"],
+                            k["include_stop_str_in_output"])
 
     def _config(self, max_new_tokens, sampling: SamplingConfig, stop, response_format, json_schema,
                 logprobs, include_stop: bool = False) -> GenerationConfig:
