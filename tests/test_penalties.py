@@ -124,6 +124,19 @@ def test_bad_words_bar_the_token_that_would_complete_them():
     assert torch.isinf(out[0]).nonzero().flatten().tolist() == [7]  # the prompt's "1 2" is not the output's
 
 
+def test_allowed_tokens_mask_follows_the_config_it_belongs_to():
+    """The allowed tokens' mask is made once per config, and a config copied with other allowed tokens makes its
+    own (the engine copies a request's config to fill in its held-back stop tokens)."""
+    from dataclasses import replace
+
+    first = SamplingConfig(allowed_token_ids=(1, 2))
+    assert (~first.barred_by_allowed(10, "cpu")).nonzero().flatten().tolist() == [1, 2]
+    other = replace(first, allowed_token_ids=(3,))
+    assert (~other.barred_by_allowed(10, "cpu")).nonzero().flatten().tolist() == [3]
+    out = penalized_logits(torch.zeros(1, 10), other, history=[0], prompt_len=1, block=[])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [3]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bad_words_give_every_proposer_a_plain_loops_output(tiny_targets, arch):
     """Greedy with bad words: the tokens of a plain loop that bars them token by token, through every proposer;

@@ -42,7 +42,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0 or vLLM's -1: off
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -62,10 +62,12 @@ class SamplingParams:
 
     def config(self, tokenizer, response_format: str | None = None, json_schema: dict | None = None
                ) -> GenerationConfig:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise UserError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.n != 1:
             raise UserError(f"SamplingParams.n is {self.n}: one output a prompt here (send the prompt n times, with "
                             "seeds apart)")
-        sampling = SamplingConfig(self.temperature, max(0, self.top_k), self.top_p, self.seed, self.presence_penalty,
+        sampling = SamplingConfig(self.temperature, 0 if self.top_k == -1 else self.top_k, self.top_p, self.seed, self.presence_penalty,
                                   self.frequency_penalty, self.repetition_penalty, dict(self.logit_bias or {}),
                                   self.min_p, self.min_tokens, allowed_token_ids=tuple(self.allowed_token_ids or ()),
                                   bad_word_ids=bad_word_ids(tokenizer, self.bad_words or ()))
@@ -197,25 +199,15 @@ class LLM:
             if given:
                 raise UserError(f"sampling settings go in the SamplingParams or as keywords, not both: "
                                 f"{', '.join(given)}")
-            return max_new_tokens.config(self.target.tokenizer, response_format, json_schema)
-        k = scope
-        sampling = SamplingConfig(k["temperature"], k["top_k"], k["top_p"], k["seed"], min_p=k["min_p"],
-                                  min_tokens=k["min_tokens"], allowed_token_ids=tuple(k["allowed_token_ids"] or ()),
-                                  bad_word_ids=bad_word_ids(self.target.tokenizer, k["bad_words"] or ()))
-        return self._config(max_new_tokens, sampling, k["stop"], response_format, json_schema, k["logprobs"],
-                            k["include_stop_str_in_output"])
+            params = max_new_tokens
+        else:  # the keywords, with dflash's defaults (special tokens kept in the text)
+            params = SamplingParams(max_tokens=max_new_tokens, skip_special_tokens=False,
+                                    **{name: scope[name] for name in KEYWORD_DEFAULTS})
+        return self._config(params, response_format, json_schema)
 
-    def _config(self, max_new_tokens, sampling: SamplingConfig, stop, response_format, json_schema,
-                logprobs, include_stop: bool = False) -> GenerationConfig:
-        if json_schema is not None and response_format is None:
-            response_format = "json_schema"
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise UserError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop),
-                                  include_stop_strings=include_stop, response_format=response_format,
-                                  json_schema=json_schema, logprobs=logprobs)
-        config.validate()
-        return config
+    def _config(self, params: SamplingParams, response_format, json_schema) -> GenerationConfig:
+        """Every config generate and chat run with (tests push a random model's outputs here)."""
+        return params.config(self.target.tokenizer, response_format, json_schema)
 
     def _predicting(self, config: GenerationConfig, prediction, count: int) -> list[GenerationConfig]:
         """`config` for each of `count` prompts with its prediction: the same for all, or a list of one each."""

@@ -44,7 +44,8 @@ class SamplingConfig:
     # tokens are the rest of it
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
     # the allowed tokens' mask per (vocab, device), made at its first use: a long list costs ms a round to index
-    _allowed_masks: dict = field(default_factory=dict, repr=False, compare=False)
+    # (not an init field, so `replace` with other allowed tokens starts a cache of its own)
+    _allowed_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     held_back: tuple[int, ...] = ()  # those stop tokens: the engine fills them in (Engine.submit)
 
     def validate(self) -> None:

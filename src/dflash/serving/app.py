@@ -590,7 +590,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key ...")
     p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="... and this certificate (PEM files)")
     p.add_argument("--root-path", default="", metavar="PATH",
-                   help="the path prefix a proxy in front of the server adds, e.g. /dflash (default: none)")
+                   help="the path prefix a proxy in front serves the server under (and strips), e.g. /dflash "
+                        "(default: none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
