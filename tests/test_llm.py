@@ -125,5 +125,53 @@ def test_vllm_style_calls_with_sampling_params():
     assert word not in cut.text and cut.finish_reason in ("stop", "length")
     with pytest.raises(UserError, match="not both: temperature"):
         llm.generate("w1", SamplingParams(), temperature=0.5)
-    with pytest.raises(UserError, match="SamplingParams.n is 2"):
-        llm.generate("w1", SamplingParams(n=2))
+    with pytest.raises(UserError, match="n must be a whole number"):
+        llm.generate("w1", SamplingParams(n=0))
+
+
+def test_n_outputs_a_prompt_as_vllm_seeds_them(capsys):
+    """SamplingParams(n=3): each result holds three outputs, output i sampled with seed + i, the same tokens each
+    gives alone; greedy ones are all the plain decoding."""
+    from dflash import SamplingParams
+
+    llm = LLM("tiny-qwen2", "dflash+ngram", device="cpu", max_batch=2)
+    results = llm.generate(["w1 w2", "w5"], SamplingParams(n=3, seed=7, max_tokens=10), use_tqdm=True)
+    assert "6/6" in capsys.readouterr().err  # the bar counted every output
+    for prompt, result in zip(["w1 w2", "w5"], results):
+        assert len(result.outputs) == 3 and result.outputs[0] is result
+        alone = [llm.generate(prompt, SamplingParams(seed=7 + i, max_tokens=10)).tokens for i in range(3)]
+        assert [output.tokens for output in result.outputs] == alone
+        assert len({tuple(tokens) for tokens in alone}) > 1  # the seeds apart sample apart
+    greedy = llm.chat([{"role": "user", "content": "w3"}], sampling_params=SamplingParams(n=2, temperature=0))
+    assert [o.tokens for o in greedy.outputs] == [llm.chat([{"role": "user", "content": "w3"}], 16).tokens] * 2
+    assert all(o.content == o.text for o in greedy.outputs)
+    assert repr(greedy).count("GenerationResult(") == 1  # the other outputs stay out of its repr
+
+
+def test_vllm_prompts_and_one_sampling_params_a_prompt():
+    """vLLM's call shapes: `sampling_params=`, a list of SamplingParams (one a prompt), {"prompt": text} and
+    {"prompt_token_ids": ids} prompts (ids sent as they are)."""
+    from dflash import SamplingParams
+
+    llm = LLM("tiny-qwen2", "ngram", device="cpu", max_batch=2)
+    short, long = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0, max_tokens=9)
+    both = llm.generate(["w1 w2", {"prompt": "w4 w5"}], sampling_params=[short, long], chat=False)
+    assert [r.tokens for r in both] == [ar_tokens(["w1 w2"], 4, False)[0], ar_tokens(["w4 w5"], 9, False)[0]]
+    assert [len(r.tokens) for r in both] == [4, 9]
+    ids = llm.target.encode_prompt("w6 w1", chat=False)
+    by_ids = llm.generate({"prompt_token_ids": ids}, long, chat=True)  # ids are never wrapped in a template
+    assert by_ids.tokens == ar_tokens(["w6 w1"], 9, chat=False)[0]
+    for call, message in [
+            (lambda: llm.generate(["w1", "w2"], [short]), "1 SamplingParams for 2 prompts"),
+            (lambda: llm.generate("w1", 8, sampling_params=short), "not both"),
+            (lambda: llm.generate("w1", sampling_params=8), "must be a SamplingParams"),
+            (lambda: llm.generate({"prompt_token_ids": [1, 10**6]}), r"the prompt must be token ids in \[0, 64\), "
+                                                                      r"got \[1000000\]"),
+            (lambda: llm.generate({"prompt_token_ids": ["w1"]}), "non-empty list of token ids"),
+            (lambda: llm.generate({"text": "w1"}), "prompt_token_ids"),
+            (lambda: llm.generate("w1", "12"), "max_tokens must be a whole number")]:
+        with pytest.raises(UserError, match=message):
+            call()
+    with pytest.raises(UserError, match="the prompt must be token ids"):  # the second prompt is refused ...
+        llm.generate(["w1", {"prompt_token_ids": [-1]}])
+    assert not llm.engine.busy  # ... and the first is not left queued for the next call

@@ -81,6 +81,16 @@ class GenerationConfig:
     # output follows it
     prediction: tuple[int, ...] = ()
 
+    def choices(self, n: int) -> list["GenerationConfig"]:
+        """This config for each of `n` outputs of one prompt (OpenAI's and vLLM's `n`). Seeded outputs sample with
+        seed, seed + 1, ... (as vLLM seeds them), so each is reproducible and they differ; greedy ones are the same."""
+        configs = [self]
+        for i in range(1, n):
+            configs.append(copy.deepcopy(self))
+            if self.sampling.seed is not None:
+                configs[-1].sampling.seed = self.sampling.seed + i
+        return configs
+
     def decoder(self, target) -> Callable[[list[int]], str]:
         """How the output's tokens become its text, stop strings looked for in it (skip_special_tokens)."""
         return functools.partial(target.decode, skip_special_tokens=True) if self.skip_special_tokens \
@@ -189,11 +199,13 @@ class GenerationResult:
     tool_calls: list[dict] | None = None  # a chat reply that called tools (LLM.chat with tools; tools.py)
     reasoning: str | None = None  # a chat reply's thinking, apart from its answer (LLM's reasoning_parser)
     content: str | None = None  # ... and the answer after it (LLM.chat fills both; text holds them as written)
+    # the prompt's other outputs, where it asked for n > 1 (LLM's SamplingParams.n): this result is the first
+    more_outputs: list["GenerationResult"] = field(default_factory=list, repr=False)
 
     @property
     def outputs(self) -> list["GenerationResult"]:
-        """vLLM's RequestOutput.outputs: this result, its one output (`outputs[0].text`, `.token_ids`)."""
-        return [self]
+        """vLLM's RequestOutput.outputs: the prompt's outputs (`outputs[0].text`, `.token_ids`), this result first."""
+        return [self, *self.more_outputs]
 
     @property
     def token_ids(self) -> list[int]:
@@ -296,10 +308,11 @@ class Engine:
         max_new = min(config.max_new_tokens, self.budget(prompt_ids))
         stop_ids = config.stop_ids(self.target.eos_token_ids)
         vocab = self.target.vocab_size
-        for name, ids in (("stop_token_ids", config.stop_token_ids),
+        for name, ids in (("the prompt", prompt_ids), ("stop_token_ids", config.stop_token_ids),
                           ("allowed_token_ids", config.sampling.allowed_token_ids)):
-            if any(not 0 <= token < vocab for token in ids):
-                raise UserError(f"{name} must be token ids in [0, {vocab}), got {sorted(ids)[:20]}")
+            outside = [token for token in ids if not 0 <= token < vocab]  # the embedding would raise an IndexError
+            if outside:
+                raise UserError(f"{name} must be token ids in [0, {vocab}), got {outside[:20]}")
         allowed = set(config.sampling.allowed_token_ids)
         if allowed and not allowed - (stop_ids if config.sampling.min_tokens else set()):
             raise UserError("allowed_token_ids holds only stop tokens, which min_tokens holds back: the output would "
@@ -875,13 +888,17 @@ class Engine:
                     return new_tokens[: i + 1], "stop"
         return new_tokens, None
 
-    def run(self) -> list[Sequence]:
-        """Step until every submitted sequence has finished; returns them in the order they finished. The target's
-        weights are checked at the first pass, not at every one (TargetModel.weights_held)."""
+    def run(self, on_finished: Callable[[list[Sequence]], None] | None = None) -> list[Sequence]:
+        """Step until every submitted sequence has finished; returns them in the order they finished, and hands
+        each step's to `on_finished` (a progress bar). The target's weights are checked at the first pass, not at
+        every one (TargetModel.weights_held)."""
         done = []
         with self.target.weights_held():
             while self.busy:
-                done += self.step()
+                finished = self.step()
+                done += finished
+                if on_finished is not None:
+                    on_finished(finished)
         return done
 
 

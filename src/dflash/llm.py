@@ -31,13 +31,15 @@ from .tools import encode_chat, reply_format, tool_request, tool_style
 
 
 UNBOUNDED = 2**31  # max_tokens None: as many as the context takes (the engine's budget caps every request)
+DEFAULT_MAX_NEW_TOKENS = 128  # generate's and chat's, where no SamplingParams says otherwise
 
 
 @dataclass
 class SamplingParams:
     """vLLM's SamplingParams, by its names and with its defaults (temperature 1, max_tokens 16, special tokens left
     out of the text), for code written against vLLM's LLM: `llm.generate(prompts, SamplingParams(temperature=0,
-    max_tokens=64))`, each result's `outputs[0].text` as vLLM's RequestOutput reads. One output a prompt (`n` 1)."""
+    max_tokens=64))`, each result's `outputs[0].text` as vLLM's RequestOutput reads. `n` outputs a prompt, in
+    `result.outputs` (seeded ones with seed, seed + 1, ...)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -64,10 +66,12 @@ class SamplingParams:
                ) -> GenerationConfig:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise UserError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.n != 1:
-            raise UserError(f"SamplingParams.n is {self.n}: one output a prompt here (send the prompt n times, with "
-                            "seeds apart)")
-        sampling = SamplingConfig(self.temperature, 0 if self.top_k == -1 else self.top_k, self.top_p, self.seed, self.presence_penalty,
+        if not is_whole(self.n) or self.n < 1:
+            raise UserError(f"SamplingParams.n must be a whole number >= 1, got {self.n!r}")
+        if self.max_tokens is not None and not is_whole(self.max_tokens):
+            raise UserError(f"max_tokens must be a whole number, got {self.max_tokens!r}")
+        top_k = 0 if self.top_k == -1 else self.top_k
+        sampling = SamplingConfig(self.temperature, top_k, self.top_p, self.seed, self.presence_penalty,
                                   self.frequency_penalty, self.repetition_penalty, dict(self.logit_bias or {}),
                                   self.min_p, self.min_tokens, allowed_token_ids=tuple(self.allowed_token_ids or ()),
                                   bad_word_ids=bad_word_ids(tokenizer, self.bad_words or ()))
@@ -119,19 +123,24 @@ class LLM:
                              prefix_cache_bytes=int(prefix_cache_mb * 2**20))
         settle_heap()
 
-    def generate(self, prompts: str | list[str], max_new_tokens: "int | SamplingParams" = 128, *,
-                 temperature: float = 0.0,
+    def generate(self, prompts: "str | dict | list[str | dict]",
+                 max_new_tokens: "int | SamplingParams | list[SamplingParams] | None" = None, *,
+                 sampling_params: "SamplingParams | list[SamplingParams] | None" = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0,
                  allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None, chat: bool = True,
                  response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
                  structural_tag: dict | None = None, logprobs: int | None = None,
-                 prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
-        """One result for a prompt, a list in order for a list of prompts. In max_new_tokens' place a
-        SamplingParams (vLLM's names and defaults) may hold the sampling settings instead of the keywords below.
-        `chat`: wrap each prompt in the chat template (where the tokenizer has one; vLLM's generate sends prompts
-        raw: chat=False); `stop`: strings that end a generation (not included, unless
+                 prediction: str | list[str] | None = None, use_tqdm: bool = False
+                 ) -> GenerationResult | list[GenerationResult]:
+        """One result for a prompt, a list in order for a list of prompts. A prompt is text, or vLLM's
+        {"prompt": text} or {"prompt_token_ids": [...]} (token ids go in as they are). `max_new_tokens`: 128 by
+        default; in its place, or as `sampling_params`, a SamplingParams (vLLM's names and defaults) may hold the
+        sampling settings instead of the keywords below, or a list of one a prompt; its `n` > 1 gives each result
+        that many `outputs`. `use_tqdm`: a progress bar over the outputs, on stderr.
+        `chat`: wrap each text prompt in the chat template (where the tokenizer has one; vLLM's generate sends
+        prompts raw: chat=False); `stop`: strings that end a generation (not included, unless
         `include_stop_str_in_output`); `allowed_token_ids`: the only tokens an output may have; `bad_words`:
         words an output never completes (both vLLM's);
         `response_format="json_object"`: every output is a JSON object (OpenAI's JSON mode); `json_schema`: every
@@ -143,19 +152,18 @@ class LLM:
         sample among the tokens at least min_p times as likely as the likeliest; `min_tokens`: no stop token (EOS)
         before that many new tokens; `prediction`: the text an output is expected to be, or one per prompt (OpenAI's
         Predicted Outputs: drafted where the output follows it; the output is the same)."""
-        many = not isinstance(prompts, str)
-        texts = list(prompts) if many else [prompts]
-        if not all(isinstance(p, str) and p.strip() for p in texts):
-            raise UserError("every prompt must be a non-empty string")
-        ids = [self.target.encode_prompt(p, chat=chat) for p in texts]
+        many = not isinstance(prompts, (str, dict))
+        ids = [self._prompt_ids(prompt, chat) for prompt in (list(prompts) if many else [prompts])]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar,
                                                     structural_tag)
-        config = self._generation_config(max_new_tokens, locals(), response_format, json_schema)
-        results = self._run(ids, self._predicting(config, prediction, len(ids)))
+        settings = self._settings(locals(), len(ids))
+        configs = self._predicting(self._configs(settings, response_format, json_schema), prediction)
+        results = self._run(ids, configs, [params.n for params in settings], use_tqdm)
         return results if many else results[0]
 
-    def chat(self, messages: list[dict] | list[list[dict]], max_new_tokens: "int | SamplingParams" = 128, *,
-             temperature: float = 0.0,
+    def chat(self, messages: list[dict] | list[list[dict]],
+             max_new_tokens: "int | SamplingParams | list[SamplingParams] | None" = None, *,
+             sampling_params: "SamplingParams | list[SamplingParams] | None" = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
              stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0,
              allowed_token_ids: list[int] | None = None, bad_words: list[str] | None = None,
@@ -164,7 +172,8 @@ class LLM:
              tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False, logprobs: int | None = None,
-             prediction: str | list[str] | None = None) -> GenerationResult | list[GenerationResult]:
+             prediction: str | list[str] | None = None, use_tqdm: bool = False
+             ) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
         the system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list
         of conversations, a list of results in order, all run as one continuous batch (as vLLM's `LLM.chat`).
@@ -173,56 +182,126 @@ class LLM:
         text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
         turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`,
-        `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`: as generate's."""
+        `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `max_new_tokens`,
+        `sampling_params` (one for all conversations, or a list of one each), `use_tqdm`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
                                                                             grammar, structural_tag))
-        config = self._generation_config(max_new_tokens, locals(), response_format, json_schema)
+        settings = self._settings(locals(), len(conversations))
         options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]
         thinking = [thinking_of(self.target, prompt_ids, self.reasoning_parser) for prompt_ids in prompts]
-        configs = self._predicting(config, prediction, len(prompts))
-        results = self._run(prompts, [replace(c, thinking=state) for c, state in zip(configs, thinking)])
+        configs = self._predicting(self._configs(settings, response_format, json_schema), prediction)
+        results = self._run(prompts, [replace(c, thinking=state) for c, state in zip(configs, thinking)],
+                            [params.n for params in settings], use_tqdm)
         for result, state in zip(results, thinking):
-            result.reasoning, result.content = split(result.text, state)
-            result.tool_calls = request.calls(result.content) if request is not None else None
+            for output in result.outputs:
+                output.reasoning, output.content = split(output.text, state)
+                output.tool_calls = request.calls(output.content) if request is not None else None
         return results if many else results[0]
 
-    def _generation_config(self, max_new_tokens, scope: dict, response_format, json_schema) -> GenerationConfig:
-        """The config of generate's or chat's settings (`scope`: their locals): a SamplingParams in max_new_tokens'
-        place (vLLM's call), or the keywords."""
-        if isinstance(max_new_tokens, SamplingParams):
-            given = [name for name, default in KEYWORD_DEFAULTS.items() if scope[name] != default]
-            if given:
-                raise UserError(f"sampling settings go in the SamplingParams or as keywords, not both: "
-                                f"{', '.join(given)}")
-            params = max_new_tokens
-        else:  # the keywords, with dflash's defaults (special tokens kept in the text)
-            params = SamplingParams(max_tokens=max_new_tokens, skip_special_tokens=False,
-                                    **{name: scope[name] for name in KEYWORD_DEFAULTS})
-        return self._config(params, response_format, json_schema)
+    def _prompt_ids(self, prompt, chat: bool) -> list[int]:
+        """One prompt of generate's: text (in the chat template where `chat`), or vLLM's TextPrompt
+        {"prompt": text} or TokensPrompt {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not ids or not all(is_whole(t) for t in ids):
+                raise UserError("prompt_token_ids must be a non-empty list of token ids")
+            return list(ids)  # the engine checks they are in the vocabulary
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(text, str) or not text.strip():
+            raise UserError('every prompt must be a non-empty string, {"prompt": text} or {"prompt_token_ids": ids}')
+        return self.target.encode_prompt(text, chat=chat)
+
+    def _settings(self, scope: dict, count: int) -> list[SamplingParams]:
+        """The SamplingParams of each of `count` prompts from generate's or chat's settings (`scope`: their locals):
+        vLLM's call (one SamplingParams, or a list of one a prompt, in max_new_tokens' place or as sampling_params),
+        or the keywords with dflash's defaults (special tokens kept in the text)."""
+        given = vllm_settings(scope["max_new_tokens"], scope["sampling_params"])
+        if given is None:
+            max_new = scope["max_new_tokens"]
+            return [SamplingParams(max_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new,
+                                   skip_special_tokens=False, **{name: scope[name] for name in KEYWORD_DEFAULTS})
+                    ] * count
+        keywords = [name for name, default in KEYWORD_DEFAULTS.items() if scope[name] != default]
+        if keywords:
+            raise UserError(f"sampling settings go in the SamplingParams or as keywords, not both: "
+                            f"{', '.join(keywords)}")
+        if isinstance(given, SamplingParams):
+            return [given] * count
+        if len(given) != count:
+            raise UserError(f"{len(given)} SamplingParams for {count} prompts: give one, or one a prompt")
+        return list(given)
+
+    def _configs(self, settings: list[SamplingParams], response_format, json_schema) -> list[GenerationConfig]:
+        """The engine's config of each prompt's settings, made once for settings that prompts share."""
+        made = {}
+        for params in settings:
+            if id(params) not in made:
+                made[id(params)] = self._config(params, response_format, json_schema)
+        return [made[id(params)] for params in settings]
 
     def _config(self, params: SamplingParams, response_format, json_schema) -> GenerationConfig:
         """Every config generate and chat run with (tests push a random model's outputs here)."""
         return params.config(self.target.tokenizer, response_format, json_schema)
 
-    def _predicting(self, config: GenerationConfig, prediction, count: int) -> list[GenerationConfig]:
-        """`config` for each of `count` prompts with its prediction: the same for all, or a list of one each."""
+    def _predicting(self, configs: list[GenerationConfig], prediction) -> list[GenerationConfig]:
+        """Each prompt's config with its prediction: the same for all, or a list of one each."""
         if isinstance(prediction, list) and all(isinstance(p, str) for p in prediction) and prediction:
-            if len(prediction) != count:
-                raise UserError(f"prediction is a list of {len(prediction)} texts for {count} prompts: give one each")
-            return [replace(config, prediction=prediction_ids(self.target.tokenizer, p)) for p in prediction]
-        return [replace(config, prediction=prediction_ids(self.target.tokenizer, prediction))] * count
+            if len(prediction) != len(configs):
+                raise UserError(f"prediction is a list of {len(prediction)} texts for {len(configs)} prompts: give "
+                                "one each")
+            return [replace(c, prediction=prediction_ids(self.target.tokenizer, p))
+                    for c, p in zip(configs, prediction)]
+        predicted = prediction_ids(self.target.tokenizer, prediction)
+        return [replace(c, prediction=predicted) for c in configs]
 
-    def _run(self, prompt_ids: list[list[int]], configs: list[GenerationConfig]) -> list[GenerationResult]:
+    def _run(self, prompt_ids: list[list[int]], configs: list[GenerationConfig], counts: list[int],
+             use_tqdm: bool = False) -> list[GenerationResult]:
+        """Each prompt's result, its `counts[i]` outputs run in one continuous batch with every other prompt's."""
+        from tqdm import tqdm
+
         for ids in prompt_ids:
             self.engine.budget(ids)  # a prompt too long for the context is refused before any runs
-        sequences = [self.engine.submit(ids, config) for ids, config in zip(prompt_ids, configs)]
-        self.engine.run()
-        return [seq.result for seq in sequences]
+        queued = []
+        try:
+            for ids, config, n in zip(prompt_ids, configs, counts):
+                queued.append([self.engine.submit(ids, choice) for choice in config.choices(n)])
+        except UserError:  # nothing of a refused call is left queued for the next
+            for seq in (seq for outputs in queued for seq in outputs):
+                self.engine.cancel(seq)
+            raise
+        with tqdm(total=sum(counts), unit="output", desc="generate", disable=not use_tqdm) as bar:
+            self.engine.run(lambda finished: bar.update(len(finished)) if finished else None)
+        results = []
+        for outputs in queued:
+            first, *more = [seq.result for seq in outputs]
+            first.more_outputs = more
+            results.append(first)
+        return results
+
+
+def is_whole(value) -> bool:
+    """An int, not a bool (True is an int to Python, not a token id or a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def vllm_settings(max_new_tokens, sampling_params) -> "SamplingParams | list[SamplingParams] | None":
+    """The SamplingParams a call gave, in max_new_tokens' place or as sampling_params (None: it gave keywords)."""
+    def settings(value) -> bool:
+        return isinstance(value, SamplingParams) or isinstance(value, (list, tuple)) and bool(value) and all(
+            isinstance(params, SamplingParams) for params in value)
+
+    if sampling_params is None:
+        return max_new_tokens if settings(max_new_tokens) else None
+    if max_new_tokens is not None:
+        raise UserError("give max_new_tokens or sampling_params, not both")
+    if not settings(sampling_params):
+        raise UserError("sampling_params must be a SamplingParams, or a list of one a prompt")
+    return sampling_params
 
 
 def with_pattern(response_format: str | None, json_schema: dict | None, regex: str | None, choice: list | None,

@@ -186,17 +186,10 @@ def schemas() -> SimpleNamespace:
 
 def choice_configs(body, default_max_tokens: int, max_choices: int, target,
                    tools: "ToolRequest | None" = None) -> "list[GenerationConfig]":
-    """The engine's config for each of the request's `n` choices. Seeded choices sample with seed, seed + 1, ...
-    (as vLLM seeds them), so each is reproducible and they differ; greedy ones are all the same."""
+    """The engine's config for each of the request's `n` choices (GenerationConfig.choices)."""
     if not 1 <= body.n <= max_choices:
         raise UserError(f"n must be in [1, {max_choices}] (the server's queue), got {body.n}")
-    config = generation_config(body, default_max_tokens, target, tools)
-    configs = [config]
-    for i in range(1, body.n):
-        configs.append(copy.deepcopy(config))
-        if config.sampling.seed is not None:
-            configs[-1].sampling.seed = config.sampling.seed + i
-    return configs
+    return generation_config(body, default_max_tokens, target, tools).choices(body.n)
 
 
 def requested_logprobs(body) -> int | None:
