@@ -373,3 +373,25 @@ def test_env_says_what_runs_here_and_why_the_kernels_do_not(capsys, monkeypatch)
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "native_kernels_missing_because  no C compiler" in out and "\ntorch " in out
+
+
+def test_vllms_speculative_config_is_our_method_drafter_and_block(capsys):
+    """--speculative-config (vLLM's JSON): method ngram with 3 speculative tokens is --method ngram --block-size 4;
+    keys vLLM's engine alone reads are reported as not used; beside --method, or malformed, a one-line error."""
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    code, out, err = run(capsys, "--speculative-config", config, "--max-new-tokens", "8", "--json", "w1 w2")
+    payload = json.loads(out)
+    assert code == 0 and payload["method"] == "ngram" and len(payload["per_position_acceptance"]) == 3
+    assert "prompt_lookup_max not used" in err
+    same = json.loads(run(capsys, "--method", "ngram", "--block-size", "4", "--max-new-tokens", "8", "--json",
+                          "w1 w2")[1])
+    assert same["tokens"] == payload["tokens"] and same["per_position_acceptance"] == payload["per_position_acceptance"]
+    for args, message in [
+            (["--speculative-config", config, "--method", "ar"], "not both"),
+            (["--speculative-config", "{method: ngram}"], "not valid JSON"),
+            (["--speculative-config", '{"method": "mtp"}'], "speculative_config method 'mtp'"),
+            (["--speculative-config", '{"method": "ngram", "model": "x"}'], "ngram loads no drafter"),
+            (["--speculative-config", '{"method": "dflash", "num_speculative_tokens": 0}'], "whole number >= 1"),
+            (["--speculative-config", '{"method": "dflash", "model": "/nonexistent"}'], "folder not found")]:
+        code, _, err = run(capsys, *args, "w1")
+        assert code == 2 and "Traceback" not in err and message in err, (args, err)

@@ -175,3 +175,20 @@ def test_vllm_prompts_and_one_sampling_params_a_prompt():
     with pytest.raises(UserError, match="the prompt must be token ids"):  # the second prompt is refused ...
         llm.generate(["w1", {"prompt_token_ids": [-1]}])
     assert not llm.engine.busy  # ... and the first is not left queued for the next call
+
+
+def test_vllm_model_and_speculative_config():
+    """LLM(model=..., speculative_config={...}) as vLLM's: the method, drafter and block size it says, and the
+    target's own greedy tokens."""
+    llm = LLM(model="tiny-qwen2", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, device="cpu")
+    assert llm.method == "ngram" and llm.proposer.max_draft == 3
+    assert llm.generate("w1 w2", max_new_tokens=12).tokens == ar_tokens(["w1 w2"], 12)[0]
+    drafted = LLM("tiny-qwen2", speculative_config={"method": "dflash+ngram", "num_speculative_tokens": 5},
+                  device="cpu")
+    assert drafted.method == "dflash+ngram" and drafted.proposer.max_draft == 5
+    for kwargs, message in [({"model": "tiny-qwen2"}, "not both"),
+                            ({"method": "ngram", "speculative_config": {"method": "ngram"}}, "not both"),
+                            ({"speculative_config": {"method": "ar"}}, "method 'ar'"),
+                            ({"speculative_config": ["dflash"]}, "a JSON object")]:
+        with pytest.raises(UserError, match=message):
+            LLM("tiny-qwen2", device="cpu", **kwargs)

@@ -815,3 +815,24 @@ def test_skip_special_tokens_leaves_them_out_of_the_text(client, target, referen
     stop = left_out.split()[5]  # a word whose text moves when the special tokens go
     cut = text(extra_body={"skip_special_tokens": True}, stop=[stop])
     assert cut == left_out[: left_out.index(stop)]
+
+
+def test_serve_reads_vllm_serves_command_line(capsys, monkeypatch):
+    """`dflash serve MODEL --speculative-config JSON`, as `vllm serve` is called: the model is the target, the config
+    the method and block size; a model beside --target is refused."""
+    import dflash.loading
+    from dflash.cli import main
+    from dflash.errors import UserError
+
+    seen = []
+
+    def loading(args, **_):
+        seen.append((args.target, args.method, args.block_size))
+        raise UserError("loaded")
+
+    monkeypatch.setattr(dflash.loading, "target_from_args", loading)
+    config = '{"method": "ngram", "num_speculative_tokens": 5}'
+    assert main(["serve", "tiny-llama", "--port", "0", "--speculative-config", config]) == 2
+    assert seen == [("tiny-llama", "ngram", 6)] and "loaded" in capsys.readouterr().err
+    assert main(["serve", "tiny-llama", "--target", "tiny-qwen2", "--port", "0"]) == 2
+    assert "not both" in capsys.readouterr().err and len(seen) == 1

@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from . import threads
+from . import options, threads
 from .errors import UserError
 
 SUBCOMMANDS = {
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
+        options.apply_speculative_config(args)  # vLLM's flag, as our own flags (generate, batch, chat, serve)
         if getattr(args, "threads", None) is not None:
             if args.threads < 1:
                 raise UserError(f"--threads must be >= 1, got {args.threads}")

@@ -18,7 +18,9 @@ from .ebnf import grammar_format
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
 from .jsonl import openai_role
+from .hub import DEFAULT_TARGET
 from .logprobs import MAX_TOP_LOGPROBS
+from .methods import registry
 from .methods.base import MethodOptions
 from .models.target import TemplateOptions
 from .prediction import prediction_ids
@@ -101,16 +103,28 @@ class LLM:
     calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes";
     `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
     `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it.
-    `max_model_len`: prompt and output together stay within that many tokens (vLLM's; default: the model's context)."""
+    `max_model_len`: prompt and output together stay within that many tokens (vLLM's; default: the model's context).
+    vLLM's `LLM(model=..., speculative_config={"method": "dflash", "model": FOLDER, "num_speculative_tokens": K})`
+    reads the same: `model` is `target`, and speculative_config says the method, drafter and block size (K + 1)."""
 
-    def __init__(self, target: str = "smollm2-135m", method: str = "dflash+ngram", *, dtype: str = "float32",
+    def __init__(self, target: str | None = None, method: str | None = None, *, dtype: str = "float32",
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
                  adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
-                 reasoning_parser: str | None = None, max_model_len: int | None = None):
+                 reasoning_parser: str | None = None, max_model_len: int | None = None, model: str | None = None,
+                 speculative_config: dict | None = None):
         import torch
 
         from .loading import build_proposer, load_target_cached, settle_heap
 
+        if target is not None and model is not None:
+            raise UserError("give target or model (vLLM's name for it), not both")
+        target = target or model or DEFAULT_TARGET
+        if speculative_config is not None:
+            if method is not None or drafter is not None or block_size is not None:
+                raise UserError("speculative_config says the method, drafter and block size: give it or method, "
+                                "drafter and block_size, not both")
+            method, drafter, block_size = registry.from_speculative_config(speculative_config)
+        method = method or registry.DEFAULT_METHOD
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         options = MethodOptions(drafter=drafter, block_size=block_size)
         self.target = load_target_cached(target, dtype, device, release_plain=True)

@@ -79,6 +79,10 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
     if not several:
         group.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.names(),
                            help="; ".join(f"{m.name}: {m.summary}" for m in registry.METHODS.values()))
+        group.add_argument("--speculative-config", default=None, metavar="JSON",
+                           help="vLLM's speculative config in place of --method, --drafter and --block-size: "
+                                "'{\"method\": \"dflash\", \"model\": \"FOLDER\", \"num_speculative_tokens\": "
+                                "15}' (methods dflash, eagle3, ngram, or dflash's NAME+ngram)")
     group.add_argument("--drafter", action="append", default=None, metavar="[METHOD=]PATH",
                        help="drafter folder (default: the one shipped for the target). METHOD=PATH names the method "
                             "it is for" + ("; repeat for several methods" if several else ""))
@@ -108,6 +112,26 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
                             "verifies the number of drafts that maximises tokens/s on this machine, from the drafter's "
                             "calibrated confidence and the measured cost of the target's passes, and skips drafting "
                             "while it does not pay. Neither changes the output")
+
+
+def apply_speculative_config(args) -> None:
+    """--speculative-config (vLLM's) as the --method, --drafter and --block-size it says, checked before anything
+    loads; given beside any of them, an error."""
+    import json
+
+    from .methods import registry
+
+    if getattr(args, "speculative_config", None) is None:
+        return
+    if args.method != registry.DEFAULT_METHOD or args.drafter or args.block_size is not None:
+        raise UserError("--speculative-config says the method, drafter and block size: give it or --method, "
+                        "--drafter and --block-size, not both")
+    try:
+        config = json.loads(args.speculative_config)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--speculative-config is not valid JSON ({exc.msg}): {args.speculative_config!r}") from None
+    args.method, drafter, args.block_size = registry.from_speculative_config(config)
+    args.drafter = None if drafter is None else [drafter]
 
 
 def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str]:

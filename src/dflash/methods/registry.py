@@ -6,6 +6,8 @@ second source of drafts that a round verifies instead of running the drafter whe
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import UserError
 from . import ar, dflash, eagle3, ngram
 from .base import Method, MethodOptions
@@ -57,6 +59,36 @@ def drafter_of(name: str) -> str:
 def uses_lookup(name: str) -> bool:
     """Whether method `name` drafts by prompt lookup (and so reads a continuation table): ngram and NAME+ngram."""
     return name == ngram.METHOD.name or name.endswith(LOOKUP_SUFFIX)
+
+
+# vLLM's speculative_config methods that are ones of ours (its "eagle" is EAGLE-1's head, another model)
+VLLM_METHODS = {"dflash": "dflash", "eagle3": "eagle3", "ngram": "ngram"}
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens")
+
+
+def from_speculative_config(config) -> tuple[str, str | None, int | None]:
+    """(method, drafter folder, block size) of vLLM's speculative_config: {"method": "dflash", "model": FOLDER,
+    "num_speculative_tokens": K} verifies K drafts and the bonus a round (block K + 1). dflash's own method names
+    (NAME+ngram) are taken too; vLLM's other keys tune its engine and are reported as not used."""
+    if not isinstance(config, dict):
+        raise UserError(f"speculative_config must be a JSON object, got {config!r}")
+    name = config.get("method")
+    method = VLLM_METHODS.get(name, name if name in METHODS and name != "ar" else None)
+    if method is None:
+        raise UserError(f"speculative_config method {name!r}: give one of {', '.join(VLLM_METHODS)} (vLLM's names) "
+                        f"or {', '.join(m for m in METHODS if m.endswith(LOOKUP_SUFFIX))}")
+    drafter = config.get("model")
+    if drafter is not None and not get(method).uses_drafter:
+        raise UserError(f"speculative_config model {drafter!r}: {method} loads no drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise UserError(f"speculative_config model must be a drafter folder, got {drafter!r}")
+    drafts = config.get("num_speculative_tokens")
+    if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
+        raise UserError(f"speculative_config num_speculative_tokens must be a whole number >= 1, got {drafts!r}")
+    unused = [key for key in config if key not in SPECULATIVE_KEYS]
+    if unused:
+        print(f"[dflash] speculative_config: {', '.join(unused)} not used here", file=sys.stderr)
+    return method, drafter, None if drafts is None else drafts + 1
 
 
 def names() -> list[str]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import UserError
+from ..hub import DEFAULT_TARGET
 from ..options import (add_method_arguments, add_reasoning_argument, add_target_arguments, add_tool_format_argument,
                        check_drafter_folders, method_options)
 from .metrics import Metrics, MetricsMiddleware
@@ -554,7 +555,8 @@ class BackgroundServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-
+    p.add_argument("model", nargs="?", default=None,
+                   help="the target, as `vllm serve MODEL` reads it (the same as --target)")
     add_target_arguments(p)
     add_method_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
@@ -609,6 +611,10 @@ def run(args) -> int:
     if args.prefix_cache_mb < 0:
         raise UserError("--prefix-cache-mb must be >= 0")
     tls = tls_options(args.ssl_keyfile, args.ssl_certfile)
+    if args.model is not None:
+        if args.target != DEFAULT_TARGET:
+            raise UserError(f"give the model ({args.model}) or --target ({args.target}), not both")
+        args.target = args.model
     check_drafter_folders(args.drafter, [args.method])
     options = method_options(args, args.method)
     sock = listen(args.host, args.port)  # fail fast on a taken port, before loading the model
