@@ -139,12 +139,15 @@ def test_n_outputs_a_prompt_as_vllm_seeds_them(capsys):
     assert "6/6" in capsys.readouterr().err  # the bar counted every output
     for prompt, result in zip(["w1 w2", "w5"], results):
         assert len(result.outputs) == 3 and result.outputs[0] is result
+        assert [o.index for o in result.outputs] == [0, 1, 2] and {o.prompt for o in result.outputs} == {prompt}
+        assert result.prompt_token_ids == llm.target.encode_prompt(prompt)  # in the chat template
         alone = [llm.generate(prompt, SamplingParams(seed=7 + i, max_tokens=10)).tokens for i in range(3)]
         assert [output.tokens for output in result.outputs] == alone
         assert len({tuple(tokens) for tokens in alone}) > 1  # the seeds apart sample apart
     greedy = llm.chat([{"role": "user", "content": "w3"}], sampling_params=SamplingParams(n=2, temperature=0))
     assert [o.tokens for o in greedy.outputs] == [llm.chat([{"role": "user", "content": "w3"}], 16).tokens] * 2
     assert all(o.content == o.text for o in greedy.outputs)
+    assert greedy.prompt == llm.target.decode(llm.target.encode_messages([{"role": "user", "content": "w3"}]))
     assert repr(greedy).count("GenerationResult(") == 1  # the other outputs stay out of its repr
 
 
@@ -161,6 +164,8 @@ def test_vllm_prompts_and_one_sampling_params_a_prompt():
     ids = llm.target.encode_prompt("w6 w1", chat=False)
     by_ids = llm.generate({"prompt_token_ids": ids}, long, chat=True)  # ids are never wrapped in a template
     assert by_ids.tokens == ar_tokens(["w6 w1"], 9, chat=False)[0]
+    assert by_ids.prompt_token_ids == ids and by_ids.prompt == llm.target.decode(ids)  # vLLM's RequestOutput's
+    assert both[1].prompt == "w4 w5" and both[1].prompt_token_ids == llm.target.encode_prompt("w4 w5", chat=False)
     for call, message in [
             (lambda: llm.generate(["w1", "w2"], [short]), "1 SamplingParams for 2 prompts"),
             (lambda: llm.generate("w1", 8, sampling_params=short), "not both"),

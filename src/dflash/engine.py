@@ -199,6 +199,9 @@ class GenerationResult:
     tool_calls: list[dict] | None = None  # a chat reply that called tools (LLM.chat with tools; tools.py)
     reasoning: str | None = None  # a chat reply's thinking, apart from its answer (LLM's reasoning_parser)
     content: str | None = None  # ... and the answer after it (LLM.chat fills both; text holds them as written)
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)  # the prompt as the target read it
+    prompt: str | None = None  # ... and as text (LLM fills it: a text prompt as given, else decoded; vLLM's)
+    index: int = 0  # which of the prompt's n outputs this is (vLLM's CompletionOutput.index)
     # the prompt's other outputs, where it asked for n > 1 (LLM's SamplingParams.n): this result is the first
     more_outputs: list["GenerationResult"] = field(default_factory=list, repr=False)
 
@@ -865,7 +868,7 @@ class Engine:
         text = text if cut < 0 else text[:cut]
         logprobs = seq.logprobs if seq.config.logprobs is not None else None
         seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs,
-                                      prompt_logprobs=seq.prompt_logprobs)
+                                      prompt_logprobs=seq.prompt_logprobs, prompt_token_ids=seq.prompt_ids)
         return seq
 
     def _check_stops(self, seq: Sequence, new_tokens: list[int]) -> tuple[list[int], str | None]:

@@ -167,12 +167,17 @@ class LLM:
         before that many new tokens; `prediction`: the text an output is expected to be, or one per prompt (OpenAI's
         Predicted Outputs: drafted where the output follows it; the output is the same)."""
         many = not isinstance(prompts, (str, dict))
-        ids = [self._prompt_ids(prompt, chat) for prompt in (list(prompts) if many else [prompts])]
+        given = list(prompts) if many else [prompts]
+        ids = [self._prompt_ids(prompt, chat) for prompt in given]
         response_format, json_schema = with_pattern(response_format, json_schema, regex, choice, grammar,
                                                     structural_tag)
         settings = self._settings(locals(), len(ids))
         configs = self._predicting(self._configs(settings, response_format, json_schema), prediction)
         results = self._run(ids, configs, [params.n for params in settings], use_tqdm)
+        for result, prompt in zip(results, given):
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            for output in result.outputs if isinstance(text, str) else ():
+                output.prompt = text  # as given, where it was text (vLLM's RequestOutput.prompt)
         return results if many else results[0]
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -294,6 +299,9 @@ class LLM:
         for outputs in queued:
             first, *more = [seq.result for seq in outputs]
             first.more_outputs = more
+            prompt = self.target.decode(first.prompt_token_ids)  # chat's: the template's text, as vLLM's
+            for index, output in enumerate(first.outputs):
+                output.index, output.prompt = index, prompt
             results.append(first)
         return results
 
