@@ -197,3 +197,27 @@ def test_vllm_model_and_speculative_config():
                             ({"speculative_config": ["dflash"]}, "a JSON object")]:
         with pytest.raises(UserError, match=message):
             LLM("tiny-qwen2", device="cpu", **kwargs)
+
+
+def test_vllm_structured_outputs_params_constrain_as_the_keywords_do():
+    """SamplingParams(structured_outputs=StructuredOutputsParams(...)) (vLLM's; or a dict): the same outputs as
+    generate's own regex and choice keywords; beside a keyword constraint, refused."""
+    import re
+
+    from dflash import SamplingParams, StructuredOutputsParams
+
+    llm = LLM("tiny-qwen2-bytes", "ngram", device="cpu")  # constrained output needs a byte-level tokenizer
+    assert llm.get_tokenizer() is llm.target.tokenizer
+    choice = ["red", "green", "blue"]
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=choice, disable_any_whitespace=True))
+    chosen = llm.generate(["Hi?", "Colour?"], params)
+    assert [r.tokens for r in chosen] == [r.tokens for r in llm.generate(
+        ["Hi?", "Colour?"], 20, temperature=1.0, seed=2, choice=choice)]
+    assert all(r.outputs[0].text in choice for r in chosen)
+    as_dict = llm.generate("Hi?", SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": "[ab]{3}"}))
+    assert re.fullmatch("[ab]{3}", as_dict.text) and as_dict.tokens == llm.generate("Hi?", 20, regex="[ab]{3}").tokens
+    with pytest.raises(UserError, match="structured_outputs"):
+        llm.generate("Hi?", SamplingParams(structured_outputs={"regex": "a"}), choice=choice)
+    with pytest.raises(UserError, match="one constraint"):
+        llm.generate("Hi?", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=choice)))

@@ -2,7 +2,7 @@
 
 from .engine import GenerationConfig, GenerationResult, SpeculativeDecoder
 from .errors import UserError
-from .llm import LLM, SamplingParams
+from .llm import LLM, SamplingParams, StructuredOutputsParams
 from .methods.base import Draft, MethodOptions, Proposer
 from .methods.dflash.drafter import DFlashConfig, DFlashDrafter
 from .methods.dflash.proposer import DFlashProposer
@@ -13,6 +13,6 @@ from .sampling import SamplingConfig
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "DFlashProposer", "Draft", "GenerationConfig", "GenerationResult", "LLM",
     "MethodOptions", "NgramProposer", "Proposer", "SamplingConfig", "SamplingParams", "SpeculativeDecoder",
-    "TargetModel", "UserError", "load_target",
+    "StructuredOutputsParams", "TargetModel", "UserError", "load_target",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ distribution), with the acceptance and speed figures in `result.stats`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from .ebnf import grammar_format
 from .engine import Engine, GenerationConfig, GenerationResult
@@ -28,12 +28,30 @@ from .reasoning import check_parser, split, thinking_of
 from .regex_grammar import pattern_format
 from .structural_tags import structural_tag_format
 from .sampling import SamplingConfig, bad_word_ids
-from .structured import one_constraint
+from .structured import one_constraint, vllm_format
 from .tools import encode_chat, reply_format, tool_request, tool_style
 
 
 UNBOUNDED = 2**31  # max_tokens None: as many as the context takes (the engine's budget caps every request)
 DEFAULT_MAX_NEW_TOKENS = 128  # generate's and chat's, where no SamplingParams says otherwise
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams, in a SamplingParams' `structured_outputs`: one constraint on the output
+    (`json` a JSON Schema, a `regex`, a `choice` of strings, an EBNF or Lark `grammar`, `json_object`, or a
+    `structural_tag`). Its whitespace and fallback options are taken and change nothing here."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 @dataclass
@@ -63,6 +81,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def config(self, tokenizer, response_format: str | None = None, json_schema: dict | None = None
                ) -> GenerationConfig:
@@ -78,6 +97,10 @@ class SamplingParams:
                                   self.min_p, self.min_tokens, allowed_token_ids=tuple(self.allowed_token_ids or ()),
                                   bad_word_ids=bad_word_ids(tokenizer, self.bad_words or ()))
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        structured = self.structured_outputs
+        constraint = vllm_format(asdict(structured) if isinstance(structured, StructuredOutputsParams) else structured)
+        response_format, json_schema = one_constraint((response_format, json_schema), constraint,
+                                                      "structured_outputs")
         config = GenerationConfig(
             max_new_tokens=UNBOUNDED if self.max_tokens is None else self.max_tokens, sampling=sampling,
             stop_token_ids=tuple(self.stop_token_ids or ()), stop_strings=tuple(stop),
@@ -136,6 +159,10 @@ class LLM:
         self.engine = Engine(self.target, self.proposer, max_batch=max_batch, adaptive=adaptive,
                              prefix_cache_bytes=int(prefix_cache_mb * 2**20))
         settle_heap()
+
+    def get_tokenizer(self):
+        """The target's tokenizer (vLLM's LLM.get_tokenizer), e.g. for its chat template or token ids."""
+        return self.target.tokenizer
 
     def generate(self, prompts: "str | dict | list[str | dict]",
                  max_new_tokens: "int | SamplingParams | list[SamplingParams] | None" = None, *,
