@@ -221,3 +221,33 @@ def test_vllm_structured_outputs_params_constrain_as_the_keywords_do():
         llm.generate("Hi?", SamplingParams(structured_outputs={"regex": "a"}), choice=choice)
     with pytest.raises(UserError, match="one constraint"):
         llm.generate("Hi?", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=choice)))
+
+
+def test_get_metrics_counts_acceptance_by_vllms_names():
+    """LLM.get_metrics() as vLLM's offline spec-decode example reads it: drafts are rounds that drafted, accepted
+    tokens their accepted drafts, position k's counter the rounds whose draft k was accepted."""
+    from dflash.spec_metrics import Counter, SpecDecodeCounts, Vector, drafted_rounds
+    from dflash.engine import GenerationStats
+
+    counts = SpecDecodeCounts(3)
+    counts.add(GenerationStats(prompt_tokens=4, new_tokens=11, accept_lengths=[3, 1, 2, 4, 1],
+                               draft_lengths=[3, 0, 2, 3, 2]))
+    assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) == (4, 10, 6)
+    assert counts.accepted_per_pos == [3, 2, 1] and counts.mean_acceptance_length == 2.5
+    llm = LLM("tiny-qwen2", "ngram", device="cpu", max_batch=2)
+    results = llm.generate(["w1 w2 w1 w2 w1", "w4 w5 w4 w5"], max_new_tokens=16)
+    by_name = {m.name: m for m in llm.get_metrics()}
+    assert all(m.labels == {"model_name": "tiny-qwen2"} for m in by_name.values())
+    rounds = [r for result in results for r in drafted_rounds(result.stats)]
+    assert isinstance(by_name["vllm:spec_decode_num_drafts"], Counter)
+    assert by_name["vllm:spec_decode_num_drafts"].value == len(rounds) > 0
+    assert by_name["vllm:spec_decode_num_accepted_tokens"].value == sum(a for _, a in rounds) > 0
+    assert by_name["vllm:spec_decode_num_draft_tokens"].value == sum(d for d, _ in rounds)
+    per_position = by_name["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_position, Vector) and len(per_position.values) == llm.proposer.max_draft
+    assert per_position.values[0] == sum(a >= 1 for _, a in rounds)
+    assert by_name["vllm:generation_tokens"].value == sum(len(r.tokens) for r in results)
+    assert by_name["vllm:prompt_tokens"].value == sum(len(r.prompt_token_ids) for r in results)
+    llm.generate("w1", max_new_tokens=4)  # counted on: totals over every call
+    assert {m.name: m for m in llm.get_metrics()}["vllm:generation_tokens"].value > \
+        by_name["vllm:generation_tokens"].value

@@ -621,6 +621,16 @@ def test_metrics_count_the_rounds_of_each_source_of_drafts():
     sample = m.registry.get_sample_value
     assert sample("dflash_lookup_rounds_total") == 3 and sample("dflash_table_rounds_total") == 2
     assert sample("dflash_verify_rounds_total") == 4
+    # vLLM's names: a round that drafted nothing is no draft; accepted = emitted - 1; positions from 0
+    m.observe_generation(GenerationStats(prompt_tokens=5, new_tokens=4, accept_lengths=[1, 3], draft_lengths=[0, 2]))
+    model = {"model_name": "dflash"}
+    assert sample("vllm:spec_decode_num_drafts_total", model) == 4 + 1
+    assert sample("vllm:spec_decode_num_draft_tokens_total", model) == 9 + 2
+    assert sample("vllm:spec_decode_num_accepted_tokens_total", model) == 5 + 2
+    assert [sample("vllm:spec_decode_num_accepted_tokens_per_pos_total", {**model, "position": str(k)})
+            for k in range(3)] == [3 + 1, 2 + 1, 0]
+    assert sample("vllm:prompt_tokens_total", model) == 5 and sample("vllm:generation_tokens_total", model) == 13
+    assert sample("vllm:time_to_first_token_seconds_count", model) == 2
 
 
 def test_metrics_are_prometheus_text(client, url):
@@ -634,6 +644,18 @@ def test_metrics_are_prometheus_text(client, url):
         assert 0 <= samples[name] <= samples["dflash_verify_rounds_total"]
     for k in (1, 2, 3):
         assert 0 <= samples[f'dflash_position_acceptance{{position="{k}"}}'] <= 1
+    model = f'model_name="{MODEL}"'  # vLLM's series, by its names: what its dashboards read
+    drafts = samples[f"vllm:spec_decode_num_drafts_total{{{model}}}"]
+    assert drafts <= samples["dflash_verify_rounds_total"]
+    assert samples[f"vllm:spec_decode_num_draft_tokens_total{{{model}}}"] == samples["dflash_draft_tokens_total"]
+    assert samples[f"vllm:spec_decode_num_accepted_tokens_total{{{model}}}"] == samples["dflash_accepted_tokens_total"]
+    per_position = [samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{model},position="{k}"}}']
+                    for k in range(3)]
+    assert drafts >= per_position[0] >= per_position[1] >= per_position[2]
+    assert samples[f"vllm:generation_tokens_total{{{model}}}"] == samples["dflash_generated_tokens_total"]
+    assert samples[f"vllm:num_requests_running{{{model}}}"] == 0
+    latency = samples[f"vllm:e2e_request_latency_seconds_count{{{model}}}"]
+    assert latency == samples["dflash_request_latency_seconds_count"]
     count = samples["dflash_request_latency_seconds_count"]
     assert samples['dflash_request_latency_seconds_bucket{le="+Inf"}'] == count > 0
     if Path("/proc/self/stat").exists():  # Prometheus' process metrics: the server's own resident memory

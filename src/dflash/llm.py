@@ -26,6 +26,7 @@ from .models.target import TemplateOptions
 from .prediction import prediction_ids
 from .reasoning import check_parser, split, thinking_of
 from .regex_grammar import pattern_format
+from .spec_metrics import Counter, SpecDecodeCounts, Vector
 from .structural_tags import structural_tag_format
 from .sampling import SamplingConfig, bad_word_ids
 from .structured import one_constraint, vllm_format
@@ -155,10 +156,18 @@ class LLM:
         self.tool_style = tool_style(self.target.tokenizer, tool_format)
         self.reasoning_parser = check_parser(reasoning_parser)
         self.proposer, self.note = build_proposer(method, self.target, options)  # note: an untrained drafter
-        self.method = method
+        self.method, self.model_name = method, target
+        self.counts = SpecDecodeCounts(self.proposer.max_draft)  # every output's rounds (get_metrics)
         self.engine = Engine(self.target, self.proposer, max_batch=max_batch, adaptive=adaptive,
                              prefix_cache_bytes=int(prefix_cache_mb * 2**20))
         settle_heap()
+
+    def get_metrics(self) -> list[Counter | Vector]:
+        """Acceptance over every output so far, as vLLM's LLM.get_metrics() lists it (vllm:spec_decode_num_drafts,
+        _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos; vllm:prompt_tokens,
+        vllm:generation_tokens): a script written for vLLM's reads it once it imports Counter and Vector from
+        dflash.spec_metrics. Mean acceptance length: 1 + accepted / drafts."""
+        return self.counts.as_vllm_metrics(self.model_name)
 
     def get_tokenizer(self):
         """The target's tokenizer (vLLM's LLM.get_tokenizer), e.g. for its chat template or token ids."""
@@ -329,6 +338,7 @@ class LLM:
             prompt = self.target.decode(first.prompt_token_ids)  # chat's: the template's text, as vLLM's
             for index, output in enumerate(first.outputs):
                 output.index, output.prompt = index, prompt
+                self.counts.add(output.stats)
             results.append(first)
         return results
 

@@ -341,10 +341,10 @@ def create_app(target, proposer, model_name: str | list[str], *, default_max_tok
     engine = Engine(target, proposer, max_batch=max_batch_size, adaptive=adaptive,
                     prefix_cache_bytes=int(prefix_cache_mb * 2**20))
     holder: dict = {}
-    metrics = Metrics(proposer.max_draft + 1, queued=lambda: holder["worker"].queued,
-                      running=lambda: holder["worker"].running)
-    worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    metrics = Metrics(proposer.max_draft + 1, queued=lambda: holder["worker"].queued,
+                      running=lambda: holder["worker"].running, model_name=names[0])
+    worker = holder["worker"] = BatchWorker(engine, metrics, max_queue)
     service = Service(target, worker, metrics, names, default_max_tokens, check_parser(reasoning_parser),
                       dict(sampling_defaults or {}))
     call_style = tool_style(target.tokenizer, tool_format)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
+from ..spec_metrics import drafted_rounds
+
 if TYPE_CHECKING:
     from ..engine import GenerationStats
 
@@ -16,10 +18,12 @@ LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health",
              "/metrics", "/tokenize", "/detokenize", "/ping", "/version", "/v1/messages/count_tokens")
 GENERATION_ENDPOINTS = ENDPOINTS[:4]
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
-    def __init__(self, block_size: int, queued: Callable[[], int], running: Callable[[], int]):
+    def __init__(self, block_size: int, queued: Callable[[], int], running: Callable[[], int],
+                 model_name: str = "dflash"):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, Summary
 
         self.registry = registry = CollectorRegistry()
@@ -63,6 +67,7 @@ class Metrics:
                                  "streaming included.", buckets=LATENCY_BUCKETS_S, registry=registry)
         self.ttft = Summary("dflash_time_to_first_token_seconds", "Prefill time of each generation.",
                             registry=registry)
+        self.vllm = VllmMetrics(registry, model_name, block_size - 1, queued, running)
 
     def _rounds(self) -> float:
         return max(1, self.total_rounds)
@@ -75,6 +80,7 @@ class Metrics:
         self.requests.labels(endpoint, str(status)).inc()
         if endpoint in GENERATION_ENDPOINTS:
             self.latency.observe(seconds)
+            self.vllm.latency.observe(seconds)
 
     def observe_pass(self, rows: int) -> None:
         self.batch_size.observe(rows)
@@ -98,6 +104,7 @@ class Metrics:
             self.accepted_tokens.inc(accepted)
             for k in range(min(accepted, len(self.position_accepted))):
                 self.position_accepted[k] += 1
+        self.vllm.observe_generation(stats)
 
     def observe_cancel(self) -> None:
         self.cancelled.inc()
@@ -106,6 +113,46 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """The series vLLM's /metrics has under the same names (`vllm:`, labelled by model_name), so a dashboard built
+    for vLLM's speculative decoding reads this server: its spec-decode counters (spec_metrics.py), token counters,
+    request gauges and latency histograms."""
+
+    def __init__(self, registry, model_name: str, positions: int, queued: Callable[[], int],
+                 running: Callable[[], int]):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        def counter(name: str, text: str):
+            return Counter(name, text, ["model_name"], registry=registry).labels(model_name)
+
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Verify rounds that checked drafts.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Rounds whose draft at this position "
+                               "(from 0) was accepted.", ["model_name", "position"], registry=registry)
+        self.per_position = [per_position.labels(model_name, str(k)) for k in range(positions)]
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        for name, text, read in (("vllm:num_requests_running", "Requests in the running batch.", running),
+                                 ("vllm:num_requests_waiting", "Requests waiting to join the batch.", queued)):
+            Gauge(name, text, ["model_name"], registry=registry).labels(model_name).set_function(read)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to the first token of each generation.",
+                              ["model_name"], buckets=TTFT_BUCKETS_S, registry=registry).labels(model_name)
+        self.latency = Histogram("vllm:e2e_request_latency_seconds", "Completion request latency.", ["model_name"],
+                                 buckets=LATENCY_BUCKETS_S, registry=registry).labels(model_name)
+
+    def observe_generation(self, stats: "GenerationStats") -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.new_tokens)
+        self.ttft.observe(stats.ttft_s)
+        for drafted, accepted in drafted_rounds(stats):
+            self.drafts.inc()
+            self.draft_tokens.inc(drafted)
+            self.accepted.inc(accepted)
+            for k in range(min(accepted, len(self.per_position))):
+                self.per_position[k].inc()
 
 
 class MetricsMiddleware:
