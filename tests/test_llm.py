@@ -37,6 +37,11 @@ def test_chat_answers_the_messages_as_the_template_lays_them_out():
     llm.target.encode_messages = lambda ms, **kwargs: sent.append(ms) or encode(ms, **kwargs)
     developer = [{"role": "developer", "content": "w3"}, *messages[1:]]
     assert llm.chat(developer, max_new_tokens=9).tokens == expected.tokens and sent == [messages]
+    from dflash.models.target import TemplateOptions
+
+    bare = llm.chat(messages, max_new_tokens=9, add_generation_prompt=False)  # vLLM's: no assistant turn opened
+    unopened = target.encode_messages(messages, options=TemplateOptions(add_generation_prompt=False))
+    assert bare.prompt_token_ids == unopened != target.encode_messages(messages)
 
 
 def test_many_conversations_are_each_ones_own_reply_in_order():

@@ -226,7 +226,7 @@ class LLM:
              choice: list[str] | None = None, grammar: str | None = None, structural_tag: dict | None = None,
              tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False, logprobs: int | None = None,
+             continue_final_message: bool = False, add_generation_prompt: bool = True, logprobs: int | None = None,
              prediction: str | list[str] | None = None, use_tqdm: bool = False
              ) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
@@ -236,7 +236,8 @@ class LLM:
         has `result.tool_calls` (OpenAI's layout: a function's arguments as JSON text, a custom tool's input as
         text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
-        turn (the reply's start, written for the target) instead of opening a new one; `logprobs`, `prediction`,
+        turn (the reply's start, written for the target) instead of opening a new one; `add_generation_prompt` False:
+        the template's text ends with the last message, no assistant turn opened (vLLM's); `logprobs`, `prediction`,
         `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `max_new_tokens`,
         `sampling_params` (one for all conversations, or a list of one each), `use_tqdm`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
@@ -245,7 +246,8 @@ class LLM:
         response_format, json_schema = reply_format(request, *with_pattern(response_format, json_schema, regex, choice,
                                                                             grammar, structural_tag))
         settings = self._settings(locals(), len(conversations))
-        options = TemplateOptions(chat_template_kwargs or {}, not continue_final_message, continue_final_message)
+        options = TemplateOptions(chat_template_kwargs or {}, add_generation_prompt and not continue_final_message,
+                                  continue_final_message)
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]
         thinking = [thinking_of(self.target, prompt_ids, self.reasoning_parser) for prompt_ids in prompts]
