@@ -395,3 +395,21 @@ def test_vllms_speculative_config_is_our_method_drafter_and_block(capsys):
             (["--speculative-config", '{"method": "dflash", "model": "/nonexistent"}'], "folder not found")]:
         code, _, err = run(capsys, *args, "w1")
         assert code == 2 and "Traceback" not in err and message in err, (args, err)
+
+
+def test_sglangs_and_vllms_flags_are_ours(capsys):
+    """SGLang's launch flags (--model-path, --speculative-algorithm DFLASH|EAGLE3|NGRAM, --speculative-draft-model-path,
+    --speculative-num-draft-tokens) and vLLM's --model are --target, --method, --drafter and --block-size."""
+    ours = ["generate", "--target", "tiny-llama", "--method", "ngram", "--block-size", "4"]
+    theirs = ["generate", "--model-path", "tiny-llama", "--speculative-algorithm", "NGRAM",
+              "--speculative-num-draft-tokens", "4"]
+    common = ["--max-new-tokens", "8", "--json", "w1 w2"]
+    outputs = []
+    for argv in (ours, theirs, [*theirs[:1], "--model", *theirs[2:]]):
+        assert main([*argv, *common]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["method"] == outputs[1]["method"] == outputs[2]["method"] == "ngram"
+    assert outputs[0]["tokens"] == outputs[1]["tokens"] == outputs[2]["tokens"]
+    assert len(outputs[1]["per_position_acceptance"]) == 3
+    assert main(["generate", "--target", "tiny-llama", "--speculative-draft-model-path", "/nonexistent", "w1"]) == 2
+    assert "dflash's drafter folder not found: /nonexistent" in capsys.readouterr().err

@@ -23,8 +23,9 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     from .models.target import KERNEL_CHOICES, TARGET_DTYPES
 
     group = p.add_argument_group("target")
-    group.add_argument("--target", default=DEFAULT_TARGET,
-                       help=f"registry name, HF folder, .gguf file or hub id (default: {DEFAULT_TARGET})")
+    group.add_argument("--target", "--model", "--model-path", default=DEFAULT_TARGET,
+                       help=f"registry name, HF folder, .gguf file or hub id (default: {DEFAULT_TARGET}; --model is "
+                            "vLLM's name for it, --model-path SGLang's)")
     group.add_argument("--dtype", default="float32", choices=list(TARGET_DTYPES),
                        help="the target's dtype (default: float32, the exact one); int8: int8 weights in its decoder "
                             "layers, a scale per output row, with bfloat16 activations (CPU; like llama.cpp's Q8_0)")
@@ -77,19 +78,24 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
 
     group = p.add_argument_group("drafting method")
     if not several:
-        group.add_argument("--method", default=registry.DEFAULT_METHOD, choices=registry.names(),
-                           help="; ".join(f"{m.name}: {m.summary}" for m in registry.METHODS.values()))
+        group.add_argument("--method", "--speculative-algorithm", default=registry.DEFAULT_METHOD, type=str.lower,
+                           choices=registry.names(),
+                           help="; ".join(f"{m.name}: {m.summary}" for m in registry.METHODS.values())
+                           + " (--speculative-algorithm DFLASH, EAGLE3 or NGRAM: SGLang's flag)")
         group.add_argument("--speculative-config", default=None, metavar="JSON",
                            help="vLLM's speculative config in place of --method, --drafter and --block-size: "
                                 "'{\"method\": \"dflash\", \"model\": \"FOLDER\", \"num_speculative_tokens\": "
                                 "15}' (methods dflash, eagle3, ngram, or dflash's NAME+ngram)")
-    group.add_argument("--drafter", action="append", default=None, metavar="[METHOD=]PATH",
+    group.add_argument("--drafter", "--speculative-draft-model-path", action="append", default=None,
+                       metavar="[METHOD=]PATH",
                        help="drafter folder (default: the one shipped for the target). METHOD=PATH names the method "
-                            "it is for" + ("; repeat for several methods" if several else ""))
-    group.add_argument("--block-size", type=int, default=MethodOptions.block_size, metavar="B",
+                            "it is for" + ("; repeat for several methods" if several else "")
+                            + " (--speculative-draft-model-path: SGLang's flag)")
+    group.add_argument("--block-size", "--speculative-num-draft-tokens", type=int, default=MethodOptions.block_size,
+                       metavar="B",
                        help="tokens verified per round at most, the bonus included: dflash's block size, EAGLE-3's "
                             "chain depth + 1, ngram's copied drafts + 1; 2 to 64 (default: what the drafter was "
-                            "trained with; ngram 8)")
+                            "trained with; ngram 8; --speculative-num-draft-tokens: SGLang's flag)")
     group.add_argument("--draft-dtype", default="auto", choices=["auto", *DRAFT_PRECISIONS],
                        help="the drafter's precision; int8: int8 weights, float32 activations (CPU, fbgemm); "
                             "int8-head: float32 layers on the target's kernels, an int8 LM head; auto = the fastest "
