@@ -1,6 +1,7 @@
 """dflash.LLM: one prompt or many through one loaded target and method, each result the target's own output."""
 
 import pytest
+import torch
 
 from dflash import LLM, GenerationConfig, SpeculativeDecoder, UserError
 from dflash.testing import tiny_target
@@ -67,6 +68,16 @@ def test_log_probabilities_are_the_engines_own():
     chatted = llm.chat([{"role": "user", "content": "w1 w2"}], max_new_tokens=8, logprobs=0)
     assert [e.token for e in chatted.logprobs] == chatted.tokens and all(not e.top for e in chatted.logprobs)
     assert llm.generate("w1 w2", max_new_tokens=8).logprobs is None
+    from dflash import SamplingParams
+
+    prompt_ids = target.encode_prompt("w1 w2 w3", chat=False)  # vLLM's prompt_logprobs: the prompt scored
+    scored = llm.generate("w1 w2 w3", SamplingParams(max_tokens=1, prompt_logprobs=2), chat=False)
+    with torch.no_grad():
+        expected = torch.log_softmax(target.model(torch.tensor([prompt_ids])).logits[0, :-1].float(), -1)
+    assert [e.token for e in scored.prompt_logprobs] == prompt_ids[1:]
+    for position, entry in enumerate(scored.prompt_logprobs):
+        assert entry.logprob == pytest.approx(expected[position, entry.token].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == expected[position].topk(2).indices.tolist()
     with pytest.raises(UserError, match="logprobs must be in"):
         llm.generate("w1", logprobs=21)
 

@@ -79,6 +79,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: as many as the context takes
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's after the first, with that many alternatives
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
@@ -106,7 +107,7 @@ class SamplingParams:
             max_new_tokens=UNBOUNDED if self.max_tokens is None else self.max_tokens, sampling=sampling,
             stop_token_ids=tuple(self.stop_token_ids or ()), stop_strings=tuple(stop),
             include_stop_strings=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
-            ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
             response_format="json_schema" if json_schema is not None and response_format is None else response_format,
             json_schema=json_schema)
         config.validate()
