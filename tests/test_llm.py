@@ -267,3 +267,16 @@ def test_get_metrics_counts_acceptance_by_vllms_names():
     llm.generate("w1", max_new_tokens=4)  # counted on: totals over every call
     assert {m.name: m for m in llm.get_metrics()}["vllm:generation_tokens"].value > \
         by_name["vllm:generation_tokens"].value
+
+
+def test_method_options_as_the_command_lines():
+    """draft_dtype, continuations and tree, as --draft-dtype, --continuations and --tree: a tree of drafts and a
+    bfloat16 drafter still give the target's greedy tokens; continuations="none" leaves prompt lookup no table."""
+    expected = ar_tokens(["w1 w2", "w6 w1 w6"], 12)
+    tree = LLM("tiny-qwen2", "dflash", device="cpu", tree=6, draft_dtype="bfloat16")
+    assert tree.proposer.tree_nodes == 6 and tree.proposer.report["draft_dtype"] == "bfloat16"
+    assert [r.tokens for r in tree.generate(["w1 w2", "w6 w1 w6"], max_new_tokens=12)] == expected
+    lookup = LLM("tiny-qwen2", "ngram", device="cpu", continuations="none")
+    assert lookup.proposer.table is None and lookup.proposer.report["continuation_table"] == "none"
+    with pytest.raises(UserError, match="a tree has 1 to 63"):
+        LLM("tiny-qwen2", "dflash", device="cpu", tree=0)

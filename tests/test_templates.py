@@ -127,3 +127,21 @@ def test_a_chat_template_given_on_the_command_line_replaces_the_targets(capsys, 
     for given, message in [(str(tmp_path / "none.jinja"), "no such file"), ("{% if %}", "does not parse as Jinja")]:
         assert main(argv + ["--chat-template", given, "Hi?"]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_chat_template_given_for_one_call_replaces_the_targets_for_it_alone(target):
+    """LLM.chat(chat_template=...) as vLLM's: these conversations through that template (its text, or a file), the
+    target's own template untouched; one that does not parse is a UserError before anything runs."""
+    from dflash.llm import LLM
+
+    own = target.tokenizer.chat_template
+    mine = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert text_of(target, HI, template=mine) == "[user] Hi? >" != text_of(target, HI)
+    assert target.tokenizer.chat_template == own
+    llm = LLM("tiny-llama-bytes", "ngram", device="cpu")
+    theirs = llm.target.tokenizer.chat_template
+    result = llm.chat(HI, 4, chat_template=mine)
+    assert result.prompt == "[user] Hi? >" and llm.target.tokenizer.chat_template == theirs
+    assert llm.chat(HI, 4).prompt_token_ids != result.prompt_token_ids
+    with pytest.raises(UserError, match="does not parse as Jinja"):
+        llm.chat(HI, 4, chat_template="{% if %}")

@@ -18,6 +18,7 @@ from .ebnf import grammar_format
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
 from .jsonl import openai_role
+from .loading import chat_template_given
 from .hub import DEFAULT_TARGET
 from .logprobs import MAX_TOP_LOGPROBS
 from .methods import registry
@@ -129,6 +130,8 @@ class LLM:
     `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
     `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it.
     `max_model_len`: prompt and output together stay within that many tokens (vLLM's; default: the model's context).
+    `draft_dtype`, `continuations`, `tree`: as the CLI's --draft-dtype ("auto": the fastest, timed once per machine),
+    --continuations (prompt lookup's table: a folder, or "none") and --tree (verify a tree of that many drafts).
     vLLM's `LLM(model=..., speculative_config={"method": "dflash", "model": FOLDER, "num_speculative_tokens": K})`
     reads the same: `model` is `target`, and speculative_config says the method, drafter and block size (K + 1)."""
 
@@ -136,7 +139,8 @@ class LLM:
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
                  adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
                  reasoning_parser: str | None = None, max_model_len: int | None = None, model: str | None = None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, draft_dtype: str = "auto", continuations: str | None = None,
+                 tree: int | None = None):
         import torch
 
         from .loading import build_proposer, load_target_cached, settle_heap
@@ -151,7 +155,8 @@ class LLM:
             method, drafter, block_size = registry.from_speculative_config(speculative_config)
         method = method or registry.DEFAULT_METHOD
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        options = MethodOptions(drafter=drafter, block_size=block_size)
+        options = MethodOptions(drafter=drafter, block_size=block_size, draft_dtype=draft_dtype,
+                                continuations=continuations, tree=tree)
         self.target = load_target_cached(target, dtype, device, release_plain=True)
         self.target.limit_context(max_model_len)
         self.tool_style = tool_style(self.target.tokenizer, tool_format)
@@ -227,7 +232,8 @@ class LLM:
              choice: list[str] | None = None, grammar: str | None = None, structural_tag: dict | None = None,
              tools: list | None = None, tool_choice: str | dict | None = None,
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False, add_generation_prompt: bool = True, logprobs: int | None = None,
+             continue_final_message: bool = False, add_generation_prompt: bool = True,
+             chat_template: str | None = None, logprobs: int | None = None,
              prediction: str | list[str] | None = None, use_tqdm: bool = False
              ) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
@@ -238,7 +244,8 @@ class LLM:
         text) beside its text (tools.py). `chat_template_kwargs`: the template's
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
         turn (the reply's start, written for the target) instead of opening a new one; `add_generation_prompt` False:
-        the template's text ends with the last message, no assistant turn opened (vLLM's); `logprobs`, `prediction`,
+        the template's text ends with the last message, no assistant turn opened (vLLM's); `chat_template`: a Jinja
+        template (the text, or a file) in place of the target's own for these conversations (vLLM's); `logprobs`, `prediction`,
         `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `max_new_tokens`,
         `sampling_params` (one for all conversations, or a list of one each), `use_tqdm`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
@@ -248,7 +255,7 @@ class LLM:
                                                                             grammar, structural_tag))
         settings = self._settings(locals(), len(conversations))
         options = TemplateOptions(chat_template_kwargs or {}, add_generation_prompt and not continue_final_message,
-                                  continue_final_message)
+                                  continue_final_message, chat_template_given(chat_template))
         prompts = [encode_chat(self.target, [{**m, "role": openai_role(m.get("role"))} for m in conversation],
                                request, options) for conversation in conversations]
         thinking = [thinking_of(self.target, prompt_ids, self.reasoning_parser) for prompt_ids in prompts]

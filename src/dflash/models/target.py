@@ -51,6 +51,7 @@ class TemplateOptions:
     kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    template: str | None = None  # a Jinja chat template in place of the tokenizer's own, for this conversation
 
     def check(self, messages: list[dict]) -> None:
         if not isinstance(self.kwargs, dict):
@@ -376,13 +377,15 @@ class TargetModel:
                         options: "TemplateOptions | None" = None) -> list[int]:
         """Token ids for chat `messages` through the chat template; `tools` (OpenAI's function tools) go to a
         template that describes them itself (tools.encode_chat); `options`: the template's own arguments."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        options = options or TemplateOptions()
+        if not getattr(self.tokenizer, "chat_template", None) and options.template is None:
             return self.encode_prompt("\n".join(m["content"] for m in messages), chat=False)
         from jinja2 import TemplateError  # what apply_chat_template renders with
 
-        options = options or TemplateOptions()
         options.check(messages)
         extra = {"tools": tools} if tools else {}
+        if options.template is not None:
+            extra["chat_template"] = options.template
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, tokenize=True, add_generation_prompt=options.add_generation_prompt,
