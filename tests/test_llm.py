@@ -280,3 +280,20 @@ def test_method_options_as_the_command_lines():
     assert lookup.proposer.table is None and lookup.proposer.report["continuation_table"] == "none"
     with pytest.raises(UserError, match="a tree has 1 to 63"):
         LLM("tiny-qwen2", "dflash", device="cpu", tree=0)
+
+
+def test_a_model_already_loaded_runs_through_wrap_target():
+    """A transformers user's model and tokenizer in memory: wrap_target makes them a target (our forward, its weights
+    shared), LLM runs it, and the outputs are the plain greedy decodings."""
+    from dflash import wrap_target
+    from dflash.testing import tiny_target
+
+    loaded = tiny_target("qwen2", logit_scale=4.0)  # LLM("tiny-qwen2")'s model, as a user would hold it
+    target = wrap_target(loaded.model, loaded.tokenizer, name="mine")
+    llm = LLM(target, "dflash+ngram", device="cpu", max_batch=2)
+    assert llm.target is target and target.engine is not None
+    prompts = ["w1 w2", "w6 w1 w6"]
+    assert [r.tokens for r in llm.generate(prompts, max_new_tokens=12)] == ar_tokens(prompts, 12)
+    assert {m.labels["model_name"] for m in llm.get_metrics()} == {"mine"}
+    with pytest.raises(UserError, match="takes a transformers causal LM"):
+        wrap_target("smollm2-135m", loaded.tokenizer)

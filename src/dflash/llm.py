@@ -23,7 +23,7 @@ from .hub import DEFAULT_TARGET
 from .logprobs import MAX_TOP_LOGPROBS
 from .methods import registry
 from .methods.base import MethodOptions
-from .models.target import TemplateOptions
+from .models.target import TargetModel, TemplateOptions
 from .prediction import prediction_ids
 from .reasoning import check_parser, split, thinking_of
 from .regex_grammar import pattern_format
@@ -122,7 +122,8 @@ KEYWORD_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, 
 
 
 class LLM:
-    """`target`: a registry name, a Hugging Face folder, a .gguf file or a hub id; `method`: ar, ngram, dflash,
+    """`target`: a registry name, a Hugging Face folder, a .gguf file or a hub id, or a transformers model already
+    loaded, as `dflash.wrap_target(model, tokenizer)` makes it (it runs in its own dtype and device); `method`: ar, ngram, dflash,
     eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the target);
     `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
     keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes tool
@@ -135,7 +136,8 @@ class LLM:
     vLLM's `LLM(model=..., speculative_config={"method": "dflash", "model": FOLDER, "num_speculative_tokens": K})`
     reads the same: `model` is `target`, and speculative_config says the method, drafter and block size (K + 1)."""
 
-    def __init__(self, target: str | None = None, method: str | None = None, *, dtype: str = "float32",
+    def __init__(self, target: "str | TargetModel | None" = None, method: str | None = None, *,
+                 dtype: str = "float32",
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
                  adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
                  reasoning_parser: str | None = None, max_model_len: int | None = None, model: str | None = None,
@@ -157,12 +159,15 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         options = MethodOptions(drafter=drafter, block_size=block_size, draft_dtype=draft_dtype,
                                 continuations=continuations, tree=tree)
-        self.target = load_target_cached(target, dtype, device, release_plain=True)
+        if isinstance(target, TargetModel):  # a model already loaded (models.target.wrap_target)
+            self.target = target
+        else:
+            self.target = load_target_cached(target, dtype, device, release_plain=True)
         self.target.limit_context(max_model_len)
         self.tool_style = tool_style(self.target.tokenizer, tool_format)
         self.reasoning_parser = check_parser(reasoning_parser)
         self.proposer, self.note = build_proposer(method, self.target, options)  # note: an untrained drafter
-        self.method, self.model_name = method, target
+        self.method, self.model_name = method, self.target.name
         self.counts = SpecDecodeCounts(self.proposer.max_draft)  # every output's rounds (get_metrics)
         self.engine = Engine(self.target, self.proposer, max_batch=max_batch, adaptive=adaptive,
                              prefix_cache_bytes=int(prefix_cache_mb * 2**20))

@@ -765,10 +765,21 @@ def load_target(spec: str = DEFAULT_TARGET, dtype: str = "float32", device: str 
         close = close_registry_names(spec)
         hint = f"; did you mean {' or '.join(close)}?" if close else f"; registry names: {known}"
         raise UserError(f"could not load target {spec!r}{where}: {exc.__class__.__name__}{hint}") from exc
-    if torch.device(device).type == "cpu":
+    return wrap_target(model.to(device), tokenizer, spec, kernels, release_plain, int8=dtype == "int8")
+
+
+def wrap_target(model: nn.Module, tokenizer, name: str = "target", kernels: str = "auto",
+                release_plain: bool = False, int8: bool = False) -> TargetModel:
+    """A target of a causal LM already loaded (a transformers model and its tokenizer, on its device and in its
+    dtype): our forward where its family has one, with the kernels `kernels` says (auto: timed on this machine),
+    transformers' otherwise. Its weights stay shared with `model`, which keeps working as before. `int8`: its
+    decoder layers' weights quantized (CPU)."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise UserError(f"wrap_target takes a transformers causal LM, got {type(model).__name__}")
+    if model.device.type == "cpu":
         own_storage(model)
-    target = TargetModel(model=model.to(device), tokenizer=tokenizer, name=spec, release_plain=release_plain)
-    if dtype == "int8":
+    target = TargetModel(model=model, tokenizer=tokenizer, name=name, release_plain=release_plain)
+    if int8:
         quantize_int8(target)
     choose_kernels(target, kernels)
     return target

@@ -323,7 +323,11 @@ def settled_kernels(proposer: DFlashProposer, target, plan: KernelPlan, precisio
                 for lin in (layer.self_attn.qkv, layer.self_attn.o_fast, layer.mlp.gate_up, layer.mlp.down_fast)]
     fused = with_kernel(plan, products)
     candidates = {"measured": plan}
-    heads = [(name, with_kernel(fused, [proposer.lm_head], kernel)) for kernel, name in HEAD_KERNELS.items()]
+    head = proposer.lm_head
+    # a plan chooses by shape: a head shaped as one of the layers' products (a tiny model's vocabulary as wide as its
+    # hidden size) would take that product to the head's kernel too, whose int8 form writes float32 rows
+    shared = any((lin.out_features, lin.in_features) == (head.out_features, head.in_features) for lin in products)
+    heads = [] if shared else [(name, with_kernel(fused, [head], kernel)) for kernel, name in HEAD_KERNELS.items()]
     for name, candidate in [("fused", fused)] + heads:
         if all(candidate.choices != other.choices for other in candidates.values()):
             candidates[name] = candidate
