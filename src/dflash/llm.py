@@ -131,7 +131,8 @@ class LLM:
     `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
     `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it.
     `max_model_len`: prompt and output together stay within that many tokens (vLLM's; default: the model's context).
-    `draft_dtype`, `continuations`, `tree`: as the CLI's --draft-dtype ("auto": the fastest, timed once per machine),
+    `draft_dtype`, `continuations`, `tree`: as the CLI's --draft-dtype (None: the target's dtype; "auto": the
+    fastest for one sequence, timed once per machine, as the CLI's default; in a batch it need not be),
     --continuations (prompt lookup's table: a folder, or "none") and --tree (verify a tree of that many drafts).
     vLLM's `LLM(model=..., speculative_config={"method": "dflash", "model": FOLDER, "num_speculative_tokens": K})`
     reads the same: `model` is `target`, and speculative_config says the method, drafter and block size (K + 1)."""
@@ -141,7 +142,7 @@ class LLM:
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
                  adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
                  reasoning_parser: str | None = None, max_model_len: int | None = None, model: str | None = None,
-                 speculative_config: dict | None = None, draft_dtype: str = "auto", continuations: str | None = None,
+                 speculative_config: dict | None = None, draft_dtype: str | None = None, continuations: str | None = None,
                  tree: int | None = None):
         import torch
 
