@@ -153,3 +153,19 @@ def test_bad_batch_lines_are_one_line_errors(tmp_path, capsys, line, message):
     twice = [{**BATCH_LINES[0]}, {**BATCH_LINES[0]}]
     assert batch(tmp_path, rows=twice) == 2
     assert "repeats the custom_id 'chat'" in capsys.readouterr().err
+
+
+def test_vllms_run_batch_command_line(tmp_path, capsys):
+    """`-i INPUT -o OUTPUT` as vLLM's run-batch takes them (and --output-file): the same answers as the positional
+    input and --output; the input given twice, or not at all, is a one-line error."""
+    source = write(tmp_path / "in.jsonl", ROWS[:2])
+    common = ["--target", "tiny-qwen2", "--method", "ngram", "--max-new-tokens", "8", "--no-progress"]
+    assert main(["batch", str(source), "--output", str(tmp_path / "ours.jsonl"), *common]) == 0
+    assert main(["batch", "-i", str(source), "-o", str(tmp_path / "theirs.jsonl"), *common]) == 0
+    assert main(["batch", "--input-file", str(source), "--output-file", str(tmp_path / "long.jsonl"), *common]) == 0
+    texts = [[json.loads(line)["text"] for line in (tmp_path / name).read_text().splitlines()]
+             for name in ("ours.jsonl", "theirs.jsonl", "long.jsonl")]
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) == 2
+    for argv in (["batch", str(source), "-i", str(source)], ["batch"]):
+        assert main([*argv, "-o", str(tmp_path / "x.jsonl"), *common]) == 2
+        assert "give the input file once" in capsys.readouterr().err

@@ -44,13 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_reasoning_argument(p)
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's own variables for every row without its own `chat_template_kwargs`")
-    p.add_argument("input", help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
+    p.add_argument("input", nargs="?", default=None, help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
                    "a row's `response_format` (or vLLM's `structured_outputs`), or `tools` and `tool_choice` "
                    "(OpenAI's), `chat_template_kwargs`, and `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, "
                    "`seed`, `stop` hold its answer alone. Or a file in OpenAI's batch format "
                    "(custom_id, method, url, body; as vLLM's run-batch reads it): each body answered as `dflash "
                    "serve` would, in OpenAI's batch output format")
-    p.add_argument("--output", required=True, help="JSONL the answers are appended to (and resumed from)")
+    p.add_argument("-i", "--input-file", default=None, metavar="INPUT", help="the input, as vLLM's run-batch takes it")
+    p.add_argument("-o", "--output", "--output-file", required=True,
+                   help="JSONL the answers are appended to (and resumed from)")
     p.add_argument("--max-batch", type=int, default=8, help="prompts generated at once (default: 8)")
     p.add_argument("--no-chat", action="store_true", help="send each prompt raw, without the chat template")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -222,6 +224,9 @@ def run(args) -> int:
 
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if (args.input is None) == (args.input_file is None):
+        raise UserError("give the input file once: as the first argument, or as -i/--input-file (vLLM's run-batch)")
+    args.input = args.input or args.input_file
     if openai_batch.is_openai_batch(Path(args.input)):
         return openai_batch.run(args)
     requests, output = read_requests(Path(args.input)), Path(args.output)
