@@ -378,11 +378,11 @@ def test_env_says_what_runs_here_and_why_the_kernels_do_not(capsys, monkeypatch)
 def test_vllms_speculative_config_is_our_method_drafter_and_block(capsys):
     """--speculative-config (vLLM's JSON): method ngram with 3 speculative tokens is --method ngram --block-size 4;
     keys vLLM's engine alone reads are reported as not used; beside --method, or malformed, a one-line error."""
-    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}'
     code, out, err = run(capsys, "--speculative-config", config, "--max-new-tokens", "8", "--json", "w1 w2")
     payload = json.loads(out)
     assert code == 0 and payload["method"] == "ngram" and len(payload["per_position_acceptance"]) == 3
-    assert "prompt_lookup_max not used" in err
+    assert "draft_tensor_parallel_size not used" in err
     same = json.loads(run(capsys, "--method", "ngram", "--block-size", "4", "--max-new-tokens", "8", "--json",
                           "w1 w2")[1])
     assert same["tokens"] == payload["tokens"] and same["per_position_acceptance"] == payload["per_position_acceptance"]
@@ -392,7 +392,10 @@ def test_vllms_speculative_config_is_our_method_drafter_and_block(capsys):
             (["--speculative-config", '{"method": "mtp"}'], "speculative_config method 'mtp'"),
             (["--speculative-config", '{"method": "ngram", "model": "x"}'], "ngram loads no drafter"),
             (["--speculative-config", '{"method": "dflash", "num_speculative_tokens": 0}'], "whole number >= 1"),
-            (["--speculative-config", '{"method": "dflash", "model": "/nonexistent"}'], "folder not found")]:
+            (["--speculative-config", '{"method": "dflash", "model": "/nonexistent"}'], "folder not found"),
+            (["--speculative-config", '{"method": "dflash", "prompt_lookup_max": 3}'], "dflash does no prompt lookup"),
+            (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}'],
+             "prompt_lookup_min (3) must be at most prompt_lookup_max (2)")]:
         code, _, err = run(capsys, *args, "w1")
         assert code == 2 and "Traceback" not in err and message in err, (args, err)
 

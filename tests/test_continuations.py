@@ -114,6 +114,18 @@ def test_prompt_lookup_first_the_table_where_the_prompt_has_no_match():
     assert NgramProposer(max_draft=3).propose([1, 2, 4, 5, 6]).tokens == []
 
 
+def test_the_longest_and_shortest_match_are_vllms_prompt_lookup_max_and_min(tiny_targets):
+    from dflash.methods.base import MethodOptions
+    from dflash.methods.ngram import lookup_for
+
+    sequence = [4, 5, 6, 9, 1, 5, 6]  # 5 6 occurred before (a 2-token match), and 6 alone
+    assert NgramProposer(max_draft=3).propose(sequence).label == 2
+    assert NgramProposer(max_draft=3, max_ngram=1).propose(sequence).label == 1  # prompt_lookup_max 1
+    assert NgramProposer(max_draft=3, min_ngram=3).propose(sequence).tokens == []  # prompt_lookup_min 3: none
+    lookup = lookup_for(tiny_targets["llama"], 3, MethodOptions(prompt_lookup_max=4, prompt_lookup_min=2))
+    assert (lookup.max_ngram, lookup.min_ngram) == (4, 2)
+
+
 def test_the_table_comes_before_a_one_token_prompt_match():
     table = ContinuationTable.build([[4, 5, 6, 7, 8]] * 2, vocab_size=16, lengths=(3,))
     lookup = NgramProposer(max_draft=3, table=table)

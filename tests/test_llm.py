@@ -204,9 +204,11 @@ def test_vllm_model_and_speculative_config():
     llm = LLM(model="tiny-qwen2", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, device="cpu")
     assert llm.method == "ngram" and llm.proposer.max_draft == 3
     assert llm.generate("w1 w2", max_new_tokens=12).tokens == ar_tokens(["w1 w2"], 12)[0]
-    drafted = LLM("tiny-qwen2", speculative_config={"method": "dflash+ngram", "num_speculative_tokens": 5},
-                  device="cpu")
+    drafted = LLM("tiny-qwen2", speculative_config={"method": "dflash+ngram", "num_speculative_tokens": 5,
+                                                    "prompt_lookup_max": 3, "prompt_lookup_min": 2}, device="cpu")
     assert drafted.method == "dflash+ngram" and drafted.proposer.max_draft == 5
+    assert (drafted.proposer.lookup.max_ngram, drafted.proposer.lookup.min_ngram) == (3, 2)  # vLLM's match lengths
+    assert drafted.generate("w1 w2", max_new_tokens=12).tokens == ar_tokens(["w1 w2"], 12)[0]
     for kwargs, message in [({"model": "tiny-qwen2"}, "not both"),
                             ({"method": "ngram", "speculative_config": {"method": "ngram"}}, "not both"),
                             ({"speculative_config": {"method": "ar"}}, "method 'ar'"),

@@ -155,11 +155,12 @@ class LLM:
             if method is not None or drafter is not None or block_size is not None:
                 raise UserError("speculative_config says the method, drafter and block size: give it or method, "
                                 "drafter and block_size, not both")
-            method, drafter, block_size = registry.from_speculative_config(speculative_config)
+            method, fields = registry.from_speculative_config(speculative_config)
+        else:
+            fields = {"drafter": drafter, "block_size": block_size}
         method = method or registry.DEFAULT_METHOD
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        options = MethodOptions(drafter=drafter, block_size=block_size, draft_dtype=draft_dtype,
-                                continuations=continuations, tree=tree)
+        options = MethodOptions(**fields, draft_dtype=draft_dtype, continuations=continuations, tree=tree)
         if isinstance(target, TargetModel):  # a model already loaded (models.target.wrap_target)
             self.target = target
         else:

@@ -136,8 +136,10 @@ def apply_speculative_config(args) -> None:
         config = json.loads(args.speculative_config)
     except json.JSONDecodeError as exc:
         raise UserError(f"--speculative-config is not valid JSON ({exc.msg}): {args.speculative_config!r}") from None
-    args.method, drafter, args.block_size = registry.from_speculative_config(config)
-    args.drafter = None if drafter is None else [drafter]
+    args.method, fields = registry.from_speculative_config(config)
+    args.drafter = None if fields["drafter"] is None else [fields["drafter"]]
+    args.block_size = fields["block_size"]
+    args.prompt_lookup_max, args.prompt_lookup_min = fields.get("prompt_lookup_max"), fields.get("prompt_lookup_min")
 
 
 def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str]:
@@ -198,6 +200,8 @@ def method_options(args, method: str, block_size: int | None = None, several: bo
         draft_dtype=args.draft_dtype,
         continuations=continuations,
         tree=tree,
+        prompt_lookup_max=getattr(args, "prompt_lookup_max", None) if registry.uses_lookup(method) else None,
+        prompt_lookup_min=getattr(args, "prompt_lookup_min", None) if registry.uses_lookup(method) else None,
     )
 
 

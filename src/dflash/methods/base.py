@@ -118,6 +118,9 @@ class MethodOptions:
     draft_dtype: str | None = None  # the drafter's dtype; None: the target's; "auto": the faster one, measured
     continuations: str | None = None  # prompt lookup's continuation table: a folder, "none"; None: the shipped one
     tree: int | None = None  # verify a tree of this many drafts a round (a block drafter's top candidates); None: a chain
+    # prompt lookup's longest and shortest match, in tokens (vLLM's prompt_lookup_max / _min); None: ngram.py's
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
 
     def __post_init__(self):
         """Checked when made, so that the CLI says so before it spends seconds loading the target."""
@@ -131,6 +134,12 @@ class MethodOptions:
             raise UserError(f"--block-size must be <= {MAX_TREE_TOKENS}, got {self.block_size}")
         if self.tree is not None and not 1 <= self.tree < MAX_TREE_TOKENS:
             raise UserError(f"a tree has 1 to {MAX_TREE_TOKENS - 1} drafts (nodes), got {self.tree}")
+        longest, shortest = self.prompt_lookup_max, self.prompt_lookup_min
+        if any(n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1) for n in (longest, shortest)):
+            raise UserError(f"prompt lookup's matches are whole numbers of tokens >= 1, got max {longest}, "
+                            f"min {shortest}")
+        if longest is not None and shortest is not None and shortest > longest:
+            raise UserError(f"prompt_lookup_min ({shortest}) must be at most prompt_lookup_max ({longest})")
 
 
 class TrainingRecipe(Protocol):

@@ -63,17 +63,20 @@ def latest_word_match(words: bytes, tail: bytes, end: int) -> int:
     return at // 4 if at >= 0 else -1
 
 
-def lookup_for(target, max_draft: int, continuations: str | None = None) -> NgramProposer:
-    """Prompt lookup for `target`, with the continuation table `continuations` names (a folder, "none"; default:
-    the one shipped for the target, where there is one). Which, in its `report`: bench JSON and `generate --json`
-    say whether an `ngram` figure had a table."""
-    lookup = NgramProposer(max_draft=max_draft, table=table_for(target, continuations))
+def lookup_for(target, max_draft: int, options: MethodOptions | None = None) -> NgramProposer:
+    """Prompt lookup for `target`, with the continuation table `options.continuations` names (a folder, "none";
+    default: the one shipped for the target, where there is one) and the match lengths it says (vLLM's
+    prompt_lookup_max and _min). Which table, in its `report`: bench JSON and `generate --json` say whether an
+    `ngram` figure had a table."""
+    options = options or MethodOptions()
+    lookup = NgramProposer(max_draft=max_draft, max_ngram=options.prompt_lookup_max,
+                           min_ngram=options.prompt_lookup_min or 1, table=table_for(target, options.continuations))
     lookup.report = {"continuation_table": lookup.table.source if lookup.table is not None else "none"}
     return lookup
 
 
 def build(target, options: MethodOptions) -> tuple[NgramProposer, None]:
-    return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1, options.continuations), None
+    return lookup_for(target, (options.block_size or DEFAULT_BLOCK_SIZE) - 1, options), None
 
 
 METHOD = Method(name="ngram", summary="prompt lookup: copy what followed the latest match of the last 5 to 2 "

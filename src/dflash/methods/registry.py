@@ -19,7 +19,7 @@ def with_lookup(method: Method) -> Method:
     """`method` with prompt lookup beside its drafter (see the module docstring)."""
     def build(target, options: MethodOptions):
         proposer, note = method.build_proposer(target, options)
-        proposer.lookup = ngram.lookup_for(target, proposer.max_draft, options.continuations)
+        proposer.lookup = ngram.lookup_for(target, proposer.max_draft, options)
         proposer.report = {**proposer.report, **proposer.lookup.report}
         proposer.name = method.name + LOOKUP_SUFFIX  # what the server reports
         return proposer, note
@@ -63,13 +63,14 @@ def uses_lookup(name: str) -> bool:
 
 # vLLM's speculative_config methods that are ones of ours (its "eagle" is EAGLE-1's head, another model)
 VLLM_METHODS = {"dflash": "dflash", "eagle3": "eagle3", "ngram": "ngram"}
-SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens")
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
-def from_speculative_config(config) -> tuple[str, str | None, int | None]:
-    """(method, drafter folder, block size) of vLLM's speculative_config: {"method": "dflash", "model": FOLDER,
-    "num_speculative_tokens": K} verifies K drafts and the bonus a round (block K + 1). dflash's own method names
-    (NAME+ngram) are taken too; vLLM's other keys tune its engine and are reported as not used."""
+def from_speculative_config(config) -> tuple[str, dict]:
+    """The method of vLLM's speculative_config and the MethodOptions fields it sets: {"method": "dflash", "model":
+    FOLDER, "num_speculative_tokens": K} verifies K drafts and the bonus a round (block K + 1); an ngram's
+    prompt_lookup_max / _min are prompt lookup's longest and shortest match. dflash's own method names (NAME+ngram)
+    are taken too; vLLM's other keys tune its engine and are reported as not used."""
     if not isinstance(config, dict):
         raise UserError(f"speculative_config must be a JSON object, got {config!r}")
     name = config.get("method")
@@ -85,10 +86,13 @@ def from_speculative_config(config) -> tuple[str, str | None, int | None]:
     drafts = config.get("num_speculative_tokens")
     if drafts is not None and (isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1):
         raise UserError(f"speculative_config num_speculative_tokens must be a whole number >= 1, got {drafts!r}")
+    lookup = {key: config[key] for key in ("prompt_lookup_max", "prompt_lookup_min") if key in config}
+    if lookup and not uses_lookup(method):
+        raise UserError(f"speculative_config {', '.join(lookup)}: {method} does no prompt lookup (ngram, NAME+ngram)")
     unused = [key for key in config if key not in SPECULATIVE_KEYS]
     if unused:
         print(f"[dflash] speculative_config: {', '.join(unused)} not used here", file=sys.stderr)
-    return method, drafter, None if drafts is None else drafts + 1
+    return method, {"drafter": drafter, "block_size": None if drafts is None else drafts + 1, **lookup}
 
 
 def names() -> list[str]:
