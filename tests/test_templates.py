@@ -135,7 +135,8 @@ def test_a_chat_template_given_for_one_call_replaces_the_targets_for_it_alone(ta
     from dflash.llm import LLM
 
     own = target.tokenizer.chat_template
-    mine = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    mine = ("{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}>{% endif %}")
     assert text_of(target, HI, template=mine) == "[user] Hi? >" != text_of(target, HI)
     assert target.tokenizer.chat_template == own
     llm = LLM("tiny-llama-bytes", "ngram", device="cpu")

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_reasoning_argument(p)
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="the chat template's own variables for every row without its own `chat_template_kwargs`")
-    p.add_argument("input", nargs="?", default=None, help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
+    p.add_argument("input", nargs="?", default=None,
+                   help="JSONL of prompts (the layouts `dflash bench` reads); each row's `id`, else its line; "
                    "a row's `response_format` (or vLLM's `structured_outputs`), or `tools` and `tool_choice` "
                    "(OpenAI's), `chat_template_kwargs`, and `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, "
                    "`seed`, `stop` hold its answer alone. Or a file in OpenAI's batch format "

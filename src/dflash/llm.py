@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, replace
 from .ebnf import grammar_format
 from .engine import Engine, GenerationConfig, GenerationResult
 from .errors import UserError
+from .hub import DEFAULT_TARGET
 from .jsonl import openai_role
 from .loading import chat_template_given
-from .hub import DEFAULT_TARGET
 from .logprobs import MAX_TOP_LOGPROBS
 from .methods import registry
 from .methods.base import MethodOptions
@@ -123,9 +123,9 @@ KEYWORD_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, 
 
 class LLM:
     """`target`: a registry name, a Hugging Face folder, a .gguf file or a hub id, or a transformers model already
-    loaded, as `dflash.wrap_target(model, tokenizer)` makes it (it runs in its own dtype and device); `method`: ar, ngram, dflash,
-    eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the target);
-    `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
+    loaded, as `dflash.wrap_target(model, tokenizer)` makes it (it runs in its own dtype and device); `method`: ar,
+    ngram, dflash, eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the
+    target); `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
     keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes tool
     calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes";
     `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
@@ -142,8 +142,8 @@ class LLM:
                  device: str | None = None, drafter: str | None = None, block_size: int | None = None,
                  adaptive: bool = True, max_batch: int = 8, prefix_cache_mb: float = 256, tool_format: str = "auto",
                  reasoning_parser: str | None = None, max_model_len: int | None = None, model: str | None = None,
-                 speculative_config: dict | None = None, draft_dtype: str | None = None, continuations: str | None = None,
-                 tree: int | None = None):
+                 speculative_config: dict | None = None, draft_dtype: str | None = None,
+                 continuations: str | None = None, tree: int | None = None):
         import torch
 
         from .loading import build_proposer, load_target_cached, settle_heap
@@ -252,9 +252,9 @@ class LLM:
         own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
         turn (the reply's start, written for the target) instead of opening a new one; `add_generation_prompt` False:
         the template's text ends with the last message, no assistant turn opened (vLLM's); `chat_template`: a Jinja
-        template (the text, or a file) in place of the target's own for these conversations (vLLM's); `logprobs`, `prediction`,
-        `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `max_new_tokens`,
-        `sampling_params` (one for all conversations, or a list of one each), `use_tqdm`: as generate's."""
+        template (the text, or a file) in place of the target's own for these conversations (vLLM's); `logprobs`,
+        `prediction`, `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
+        `max_new_tokens`, `sampling_params` (one for all conversations, or a list of one each), `use_tqdm`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
