@@ -125,17 +125,17 @@ class LLM:
     """`target`: a registry name, a Hugging Face folder, a .gguf file or a hub id, or a transformers model already
     loaded, as `dflash.wrap_target(model, tokenizer)` makes it (it runs in its own dtype and device); `method`: ar,
     ngram, dflash, eagle3, dflash+ngram or eagle3+ngram; `drafter`: a drafter folder (None: the one shipped for the
-    target); `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier prompts'
-    keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes tool
-    calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes";
+    target); `device` None: CUDA where present. `max_batch` prompts run at once; `prefix_cache_mb` keeps earlier
+    prompts' keys and values for prompts that start alike (a chat's next turn). `tool_format`: how the target writes
+    tool calls, "auto" (its chat template's <tool_call> tags where it has them, else "json"), "json" or "hermes";
     `reasoning_parser` "think" (or qwen3, deepseek_r1): a chat reply's <think>...</think> comes back apart, as
     `result.reasoning` beside `result.content`, and a response format or tools hold the answer after it.
     `max_model_len`: prompt and output together stay within that many tokens (vLLM's; default: the model's context).
-    `draft_dtype`, `continuations`, `tree`: as the CLI's --draft-dtype (None: the target's dtype; "auto": the
-    fastest for one sequence, timed once per machine, as the CLI's default; in a batch it need not be),
-    --continuations (prompt lookup's table: a folder, or "none") and --tree (verify a tree of that many drafts).
-    vLLM's `LLM(model=..., speculative_config={"method": "dflash", "model": FOLDER, "num_speculative_tokens": K})`
-    reads the same: `model` is `target`, and speculative_config says the method, drafter and block size (K + 1)."""
+    `draft_dtype`, `continuations`, `tree`: as the CLI's --draft-dtype (None: the target's dtype; "auto": the fastest
+    for one sequence, timed once per machine, as the CLI's default; in a batch it need not be), --continuations (prompt
+    lookup's table: a folder, or "none") and --tree (verify a tree of that many drafts). vLLM's `LLM(model=...,
+    speculative_config={"method": "dflash", "model": FOLDER, "num_speculative_tokens": K})` reads the same: `model` is
+    `target`, and speculative_config says the method, drafter and block size (K + 1)."""
 
     def __init__(self, target: "str | TargetModel | None" = None, method: str | None = None, *,
                  dtype: str = "float32",
@@ -243,18 +243,18 @@ class LLM:
              chat_template: str | None = None, logprobs: int | None = None,
              prediction: str | list[str] | None = None, use_tqdm: bool = False
              ) -> GenerationResult | list[GenerationResult]:
-        """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is
-        the system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list
-        of conversations, a list of results in order, all run as one continuous batch (as vLLM's `LLM.chat`).
-        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (functions and custom tools); a reply that calls them
-        has `result.tool_calls` (OpenAI's layout: a function's arguments as JSON text, a custom tool's input as
-        text) beside its text (tools.py). `chat_template_kwargs`: the template's
-        own variables (Qwen3's {"enable_thinking": False}); `continue_final_message`: go on with the last assistant
-        turn (the reply's start, written for the target) instead of opening a new one; `add_generation_prompt` False:
-        the template's text ends with the last message, no assistant turn opened (vLLM's); `chat_template`: a Jinja
-        template (the text, or a file) in place of the target's own for these conversations (vLLM's); `logprobs`,
-        `prediction`, `structural_tag`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
-        `max_new_tokens`, `sampling_params` (one for all conversations, or a list of one each), `use_tqdm`: as generate's."""
+        """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is the
+        system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list of
+        conversations, a list of results in order, all run as one continuous batch (as vLLM's `LLM.chat`). `tools`,
+        `tool_choice`, `parallel_tool_calls`: OpenAI's (functions and custom tools); a reply that calls them has
+        `result.tool_calls` (OpenAI's layout: a function's arguments as JSON text, a custom tool's input as text) beside
+        its text (tools.py). `chat_template_kwargs`: the template's own variables (Qwen3's {"enable_thinking": False});
+        `continue_final_message`: go on with the last assistant turn (the reply's start, written for the target) instead
+        of opening a new one; `add_generation_prompt` False: the template's text ends with the last message, no
+        assistant turn opened (vLLM's); `chat_template`: a Jinja template (the text, or a file) in place of the target's
+        own for these conversations (vLLM's); `logprobs`, `prediction`, `structural_tag`, `include_stop_str_in_output`,
+        `allowed_token_ids`, `bad_words`, `max_new_tokens`, `sampling_params` (one for all conversations, or a list of
+        one each), `use_tqdm`: as generate's."""
         many = bool(messages) and isinstance(messages[0], list)
         conversations = list(messages) if many else [messages]
         request = tool_request(tools, tool_choice, parallel_tool_calls, self.tool_style)
