@@ -85,7 +85,8 @@ def add_method_arguments(p: argparse.ArgumentParser, several: bool = False) -> N
         group.add_argument("--speculative-config", default=None, metavar="JSON",
                            help="vLLM's speculative config in place of --method, --drafter and --block-size: "
                                 "'{\"method\": \"dflash\", \"model\": \"FOLDER\", \"num_speculative_tokens\": "
-                                "15}' (methods dflash, eagle3, ngram, or dflash's NAME+ngram)")
+                                "15}' (methods dflash, eagle3, ngram, or dflash's NAME+ngram; an ngram's "
+                                "prompt_lookup_max and _min: prompt lookup's longest and shortest match)")
     group.add_argument("--drafter", "--speculative-draft-model-path", action="append", default=None,
                        metavar="[METHOD=]PATH",
                        help="drafter folder (default: the one shipped for the target). METHOD=PATH names the method "
