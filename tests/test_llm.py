@@ -94,6 +94,14 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
     assert cut.text == whole[:whole.index(word)] and cut.finish_reason == "stop"
     kept = llm.generate("w1 w2", max_new_tokens=16, stop=(word,), include_stop_str_in_output=True)
     assert kept.text == whole[:whole.index(word) + len(word)] and kept.tokens == cut.tokens
+    assert cut.stop_reason == kept.stop_reason == word  # vLLM's stop_reason: what ended it
+    from dflash import SamplingParams
+
+    plain = llm.generate("w1 w2", max_new_tokens=16)
+    assert plain.stop_reason is None  # the length, or EOS
+    stop_id = greedy[3]
+    by_id = llm.generate("w1 w2", SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))
+    assert by_id.tokens == greedy[:greedy.index(stop_id) + 1] and by_id.stop_reason == stop_id
     allowed = sorted(set(greedy[::2]))  # vLLM's allowed_token_ids: the output holds only these
     held = llm.chat([{"role": "user", "content": "w1 w2"}], max_new_tokens=16, allowed_token_ids=allowed,
                     temperature=1.0, seed=3)

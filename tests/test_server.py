@@ -181,11 +181,15 @@ def test_stop_strings_cut_the_text(client, target, reference, chat_refs, stream)
     assert expected == chat_refs[prompt].text[: chat_refs[prompt].text.find(stop)] and expected
     response = chat(client, prompt, stop=["w999", stop], stream=stream)
     if stream:
-        pieces = [c.choices[0].delta.content or "" for c in response if c.choices]
+        chunks = [c for c in response if c.choices]
+        pieces = [c.choices[0].delta.content or "" for c in chunks]
         assert all(stop not in p for p in pieces)
         text = "".join(pieces)
+        reasons = [c.choices[0].model_extra.get("stop_reason") for c in chunks]
+        assert reasons[-1] == stop and not any(reasons[:-1])  # vLLM's stop_reason, in the closing chunk
     else:
         assert response.choices[0].finish_reason == "stop"
+        assert response.choices[0].model_extra["stop_reason"] == stop  # vLLM's: the stop string that ended it
         text = response.choices[0].message.content
     assert text == expected
     kept = chat(client, prompt, stop=["w999", stop], stream=stream, extra_body={"include_stop_str_in_output": True})
@@ -401,10 +405,12 @@ def test_stop_token_ids_end_the_text_before_the_token(client, target, chat_refs,
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
         logprobs = [item for c in chunks if c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+        reason = chunks[-1].choices[0].model_extra.get("stop_reason")
     else:
         text, finish = response.choices[0].message.content, [response.choices[0].finish_reason]
         logprobs = response.choices[0].logprobs.content
-    assert text == expected and finish == ["stop"]
+        reason = response.choices[0].model_extra["stop_reason"]
+    assert text == expected and finish == ["stop"] and reason == stop_id  # vLLM's stop_reason: the stop id
     assert len(logprobs) == ref.tokens.index(stop_id)  # the stop token's is left out, as its text is
 
 

@@ -202,6 +202,7 @@ class GenerationResult:
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)  # the prompt as the target read it
     prompt: str | None = None  # ... and as text (LLM fills it: a text prompt as given, else decoded; vLLM's)
     index: int = 0  # which of the prompt's n outputs this is (vLLM's CompletionOutput.index)
+    stop_reason: int | str | None = None  # the stop string or stop id that ended it; None: EOS, length (vLLM's)
     # the prompt's other outputs, where it asked for n > 1 (LLM's SamplingParams.n): this result is the first
     more_outputs: list["GenerationResult"] = field(default_factory=list, repr=False)
 
@@ -863,12 +864,16 @@ class Engine:
         decode = seq.config.decoder(self.target)
         text = decode(output[:-1] if ends_with_stop_id else output)
         floor = stop_floor(decode, output, seq.config.sampling.min_tokens)
-        cut = -1 if floor is None else stop_string_at(text, seq.config.stop_strings, floor,
-                                                      seq.config.include_stop_strings)
-        text = text if cut < 0 else text[:cut]
+        found = None if floor is None else first_stop_string(text, seq.config.stop_strings, floor)
+        # vLLM's stop_reason: the stop string or stop id that ended the output; None for EOS or the length
+        stop_reason = found[2] if found is not None else output[-1] if ends_with_stop_id and (
+            seq.config.ignore_eos or output[-1] not in self.target.eos_token_ids) else None
+        if found is not None:
+            text = text[:found[1] if seq.config.include_stop_strings else found[0]]
         logprobs = seq.logprobs if seq.config.logprobs is not None else None
         seq.result = GenerationResult(tokens=output, text=text, finish_reason=finish, stats=stats, logprobs=logprobs,
-                                      prompt_logprobs=seq.prompt_logprobs, prompt_token_ids=seq.prompt_ids)
+                                      prompt_logprobs=seq.prompt_logprobs, prompt_token_ids=seq.prompt_ids,
+                                      stop_reason=stop_reason)
         return seq
 
     def _check_stops(self, seq: Sequence, new_tokens: list[int]) -> tuple[list[int], str | None]:
@@ -1008,14 +1013,18 @@ def grammar_masked(logits: torch.Tensor, seq: Sequence, past: list[int]) -> torc
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
+def first_stop_string(text: str, stop_strings, floor: int = 0) -> tuple[int, int, str] | None:
+    """(where it begins, where it ends, which) of `text`'s first stop string that ends past its first `floor`
+    characters; None for none."""
+    found = [(at, at + len(s), s) for s in stop_strings if s and (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    return min(found) if found else None
+
+
 def stop_string_at(text: str, stop_strings, floor: int = 0, include: bool = False) -> int:
     """Where `text` is cut for its first stop string that ends past its first `floor` characters: where that
     begins, or with `include` where it ends (vLLM's include_stop_str_in_output); -1 for none."""
-    found = [(at, at + len(s)) for s in stop_strings if s and (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
-    if not found:
-        return -1
-    begins, ends = min(found)
-    return ends if include else begins
+    found = first_stop_string(text, stop_strings, floor)
+    return -1 if found is None else found[1] if include else found[0]
 
 
 def stop_floor(decode, tokens: list[int], min_tokens: int) -> int | None:

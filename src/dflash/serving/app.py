@@ -259,6 +259,7 @@ class Service:
                         yield chunk
                     finish = choices[index].finish_reason
                 yield exchanges[index].chunk(None, finish, index=index,
+                                             stop_reason=None if exchange.scores_only else result.stop_reason,
                                              dflash=exchanges[index].extension(jobs[index].queue_s, [result]))
             if include_usage:
                 yield sse({**exchange.envelope(chunk=True), "choices": [], "usage": usage_of(exchanges, results)})

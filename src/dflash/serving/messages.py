@@ -195,18 +195,15 @@ class ContentBlocks:
         return {"type": "content_block_delta", "index": self.blocks.index(self.open), "delta": delta}
 
 
-def stop_reason(result, blocks: list[dict], config, decode) -> tuple[str, str | None]:
+def stop_reason(result, blocks: list[dict]) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence): max_tokens where the reply was cut, tool_use where it called tools, the stop
-    sequence that ended it (the one its text was cut at), else end_turn."""
+    sequence that ended it (the engine's stop_reason, where it is a string), else end_turn."""
     if result.finish_reason == "length":
         return "max_tokens", None
     if any(block["type"] == "tool_use" for block in blocks):
         return "tool_use", None
-    if config.stop_strings:
-        written = decode(result.tokens)
-        for sequence in config.stop_strings:
-            if sequence and written.startswith(sequence, len(result.text)):
-                return "stop_sequence", sequence
+    if isinstance(result.stop_reason, str):
+        return "stop_sequence", result.stop_reason
     return "end_turn", None
 
 
@@ -236,7 +233,7 @@ class Messages:
         return {"input_tokens": len(self.prompt(body)[0])}
 
     async def create(self, request, body):
-        service, target = self.service, self.service.target
+        service = self.service
         chat_form(body)
         prompt_ids, tools = self.prompt(body)
         (config,), exchange = service.prepared(body, prompt_ids, True, tools)
@@ -248,7 +245,7 @@ class Messages:
         if not isinstance(results, list):
             return results
         blocks = write_whole(exchange, results[0].text, ContentBlocks()).blocks
-        reason, sequence = stop_reason(results[0], blocks, config, config.decoder(target))
+        reason, sequence = stop_reason(results[0], blocks)
         return {**self.envelope(exchange, blocks), "stop_reason": reason, "stop_sequence": sequence,
                 "usage": usage(exchange, results[0]), "dflash": exchange.extension(job.queue_s, results)}
 
@@ -293,7 +290,7 @@ class Messages:
                 return
             for events in [*reply.finish(result), reply.parts.close()]:
                 yield "".join(map(event_sse, events))
-            reason, sequence = stop_reason(result, reply.parts.blocks, config, config.decoder(self.service.target))
+            reason, sequence = stop_reason(result, reply.parts.blocks)
             spent = usage(exchange, result)
             yield event_sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                              "usage": {"output_tokens": spent["output_tokens"]}})

@@ -415,15 +415,17 @@ class Exchange:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def choice(self, text: str | None, finish_reason: str | None, chunk: bool, index: int = 0,
-               logprobs: "list[TokenLogprob] | None" = None) -> dict:
+               logprobs: "list[TokenLogprob] | None" = None, stop_reason: int | str | None = None) -> dict:
+        """One choice; `stop_reason` (vLLM's): the stop string or stop token id that ended it, else null."""
         shown = None if logprobs is None else self.logprobs(logprobs, index)
+        ending = {"finish_reason": finish_reason, "stop_reason": stop_reason}
         if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": shown, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": shown, **ending}
         if chunk:  # a delta without content is the closing chunk, which only carries the finish reason
             message = ("delta", {} if text is None else {"content": text})
         else:
             message = ("message", {"role": "assistant", "content": text or ""})
-        return {"index": index, message[0]: message[1], "logprobs": shown, "finish_reason": finish_reason}
+        return {"index": index, message[0]: message[1], "logprobs": shown, **ending}
 
     def thought_and_answer(self, text: str) -> tuple[str | None, str]:
         """A chat reply's thinking (None without the reasoning parser, or where it thought nothing) and its answer."""
@@ -499,7 +501,8 @@ class Exchange:
         """A choice of a whole response; with `echo`, the prompt's text and tokens come before the choice's; a reply
         of tool calls is a message of `tool_calls`."""
         thought, answer = self.thought_and_answer(result.text)
-        choice = self.choice(answer, result.finish_reason, chunk=False, index=index)
+        choice = self.choice(answer, result.finish_reason, chunk=False, index=index,
+                             stop_reason=None if self.scores_only else result.stop_reason)
         calls = self.tools.calls(answer) if self.tools is not None else None
         if calls is not None:
             choice["message"] = {"role": "assistant", "content": self.tools.content(answer), "tool_calls": calls}
@@ -522,8 +525,8 @@ class Exchange:
         return choice
 
     def chunk(self, text: str | None, finish_reason: str | None = None, delta: dict | None = None, index: int = 0,
-              logprobs: "list[TokenLogprob] | None" = None, **extra) -> str:
-        choice = self.choice(text, finish_reason, chunk=True, index=index, logprobs=logprobs)
+              logprobs: "list[TokenLogprob] | None" = None, stop_reason: int | str | None = None, **extra) -> str:
+        choice = self.choice(text, finish_reason, chunk=True, index=index, logprobs=logprobs, stop_reason=stop_reason)
         if delta is not None:
             choice["delta"] = delta
         if self.live_usage is not None:
