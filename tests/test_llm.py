@@ -22,6 +22,7 @@ def test_one_prompt_or_many_give_plain_greedy_decodings_in_order(method):
     one = llm.generate(prompts[0], max_new_tokens=12)
     many = llm.generate(prompts, max_new_tokens=12)  # four prompts, two rows: continuous batching
     assert one.tokens == expected[0] and [r.tokens for r in many] == expected
+    assert one.num_cached_tokens == 0 < many[0].num_cached_tokens  # vLLM's: its prompt again, from the prefix cache
     assert len({tuple(t) for t in expected}) > 1  # the prompts' answers differ: order is checked
     assert [r.tokens for r in llm.generate(prompts, max_new_tokens=12, chat=False)] == ar_tokens(prompts, 12, False)
 
@@ -67,7 +68,9 @@ def test_log_probabilities_are_the_engines_own():
         assert mine.top[0][0] == mine.token  # greedy: the chosen token is the likeliest
     chatted = llm.chat([{"role": "user", "content": "w1 w2"}], max_new_tokens=8, logprobs=0)
     assert [e.token for e in chatted.logprobs] == chatted.tokens and all(not e.top for e in chatted.logprobs)
+    assert result.cumulative_logprob == pytest.approx(sum(e.logprob for e in expected.logprobs), abs=1e-3)
     assert llm.generate("w1 w2", max_new_tokens=8).logprobs is None
+    assert llm.generate("w1 w2", max_new_tokens=8).cumulative_logprob is None
     from dflash import SamplingParams
 
     prompt_ids = target.encode_prompt("w1 w2 w3", chat=False)  # vLLM's prompt_logprobs: the prompt scored

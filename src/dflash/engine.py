@@ -212,6 +212,16 @@ class GenerationResult:
         return [self, *self.more_outputs]
 
     @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the output tokens' log-probabilities, where they were asked for (logprobs)."""
+        return None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's: the prompt tokens whose keys and values came from the prefix cache."""
+        return self.stats.cached_prompt_tokens
+
+    @property
     def token_ids(self) -> list[int]:
         """vLLM's name for `tokens`."""
         return self.tokens
