@@ -864,3 +864,7 @@ def test_serve_reads_vllm_serves_command_line(capsys, monkeypatch):
     assert seen == [("tiny-llama", "ngram", 6)] and "loaded" in capsys.readouterr().err
     assert main(["serve", "tiny-llama", "--target", "tiny-qwen2", "--port", "0"]) == 2
     assert "not both" in capsys.readouterr().err and len(seen) == 1
+    from dflash.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "tiny-qwen2", "--max-num-seqs", "4"])
+    assert (args.target, args.max_batch_size) == ("tiny-qwen2", 4)  # vLLM's flag names
