@@ -23,6 +23,7 @@ def test_one_prompt_or_many_give_plain_greedy_decodings_in_order(method):
     many = llm.generate(prompts, max_new_tokens=12)  # four prompts, two rows: continuous batching
     assert one.tokens == expected[0] and [r.tokens for r in many] == expected
     assert one.num_cached_tokens == 0 < many[0].num_cached_tokens  # vLLM's: its prompt again, from the prefix cache
+    assert llm.reset_prefix_cache() and llm.generate(prompts[0], max_new_tokens=12).num_cached_tokens == 0
     assert len({tuple(t) for t in expected}) > 1  # the prompts' answers differ: order is checked
     assert [r.tokens for r in llm.generate(prompts, max_new_tokens=12, chat=False)] == ar_tokens(prompts, 12, False)
 

@@ -182,6 +182,14 @@ class LLM:
         dflash.spec_metrics. Mean acceptance length: 1 + accepted / drafts."""
         return self.counts.as_vllm_metrics(self.model_name)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prompts' keys and values kept so far (vLLM's), so the next prompts are read whole: a
+        benchmark's cold start. False where there is no prefix cache (prefix_cache_mb 0) or a generation runs."""
+        if self.engine.prefixes is None or self.engine.busy:
+            return False
+        self.engine.prefixes.clear()
+        return True
+
     def get_tokenizer(self):
         """The target's tokenizer (vLLM's LLM.get_tokenizer), e.g. for its chat template or token ids."""
         return self.target.tokenizer

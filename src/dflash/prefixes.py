@@ -59,6 +59,10 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(entry.nbytes for entry in self.entries.values())
 
+    def clear(self) -> None:
+        """Forget every stored prefix (a benchmark's cold start); the hit counts stay."""
+        self.entries.clear()
+
     def longest(self, prompt: list[int]) -> tuple[CachedPrefix, int] | None:
         """The entry sharing the longest prefix with `prompt`, and that length (at most len(prompt) - 1: the last
         prompt token is always run, for its logits), or None under MIN_PREFIX."""
