@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash import LLM, GenerationConfig, SpeculativeDecoder, UserError
+from dflash import LLM, GenerationConfig, SamplingParams, SpeculativeDecoder, UserError
 from dflash.testing import tiny_target
 
 
@@ -72,8 +72,6 @@ def test_log_probabilities_are_the_engines_own():
     assert result.cumulative_logprob == pytest.approx(sum(e.logprob for e in expected.logprobs), abs=1e-3)
     assert llm.generate("w1 w2", max_new_tokens=8).logprobs is None
     assert llm.generate("w1 w2", max_new_tokens=8).cumulative_logprob is None
-    from dflash import SamplingParams
-
     prompt_ids = target.encode_prompt("w1 w2 w3", chat=False)  # vLLM's prompt_logprobs: the prompt scored
     scored = llm.generate("w1 w2 w3", SamplingParams(max_tokens=1, prompt_logprobs=2), chat=False)
     with torch.no_grad():
@@ -99,8 +97,6 @@ def test_sampling_with_a_seed_repeats_and_stop_strings_cut():
     kept = llm.generate("w1 w2", max_new_tokens=16, stop=(word,), include_stop_str_in_output=True)
     assert kept.text == whole[:whole.index(word) + len(word)] and kept.tokens == cut.tokens
     assert cut.stop_reason == kept.stop_reason == word  # vLLM's stop_reason: what ended it
-    from dflash import SamplingParams
-
     plain = llm.generate("w1 w2", max_new_tokens=16)
     assert plain.stop_reason is None  # the length, or EOS
     stop_id = greedy[3]
@@ -135,8 +131,6 @@ def test_bad_requests_are_user_errors_before_anything_runs():
 def test_vllm_style_calls_with_sampling_params():
     """Code written against vLLM's LLM: `llm.generate(prompts, SamplingParams(...))`, each result's
     `outputs[0].text` and `.token_ids`; the same outputs as our keywords give."""
-    from dflash import SamplingParams
-
     llm = LLM("tiny-qwen2", "ngram", device="cpu")
     greedy = llm.generate(["w1 w2", "w3"], SamplingParams(temperature=0, max_tokens=12), chat=False)
     plain = llm.generate(["w1 w2", "w3"], max_new_tokens=12, chat=False)
@@ -160,8 +154,6 @@ def test_vllm_style_calls_with_sampling_params():
 def test_n_outputs_a_prompt_as_vllm_seeds_them(capsys):
     """SamplingParams(n=3): each result holds three outputs, output i sampled with seed + i, the same tokens each
     gives alone; greedy ones are all the plain decoding."""
-    from dflash import SamplingParams
-
     llm = LLM("tiny-qwen2", "dflash+ngram", device="cpu", max_batch=2)
     results = llm.generate(["w1 w2", "w5"], SamplingParams(n=3, seed=7, max_tokens=10), use_tqdm=True)
     assert "6/6" in capsys.readouterr().err  # the bar counted every output
@@ -182,8 +174,6 @@ def test_n_outputs_a_prompt_as_vllm_seeds_them(capsys):
 def test_vllm_prompts_and_one_sampling_params_a_prompt():
     """vLLM's call shapes: `sampling_params=`, a list of SamplingParams (one a prompt), {"prompt": text} and
     {"prompt_token_ids": ids} prompts (ids sent as they are)."""
-    from dflash import SamplingParams
-
     llm = LLM("tiny-qwen2", "ngram", device="cpu", max_batch=2)
     short, long = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0, max_tokens=9)
     both = llm.generate(["w1 w2", {"prompt": "w4 w5"}], sampling_params=[short, long], chat=False)
@@ -234,7 +224,7 @@ def test_vllm_structured_outputs_params_constrain_as_the_keywords_do():
     generate's own regex and choice keywords; beside a keyword constraint, refused."""
     import re
 
-    from dflash import SamplingParams, StructuredOutputsParams
+    from dflash import StructuredOutputsParams
 
     llm = LLM("tiny-qwen2-bytes", "ngram", device="cpu")  # constrained output needs a byte-level tokenizer
     assert llm.get_tokenizer() is llm.target.tokenizer
@@ -311,3 +301,32 @@ def test_a_model_already_loaded_runs_through_wrap_target():
     assert {m.labels["model_name"] for m in llm.get_metrics()} == {"mine"}
     with pytest.raises(UserError, match="takes a transformers causal LM"):
         wrap_target("smollm2-135m", loaded.tokenizer)
+
+
+def test_a_streamer_gets_the_text_as_it_is_committed():
+    """`streamer`: a callable gets pieces that join into the result's text, a stop string never among them; a
+    transformers TextStreamer (put, end) prints what transformers' generate would have it print."""
+    from transformers import TextStreamer
+
+    llm = LLM("tiny-qwen2", "ngram", device="cpu")
+    pieces = []
+    whole = llm.generate("w1 w2", max_new_tokens=16, streamer=pieces.append)
+    assert "".join(pieces) == whole.text and len(pieces) > 1
+    word = whole.text.split()[3]
+    cut_pieces = []
+    cut = llm.chat([{"role": "user", "content": "w1 w2"}], 16, stop=(word,), streamer=cut_pieces.append)
+    assert "".join(cut_pieces) == cut.text and word not in "".join(cut_pieces)
+
+    class Printed(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            self.printed = getattr(self, "printed", "") + text
+
+    printed = Printed(llm.get_tokenizer(), skip_prompt=True)
+    result = llm.generate("w1 w2", max_new_tokens=16, streamer=printed)
+    assert printed.printed.strip() == llm.get_tokenizer().decode(result.tokens).strip()
+    for call in (lambda: llm.generate(["w1", "w2"], 4, streamer=print),
+                 lambda: llm.generate("w1", SamplingParams(n=2), streamer=print),
+                 lambda: llm.generate("w1", 4, streamer="stdout")):
+        with pytest.raises(UserError, match="streamer"):
+            call()
+    assert not llm.engine.busy

@@ -203,13 +203,16 @@ class LLM:
                  response_format: str | None = None, json_schema: dict | None = None,
                  regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
                  structural_tag: dict | None = None, logprobs: int | None = None,
-                 prediction: str | list[str] | None = None, use_tqdm: bool = False
+                 prediction: str | list[str] | None = None, use_tqdm: bool = False, streamer=None
                  ) -> GenerationResult | list[GenerationResult]:
         """One result for a prompt, a list in order for a list of prompts. A prompt is text, or vLLM's
         {"prompt": text} or {"prompt_token_ids": [...]} (token ids go in as they are). `max_new_tokens`: 128 by
         default; in its place, or as `sampling_params`, a SamplingParams (vLLM's names and defaults) may hold the
         sampling settings instead of the keywords below, or a list of one a prompt; its `n` > 1 gives each result
-        that many `outputs`. `use_tqdm`: a progress bar over the outputs, on stderr.
+        that many `outputs`. `use_tqdm`: a progress bar over the outputs, on stderr. `streamer` (one prompt, one
+        output): a callable given each piece of the text as it is committed (a stop string, or the start of one, never
+        shows), or a transformers streamer (TextStreamer, TextIteratorStreamer: its put(ids) and end(), the prompt's
+        ids first, as transformers' generate calls them).
         `chat`: wrap each text prompt in the chat template (where the tokenizer has one; vLLM's generate sends
         prompts raw: chat=False); `stop`: strings that end a generation (not included, unless
         `include_stop_str_in_output`); `allowed_token_ids`: the only tokens an output may have; `bad_words`:
@@ -230,7 +233,7 @@ class LLM:
                                                     structural_tag)
         settings = self._settings(locals(), len(ids))
         configs = self._predicting(self._configs(settings, response_format, json_schema), prediction)
-        results = self._run(ids, configs, [params.n for params in settings], use_tqdm)
+        results = self._run(ids, configs, [params.n for params in settings], use_tqdm, streamer)
         for result, prompt in zip(results, given):
             text = prompt if isinstance(prompt, str) else prompt.get("prompt")
             for output in result.outputs if isinstance(text, str) else ():
@@ -249,7 +252,7 @@ class LLM:
              parallel_tool_calls: bool = True, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False, add_generation_prompt: bool = True,
              chat_template: str | None = None, logprobs: int | None = None,
-             prediction: str | list[str] | None = None, use_tqdm: bool = False
+             prediction: str | list[str] | None = None, use_tqdm: bool = False, streamer=None
              ) -> GenerationResult | list[GenerationResult]:
         """The next assistant message after `messages` ({"role", "content"} dicts, OpenAI's layout; `developer` is the
         system message; assistant turns with `tool_calls` and `tool` turns with their results too); for a list of
@@ -276,7 +279,7 @@ class LLM:
         thinking = [thinking_of(self.target, prompt_ids, self.reasoning_parser) for prompt_ids in prompts]
         configs = self._predicting(self._configs(settings, response_format, json_schema), prediction)
         results = self._run(prompts, [replace(c, thinking=state) for c, state in zip(configs, thinking)],
-                            [params.n for params in settings], use_tqdm)
+                            [params.n for params in settings], use_tqdm, streamer)
         for result, state in zip(results, thinking):
             for output in result.outputs:
                 output.reasoning, output.content = split(output.text, state)
@@ -328,6 +331,14 @@ class LLM:
         """Every config generate and chat run with (tests push a random model's outputs here)."""
         return params.config(self.target.tokenizer, response_format, json_schema)
 
+    def _streaming(self, streamer, prompt_ids: list[list[int]], configs: list[GenerationConfig], counts: list[int]):
+        """(on_tokens, on_end) for a `streamer`, (None, None) without one; one prompt and one output only."""
+        if streamer is None:
+            return None, None
+        if len(prompt_ids) != 1 or counts != [1]:
+            raise UserError("a streamer takes one prompt and one output (n 1)")
+        return streaming(streamer, self.target, prompt_ids[0], configs[0])
+
     def _predicting(self, configs: list[GenerationConfig], prediction) -> list[GenerationConfig]:
         """Each prompt's config with its prediction: the same for all, or a list of one each."""
         if isinstance(prediction, list) and all(isinstance(p, str) for p in prediction) and prediction:
@@ -340,22 +351,25 @@ class LLM:
         return [replace(c, prediction=predicted) for c in configs]
 
     def _run(self, prompt_ids: list[list[int]], configs: list[GenerationConfig], counts: list[int],
-             use_tqdm: bool = False) -> list[GenerationResult]:
+             use_tqdm: bool = False, streamer=None) -> list[GenerationResult]:
         """Each prompt's result, its `counts[i]` outputs run in one continuous batch with every other prompt's."""
         from tqdm import tqdm
 
         for ids in prompt_ids:
             self.engine.budget(ids)  # a prompt too long for the context is refused before any runs
+        on_tokens, on_end = self._streaming(streamer, prompt_ids, configs, counts)
         queued = []
         try:
             for ids, config, n in zip(prompt_ids, configs, counts):
-                queued.append([self.engine.submit(ids, choice) for choice in config.choices(n)])
+                queued.append([self.engine.submit(ids, choice, on_tokens) for choice in config.choices(n)])
         except UserError:  # nothing of a refused call is left queued for the next
             for seq in (seq for outputs in queued for seq in outputs):
                 self.engine.cancel(seq)
             raise
         with tqdm(total=sum(counts), unit="output", desc="generate", disable=not use_tqdm) as bar:
             self.engine.run(lambda finished: bar.update(len(finished)) if finished else None)
+        if on_end is not None:
+            on_end(queued[0][0].result)
         results = []
         for outputs in queued:
             first, *more = [seq.result for seq in outputs]
@@ -366,6 +380,31 @@ class LLM:
                 self.counts.add(output.stats)
             results.append(first)
         return results
+
+
+def streaming(streamer, target, prompt_ids: list[int], config: GenerationConfig):
+    """(on_tokens, on_end) that hand one generation to `streamer` as it goes: a transformers streamer gets ids
+    (its put(), the prompt's first, then end()), a callable the text's pieces (serving.streaming.TextDeltas)."""
+    if hasattr(streamer, "put") and hasattr(streamer, "end"):
+        import torch
+
+        streamer.put(torch.tensor([prompt_ids]))  # as transformers' generate does: skip_prompt skips this one
+
+        def put(new_ids: list[int]) -> None:
+            streamer.put(torch.tensor([new_ids]))
+
+        return put, lambda result: streamer.end()
+    if not callable(streamer):
+        raise UserError("streamer must be a callable given each piece of text, or a transformers streamer (put, end)")
+    from .serving.streaming import TextDeltas
+
+    deltas = TextDeltas.of(target, config)
+
+    def send(piece: str) -> None:
+        if piece:
+            streamer(piece)
+
+    return (lambda new_ids: send(deltas.push(new_ids))), (lambda result: send(deltas.finish(result.text)))
 
 
 def is_whole(value) -> bool:
