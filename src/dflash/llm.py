@@ -233,11 +233,8 @@ class LLM:
                                                     structural_tag)
         settings = self._settings(locals(), len(ids))
         configs = self._predicting(self._configs(settings, response_format, json_schema), prediction)
-        results = self._run(ids, configs, [params.n for params in settings], use_tqdm, streamer)
-        for result, prompt in zip(results, given):
-            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
-            for output in result.outputs if isinstance(text, str) else ():
-                output.prompt = text  # as given, where it was text (vLLM's RequestOutput.prompt)
+        texts = [prompt if isinstance(prompt, str) else prompt.get("prompt") for prompt in given]
+        results = self._run(ids, configs, [params.n for params in settings], use_tqdm, streamer, texts)
         return results if many else results[0]
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -351,8 +348,9 @@ class LLM:
         return [replace(c, prediction=predicted) for c in configs]
 
     def _run(self, prompt_ids: list[list[int]], configs: list[GenerationConfig], counts: list[int],
-             use_tqdm: bool = False, streamer=None) -> list[GenerationResult]:
-        """Each prompt's result, its `counts[i]` outputs run in one continuous batch with every other prompt's."""
+             use_tqdm: bool = False, streamer=None, texts: list[str | None] | None = None) -> list[GenerationResult]:
+        """Each prompt's result, its `counts[i]` outputs run in one continuous batch with every other prompt's;
+        `texts`: the prompts as given, where they were text (vLLM's RequestOutput.prompt; else their ids decoded)."""
         from tqdm import tqdm
 
         for ids in prompt_ids:
@@ -371,10 +369,10 @@ class LLM:
         if on_end is not None:
             on_end(queued[0][0].result)
         results = []
-        for outputs in queued:
+        for outputs, text in zip(queued, texts or [None] * len(queued)):
             first, *more = [seq.result for seq in outputs]
             first.more_outputs = more
-            prompt = self.target.decode(first.prompt_token_ids)  # chat's: the template's text, as vLLM's
+            prompt = text if text is not None else self.target.decode(first.prompt_token_ids)  # chat's: the template's
             for index, output in enumerate(first.outputs):
                 output.index, output.prompt = index, prompt
                 self.counts.add(output.stats)
