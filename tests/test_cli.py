@@ -393,6 +393,7 @@ def test_vllms_speculative_config_is_our_method_drafter_and_block(capsys):
             (["--speculative-config", '{"method": "ngram", "model": "x"}'], "ngram loads no drafter"),
             (["--speculative-config", '{"method": "dflash", "num_speculative_tokens": 0}'], "whole number >= 1"),
             (["--speculative-config", '{"method": "dflash", "model": "/nonexistent"}'], "folder not found"),
+            (["--speculative-config", '{"method": "eagle3", "model": "org/head"}'], "looks like a hub id"),
             (["--speculative-config", '{"method": "dflash", "prompt_lookup_max": 3}'], "dflash does no prompt lookup"),
             (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}'],
              "prompt_lookup_min (3) must be at most prompt_lookup_max (2)")]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,17 @@ def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: dic
             for k, v in state.items()}
     save_file(cast, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def folder_not_found(path: str | Path, kind: str) -> UserError:
+    """The error for a `kind` folder that does not exist. A name shaped like a hub id (org/name: what a vLLM or SGLang
+    config names) is told that drafters load from a local folder only: nothing is fetched from a hub at run time."""
+    text = str(path)
+    hint = ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith("."):
+        hint = (f" ({text} looks like a hub id; drafters load from a local folder only: download it first, e.g. "
+                f"`huggingface-cli download {text} --local-dir DIR`, and give DIR)")
+    return UserError(f"{kind} folder not found: {text}{hint}")
 
 
 def check_folder(folder: str | Path, kind: str) -> None:

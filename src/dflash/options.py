@@ -172,11 +172,11 @@ def drafter_paths(values: list[str] | None, methods: list[str]) -> dict[str, str
 
 def check_drafter_folders(values: list[str] | None, methods: list[str]) -> None:
     """Each --drafter folder exists: said before the target loads, not after a minute of loading and timing it."""
-    from .checkpoint import check_folder
+    from .checkpoint import check_folder, folder_not_found
 
     for method, path in drafter_paths(values, methods).items():
         if not Path(path).exists():
-            raise UserError(f"{method}'s drafter folder not found: {path}")
+            raise folder_not_found(path, f"{method}'s drafter")
         check_folder(path, f"{method} drafter")
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ...checkpoint import folder_not_found
 from ...errors import UserError
 from ...trees import MAX_TREE_TOKENS, best_first
 from ...models.graphs import WIDTHS
@@ -369,7 +370,7 @@ def load_drafter(path: str | Path | None, target, dtype: torch.dtype | None = No
     if path is None:
         path = shipped_drafter(target.name, "dflash")
     elif not Path(path).exists():
-        raise UserError(f"drafter folder not found: {path}")
+        raise folder_not_found(path, "drafter")
     if path is None:
         note = f"no trained drafter ships for {target.name}: using an UNTRAINED drafter (expect tau ~1, no speedup)"
         drafter = untrained_drafter(target).to(dtype)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ...checkpoint import folder_not_found
 from ...errors import UserError
 from ...trees import MAX_TREE_TOKENS
 from ..base import (Draft, DraftPrecision, FeatureBacklog, MethodOptions, Proposer, best_drafting_seconds,
@@ -141,7 +142,7 @@ def load(target, options: MethodOptions, precision: DraftPrecision) -> tuple[Eag
     if path is None:
         path = shipped_drafter(target.name, "eagle3")
     elif not Path(path).exists():
-        raise UserError(f"EAGLE-3 head folder not found: {path}")
+        raise folder_not_found(path, "EAGLE-3 head")
     if path is None:
         note = f"no trained EAGLE-3 head ships for {target.name}: using an UNTRAINED head (expect tau ~1, no speedup)"
         head = Eagle3Head.for_target(target)
