@@ -265,6 +265,18 @@ def test_cost_model_interpolates_and_extrapolates():
     assert [_interpolated(values, w) for w in (1, 2, 3, 6, 12, 20)] == pytest.approx([1.0, 1.1, 1.2, 1.4, 2.0, 3.0])
 
 
+def test_a_first_reading_at_a_batchs_width_never_prices_a_narrower_pass_at_zero_or_less():
+    """A batch's first round can be its widest pass (2 rows x 16 tokens); a step read after it must still cost
+    something, and never more than the wider pass."""
+    wide = CostModel()
+    wide.observe(32, 0.050)
+    assert [wide.relative_cost(w) > 0 for w in (1, 4, 16)] == [True] * 3  # the 5% slope alone gave 1 - 1.55 at 1
+    assert wide.relative_cost(1) <= wide.relative_cost(4) <= wide.relative_cost(16) <= wide.relative_cost(32)
+    steep = CostModel()
+    steep.seed({16: 1.0, 32: 3.0})  # two widths whose slope, extended, falls below 0 before 1 token
+    assert steep.relative_cost(1) == pytest.approx(1 / 16)
+
+
 def test_a_busy_moment_does_not_make_wide_passes_look_free():
     """A plain step timed while the machine was busy, then only 16-wide passes on a quiet machine: the plain
     step's cost must follow the machine back down, or the controller would keep choosing whole blocks (as a

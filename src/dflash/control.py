@@ -288,7 +288,7 @@ class CostModel:
         return self._envelopes[context]
 
     def _at(self, width: int, context: int | None) -> float:
-        return _interpolated(self.relative, width) + self._growth(width, context)
+        return _pass_cost(self.relative, width) + self._growth(width, context)
 
     def _growth(self, width: int, context: int | None) -> float:
         if context is None or not self.growth:
@@ -323,6 +323,14 @@ def growth_by_width(by_context: dict[int, dict[int, float]]) -> dict[int, float]
         mean_r = sum(by_context[c][w] for c in contexts) / len(contexts)
         slopes.append(sum((c - mean_c) * (by_context[c][w] - mean_r) for c in contexts) / spread)
     return {w: max(0.0, g) for w, g in zip(widths, nondecreasing(slopes))}
+
+
+def _pass_cost(relative: dict[int, float], width: int) -> float:
+    """A pass's relative cost (_interpolated), never below the narrowest known pass's scaled by its tokens. Read
+    first at a batch's width, a single width's 5%-a-token slope had priced a 1-token step at -0.55 (32 tokens seen),
+    and the thread chooser divided by the 0 the envelope made of it (`dflash bench --batch` on a tiny target)."""
+    narrowest = min(relative)
+    return max(relative[narrowest] * min(1.0, width / narrowest), _interpolated(relative, width))
 
 
 def _interpolated(values: dict[int, float], width: int) -> float:
