@@ -550,3 +550,36 @@ def test_a_bench_folders_plots_are_drawn_again_from_its_json(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["per_position_acceptance.png", "speedup.png",
                                                               "tau_histogram.png"]
     assert replot.main([str(tmp_path / "missing")]) == 2
+
+
+def test_batch_throughput_runs_every_method_as_continuous_batches(tmp_path, capsys, monkeypatch):
+    """--batch N: each method answers every prompt, up to N rows at a time, its outputs the plain greedy ones (the
+    same as the single-sequence bench gives); a table and results.json; baselines, which cannot batch in our engine,
+    are refused; a method that changes an output makes the run exit 1."""
+    from dflash.bench_batch import batch_run
+
+    rows = [{"id": str(i), "prompt": p} for i, p in enumerate(["w1 w2 w3", "w4 w5", "w6 w1 w6 w1", "w9 w2", "w3 w7"])]
+    data = write_jsonl(tmp_path / "set.jsonl", rows)
+    code, out = bench(tmp_path, data, "ar,ngram,dflash+ngram,dflash:whole", "--batch", "2", "--batch-runs", "2")
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0 and "outputs identical" in printed and "x ar" in printed
+    assert list(results["methods"]) == ["ar", "ngram", "dflash+ngram", "dflash:whole"] and not results["mismatched"]
+    assert results["methods"]["ar"]["tau"] == 1.0 and results["methods"]["ar"]["speedup"] == 1.0
+    assert len({m["tokens"] for m in results["methods"].values()}) == 1
+    assert all(len(m["seconds_by_run"]) == 2 for m in results["methods"].values())
+    single_code, single = bench(tmp_path, data, "ar", name="single")
+    single_tokens = [r["new_tokens"] for r in map(json.loads, (single / "per_prompt.jsonl").read_text().splitlines())]
+    assert single_code == 0 and results["methods"]["ar"]["tokens"] == sum(single_tokens)
+    assert bench(tmp_path, data, "ar,hf", "--batch", "2", name="hf")[0] == 2
+    assert "cannot run in it" in capsys.readouterr().err
+
+    def wrong_second_row(*args):
+        timed = batch_run(*args)
+        if args[1].name == "ngram":
+            timed["outputs"][1] = timed["outputs"][1][:-1]
+        return timed
+
+    monkeypatch.setattr("dflash.bench_batch.batch_run", wrong_second_row)
+    assert bench(tmp_path, data, "ar,ngram", "--batch", "2", "--batch-runs", "1", name="broken")[0] == 1
+    assert "ngram gave other outputs than ar" in capsys.readouterr().err

@@ -394,6 +394,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
                    help="every method's output constrained to objects this JSON Schema allows")
     add_pattern_arguments(p)
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="throughput instead: each method answers the prompts as one continuous batch of up to N rows "
+                        "at a time (their first turn; dflash's methods only), the methods taking turns, "
+                        "--batch-runs timed runs each (bench_batch.py)")
+    p.add_argument("--batch-runs", type=int, default=3, metavar="R", help="timed runs of each method with --batch")
     p.add_argument("--out", default=None,
                    help="output folder (default: runs/bench/DATASET-DATE-TIME, a new one each run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -422,6 +427,12 @@ def run(args) -> int:
     from .sampling import SamplingConfig
 
     validate(args)
+    if args.batch is not None:
+        if output_format_from_args(args)[0] is not None:
+            raise UserError("--batch times free text: leave out the structured-output flags")
+        from .bench_batch import run as run_batches
+
+        return run_batches(args)
     methods = parse_methods(args.methods)
     path, template = resolve_dataset(args.dataset, args.template)
     prompts = read_prompts(path, template, args.limit)
