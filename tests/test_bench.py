@@ -573,6 +573,9 @@ def test_batch_throughput_runs_every_method_as_continuous_batches(tmp_path, caps
     assert single_code == 0 and results["methods"]["ar"]["tokens"] == sum(single_tokens)
     assert bench(tmp_path, data, "ar,hf", "--batch", "2", name="hf")[0] == 2
     assert "cannot run in it" in capsys.readouterr().err
+    long = write_jsonl(tmp_path / "long.jsonl", rows[:1] + [{"id": "long", "prompt": "w1 " * 600}])
+    assert bench(tmp_path, long, "ar,ngram", "--batch", "2", name="long")[0] == 2  # refused before anything runs
+    assert "does not fit" in capsys.readouterr().err
 
     def wrong_second_row(*args):
         timed = batch_run(*args)

@@ -24,7 +24,7 @@ BATCH_RUNS = 3
 def run(args) -> int:
     from .bench import (BASELINES, default_out, machine_info, parse_method, parse_methods, read_prompts,
                         resolve_dataset)
-    from .engine import GenerationConfig
+    from .engine import Engine, GenerationConfig
     from .loading import build_proposer, settle_heap, target_from_args
     from .options import check_drafter_folders, method_options
     from .sampling import SamplingConfig
@@ -52,8 +52,11 @@ def run(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, ignore_eos=args.ignore_eos)
     prompt_ids = [target.encode_prompt(prompt.turns[0]) for prompt in prompts]
-    for proposer, adaptive in proposers.values():  # every prompt fits; then kernels, caches, the first timings
-        batch_run(target, proposer, adaptive, prompt_ids, GenerationConfig(max_new_tokens=1), args.batch)
+    for proposer, _ in proposers.values():  # every prompt fits every method's context, said before anything runs
+        checking = Engine(target, proposer)
+        for ids in prompt_ids:
+            checking.budget(ids)
+    for proposer, adaptive in proposers.values():  # kernels, caches and the controller's first timings
         batch_run(target, proposer, adaptive, prompt_ids[: args.batch], GenerationConfig(max_new_tokens=8), args.batch)
     runs = {method: [] for method in methods}
     reference, mismatched = None, []
@@ -84,8 +87,6 @@ def batch_run(target, proposer, adaptive: bool, prompt_ids: list[list[int]], con
     from .engine import Engine
 
     engine = Engine(target, proposer, max_batch=rows, adaptive=adaptive)
-    for ids in prompt_ids:
-        engine.budget(ids)
     sequences = [engine.submit(ids, config) for ids in prompt_ids]
     start = time.perf_counter()
     engine.run()

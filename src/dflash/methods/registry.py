@@ -61,8 +61,8 @@ def uses_lookup(name: str) -> bool:
     return name == ngram.METHOD.name or name.endswith(LOOKUP_SUFFIX)
 
 
-# vLLM's speculative_config methods that are ones of ours (its "eagle" is EAGLE-1's head, another model)
-VLLM_METHODS = {"dflash": "dflash", "eagle3": "eagle3", "ngram": "ngram"}
+# vLLM's speculative_config methods that are ones of ours, by the same names (its "eagle" is EAGLE-1's head)
+VLLM_METHODS = ("dflash", "eagle3", "ngram")
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -74,7 +74,7 @@ def from_speculative_config(config) -> tuple[str, dict]:
     if not isinstance(config, dict):
         raise UserError(f"speculative_config must be a JSON object, got {config!r}")
     name = config.get("method")
-    method = VLLM_METHODS.get(name, name if name in METHODS and name != "ar" else None)
+    method = name if name in METHODS and name != "ar" else None
     if method is None:
         raise UserError(f"speculative_config method {name!r}: give one of {', '.join(VLLM_METHODS)} (vLLM's names) "
                         f"or {', '.join(m for m in METHODS if m.endswith(LOOKUP_SUFFIX))}")
